@@ -1,0 +1,42 @@
+"""kvservice: an asyncio KV-cache transfer service over NVIDIA NIXL.
+
+Every transfer ends as a ``TransferResult``: a decode crash, a network drop, a
+hung peer or a cancelled transfer becomes ``Failed`` with a ``FailureReason``
+and the original error, never an exception that takes the caller down.
+"""
+
+from ._config import ConfigError, ServiceConfig
+from ._layout import KVLayout
+from ._pool import KVPool
+from ._requests import TransferHandle
+from ._results import (
+    FailureReason,
+    KVPoll,
+    KVServiceError,
+    ProtocolError,
+    TransferFailed,
+    TransferResult,
+    TransferStatus,
+    UnknownRequestError,
+)
+from ._service import TransferService
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "FailureReason",
+    "KVLayout",
+    "KVPoll",
+    "KVPool",
+    "KVServiceError",
+    "ProtocolError",
+    "ServiceConfig",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferResult",
+    "TransferService",
+    "TransferStatus",
+    "UnknownRequestError",
+    "__version__",
+]

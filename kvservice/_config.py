@@ -1,0 +1,90 @@
+"""``ServiceConfig``: every knob of a ``TransferService``, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._layout import KVLayout
+
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Configuration of one ``TransferService``.
+
+    Times are in seconds.  Defaults suit loopback and a LAN; see the README's
+    configuration table for what each one trades off.
+    """
+
+    layout: KVLayout = field(default_factory=KVLayout)
+    #: interface the control listener binds; port 0 picks a free port
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: host peers should dial (defaults to ``host``; set it when binding 0.0.0.0)
+    advertise_host: str | None = None
+    #: NIXL progress thread.  Off is faster here (see README); the watchdog then
+    #: drives progress by calling into NIXL every ``poll_interval_s``.
+    progress_thread: bool = False
+    #: UCX environment applied (if not already set) before the agent is created
+    ucx_env: Mapping[str, str] = field(default_factory=dict)
+    #: a send waits at most this long for the receiver's ``expect``
+    bootstrap_timeout_s: float = 30.0
+    #: a sent request must complete within this long of its first chunk
+    transfer_timeout_s: float = 60.0
+    #: an expected request must arrive within this long of ``expect``
+    arrival_timeout_s: float = 120.0
+    connect_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 0.5
+    #: a peer silent this long (no frame, no heartbeat) is lost
+    peer_timeout_s: float = 3.0
+    #: watchdog cadence while anything is in flight / while idle
+    poll_interval_s: float = 0.0005
+    idle_poll_interval_s: float = 0.05
+    max_posts_per_tick: int = 64
+    max_checks_per_tick: int = 4096
+    #: ``async with`` exit waits this long for in-flight work before failing it
+    drain_grace_s: float = 5.0
+    max_frame_bytes: int = 4 * 1024 * 1024
+    #: finished requests remembered (for late ``await_*`` calls and sticky failures)
+    results_kept: int = 10_000
+    agent_prefix: str = "kvservice"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError(f"layout: expected KVLayout, got {type(self.layout).__name__}")
+        if not (0 <= self.port <= 65535):
+            raise ConfigError(f"port: must be 0..65535, got {self.port!r}")
+        positive = (
+            "bootstrap_timeout_s", "transfer_timeout_s", "arrival_timeout_s",
+            "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
+            "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick",
+            "max_checks_per_tick", "max_frame_bytes", "results_kept",
+        )
+        for key in positive:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"{key}: must be a positive number, got {value!r}")
+        if self.drain_grace_s < 0:
+            raise ConfigError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s!r}")
+        if self.peer_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"peer_timeout_s: must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), got {self.peer_timeout_s!r}"
+            )
+        if self.max_frame_bytes < 64 * 1024:
+            raise ConfigError(f"max_frame_bytes: must be >= 65536, got {self.max_frame_bytes!r}")
+        if not self.agent_prefix or not self.agent_prefix.replace("-", "").isalnum():
+            raise ConfigError(
+                f"agent_prefix: letters, digits and '-' only, got {self.agent_prefix!r}"
+            )
+
+    def replace(self, **changes: Any) -> ServiceConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,144 @@
+"""The KV layout and the descriptor math over it.
+
+The pool is one tensor of shape ``(layers, 2, num_pages, page_elems)``: for each
+layer a K plane and a V plane, each an array of pages.  One page is therefore
+``2 * layers`` page-planes of ``plane_bytes`` each.  The descriptor list of a
+pool has one entry per page-plane, plane-major::
+
+    index(plane, page) = plane * num_pages + page,   plane = layer * 2 + (0 for K, 1 for V)
+
+so consecutive pages of one plane are adjacent in memory *and* in the list,
+which lets NIXL merge a run of pages into one descriptor per plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+# name -> bytes per element.  Names are torch's dtype attribute names.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+PageIndex = npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of a KV pool.  Two services can exchange pages when every field
+    but ``num_pages`` is equal (see ``compatible_with``)."""
+
+    layers: int = 4
+    page_tokens: int = 16
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    num_pages: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "page_tokens", "kv_heads", "head_dim", "num_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(
+                f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}"
+            )
+        if self.num_pages > np.iinfo(np.int32).max // (2 * self.layers):
+            raise ValueError("KVLayout: layers * 2 * num_pages must fit in int32 indices")
+
+    # -- sizes -------------------------------------------------------------------
+    @property
+    def planes(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def page_elems(self) -> int:
+        return self.page_tokens * self.kv_heads * self.head_dim
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def plane_bytes(self) -> int:
+        """Bytes of one page in one plane: the size of one descriptor."""
+        return self.page_elems * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all planes."""
+        return self.planes * self.plane_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.layers, 2, self.num_pages, self.page_elems)
+
+    # -- compatibility -------------------------------------------------------------
+    def wire_shape(self) -> dict[str, Any]:
+        """Fields that must match between peers."""
+        return {
+            "layers": self.layers,
+            "page_tokens": self.page_tokens,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+        }
+
+    def compatible_with(self, other: KVLayout) -> str | None:
+        """``None`` when pages can move between the two pools, else why not."""
+        mine, theirs = self.wire_shape(), other.wire_shape()
+        diffs = [f"{k}: {mine[k]!r} here, {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]
+        return "; ".join(diffs) or None
+
+    # -- pages and descriptors ----------------------------------------------------
+    def check_pages(self, pages: Sequence[int] | npt.NDArray[Any]) -> PageIndex:
+        """Validate a page list and return it as int32.  Raises ``ValueError``."""
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError("pages must be a non-empty 1-D sequence of page indices")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"pages must be integers, got dtype {arr.dtype}")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.num_pages:
+            raise ValueError(f"pages out of range: {lo}..{hi}, pool has {self.num_pages} pages")
+        out = arr.astype(np.int32, copy=False)
+        if np.unique(out).size != out.size:
+            raise ValueError("pages must not repeat within a request")
+        return out
+
+    def descriptor_table(self, base_addr: int, device_id: int = 0) -> npt.NDArray[np.uint64]:
+        """The pool's (num_planes * num_pages) x 3 descriptor table: address, length, device."""
+        n = self.planes * self.num_pages
+        table = np.empty((n, 3), dtype=np.uint64)
+        table[:, 0] = base_addr + np.arange(n, dtype=np.uint64) * np.uint64(self.plane_bytes)
+        table[:, 1] = self.plane_bytes
+        table[:, 2] = device_id
+        return table
+
+    def descriptor_indices(self, pages: PageIndex) -> PageIndex:
+        """Indices into ``descriptor_table`` for ``pages``, plane-major.
+
+        The local and the remote index arrays of one transfer are built the same
+        way, so entry *i* of one pairs with entry *i* of the other.
+        """
+        planes = np.arange(self.planes, dtype=np.int32)[:, None] * np.int32(self.num_pages)
+        return (planes + pages[None, :]).ravel()
+
+    def bytes_for(self, npages: int) -> int:
+        return npages * self.page_bytes

@@ -1,0 +1,282 @@
+"""The one door to NIXL: the only module of kvservice that imports ``nixl``.
+
+It implements ``_door.Door`` over a real ``nixl_agent`` and maps NIXL's
+exceptions to ``FailureReason`` (see ``classify``).  Behaviour it relies on,
+measured with nixl 1.5.1 (see the README's "How NIXL behaves" section):
+
+* ``transfer()`` / ``check_xfer_state()`` raise for error statuses; they do not
+  return ``"ERR"`` in practice (we still treat ``"ERR"`` as a backend failure).
+* Using a handle after ``release()`` segfaults the process: the door's handle
+  table makes that impossible from kvservice.
+* A dead peer stays loaded; recovery is remove + add with fresh metadata +
+  prepare its descriptor list again, which ``add_peer`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from ._door import DoorError, XferId, XferState
+from ._results import FailureReason
+
+log = structlog.get_logger("kvservice.nixl")
+
+try:
+    from nixl import _bindings as _nb
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    NIXL_IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:  # pragma: no cover - exercised only without nixl installed
+    _nb = None
+    NIXL_IMPORT_ERROR = exc
+
+
+class _NeverRaised(Exception):
+    """Stands in for a NIXL exception class this NIXL build lacks.
+
+    Deliberately narrow: we never fall back to catching ``RuntimeError`` or
+    ``Exception``, which would hide programming errors as transport failures.
+    """
+
+
+def _nixl_error(name: str) -> type[BaseException]:
+    cls = getattr(_nb, name, None)
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        return cls
+    return _NeverRaised
+
+
+# Classification of every NIXL exception class.  Order matters only for
+# documentation; the classes are unrelated (all subclass ``Exception``).
+_REASONS: dict[type[BaseException], FailureReason] = {
+    _nixl_error("nixlRemoteDisconnectError"): FailureReason.REMOTE_DISCONNECT,
+    _nixl_error("nixlCancelledError"): FailureReason.CANCELLED,
+    _nixl_error("nixlNotFoundError"): FailureReason.PEER_LOST,  # peer not loaded (any more)
+    _nixl_error("nixlBackendError"): FailureReason.BACKEND,
+    _nixl_error("nixlMismatchError"): FailureReason.INCOMPATIBLE,
+    _nixl_error("nixlInvalidParamError"): FailureReason.BACKEND,
+    _nixl_error("nixlNotAllowedError"): FailureReason.BACKEND,
+    _nixl_error("nixlRepostActiveError"): FailureReason.BACKEND,
+    _nixl_error("nixlNotPostedError"): FailureReason.BACKEND,
+    _nixl_error("nixlNotSupportedError"): FailureReason.BACKEND,
+    _nixl_error("nixlUnknownError"): FailureReason.BACKEND,
+}
+_REASONS.pop(_NeverRaised, None)
+NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(_REASONS)
+
+
+def classify(exc: BaseException) -> FailureReason:
+    for cls, reason in _REASONS.items():
+        if isinstance(exc, cls):
+            return reason
+    raise TypeError(f"not a NIXL error: {type(exc).__name__}")  # a bug in the caller
+
+
+class NixlStatusError(Exception):
+    """``transfer``/``check_xfer_state`` returned ``"ERR"`` without raising."""
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL could not be imported or no agent could be created."""
+
+
+def nixl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nixl")
+    except Exception:  # noqa: BLE001 - metadata is informational only
+        return "unknown"
+
+
+class NixlDoor:
+    """``Door`` over one real NIXL agent (UCX backend).  Not thread-safe by design:
+    every call comes from the ``DoorThread`` (the agent also runs in STRICT sync
+    mode, so an accidental second thread is serialised rather than a segfault)."""
+
+    def __init__(self, agent_name: str, *, progress_thread: bool, ucx_env: Mapping[str, str]) -> None:
+        if NIXL_IMPORT_ERROR is not None:
+            raise NixlUnavailable(f"cannot import nixl: {NIXL_IMPORT_ERROR}") from NIXL_IMPORT_ERROR
+        for key, value in ucx_env.items():
+            os.environ.setdefault(key, value)
+        # NIXL logs through stdlib logging at INFO for every agent/backend; keep it quiet.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            enable_listen_thread=False,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        try:
+            self._agent: Any = nixl_agent(agent_name, config)
+        except (RuntimeError, *NIXL_ERRORS) as exc:
+            raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc
+        if "UCX" not in self._agent.backends:
+            raise NixlUnavailable("NIXL has no UCX backend plugin")
+        self.agent_name = agent_name
+        self._owner = threading.get_ident()
+        self._reg: Any = None
+        self._mem_type = "DRAM"
+        self._local: Any = None  # prepped local dlist
+        self._peers: dict[str, Any] = {}  # name -> prepped remote dlist
+        self._xfers: dict[XferId, tuple[Any, str]] = {}  # id -> (nixl handle, peer)
+        self._next_id = 1
+        self._closed = False
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("NixlDoor used off its thread")
+
+    # -- setup ----------------------------------------------------------------
+    def metadata(self) -> bytes:
+        self._check_thread()
+        return bytes(self._agent.get_agent_metadata())
+
+    def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
+        self._check_thread()
+        self._mem_type = "VRAM" if getattr(tensor, "is_cuda", False) else "DRAM"
+        self._reg = self._agent.register_memory(tensor)
+        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem_type)
+
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
+        self._check_thread()
+        if name in self._peers:
+            self.remove_peer(name)
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except NIXL_ERRORS as exc:
+            raise DoorError(classify(exc), exc, "add_remote_agent") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            self._agent.remove_remote_agent(loaded)
+            raise DoorError(
+                FailureReason.INCOMPATIBLE,
+                ValueError(f"metadata names agent {loaded!r}, hello named {name!r}"),
+                "add_remote_agent",
+            )
+        try:
+            self._peers[name] = self._agent.prep_xfer_dlist(name, table, self._mem_type)
+            # Pay the connection set-up (15-20 ms) now rather than on the first request.
+            self._agent.make_connection(name)
+        except NIXL_ERRORS as exc:
+            self.remove_peer(name)
+            raise DoorError(classify(exc), exc, "prepare peer") from exc
+
+    def remove_peer(self, name: str) -> list[XferId]:
+        self._check_thread()
+        released = [xid for xid, (_, peer) in self._xfers.items() if peer == name]
+        for xid in released:
+            self.release(xid)
+        dlist = self._peers.pop(name, None)
+        if dlist is not None:
+            dlist.release()
+            try:
+                self._agent.remove_remote_agent(name)
+            except NIXL_ERRORS as exc:
+                log.warning("nixl.remove_remote_agent_failed", peer=name, error=repr(exc))
+        return released
+
+    # -- transfers ----------------------------------------------------------------
+    def post(
+        self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+    ) -> tuple[XferId, XferState]:
+        self._check_thread()
+        remote = self._peers.get(peer)
+        if remote is None:
+            err = KeyError(f"peer {peer!r} not loaded")
+            raise DoorError(FailureReason.PEER_LOST, err, "make_prepped_xfer")
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", self._local, local_idx, remote, remote_idx, notif
+            )
+        except NIXL_ERRORS as exc:
+            raise DoorError(classify(exc), exc, "make_prepped_xfer") from exc
+        xid = self._next_id
+        self._next_id += 1
+        self._xfers[xid] = (handle, peer)
+        try:
+            state = self._agent.transfer(handle)
+        except NIXL_ERRORS as exc:
+            self.release(xid)
+            raise DoorError(classify(exc), exc, "transfer") from exc
+        return xid, self._settle(xid, state, "transfer")
+
+    def check(self, xfer: XferId) -> XferState:
+        self._check_thread()
+        entry = self._xfers.get(xfer)
+        if entry is None:
+            return XferState.GONE
+        try:
+            state = self._agent.check_xfer_state(entry[0])
+        except NIXL_ERRORS as exc:
+            self.release(xfer)
+            raise DoorError(classify(exc), exc, "check_xfer_state") from exc
+        return self._settle(xfer, state, "check_xfer_state")
+
+    def _settle(self, xfer: XferId, state: str, op: str) -> XferState:
+        if state == "PROC":
+            return XferState.PROC
+        self.release(xfer)
+        if state == "DONE":
+            return XferState.DONE
+        err = NixlStatusError(f"{op} returned {state!r}")
+        raise DoorError(FailureReason.BACKEND, err, op)
+
+    def release(self, xfer: XferId) -> bool:
+        self._check_thread()
+        entry = self._xfers.pop(xfer, None)
+        if entry is None:
+            return False
+        try:
+            entry[0].release()
+        except NIXL_ERRORS as exc:
+            # NIXL could not cancel it; its own finaliser keeps it on the agent's
+            # leak list and retries at agent destruction.  We never touch it again.
+            log.warning("nixl.release_failed", xfer=xfer, error=repr(exc))
+        return True
+
+    def live_xfers(self) -> int:
+        return len(self._xfers)
+
+    # -- notifications ------------------------------------------------------------
+    def notifs(self) -> Mapping[str, list[bytes]]:
+        self._check_thread()
+        got: Mapping[str, list[bytes]] = self._agent.get_new_notifs()
+        return got
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self._check_thread()
+        try:
+            self._agent.send_notif(peer, message)
+        except NIXL_ERRORS as exc:
+            raise DoorError(classify(exc), exc, "send_notif") from exc
+
+    # -- teardown -------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._check_thread()
+        self._closed = True
+        for xid in list(self._xfers):
+            self.release(xid)
+        for name in list(self._peers):
+            self.remove_peer(name)
+        if self._local is not None:
+            self._local.release()
+            self._local = None
+        if self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except NIXL_ERRORS as exc:
+                log.warning("nixl.deregister_failed", error=repr(exc))
+            self._reg = None
+        del self._agent

@@ -1,0 +1,190 @@
+"""Control-channel links to peers: framing, handshake, outbox and liveness.
+
+A ``PeerLink`` is one TCP connection to one peer service, after the Hello
+exchange.  It is used in both directions whichever side dialled.  The service
+owns what the link *means* (requests tied to the peer); this module only moves
+frames and says when the link is gone, and why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from ._protocol import (
+    HEADER_BYTES,
+    Bye,
+    FrameError,
+    Hello,
+    Message,
+    Ping,
+    decode_body,
+    encode_frame,
+    frame_length,
+)
+
+log = structlog.get_logger("kvservice.peers")
+
+#: errors that mean "the connection is gone", as opposed to a protocol breach
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    anyio.EndOfStream,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.IncompleteRead,
+    OSError,
+)
+
+
+class FramedStream:
+    """Length-prefixed msgpack frames over a byte stream."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, max_frame_bytes: int) -> None:
+        self._stream = stream
+        self._reader = BufferedByteReceiveStream(stream)
+        self._limit = max_frame_bytes
+        self._write_lock = anyio.Lock()
+
+    async def recv(self) -> Message:
+        header = await self._reader.receive_exactly(HEADER_BYTES)
+        n = frame_length(header, self._limit)
+        return decode_body(await self._reader.receive_exactly(n) if n else b"")
+
+    async def send(self, msg: Message) -> None:
+        data = encode_frame(msg)
+        async with self._write_lock:
+            await self._stream.send(data)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._stream.aclose()
+            except CONNECTION_ERRORS:
+                pass
+
+
+async def dial(address: str, hello: Hello, *, timeout: float, max_frame_bytes: int) -> tuple[FramedStream, Message]:
+    """Connect, send our Hello, and return the stream with the peer's reply."""
+    host, port = split_address(address)
+    with anyio.fail_after(timeout):
+        stream = await anyio.connect_tcp(host, port)
+        framed = FramedStream(stream, max_frame_bytes)
+        try:
+            await framed.send(hello)
+            reply = await framed.recv()
+        except BaseException:
+            await framed.aclose()
+            raise
+    return framed, reply
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port); raises ``ValueError`` naming the problem."""
+    host, sep, port_s = address.rpartition(":")
+    if not sep or not host or not port_s.isdigit() or not (0 < int(port_s) < 65536):
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port_s)
+
+
+OnMessage = Callable[["PeerLink", Message], None]
+OnLost = Callable[["PeerLink", BaseException | None, bool], Awaitable[None]]
+
+
+class PeerLink:
+    """A live control link to one peer.
+
+    ``send`` never blocks or raises: frames queue in an outbox drained by the
+    link's writer, so the service can speak from synchronous code.  When the
+    link ends (EOF, error, silence past ``peer_timeout``, protocol breach, or
+    ``close()``) ``on_lost(link, cause, graceful)`` runs exactly once.
+    """
+
+    def __init__(
+        self, framed: FramedStream, hello: Hello, *, on_message: OnMessage, on_lost: OnLost,
+        heartbeat_interval: float, peer_timeout: float,
+    ) -> None:
+        self.hello = hello
+        self.agent = hello.agent
+        self.address = hello.address
+        self._framed = framed
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._heartbeat = heartbeat_interval
+        self._peer_timeout = peer_timeout
+        self._send, self._outbox = anyio.create_memory_object_stream[Message](math.inf)
+        self._scope = anyio.CancelScope()
+        self._drained = anyio.Event()
+        self.last_rx = time.monotonic()
+        self.closed = False
+        self.graceful = False  # the peer said Bye
+        self._cause: BaseException | None = None
+
+    def send(self, msg: Message) -> None:
+        if not self.closed:
+            self._send.send_nowait(msg)
+
+    def close(self, cause: BaseException | None = None) -> None:
+        if self._cause is None:
+            self._cause = cause
+        self._scope.cancel()
+
+    async def run(self) -> None:
+        """Serve the link until it ends; then report it lost.  Never raises."""
+        try:
+            with self._scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._writer)
+                    tg.start_soon(self._liveness)
+                    await self._reader()
+                    tg.cancel_scope.cancel()
+        except CONNECTION_ERRORS as exc:
+            self._cause = self._cause or exc
+        except FrameError as exc:
+            log.warning("peer.protocol_error", peer=self.address, error=str(exc))
+            self._cause = self._cause or exc
+        finally:
+            self.closed = True
+            self._send.close()
+            await self._framed.aclose()
+            with anyio.CancelScope(shield=True):
+                await self._on_lost(self, self._cause, self.graceful)
+
+    async def flush_and_close(self, timeout: float) -> None:
+        """Send what is queued plus a Bye, then close (used at shutdown)."""
+        self.send(Bye("shutting down"))
+        self._send.close()  # the writer drains the outbox, then sets _drained
+        with anyio.move_on_after(timeout):
+            await self._drained.wait()
+        self.graceful = True
+        self.close()
+
+    async def _reader(self) -> None:
+        while True:
+            msg = await self._framed.recv()
+            self.last_rx = time.monotonic()
+            if isinstance(msg, Ping):
+                continue
+            if isinstance(msg, Bye):
+                self.graceful = True
+                return
+            self._on_message(self, msg)
+
+    async def _writer(self) -> None:
+        async for msg in self._outbox:
+            await self._framed.send(msg)
+        self._drained.set()
+
+    async def _liveness(self) -> None:
+        while True:
+            await anyio.sleep(self._heartbeat)
+            silent = time.monotonic() - self.last_rx
+            if silent > self._peer_timeout:
+                self._cause = self._cause or TimeoutError(f"peer silent for {silent:.2f}s")
+                self._scope.cancel()
+                return
+            self.send(Ping())

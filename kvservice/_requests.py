@@ -1,0 +1,170 @@
+"""Per-request state on each side, and the public ``TransferHandle``."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, NoReturn, TypeVar
+
+import anyio
+
+from ._door import XferId
+from ._layout import KVLayout, PageIndex
+from ._results import (
+    FailureReason,
+    KVPoll,
+    TransferFailed,
+    TransferResult,
+    TransferStatus,
+)
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    request_id: str
+    created: float
+    deadline: float
+    result: TransferResult | None = None
+    started_at: float | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+@dataclass(eq=False, slots=True)
+class SendRequest(_Request):
+    """Sender side.  Chunks queue in ``pending`` until the destination is known."""
+
+    bootstrap_deadline: float = 0.0
+    peer: str | None = None  # destination agent, once the receiver's Expect arrived
+    remote_layout: KVLayout | None = None
+    dest: PageIndex | None = None
+    pending: deque[PageIndex] = field(default_factory=deque)
+    pages_queued: int = 0  # all pages the engine handed us so far
+    offset: int = 0  # destination pages already assigned to posted chunks
+    chunks_posted: int = 0
+    chunks_done: int = 0
+    last: bool = False
+    inflight: set[XferId] = field(default_factory=set)
+    posting: int = 0  # chunks on the door thread, outcome not back yet
+    bytes_done: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.last and not self.pending and self.posting == 0 and not self.inflight
+            and self.chunks_done == self.chunks_posted
+        )
+
+    def poll(self) -> KVPoll:
+        if self.result is not None:
+            return KVPoll.Success if self.result.ok else KVPoll.Failed
+        if self.peer is None:
+            return KVPoll.Bootstrapping
+        if self.inflight or self.posting or self.pending:
+            return KVPoll.Transferring
+        return KVPoll.WaitingForInput
+
+
+@dataclass(eq=False, slots=True)
+class RecvRequest(_Request):
+    """Receiver side: waits for every chunk's notification from ``sender``."""
+
+    sender: str = ""  # the sender's control address
+    peer: str | None = None  # the sender's agent, once linked
+    pages: PageIndex | None = None
+    chunks_seen: int = 0
+    total_chunks: int | None = None
+
+    def poll(self) -> KVPoll:
+        if self.result is not None:
+            return KVPoll.Success if self.result.ok else KVPoll.Failed
+        if self.peer is None:
+            return KVPoll.Bootstrapping
+        return KVPoll.Transferring if self.chunks_seen else KVPoll.WaitingForInput
+
+
+def make_result(
+    req: _Request, status: TransferStatus, *, reason: FailureReason | None = None,
+    error: BaseException | None = None, message: str = "", nbytes: int = 0, pages: int = 0,
+) -> TransferResult:
+    return TransferResult(
+        request_id=req.request_id, status=status, reason=reason, error=error, message=message,
+        bytes=nbytes, pages=pages, created_at=req.created, started_at=req.started_at,
+        finished_at=time.monotonic(),
+    )
+
+
+class TransferHandle:
+    """The sending side's view of one request, returned by every ``send()``.
+
+    ``poll()`` never blocks.  ``failure_exception()`` raises the original error
+    of a failed request (the very NIXL exception instance when NIXL raised one).
+    """
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: SendRequest) -> None:
+        self._req = req
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    @property
+    def result(self) -> TransferResult | None:
+        return self._req.result
+
+    def poll(self) -> KVPoll:
+        return self._req.poll()
+
+    def failure_exception(self) -> NoReturn:
+        result = self._req.result
+        if result is None or result.ok:
+            raise RuntimeError(f"request {self.request_id!r} has not failed (poll={self.poll().name})")
+        if result.error is not None:
+            raise result.error
+        assert result.reason is not None
+        raise TransferFailed(result.request_id, result.reason, result.message)
+
+    async def wait(self) -> TransferResult:
+        await self._req.done.wait()
+        assert self._req.result is not None
+        return self._req.result
+
+    def __repr__(self) -> str:
+        return f"TransferHandle({self.request_id!r}, {self.poll().name})"
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Recent(Generic[K, V]):
+    """A bounded insertion-ordered map: the oldest entries fall out."""
+
+    def __init__(self, capacity: int) -> None:
+        self._cap = capacity
+        self._d: collections.OrderedDict[K, V] = collections.OrderedDict()
+
+    def put(self, key: K, value: V) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self._cap:
+            self._d.popitem(last=False)
+
+    def get(self, key: K) -> V | None:
+        return self._d.get(key)
+
+    def pop(self, key: K) -> V | None:
+        return self._d.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)

@@ -1,0 +1,113 @@
+"""Result values: how every transfer ends, and the exceptions the API raises.
+
+Transport failures never raise out of the service: they end a transfer as a
+``TransferResult`` with ``status=FAILED``, a ``FailureReason`` and the original
+error.  Programming errors (bad arguments, unknown requests) raise at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class KVPoll(enum.IntEnum):
+    """Poll states, numbered as SGLang's ``KVPoll`` so engines can map 1:1."""
+
+    Failed = 0
+    Bootstrapping = 1  # destination not known yet (receiver's ``expect`` not arrived)
+    WaitingForInput = 2  # destination known, waiting for (more) chunks from the engine
+    Transferring = 3  # at least one chunk is in flight
+    Success = 4
+
+
+class TransferStatus(enum.Enum):
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+
+
+class FailureReason(enum.Enum):
+    """Why a transfer failed.  Stable names: they appear in logs and metrics."""
+
+    REMOTE_DISCONNECT = "REMOTE_DISCONNECT"  # NIXL: the peer's endpoint went away
+    BACKEND = "BACKEND"  # NIXL backend / UCX error
+    CANCELLED = "CANCELLED"  # NIXL cancelled the transfer
+    TIMEOUT = "TIMEOUT"  # a deadline passed (bootstrap, transfer or arrival)
+    PEER_LOST = "PEER_LOST"  # the control connection to the peer died
+    ABORTED = "ABORTED"  # ``abort()`` on either side
+    SHUTDOWN = "SHUTDOWN"  # the service (either side) shut down first
+    INCOMPATIBLE = "INCOMPATIBLE"  # peer speaks another protocol or KV layout
+    PEER_REPORTED = "PEER_REPORTED"  # the peer reported a failure it did not classify
+
+
+class KVServiceError(Exception):
+    """Base class of the exceptions kvservice raises."""
+
+
+class UnknownRequestError(KVServiceError, KeyError):
+    """An operation named a request id this service does not know."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class ProtocolError(KVServiceError):
+    """A control-channel peer sent something that breaks the protocol."""
+
+
+class TransferFailed(KVServiceError):
+    """Raised by ``failure_exception()`` when no original error was kept."""
+
+    def __init__(self, request_id: str, reason: FailureReason, message: str) -> None:
+        super().__init__(f"request {request_id!r} failed: {reason.value}: {message}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """How one request's transfer ended, on either side.
+
+    ``error`` is the original exception (for example the very
+    ``nixlRemoteDisconnectError`` instance NIXL raised) when there was one.
+    Times are ``time.monotonic()`` seconds; ``None`` when a phase never began.
+    """
+
+    request_id: str
+    status: TransferStatus
+    reason: FailureReason | None = None
+    error: BaseException | None = None
+    message: str = ""
+    bytes: int = 0
+    pages: int = 0
+    created_at: float = 0.0
+    started_at: float | None = None  # first chunk posted (sender) / expect sent (receiver)
+    finished_at: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status is TransferStatus.SUCCESS
+
+    @property
+    def duration_s(self) -> float:
+        """From the request's creation to its end."""
+        return self.finished_at - self.created_at
+
+    @property
+    def transfer_s(self) -> float | None:
+        """From the first post (sender) or the expect (receiver) to the end."""
+        return None if self.started_at is None else self.finished_at - self.started_at
+
+    @property
+    def gbps(self) -> float:
+        t = self.transfer_s
+        return self.bytes / t / 1e9 if t else 0.0
+
+    def raise_for_failure(self) -> None:
+        """Raise the original error, or ``TransferFailed``, if this result failed."""
+        if self.status is TransferStatus.SUCCESS:
+            return
+        if self.error is not None:
+            raise self.error
+        assert self.reason is not None
+        raise TransferFailed(self.request_id, self.reason, self.message)

@@ -1,0 +1,502 @@
+"""``TransferService``: the public API, request lifecycles and the service's lifetime.
+
+Threading: everything here runs on the event loop.  NIXL is reached only
+through the ``Door``, on the ``DoorThread``.  Peer links live in ``_control``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from ._config import ServiceConfig
+from ._control import ControlPlane
+from ._door import Door, DoorError, DoorThread
+from ._pool import KVPool
+from ._protocol import Abort, Expect, Failed, Message, decode_notif
+from ._requests import Recent, RecvRequest, SendRequest, TransferHandle, make_result
+from ._results import (
+    FailureReason,
+    KVServiceError,
+    TransferResult,
+    TransferStatus,
+    UnknownRequestError,
+)
+from ._stats import Stats
+from ._watchdog import Watchdog
+
+log = structlog.get_logger("kvservice")
+
+DoorFactory = Callable[[str, ServiceConfig], Door]
+Pages = Sequence[int] | npt.NDArray[Any]
+
+
+def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:
+    from ._nixl import NixlDoor
+
+    return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_env)
+
+
+class TransferService:
+    """Moves KV pages between services over NIXL; every transfer ends as a result.
+
+    Use as ``async with TransferService(config) as svc:``.  Entering creates the
+    NIXL agent, registers the pool and starts the control listener and the
+    watchdog; leaving drains in-flight work for ``drain_grace_s`` and fails the
+    rest with ``SHUTDOWN``.
+    """
+
+    def __init__(
+        self, config: ServiceConfig | None = None, *, pool: Any = None,
+        door_factory: DoorFactory | None = None,
+    ) -> None:
+        self.config = config or ServiceConfig()
+        self.layout = self.config.layout
+        self.kv = KVPool(self.layout, pool)
+        self.agent_name = f"{self.config.agent_prefix}-{uuid.uuid4().hex[:12]}"
+        self._door_factory = door_factory or _nixl_door
+        self._thread: DoorThread | None = None
+        self._door: Door | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._watchdog: Watchdog | None = None
+        self._control: ControlPlane | None = None
+        self._sends: dict[str, SendRequest] = {}
+        self._recvs: dict[str, RecvRequest] = {}
+        self._sends_done: Recent[str, SendRequest] = Recent(self.config.results_kept)
+        self._recvs_done: Recent[str, RecvRequest] = Recent(self.config.results_kept)
+        # Expects that arrived before the matching send(): rid -> (peer agent, pages)
+        self._early: dict[str, tuple[str, npt.NDArray[np.int32]]] = {}
+        # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
+        self._dropped: Recent[str, FailureReason] = Recent(self.config.results_kept)
+        self._idle = anyio.Event()
+        self._closing = False
+        self.stats = Stats()
+        self.address = ""
+
+    # -- lifetime ---------------------------------------------------------------
+    async def __aenter__(self) -> TransferService:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await self._start()
+        except BaseException as exc:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            self._close_door()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        assert self._tg is not None
+        cfg = self.config
+        self._thread = DoorThread()
+        self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
+        await self._thread.call(self._door.register_pool, self.kv.tensor, self.kv.descriptor_table())
+        metadata = await self._thread.call(self._door.metadata)
+        self._watchdog = Watchdog(
+            self._thread, self._door, self.layout, self,
+            poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
+            max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
+        )
+        self._control = ControlPlane(self, self._thread, self._door, metadata, self._tg)
+        self.address = await self._control.listen()
+        await self._tg.start(self._watchdog.run)
+        await self._tg.start(self.stats.monitor_loop_lag)
+        log.info("service.started", address=self.address, agent=self.agent_name,
+                 pool_bytes=self.layout.pool_bytes)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        assert self._tg is not None and self._control is not None
+        self._closing = True
+        grace = self.config.drain_grace_s if exc is None else 0.0
+        with anyio.CancelScope(shield=True):
+            self._control.stop_listening()
+            with anyio.move_on_after(grace):
+                while self._sends or self._recvs:
+                    self._idle = anyio.Event()
+                    await self._idle.wait()
+            for sreq in list(self._sends.values()):
+                self._fail(sreq, FailureReason.SHUTDOWN, "service shut down before completion")
+            for rreq in list(self._recvs.values()):
+                self._fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival")
+            await self._control.close_all(timeout=1.0)
+            if self._watchdog is not None:
+                await self._watchdog.tick()  # hand the last releases to the door
+            self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._close_door()
+            log.info("service.stopped", address=self.address)
+        return False
+
+    def _close_door(self) -> None:
+        if self._thread is not None:
+            if self._door is not None:
+                self._thread.call_sync(self._door.close)
+            self._thread.shutdown()
+            self._thread = None
+
+    def _check_open(self) -> None:
+        if self._tg is None or self._watchdog is None:
+            raise KVServiceError("service is not running (use 'async with TransferService(...)')")
+        if self._closing:
+            raise KVServiceError("service is shutting down")
+
+    # -- sending side -------------------------------------------------------------
+    async def send(self, request_id: str, pages: Pages, *, last: bool = False,
+                   timeout: float | None = None) -> TransferHandle:
+        """Queue a chunk of ``request_id``'s pages for the receiver; never waits for the copy.
+
+        ``timeout`` (seconds, default ``transfer_timeout_s``) bounds the whole
+        request from the moment its destination is known.
+        """
+        self._check_open()
+        _check_request_id(request_id)
+        src = self.layout.check_pages(pages)
+        req = self._sends.get(request_id)
+        if req is None:
+            done = self._sends_done.get(request_id)
+            if done is not None:
+                if done.result is not None and done.result.ok:
+                    raise ValueError(f"request {request_id!r} already completed; send after last")
+                return TransferHandle(done)  # sticky failure: the chunk is not posted
+        elif req.last:
+            raise ValueError(f"request {request_id!r}: send after last=True")
+        queued = (req.pages_queued if req else 0) + int(src.size)
+        dest = req.dest if req else None
+        if dest is None and req is None and request_id in self._early:
+            dest = self._early[request_id][1]
+        if dest is not None:
+            if queued > dest.size:
+                raise ValueError(
+                    f"request {request_id!r}: {queued} pages sent, receiver expects {dest.size}")
+            if last and queued != dest.size:
+                raise ValueError(
+                    f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
+        if req is None:
+            req = self._new_send(request_id, timeout)
+        req.pending.append(src)
+        req.pages_queued = queued
+        req.last = last
+        if timeout is not None:
+            req.deadline = time.monotonic() + timeout
+        if req.peer is not None:
+            self._watchdog.schedule(req)  # type: ignore[union-attr]
+        return TransferHandle(req)
+
+    def _new_send(self, request_id: str, timeout: float | None) -> SendRequest:
+        now = time.monotonic()
+        cfg = self.config
+        req = SendRequest(
+            request_id=request_id, created=now,
+            deadline=now + (timeout or cfg.transfer_timeout_s) + cfg.bootstrap_timeout_s,
+            bootstrap_deadline=now + cfg.bootstrap_timeout_s,
+        )
+        self._sends[request_id] = req
+        dropped = self._dropped.pop(request_id)
+        if dropped is not None:
+            self._fail(req, dropped, "the receiver's expect was dropped before this send")
+        elif request_id in self._early:
+            peer, pages = self._early.pop(request_id)
+            self._bind(req, peer, pages)
+        return req
+
+    async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
+        """Wait for the request behind ``handle`` to end.
+
+        If ``timeout`` passes first the request is failed with ``TIMEOUT`` (its
+        handles released, the receiver told) and that result is returned.  If the
+        *caller* is cancelled, the cancellation propagates and the transfer goes
+        on; ``abort()`` stops it.
+        """
+        req = handle._req
+        if timeout is None:
+            await req.done.wait()
+        else:
+            with anyio.move_on_after(timeout):
+                await req.done.wait()
+            if req.result is None:
+                self._fail(req, FailureReason.TIMEOUT, f"not complete within await_completion timeout {timeout}s")
+        assert req.result is not None
+        return req.result
+
+    # -- receiving side -------------------------------------------------------------
+    async def expect(self, request_id: str, pages: Pages, *, sender: str,
+                     timeout: float | None = None) -> None:
+        """Announce that ``request_id`` goes into ``pages``, and tell ``sender``.
+
+        Returns once the sender has been told (or the request has failed, e.g.
+        ``PEER_LOST`` when the sender cannot be reached: see ``await_arrival``).
+        """
+        self._check_open()
+        _check_request_id(request_id)
+        dst = self.layout.check_pages(pages)
+        if request_id in self._recvs or request_id in self._recvs_done:
+            raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
+        assert self._control is not None
+        self._control.check_address(sender)
+        now = time.monotonic()
+        req = RecvRequest(
+            request_id=request_id, created=now,
+            deadline=now + (timeout or self.config.arrival_timeout_s),
+            sender=sender, pages=dst,
+        )
+        self._recvs[request_id] = req
+        try:
+            link = await self._control.link_to(sender)
+        except anyio.get_cancelled_exc_class():
+            self._fail(req, FailureReason.ABORTED, "expect() was cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified in ControlPlane.dial_failure
+            reason = self._control.dial_failure(exc)
+            self._fail(req, reason, f"cannot reach sender {sender}: {exc}", error=exc)
+            return
+        if req.result is None:
+            req.peer = link.agent
+            req.started_at = time.monotonic()
+            link.send(Expect(request_id, dst.tolist()))
+
+    async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
+        """Wait until every page of ``request_id`` has landed, or it failed.
+
+        A ``timeout`` that passes first fails the request with ``TIMEOUT`` and
+        tells the sender to stop.
+        """
+        req = self._recvs.get(request_id) or self._recvs_done.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (call expect() first)")
+        if timeout is None:
+            await req.done.wait()
+        else:
+            with anyio.move_on_after(timeout):
+                await req.done.wait()
+            if req.result is None:
+                self._fail(req, FailureReason.TIMEOUT, f"not arrived within {timeout}s")
+        assert req.result is not None
+        return req.result
+
+    def poll_arrival(self, request_id: str) -> Any:
+        req = self._recvs.get(request_id) or self._recvs_done.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        return req.poll()
+
+    # -- either side ---------------------------------------------------------------
+    async def abort(self, request_id: str) -> TransferResult | None:
+        """Abandon ``request_id`` here and tell the peer.  Returns its result
+        (``ABORTED``, or how it had already ended); ``None`` when only a
+        not-yet-sent expect was dropped."""
+        sreq = self._sends.get(request_id)
+        rreq = self._recvs.get(request_id)
+        if sreq is None and rreq is None and request_id in self._early:
+            peer, _ = self._early.pop(request_id)
+            self._dropped.put(request_id, FailureReason.ABORTED)
+            self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
+            return None
+        if sreq is not None:
+            self._fail(sreq, FailureReason.ABORTED, "aborted locally")
+        if rreq is not None:
+            self._fail(rreq, FailureReason.ABORTED, "aborted locally")
+        if sreq is None and rreq is None:
+            done = self._sends_done.get(request_id) or self._recvs_done.get(request_id)
+            if done is None:
+                raise UnknownRequestError(f"unknown request {request_id!r}")
+            return done.result
+        req = sreq or rreq
+        assert req is not None
+        return req.result
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for operators: counts, peers, loop lag."""
+        wd = self._watchdog
+        return self.stats.snapshot(
+            sending=len(self._sends), receiving=len(self._recvs),
+            inflight_handles=wd.inflight if wd else 0,
+            live_nixl_handles=wd.live_handles if wd else 0,
+            peers=self._control.peer_addresses() if self._control else [],
+        )
+
+    # -- state changes (event loop; called by API, watchdog and control plane) ---------
+    def _bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32]) -> None:
+        if req.pages_queued > pages.size or (req.last and req.pages_queued != pages.size):
+            self._fail(req, FailureReason.INCOMPATIBLE,
+                       f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)
+            return
+        assert self._control is not None
+        req.peer = peer
+        req.remote_layout = self._control.remote_layout(peer)
+        req.dest = pages
+        req.deadline = min(req.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        if req.pending:
+            self._watchdog.schedule(req)  # type: ignore[union-attr]
+
+    def _finish(self, req: SendRequest | RecvRequest, result: TransferResult) -> None:
+        req.result = result
+        req.done.set()
+        if isinstance(req, SendRequest):
+            self._sends.pop(req.request_id, None)
+            self._sends_done.put(req.request_id, req)
+            self._watchdog.forget(req)  # type: ignore[union-attr]
+        else:
+            self._recvs.pop(req.request_id, None)
+            self._recvs_done.put(req.request_id, req)
+        side = "send" if isinstance(req, SendRequest) else "recv"
+        self.stats.record(side, result)
+        if result.ok:
+            log.debug("transfer.completed", request_id=req.request_id, side=side, bytes=result.bytes)
+        else:
+            assert result.reason is not None
+            log.warning("transfer.failed", request_id=req.request_id, side=side,
+                        peer=req.peer, reason=result.reason.value, message=result.message,
+                        error=repr(result.error) if result.error else None)
+        if not self._sends and not self._recvs:
+            self._idle.set()
+
+    def _fail(self, req: SendRequest | RecvRequest, reason: FailureReason, message: str, *,
+              error: BaseException | None = None, from_peer: bool = False, peer: str | None = None) -> None:
+        """End ``req`` as Failed and, unless the peer told us, tell the peer."""
+        if req.result is not None:
+            return
+        self._finish(req, make_result(req, TransferStatus.FAILED, reason=reason, error=error,
+                                      message=message))
+        target = peer or req.peer
+        if from_peer or target is None:
+            return
+        if isinstance(req, SendRequest):
+            self._send_to(target, Failed(req.request_id, reason.value, message))
+        else:
+            self._send_to(target, Abort(req.request_id, reason.value, message))
+
+    def _send_to(self, agent: str, msg: Message) -> None:
+        if self._control is not None:
+            self._control.send_to(agent, msg)
+
+    # -- watchdog callbacks (Owner) ---------------------------------------------------
+    def chunk_done(self, req: SendRequest, npages: int) -> None:
+        req.chunks_done += 1
+        req.bytes_done += npages * self.layout.page_bytes
+        if req.complete and req.result is None:
+            self._finish(req, make_result(req, TransferStatus.SUCCESS, nbytes=req.bytes_done,
+                                          pages=req.pages_queued))
+
+    def chunk_failed(self, req: SendRequest, err: DoorError) -> None:
+        self._fail(req, err.reason, str(err), error=err.original)
+
+    def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
+        for agent, messages in notifs.items():
+            for raw in messages:
+                n = decode_notif(raw)
+                req = self._recvs.get(n.request_id) if n else None
+                if n is None or req is None or req.peer != agent:
+                    self.stats.stale_notifs += 1
+                    continue
+                req.chunks_seen += 1
+                if n.total:
+                    req.total_chunks = n.total
+                if req.total_chunks is not None and req.chunks_seen >= req.total_chunks:
+                    assert req.pages is not None
+                    self._finish(req, make_result(
+                        req, TransferStatus.SUCCESS, nbytes=self.layout.bytes_for(req.pages.size),
+                        pages=int(req.pages.size)))
+
+    def check_deadlines(self, now: float) -> None:
+        for sreq in list(self._sends.values()):
+            if sreq.peer is None and now > sreq.bootstrap_deadline:
+                self._fail(sreq, FailureReason.TIMEOUT,
+                           f"no expect from a receiver within {self.config.bootstrap_timeout_s}s")
+            elif now > sreq.deadline:
+                self._fail(sreq, FailureReason.TIMEOUT, "transfer deadline passed")
+        for rreq in list(self._recvs.values()):
+            if now > rreq.deadline:
+                self._fail(rreq, FailureReason.TIMEOUT, "arrival deadline passed")
+
+    def busy(self) -> bool:
+        # Receivers keep the watchdog polling: with NIXL's progress thread off, a
+        # sender's WRITE completes only while this side calls into NIXL.
+        return bool(self._recvs) or bool(self._sends)
+
+    # -- control-plane callbacks ------------------------------------------------------
+    def on_message(self, agent: str, msg: Message) -> None:
+        if isinstance(msg, Expect):
+            self._on_expect(agent, msg)
+        elif isinstance(msg, Abort):
+            self._on_peer_abort(agent, msg.request_id, msg.reason, msg.message)
+        elif isinstance(msg, Failed):
+            rreq = self._recvs.get(msg.request_id)
+            if rreq is not None and rreq.peer == agent:
+                self._fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True)
+
+    def _on_expect(self, agent: str, msg: Expect) -> None:
+        assert self._control is not None
+        rid = msg.request_id
+        try:
+            pages = self._control.remote_layout(agent).check_pages(msg.pages)
+        except ValueError as exc:
+            self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, str(exc)))
+            return
+        req = self._sends.get(rid)
+        if req is not None:
+            if req.peer is None:
+                self._bind(req, agent, pages)
+            else:
+                self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, "request already bound to a receiver"))
+        elif rid in self._sends_done:
+            done = self._sends_done.get(rid)
+            assert done is not None and done.result is not None
+            reason = done.result.reason or FailureReason.INCOMPATIBLE
+            self._send_to(agent, Failed(rid, reason.value, "request already ended on the sender"))
+        elif rid in self._early:
+            self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, "duplicate expect"))
+        else:
+            self._early[rid] = (agent, pages)
+
+    def _on_peer_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
+        sreq = self._sends.get(rid)
+        if sreq is not None and sreq.peer == agent:
+            self._fail(sreq, FailureReason.ABORTED, f"receiver aborted ({reason}): {message}", from_peer=True)
+        rreq = self._recvs.get(rid)
+        if rreq is not None and rreq.peer == agent:
+            self._fail(rreq, FailureReason.ABORTED, f"sender aborted ({reason}): {message}", from_peer=True)
+        if rid in self._early and self._early[rid][0] == agent:
+            del self._early[rid]
+            self._dropped.put(rid, FailureReason.ABORTED)
+
+    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool) -> None:
+        reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
+        what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
+        for sreq in [r for r in self._sends.values() if r.peer == agent]:
+            self._fail(sreq, reason, what, error=cause, from_peer=True)
+        for rreq in [r for r in self._recvs.values() if r.peer == agent]:
+            self._fail(rreq, reason, what, error=cause, from_peer=True)
+        for rid in [rid for rid, (peer, _) in self._early.items() if peer == agent]:
+            del self._early[rid]
+            self._dropped.put(rid, reason)
+
+    def released_by_door(self, xids: list[int]) -> None:
+        self.stats.forced_releases += len(xids)
+
+
+def _check_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
+        raise ValueError(f"request_id must be a str of 1..256 characters, got {request_id!r}")
+
+
+def _reason(value: str) -> FailureReason:
+    try:
+        return FailureReason(value)
+    except ValueError:
+        return FailureReason.PEER_REPORTED
+

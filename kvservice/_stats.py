@@ -1,0 +1,75 @@
+"""Counters and the event-loop lag monitor behind ``status()`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from ._results import TransferResult
+
+#: upper bounds (seconds) of the transfer-latency histogram buckets
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LAG_INTERVAL_S = 0.01
+
+
+@dataclass
+class Stats:
+    #: (side, status or reason) -> count; side is "send" or "recv"
+    outcomes: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    bytes: collections.Counter[str] = field(default_factory=collections.Counter)
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+    latency_count: int = 0
+    stale_notifs: int = 0
+    forced_releases: int = 0
+    lag_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=3000))
+    max_lag_s: float = 0.0
+
+    def record(self, side: str, result: TransferResult) -> None:
+        key = "SUCCESS" if result.ok else (result.reason.value if result.reason else "UNKNOWN")
+        self.outcomes[(side, key)] += 1
+        if result.ok:
+            self.bytes[side] += result.bytes
+            if side == "send":
+                d = result.duration_s
+                self.latency_sum += d
+                self.latency_count += 1
+                for i, bound in enumerate(LATENCY_BUCKETS):
+                    if d <= bound:
+                        self.latency_buckets[i] += 1
+                        break
+                else:
+                    self.latency_buckets[-1] += 1
+
+    async def monitor_loop_lag(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Sleep ``LAG_INTERVAL_S`` again and again; how late each wake-up is, is the lag."""
+        task_status.started()
+        while True:
+            t0 = time.perf_counter()
+            await anyio.sleep(LAG_INTERVAL_S)
+            lag = max(0.0, time.perf_counter() - t0 - LAG_INTERVAL_S)
+            self.lag_samples.append(lag)
+            self.max_lag_s = max(self.max_lag_s, lag)
+
+    def lag_quantile(self, q: float) -> float:
+        if not self.lag_samples:
+            return 0.0
+        ordered = sorted(self.lag_samples)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def snapshot(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "outcomes": {f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
+            "bytes_sent": self.bytes["send"],
+            "bytes_received": self.bytes["recv"],
+            "stale_notifs": self.stale_notifs,
+            "forced_releases": self.forced_releases,
+            "loop_lag_p99_s": self.lag_quantile(0.99),
+            "loop_lag_max_s": self.max_lag_s,
+            **extra,
+        }

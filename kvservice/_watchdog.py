@@ -1,0 +1,176 @@
+"""The watchdog: the one task that drives every transfer handle.
+
+Each tick is one round trip to the door thread (``_door.run_tick``) carrying
+the releases, posts and state checks due, and bringing back their outcomes and
+any NIXL notifications.  Work per tick is bounded (``max_posts_per_tick``,
+``max_checks_per_tick``; checks rotate round-robin over the in-flight set), so
+the event loop stays responsive with thousands of transfers in flight.
+Deadlines are scanned every ``DEADLINE_SCAN_S``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import anyio
+import anyio.abc
+
+from ._door import Door, DoorError, DoorThread, PostOp, TickPlan, XferId, XferState, run_tick
+from ._layout import KVLayout
+from ._protocol import ChunkNotif, encode_notif
+from ._requests import SendRequest
+
+DEADLINE_SCAN_S = 0.01
+
+
+class Owner(Protocol):
+    """What the watchdog calls back into (the service)."""
+
+    def chunk_done(self, req: SendRequest, npages: int) -> None: ...
+    def chunk_failed(self, req: SendRequest, err: DoorError) -> None: ...
+    def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
+    def check_deadlines(self, now: float) -> None: ...
+    def busy(self) -> bool: ...
+
+
+class Watchdog:
+    def __init__(
+        self, thread: DoorThread, door: Door, layout: KVLayout, owner: Owner, *,
+        poll_interval: float, idle_interval: float, max_posts: int, max_checks: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._thread = thread
+        self._door = door
+        self._layout = layout
+        self._owner = owner
+        self._poll = poll_interval
+        self._idle = idle_interval
+        self._max_posts = max_posts
+        self._max_checks = max_checks
+        self._clock = clock
+        self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
+        self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
+        self._releases: list[XferId] = []
+        self._cursor = 0
+        self._wake = anyio.Event()
+        self.ticks = 0
+        self.live_handles = 0  # as the door last reported
+
+    # -- called by the service (event loop) -----------------------------------
+    def schedule(self, req: SendRequest) -> None:
+        """``req`` has a destination and pending chunks: post them next tick."""
+        self._ready[req.request_id] = req
+        self.wake()
+
+    def forget(self, req: SendRequest) -> None:
+        """``req`` ended: drop it and release whatever of it is still in flight."""
+        self._ready.pop(req.request_id, None)
+        for xid in req.inflight:
+            self._inflight.pop(xid, None)
+            self._releases.append(xid)
+        req.inflight.clear()
+        self.wake()
+
+    def release_later(self, xids: list[XferId]) -> None:
+        self._releases.extend(xids)
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    # -- the task -------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        next_scan = 0.0
+        while True:
+            await self.tick()
+            now = self._clock()
+            if now >= next_scan:
+                self._owner.check_deadlines(now)
+                next_scan = now + DEADLINE_SCAN_S
+            if self._inflight or self._ready or self._releases or self._owner.busy():
+                await anyio.sleep(self._poll)
+            else:
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self._idle):
+                    await self._wake.wait()
+
+    async def tick(self) -> None:
+        plan = self._plan()
+        outcome = await self._thread.call(run_tick, self._door, plan)
+        self.ticks += 1
+        self.live_handles = outcome.live
+        for key, got, state in outcome.posted:
+            req, npages = key
+            req.posting -= 1
+            if isinstance(got, DoorError):
+                self._owner.chunk_failed(req, got)
+            elif req.finished:
+                if state is XferState.PROC:  # failed or aborted while posting
+                    self.release_later([got])
+            elif state is XferState.DONE:
+                self._owner.chunk_done(req, npages)
+            else:
+                self._inflight[got] = (req, npages)
+                req.inflight.add(got)
+        for xid, state_or_err in outcome.checked:
+            if state_or_err is XferState.PROC:
+                continue
+            entry = self._inflight.pop(xid, None)
+            if entry is None:  # released in the meantime
+                continue
+            req, npages = entry
+            req.inflight.discard(xid)
+            if isinstance(state_or_err, DoorError):
+                self._owner.chunk_failed(req, state_or_err)
+            elif state_or_err is XferState.DONE:
+                self._owner.chunk_done(req, npages)
+        if outcome.notifs:
+            self._owner.on_notifs(outcome.notifs)
+
+    def _plan(self) -> TickPlan:
+        plan = TickPlan(releases=self._releases)
+        self._releases = []
+        budget = self._max_posts
+        for rid in list(self._ready):
+            if budget <= 0:
+                break
+            req = self._ready[rid]
+            while req.pending and budget > 0:
+                plan.posts.append(self._post_op(req))
+                budget -= 1
+            if not req.pending:
+                del self._ready[rid]
+        xids = list(self._inflight)
+        if len(xids) <= self._max_checks:
+            plan.checks = xids
+        else:
+            start = self._cursor % len(xids)
+            plan.checks = (xids[start:] + xids[:start])[: self._max_checks]
+            self._cursor = start + self._max_checks
+        return plan
+
+    def _post_op(self, req: SendRequest) -> PostOp:
+        assert req.dest is not None and req.peer is not None and req.remote_layout is not None
+        src = req.pending.popleft()
+        dst = req.dest[req.offset : req.offset + src.size]
+        req.offset += src.size
+        chunk = req.chunks_posted
+        req.chunks_posted += 1
+        req.posting += 1
+        if req.started_at is None:
+            req.started_at = self._clock()
+        total = req.chunks_posted if (req.last and not req.pending) else 0
+        return PostOp(
+            key=(req, int(src.size)),
+            peer=req.peer,
+            local_idx=self._layout.descriptor_indices(src),
+            remote_idx=req.remote_layout.descriptor_indices(dst),
+            notif=encode_notif(ChunkNotif(req.request_id, chunk, total)),
+        )
