@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("kvservice.control")
 
+HANDSHAKE_ERRORS: tuple[type[BaseException], ...] = (
+    *CONNECTION_ERRORS, FrameError, ProtocolError, TimeoutError, DoorError,
+)
+
 
 @dataclass
 class _Dial:
@@ -90,7 +94,7 @@ class ControlPlane:
                 await self._load_peer(hello)
                 assert self._hello is not None
                 await framed.send(self._hello)
-        except (*CONNECTION_ERRORS, FrameError, ProtocolError, TimeoutError, DoorError) as exc:
+        except HANDSHAKE_ERRORS as exc:
             log.warning("peer.handshake_failed", side="accept", error=repr(exc))
             await framed.aclose()
             return

@@ -70,7 +70,7 @@ _REASONS: dict[type[BaseException], FailureReason] = {
     _nixl_error("nixlUnknownError"): FailureReason.BACKEND,
 }
 _REASONS.pop(_NeverRaised, None)
-NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(_REASONS)
+NIXL_ERRORS: tuple[type[Exception], ...] = tuple(c for c in _REASONS if issubclass(c, Exception))
 
 
 def classify(exc: BaseException) -> FailureReason:
@@ -117,7 +117,7 @@ class NixlDoor:
         )
         try:
             self._agent: Any = nixl_agent(agent_name, config)
-        except (RuntimeError, *NIXL_ERRORS) as exc:
+        except (RuntimeError, *NIXL_ERRORS) as exc:  # type: ignore[misc]
             raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc
         if "UCX" not in self._agent.backends:
             raise NixlUnavailable("NIXL has no UCX backend plugin")

@@ -138,21 +138,27 @@ class PeerLink:
         try:
             with self._scope:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._writer)
-                    tg.start_soon(self._liveness)
-                    await self._reader()
-                    tg.cancel_scope.cancel()
+                    tg.start_soon(self._guard, self._writer)
+                    tg.start_soon(self._guard, self._liveness)
+                    await self._guard(self._reader)
+        finally:
+            self.closed = True
+            self._send.close()
+            self._outbox.close()
+            await self._framed.aclose()
+            with anyio.CancelScope(shield=True):
+                await self._on_lost(self, self._cause, self.graceful)
+
+    async def _guard(self, part: Callable[[], Awaitable[None]]) -> None:
+        """Run one part of the link; whichever part ends first ends the link."""
+        try:
+            await part()
         except CONNECTION_ERRORS as exc:
             self._cause = self._cause or exc
         except FrameError as exc:
             log.warning("peer.protocol_error", peer=self.address, error=str(exc))
             self._cause = self._cause or exc
-        finally:
-            self.closed = True
-            self._send.close()
-            await self._framed.aclose()
-            with anyio.CancelScope(shield=True):
-                await self._on_lost(self, self._cause, self.graceful)
+        self._scope.cancel()
 
     async def flush_and_close(self, timeout: float) -> None:
         """Send what is queued plus a Bye, then close (used at shutdown)."""

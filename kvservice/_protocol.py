@@ -116,7 +116,7 @@ def encode_frame(msg: Message) -> bytes:
 
 def frame_length(header: bytes, limit: int) -> int:
     """Body length from a header; raises ``FrameError`` above ``limit``."""
-    (n,) = _HEADER.unpack(header)
+    n: int = _HEADER.unpack(header)[0]
     if n > limit:
         raise FrameError(f"frame of {n} bytes exceeds the limit of {limit}")
     return n

@@ -452,7 +452,8 @@ class TransferService:
             if req.peer is None:
                 self._bind(req, agent, pages)
             else:
-                self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, "request already bound to a receiver"))
+                why = "request already bound to a receiver"
+                self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, why))
         elif rid in self._sends_done:
             done = self._sends_done.get(rid)
             assert done is not None and done.result is not None

@@ -1,0 +1,227 @@
+"""A ``TransferService`` in its own process, driven by JSON lines.
+
+Used by ``kvservice demo`` and by the integration and fault tests, so that
+peers are real processes that can be SIGKILLed, SIGSTOPped and restarted.
+
+Child side (``python -m kvservice._peerproc CONFIG_JSON``): reads one command
+per line on stdin, writes one event per line on stdout::
+
+    -> {"op": "fill", "rid": "r1", "pages": [0, 1]}          <- {"event": "filled", ...}
+    -> {"op": "send", "rid": "r1", "pages": [0, 1], "last": true}
+                                                           <- {"event": "sent", ...}
+                                                           <- {"event": "completed", "status": ...}
+    -> {"op": "expect", "rid": "r1", "pages": [5, 6], "sender": "host:port"}
+                                                           <- {"event": "expecting", ...}
+                                                           <- {"event": "arrived", "verified": true, ...}
+    -> {"op": "abort" | "status" | "untouched" | "exit", ...}
+
+Payloads are a deterministic pattern per request id (``pattern``), so the
+receiver verifies every byte without the sender shipping a checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import torch
+
+from ._config import ServiceConfig
+from ._layout import KVLayout
+from ._pool import torch_dtype
+from ._results import TransferResult
+
+# -- the payload pattern -------------------------------------------------------------
+
+
+def pattern(layout: KVLayout, request_id: str, npages: int) -> torch.Tensor:
+    """The bytes request ``request_id`` carries: shape (layers, 2, npages, page_elems)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
+    values = torch.randn((layout.layers, 2, npages, layout.page_elems), generator=gen)
+    return values.to(torch_dtype(layout.dtype))
+
+
+def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, Any]:
+    return {
+        "event": event, "rid": result.request_id, "status": result.status.value,
+        "reason": result.reason.value if result.reason else None,
+        "error_type": type(result.error).__name__ if result.error else None,
+        "message": result.message, "bytes": result.bytes, "duration_s": result.duration_s,
+        "transfer_s": result.transfer_s, **extra,
+    }
+
+
+# -- child ----------------------------------------------------------------------------
+
+
+async def _child(config_json: str) -> None:
+    from ._service import TransferService
+
+    raw = json.loads(config_json)
+    layout = KVLayout(**raw.pop("layout", {}))
+    config = ServiceConfig(layout=layout, **raw)
+    out_lock = anyio.Lock()
+
+    async def emit(obj: dict[str, Any]) -> None:
+        async with out_lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    async with TransferService(config) as svc, anyio.create_task_group() as tg:
+        await emit({"event": "ready", "address": svc.address, "agent": svc.agent_name, "pid": os.getpid()})
+
+        async def wait_sent(handle: Any, timeout: float | None) -> None:
+            result = await svc.await_completion(handle, timeout=timeout)
+            await emit(result_event("completed", result))
+
+        async def wait_arrival(rid: str, pages: list[int], timeout: float | None) -> None:
+            result = await svc.await_arrival(rid, timeout=timeout)
+            verified = None
+            if result.ok:
+                verified = bool(torch.equal(svc.kv.pages(pages), pattern(layout, rid, len(pages))))
+            await emit(result_event("arrived", result, verified=verified))
+
+        stdin = anyio.wrap_file(sys.stdin)
+        while True:
+            line = await stdin.readline()
+            if not line:
+                break
+            cmd = json.loads(line)
+            op, rid = cmd.get("op"), cmd.get("rid")
+            base = {"id": cmd.get("id"), "rid": rid}
+            try:
+                if op == "fill":
+                    svc.kv.write(cmd["pages"], pattern(layout, rid, len(cmd["pages"])))
+                    await emit({"event": "filled", **base})
+                elif op == "send":
+                    handle = await svc.send(rid, cmd["pages"], last=cmd.get("last", True))
+                    await emit({"event": "sent", **base, "poll": handle.poll().name})
+                    if cmd.get("last", True):
+                        tg.start_soon(wait_sent, handle, cmd.get("timeout"))
+                elif op == "expect":
+                    await svc.expect(rid, cmd["pages"], sender=cmd["sender"], timeout=cmd.get("timeout"))
+                    await emit({"event": "expecting", **base})
+                    tg.start_soon(wait_arrival, rid, cmd["pages"], cmd.get("wait_timeout"))
+                elif op == "abort":
+                    result = await svc.abort(rid)
+                    await emit({"event": "aborted", **base, "status": result.status.value if result else None})
+                elif op == "untouched":
+                    ok = bool((svc.kv.pages(cmd["pages"]) == 0).all())
+                    await emit({"event": "untouched", **base, "ok": ok})
+                elif op == "status":
+                    await emit({"event": "status", **base, **svc.status()})
+                elif op == "exit":
+                    break
+                else:
+                    await emit({"event": "error", **base, "message": f"unknown op {op!r}"})
+            except (ValueError, KeyError) as exc:
+                await emit({"event": "error", **base, "type": type(exc).__name__, "message": str(exc)})
+        tg.cancel_scope.cancel()
+    await emit({"event": "exited"})
+
+
+def main() -> None:
+    from ._runtime import configure_logging, run
+
+    configure_logging(os.environ.get("KVSERVICE_LOG_LEVEL", "warning"), json=True)
+    run(_child, sys.argv[1])
+
+
+# -- parent ---------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """Parent-side handle on a child service process."""
+
+    def __init__(self, proc: anyio.abc.Process, events: anyio.abc.ObjectReceiveStream[dict[str, Any]]) -> None:
+        self.proc = proc
+        self._events = events
+        self.backlog: list[dict[str, Any]] = []
+        self.address = ""
+        self.agent = ""
+        self.pid = proc.pid
+
+    @classmethod
+    async def start(
+        cls, tg: anyio.abc.TaskGroup, config: dict[str, Any] | None = None, *,
+        env: dict[str, str] | None = None, ready_timeout: float = 30.0,
+    ) -> PeerProcess:
+        cmd = [sys.executable, "-m", "kvservice._peerproc", json.dumps(config or {})]
+        proc = await anyio.open_process(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+            env={**os.environ, **(env or {})},
+        )
+        send, recv = anyio.create_memory_object_stream[dict[str, Any]](1000)
+        tg.start_soon(_pump, proc, send)
+        peer = cls(proc, recv)
+        ready = await peer.wait_for(lambda e: e["event"] == "ready", timeout=ready_timeout)
+        peer.address, peer.agent = ready["address"], ready["agent"]
+        return peer
+
+    async def command(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        await self.proc.stdin.send((json.dumps(cmd) + "\n").encode())
+
+    async def wait_for(self, match: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+        for i, ev in enumerate(self.backlog):
+            if match(ev):
+                return self.backlog.pop(i)
+        with anyio.fail_after(timeout):
+            async for ev in self._events:
+                if match(ev):
+                    return ev
+                self.backlog.append(ev)
+        raise EOFError(f"peer {self.pid} exited before the awaited event")
+
+    async def event(self, name: str, rid: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        return await self.wait_for(lambda e: e["event"] == name and (rid is None or e.get("rid") == rid), timeout)
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc.returncode is None:
+            os.kill(self.pid, sig)
+
+    async def stop(self, timeout: float = 10.0) -> int | None:
+        """Ask the child to exit; SIGKILL it if it does not within ``timeout``."""
+        try:
+            if self.proc.returncode is None:
+                await self.command(op="exit")
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        with anyio.move_on_after(timeout):
+            await self.proc.wait()
+        if self.proc.returncode is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGKILL)
+            await self.proc.wait()
+        self._events.close()
+        return self.proc.returncode
+
+
+async def _pump(proc: anyio.abc.Process, send: anyio.abc.ObjectSendStream[dict[str, Any]]) -> None:
+    assert proc.stdout is not None
+    buf = b""
+    async with send:
+        try:
+            async for chunk in proc.stdout:
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        ev = json.loads(line)
+                        ev["_t"] = time.monotonic()
+                        await send.send(ev)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+
+if __name__ == "__main__":
+    main()

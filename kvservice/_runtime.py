@@ -1,0 +1,54 @@
+"""Entry-point plumbing: event-loop choice and logging.  Library code never
+configures logging; only ``cli`` and the helper processes call these."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+
+from ._config import LOOPS, ConfigError
+
+T = TypeVar("T")
+
+
+def uvloop_available() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(main: Callable[..., Awaitable[T]], *args: Any, loop: str = "auto") -> T:
+    """Run ``main`` on asyncio, with uvloop when ``loop`` is "uvloop" or "auto" and it is installed."""
+    if loop not in LOOPS:
+        raise ConfigError(f"loop: must be one of {', '.join(LOOPS)}, got {loop!r}")
+    if loop == "uvloop" and not uvloop_available():
+        raise ConfigError("loop: 'uvloop' requested but uvloop is not installed")
+    use_uvloop = loop != "asyncio" and uvloop_available()
+    return anyio.run(main, *args, backend="asyncio", backend_options={"use_uvloop": use_uvloop})
+
+
+def configure_logging(level: str = "info", json: bool | None = None, stream: Any = None) -> None:
+    """structlog: key=value console output on a terminal, JSON lines otherwise."""
+    stream = stream or sys.stderr
+    if json is None:
+        json = not stream.isatty()
+    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run every check: lint, types, Dockerfile lint, tests.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+fail=0
+echo "== ruff";  .venv/bin/ruff check kvservice tests benchmarks examples || fail=1
+echo "== mypy";  .venv/bin/mypy || fail=1
+if [ -f Dockerfile ]; then
+    echo "== hadolint"; .venv/bin/hadolint Dockerfile || fail=1
+fi
+echo "== pytest"
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    rc=1
+fi
+[ "$rc" -ne 0 ] && fail=1
+exit "$fail"

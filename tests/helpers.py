@@ -1,0 +1,74 @@
+"""Shared test helpers: configs and real peer processes.
+
+Services are entered inside test bodies (not in fixtures), so no task group
+or cancel scope is held across a pytest-asyncio fixture's ``yield``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+
+from kvservice import KVLayout, ServiceConfig
+from kvservice._peerproc import PeerProcess
+
+LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
+SMALL = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=64)
+
+
+def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:
+    kw.setdefault("ucx_env", LOOPBACK_UCX)
+    kw.setdefault("drain_grace_s", 1.0)
+    return ServiceConfig(layout=layout, **kw)
+
+
+def peer_config(layout: KVLayout = SMALL, **kw: Any) -> dict[str, Any]:
+    """The JSON a child process turns into its ServiceConfig."""
+    kw.setdefault("ucx_env", LOOPBACK_UCX)
+    kw.setdefault("drain_grace_s", 1.0)
+    return {"layout": {
+        "layers": layout.layers, "page_tokens": layout.page_tokens, "kv_heads": layout.kv_heads,
+        "head_dim": layout.head_dim, "dtype": layout.dtype, "num_pages": layout.num_pages,
+    }, **kw}
+
+
+@contextlib.asynccontextmanager
+async def peers(*configs: dict[str, Any], env: dict[str, str] | None = None) -> AsyncIterator[list[PeerProcess]]:
+    """Start one child service per config; kill whatever is left on exit."""
+    async with anyio.create_task_group() as tg:
+        started: list[PeerProcess] = []
+        try:
+            for cfg in configs:
+                started.append(await PeerProcess.start(tg, cfg, env=env))
+            yield started
+        finally:
+            with anyio.CancelScope(shield=True):
+                for p in started:
+                    await p.stop(timeout=5)
+            tg.cancel_scope.cancel()
+
+
+class Ticker:
+    """Measures how late the event loop wakes a task that sleeps ``interval``."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.max_lag = 0.0
+        self.ticks = 0
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await anyio.sleep(self.interval)
+            self.max_lag = max(self.max_lag, time.perf_counter() - t0 - self.interval)
+            self.ticks += 1
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> None:
+    with anyio.fail_after(timeout):
+        while not pred():
+            await anyio.sleep(interval)
