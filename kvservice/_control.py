@@ -231,6 +231,12 @@ class ControlPlane:
     def remote_layout(self, agent: str) -> KVLayout:
         return self._layouts[agent]
 
+    def drop_peer(self, agent: str, cause: BaseException) -> None:
+        """Close the link to ``agent``; its loss is then handled as any other."""
+        link = self._links.get(agent)
+        if link is not None:
+            link.close(cause)
+
     def send_to(self, agent: str, msg: Message) -> None:
         link = self._links.get(agent)
         if link is not None:

@@ -14,10 +14,11 @@ measured with nixl 1.5.1 (see the README's "How NIXL behaves" section):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,23 @@ def classify(exc: BaseException) -> FailureReason:
     raise TypeError(f"not a NIXL error: {type(exc).__name__}")  # a bug in the caller
 
 
+@contextlib.contextmanager
+def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
+    """Apply ``overrides`` (variables already set win) and restore on exit, so one
+    service's UCX settings never leak into another created later in the process."""
+    saved = {key: os.environ.get(key) for key in overrides}
+    for key, value in overrides.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
 class NixlStatusError(Exception):
     """``transfer``/``check_xfer_state`` returned ``"ERR"`` without raising."""
 
@@ -105,8 +123,6 @@ class NixlDoor:
     def __init__(self, agent_name: str, *, progress_thread: bool, ucx_env: Mapping[str, str]) -> None:
         if NIXL_IMPORT_ERROR is not None:
             raise NixlUnavailable(f"cannot import nixl: {NIXL_IMPORT_ERROR}") from NIXL_IMPORT_ERROR
-        for key, value in ucx_env.items():
-            os.environ.setdefault(key, value)
         # NIXL logs through stdlib logging at INFO for every agent/backend; keep it quiet.
         logging.getLogger("nixl").setLevel(logging.WARNING)
         config = nixl_agent_config(
@@ -116,7 +132,8 @@ class NixlDoor:
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
-            self._agent: Any = nixl_agent(agent_name, config)
+            with _environment(ucx_env):  # UCX reads its settings when the backend starts
+                self._agent: Any = nixl_agent(agent_name, config)
         except (RuntimeError, *NIXL_ERRORS) as exc:  # type: ignore[misc]
             raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc
         if "UCX" not in self._agent.backends:

@@ -86,8 +86,9 @@ async def _child(config_json: str) -> None:
         async def wait_arrival(rid: str, pages: list[int], timeout: float | None) -> None:
             result = await svc.await_arrival(rid, timeout=timeout)
             verified = None
-            if result.ok:
-                verified = bool(torch.equal(svc.kv.pages(pages), pattern(layout, rid, len(pages))))
+            if result.ok:  # CPU work: off the event loop
+                verified = await anyio.to_thread.run_sync(
+                    lambda: bool(torch.equal(svc.kv.pages(pages), pattern(layout, rid, len(pages)))))
             await emit(result_event("arrived", result, verified=verified))
 
         stdin = anyio.wrap_file(sys.stdin)
@@ -100,7 +101,8 @@ async def _child(config_json: str) -> None:
             base = {"id": cmd.get("id"), "rid": rid}
             try:
                 if op == "fill":
-                    svc.kv.write(cmd["pages"], pattern(layout, rid, len(cmd["pages"])))
+                    data = await anyio.to_thread.run_sync(pattern, layout, rid, len(cmd["pages"]))
+                    await anyio.to_thread.run_sync(svc.kv.write, cmd["pages"], data)
                     await emit({"event": "filled", **base})
                 elif op == "send":
                     handle = await svc.send(rid, cmd["pages"], last=cmd.get("last", True))

@@ -393,7 +393,13 @@ class TransferService:
                                           pages=req.pages_queued))
 
     def chunk_failed(self, req: SendRequest, err: DoorError) -> None:
+        peer = req.peer
         self._fail(req, err.reason, str(err), error=err.original)
+        if err.reason is FailureReason.REMOTE_DISCONNECT and peer is not None and self._control is not None:
+            # NIXL keeps a disconnected agent loaded and fails every later post to
+            # it; drop the peer now so its other requests fail at once (PEER_LOST)
+            # and a reconnect loads it afresh.
+            self._control.drop_peer(peer, err.original)
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
         for agent, messages in notifs.items():

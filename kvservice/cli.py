@@ -1,0 +1,40 @@
+"""The ``kvservice`` command line.  Each subcommand lives in its own module;
+this file only wires them up."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and an expectation failed
+EXIT_USAGE = 2  # bad arguments or configuration
+
+
+def _demo(argv: Sequence[str]) -> int:
+    from .demo import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "demo": ("two services, a few dozen verified requests, a decode crash and restart", _demo),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="kvservice", description="KV-cache transfer service over NIXL")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(
+        f"{name}: {desc}" for name, (desc, _) in sorted(COMMANDS.items())))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return EXIT_OK if argv else EXIT_USAGE
+    args, rest = parser.parse_known_args(argv[:1])
+    _, run = COMMANDS[args.command]
+    return run(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
