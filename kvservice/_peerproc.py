@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import torch
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import ServiceConfig
 from ._layout import KVLayout
@@ -144,7 +145,7 @@ def main() -> None:
 class PeerProcess:
     """Parent-side handle on a child service process."""
 
-    def __init__(self, proc: anyio.abc.Process, events: anyio.abc.ObjectReceiveStream[dict[str, Any]]) -> None:
+    def __init__(self, proc: anyio.abc.Process, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
         self.proc = proc
         self._events = events
         self.backlog: list[dict[str, Any]] = []

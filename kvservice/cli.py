@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return EXIT_OK if argv else EXIT_USAGE
-    args, rest = parser.parse_known_args(argv[:1])
+    args = parser.parse_args(argv[:1])
     _, run = COMMANDS[args.command]
     return run(argv[1:])
 

@@ -154,13 +154,13 @@ async def _steady(demo: Demo, decode: PeerProcess, name: str, n: int, wave: int 
             await decode.event("expecting", req.rid)
         results: list[TransferResult] = []
 
-        async def one(req: Request) -> None:
-            results.append(await demo.send(req, chunks=2, timeout=10))
+        async def one(req: Request, into: list[TransferResult]) -> None:
+            into.append(await demo.send(req, chunks=2, timeout=10))
 
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for req in reqs:
-                tg.start_soon(one, req)
+                tg.start_soon(one, req, results)
         phase.seconds += time.perf_counter() - t0
         for result in results:
             phase.add(result)
@@ -195,6 +195,7 @@ async def _crash(demo: Demo, decode: PeerProcess, n: int) -> tuple[Phase, float,
         await decode.command(op="expect", rid=req.rid, pages=req.dst, sender=demo.svc.address, timeout=10)
     await anyio.sleep(0.2)  # let the expects reach this side
     results: list[TransferResult] = []
+    three_done = anyio.Event()
     ticks = 0
     killed_at = 0.0
 
@@ -207,12 +208,13 @@ async def _crash(demo: Demo, decode: PeerProcess, n: int) -> tuple[Phase, float,
     async def one(req: Request, delay: float) -> None:
         await anyio.sleep(delay)
         results.append(await demo.send(req, chunks=4, timeout=5))
+        if sum(r.ok for r in results) >= 3:
+            three_done.set()
 
     async def killer() -> None:
         nonlocal killed_at
         with anyio.fail_after(10):
-            while sum(r.ok for r in results) < 3:
-                await anyio.sleep(0.0005)
+            await three_done.wait()
         decode.signal(signal.SIGKILL)
         killed_at = time.monotonic()
 
@@ -253,7 +255,8 @@ def _table(phases: Sequence[Phase]) -> str:
     for p in phases:
         gbps = p.bytes / p.seconds / 1e9 if p.seconds else 0.0
         fails = ", ".join(f"{k}={v}" for k, v in sorted(p.failures.items())) or "-"
-        lines.append(f"{p.name:<8} {p.requests:>8} {p.ok:>4} {p.verified:>8} {p.bytes / 2**20:>8.1f} {gbps:>6.2f}  {fails}")
+        lines.append(f"{p.name:<8} {p.requests:>8} {p.ok:>4} {p.verified:>8} "
+                     f"{p.bytes / 2**20:>8.1f} {gbps:>6.2f}  {fails}")
     return "\n".join(lines)
 
 

@@ -70,5 +70,5 @@ class Ticker:
 
 async def eventually(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> None:
     with anyio.fail_after(timeout):
-        while not pred():
+        while not pred():  # noqa: ASYNC110 - polls state no event announces
             await anyio.sleep(interval)

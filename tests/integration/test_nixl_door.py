@@ -1,0 +1,101 @@
+"""The NIXL door against a real remote agent in another process.
+
+These pin down the NIXL behaviour kvservice relies on (see the README): a
+post to a dead peer raises ``nixlRemoteDisconnectError``; the door turns it
+into a ``DoorError`` carrying that very instance and leaves no handle behind;
+a handle is never touched after its release; a peer can be reloaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvservice import FailureReason
+from kvservice._door import DoorError, XferState
+from kvservice._nixl import NixlDoor
+from kvservice._pool import KVPool
+from tests.helpers import LOOPBACK_UCX, SMALL
+
+pytestmark = pytest.mark.nixl
+
+
+def _start_child() -> tuple[subprocess.Popen[str], bytes, np.ndarray]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.door_child"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    return proc, bytes.fromhex(info["metadata"]), SMALL.descriptor_table(info["base"])
+
+
+def _wait_done(door: NixlDoor, xid: int, state: XferState) -> XferState:
+    deadline = time.monotonic() + 10  # hang guard only: a healthy 4-page WRITE takes microseconds
+    while state is XferState.PROC and time.monotonic() < deadline:
+        state = door.check(xid)
+    return state
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+@pytest.fixture
+def door() -> NixlDoor:
+    d = NixlDoor("door-test", progress_thread=True, ucx_env=LOOPBACK_UCX)
+    pool = KVPool(SMALL)
+    d.register_pool(pool.tensor, pool.descriptor_table())
+    d._test_pool = pool  # type: ignore[attr-defined]  # keep the registered tensor alive
+    yield d
+    d.close()
+
+
+def test_post_to_dead_peer_raises_remote_disconnect_and_leaves_nothing(door: NixlDoor) -> None:
+    proc, metadata, table = _start_child()
+    try:
+        door.add_peer("door-child", metadata, table)
+        idx = SMALL.descriptor_indices(SMALL.check_pages([1, 2, 3]))
+        xid, state = door.post("door-child", idx, idx, b"")
+        assert _wait_done(door, xid, state) is XferState.DONE
+        assert door.check(xid) is XferState.GONE  # released on DONE; answered from the table
+        assert door.release(xid) is False  # a second release never reaches NIXL
+    finally:
+        _reap(proc)
+    with pytest.raises(DoorError) as info:
+        for _ in range(50):  # the first post after the death may still be accepted by UCX
+            xid, state = door.post("door-child", idx, idx, b"")
+            _wait_done(door, xid, state)
+    err = info.value
+    assert err.reason is FailureReason.REMOTE_DISCONNECT
+    assert type(err.original).__name__ == "nixlRemoteDisconnectError"
+    assert err.__cause__ is err.original
+    assert door.live_xfers() == 0
+
+
+def test_restarted_peer_is_reloaded_under_the_same_name(door: NixlDoor) -> None:
+    idx = SMALL.descriptor_indices(SMALL.check_pages([5]))
+    for _ in range(2):
+        proc, metadata, table = _start_child()
+        try:
+            door.add_peer("door-child", metadata, table)  # replaces the dead incarnation
+            xid, state = door.post("door-child", idx, idx, b"")
+            assert _wait_done(door, xid, state) is XferState.DONE
+        finally:
+            _reap(proc)
+    assert door.remove_peer("door-child") == []
+    assert door.live_xfers() == 0
+
+
+def test_garbage_metadata_is_a_door_error(door: NixlDoor) -> None:
+    with pytest.raises(DoorError) as info:
+        door.add_peer("nobody", b"not nixl metadata", SMALL.descriptor_table(0))
+    assert type(info.value.original).__module__.startswith("nixl")
