@@ -61,7 +61,8 @@ class TransferService:
     ) -> None:
         self.config = config or ServiceConfig()
         self.layout = self.config.layout
-        self.kv = KVPool(self.layout, pool)
+        self._pool_tensor = pool
+        self._kv: KVPool | None = None
         self.agent_name = f"{self.config.agent_prefix}-{uuid.uuid4().hex[:12]}"
         self._door_factory = door_factory or _nixl_door
         self._thread: DoorThread | None = None
@@ -82,6 +83,13 @@ class TransferService:
         self.stats = Stats()
         self.address = ""
 
+    @property
+    def kv(self) -> KVPool:
+        """The registered KV pool (available once the service has started)."""
+        if self._kv is None:
+            raise KVServiceError("the KV pool exists once the service has started ('async with')")
+        return self._kv
+
     # -- lifetime ---------------------------------------------------------------
     async def __aenter__(self) -> TransferService:
         self._tg = anyio.create_task_group()
@@ -99,6 +107,8 @@ class TransferService:
         assert self._tg is not None
         cfg = self.config
         self._thread = DoorThread()
+        # Allocating (and touching) a multi-GB pool takes seconds: not on the loop.
+        self._kv = await anyio.to_thread.run_sync(KVPool, self.layout, self._pool_tensor)
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         await self._thread.call(self._door.register_pool, self.kv.tensor, self.kv.descriptor_table())
         metadata = await self._thread.call(self._door.metadata)
@@ -262,7 +272,8 @@ class TransferService:
             raise
         except Exception as exc:  # noqa: BLE001 - classified in ControlPlane.dial_failure
             reason = self._control.dial_failure(exc)
-            self._fail(req, reason, f"cannot reach sender {sender}: {exc}", error=exc)
+            original = exc.original if isinstance(exc, DoorError) else exc  # NIXL's own exception
+            self._fail(req, reason, f"cannot reach sender {sender}: {exc}", error=original)
             return
         if req.result is None:
             req.peer = link.agent
