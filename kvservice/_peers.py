@@ -121,11 +121,13 @@ class PeerLink:
         self._drained = anyio.Event()
         self.last_rx = time.monotonic()
         self.closed = False
+        self._closing = False
         self.graceful = False  # the peer said Bye
         self._cause: BaseException | None = None
 
     def send(self, msg: Message) -> None:
-        if not self.closed:
+        """Queue ``msg``; dropped once the link is closing (nothing may follow Bye)."""
+        if not self.closed and not self._closing:
             self._send.send_nowait(msg)
 
     def close(self, cause: BaseException | None = None) -> None:
@@ -163,6 +165,7 @@ class PeerLink:
     async def flush_and_close(self, timeout: float) -> None:
         """Send what is queued plus a Bye, then close (used at shutdown)."""
         self.send(Bye("shutting down"))
+        self._closing = True
         self._send.close()  # the writer drains the outbox, then sets _drained
         with anyio.move_on_after(timeout):
             await self._drained.wait()

@@ -239,3 +239,14 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+async def test_shutdown_fails_outstanding_work_as_shutdown_on_both_sides() -> None:
+    async with peers(peer_config()) as (decode,):
+        async with TransferService(config(drain_grace_s=0.2)) as svc:
+            await decode.command(op="expect", rid="s", pages=[1, 2], sender=svc.address)
+            await decode.event("expecting", "s")
+            handle = await svc.send("s", [1], last=False)  # the engine never sends the rest
+        assert handle.result is not None and handle.result.reason is FailureReason.SHUTDOWN
+        arrived = await decode.event("arrived", "s", timeout=5)
+        assert arrived["status"] == "FAILED" and arrived["reason"] == "SHUTDOWN", arrived
