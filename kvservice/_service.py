@@ -248,8 +248,12 @@ class TransferService:
                      timeout: float | None = None) -> None:
         """Announce that ``request_id`` goes into ``pages``, and tell ``sender``.
 
-        Returns once the sender has been told (or the request has failed, e.g.
-        ``PEER_LOST`` when the sender cannot be reached: see ``await_arrival``).
+        Returns once the request is registered here and its Expect is queued on
+        the link to the sender (dialled first if needed), or once the request
+        has failed (e.g. ``PEER_LOST`` when the sender cannot be reached; see
+        ``await_arrival``).  If this process dies before the Expect is written,
+        the sender never hears of the request and its ``send`` ends ``TIMEOUT``
+        at its bootstrap deadline.
         """
         self._check_open()
         _check_request_id(request_id)
@@ -335,6 +339,7 @@ class TransferService:
         wd = self._watchdog
         return self.stats.snapshot(
             sending=len(self._sends), receiving=len(self._recvs),
+            expects_before_send=len(self._early),
             inflight_handles=wd.inflight if wd else 0,
             live_nixl_handles=wd.live_handles if wd else 0,
             peers=self._control.peer_addresses() if self._control else [],
@@ -482,15 +487,16 @@ class TransferService:
             self._early[rid] = (agent, pages)
 
     def _on_peer_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
+        why = _reason(reason)  # the peer's own reason: ABORTED, SHUTDOWN, TIMEOUT, ...
         sreq = self._sends.get(rid)
         if sreq is not None and sreq.peer == agent:
-            self._fail(sreq, FailureReason.ABORTED, f"receiver aborted ({reason}): {message}", from_peer=True)
+            self._fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
         rreq = self._recvs.get(rid)
         if rreq is not None and rreq.peer == agent:
-            self._fail(rreq, FailureReason.ABORTED, f"sender aborted ({reason}): {message}", from_peer=True)
+            self._fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
         if rid in self._early and self._early[rid][0] == agent:
             del self._early[rid]
-            self._dropped.put(rid, FailureReason.ABORTED)
+            self._dropped.put(rid, why)
 
     def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool) -> None:
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST

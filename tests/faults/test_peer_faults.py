@@ -74,8 +74,7 @@ async def test_receiver_killed_during_inflight_transfer() -> None:
 async def test_receiver_killed_before_post_fails_fast_not_by_timeout() -> None:
     async with peers(peer_config()) as (victim,), TransferService(config(bootstrap_timeout_s=60)) as svc:
         await victim.command(op="expect", rid="r", pages=[3, 4], sender=svc.address)
-        await victim.event("expecting", "r")
-        await eventually(lambda: svc.status()["peers"] != [])
+        await eventually(lambda: svc.status()["expects_before_send"] == 1)
         victim.signal(signal.SIGKILL)
         await victim.proc.wait()
         await eventually(lambda: svc.status()["peers"] == [])
@@ -108,7 +107,7 @@ async def test_receiver_hung_times_out_and_releases_the_handle() -> None:
     async with peers(cfg, env=TCP) as (victim,), \
             TransferService(config(BIG, ucx_env=TCP, peer_timeout_s=60)) as svc:
         await victim.command(op="expect", rid="hung", pages=ALL, sender=svc.address)
-        await victim.event("expecting", "hung")
+        await eventually(lambda: svc.status()["expects_before_send"] == 1)
         victim.signal(signal.SIGSTOP)
         try:
             handle = await svc.send("hung", ALL, last=True, timeout=1.5)
@@ -145,7 +144,7 @@ async def test_cancelled_waiter_does_not_cancel_the_transfer() -> None:
     async with peers(cfg, env=TCP) as (decode,), \
             TransferService(config(BIG, ucx_env=TCP, peer_timeout_s=60)) as svc:
         await decode.command(op="expect", rid="c", pages=ALL, sender=svc.address)
-        await decode.event("expecting", "c")
+        await eventually(lambda: svc.status()["expects_before_send"] == 1)
         decode.signal(signal.SIGSTOP)  # hold the transfer in flight
         handle = await svc.send("c", ALL, last=True, timeout=60)
         cancelled = False
