@@ -177,6 +177,10 @@ class ControlPlane:
         if old is not None and old != hello.agent:
             log.info("peer.restarted", address=hello.address, old_agent=old, agent=hello.agent)
             await self._drop(old, ConnectionResetError("peer restarted"), graceful=False)
+        if hello.agent in self._layouts and hello.agent in self._links:
+            # A second connection from the same live incarnation: already loaded.  Loading
+            # it again would release its in-flight handles under the watchdog.
+            return
         layout = KVLayout(num_pages=hello.num_pages, **hello.layout)  # type: ignore[arg-type]
         table = layout.descriptor_table(hello.base_addr, hello.device_id)
         await self._thread.call(self._door.add_peer, hello.agent, hello.metadata, table)
@@ -221,6 +225,9 @@ class ControlPlane:
             del self._by_addr[link.address]
         (log.info if graceful else log.warning)(
             "peer.lost", peer=link.address, agent=agent, graceful=graceful, cause=repr(cause))
+        # The peer's last WRITEs may have landed with their notifications not collected
+        # yet (its Bye can overtake them): take them first, so what arrived succeeds.
+        self._svc.on_notifs(await self._thread.call(self._door.notifs))
         self._svc.on_peer_lost(agent, link.address, cause, graceful)
         link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)

@@ -1,0 +1,442 @@
+"""A scripted, in-process fake of the ``Door`` protocol, for unit tests of the layers above NIXL.
+
+Several ``FakeDoor``s share one ``FakeFabric``: a ``post`` from door A copies
+the page-plane bytes named by the descriptor tables (A's own table from
+``register_pool``, B's from ``add_peer``) out of A's registered tensor into B's,
+then appends the notification to B's inbox, which B's ``notifs()`` drains.  So
+a unit test sees real bytes land in the right pages, and a wrong descriptor
+computed by the service shows up as wrong bytes or a recorded violation.
+
+Scripting (from the test, on the event loop thread; the door thread reads it
+under the fabric lock):
+
+* ``fail_next_post`` / ``fail_next_check`` / ``fail_next_add_peer``: the next
+  such call raises ``DoorError(reason, original)``; a failed check releases
+  the handle, as the real door does.
+* ``complete_immediately()`` (the default), ``complete_after(n)`` (DONE on the
+  n-th check), ``hang()`` (PROC for ever, like a SIGSTOPped peer);
+  ``finish_hung()`` lets hung transfers complete on their next check.
+* ``post_delay``: each post sleeps that long on the door thread;
+  ``post_probe`` is sampled before and after each post.
+
+Bookkeeping: every release of every transfer id is counted.  The fake is
+deliberately *not* forgiving the way the real door is: a ``check`` or
+``release`` of an id never posted is recorded as a violation; a repeated
+``release`` of a released id is allowed by the ``Door`` contract (idempotent,
+answered ``False``) and counted in ``redundant_releases``; a ``check`` of a
+released id is a violation, which proves the service never even tries it.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvservice._config import ServiceConfig
+from kvservice._door import DoorError, XferId, XferState
+from kvservice._results import FailureReason
+
+
+class Mode(enum.Enum):
+    IMMEDIATE = "immediate"  # post returns DONE: data and notif delivered at once
+    AFTER_CHECKS = "after_checks"  # PROC until the n-th check
+    HANG = "hang"  # PROC for ever (until finish_hung)
+
+
+@dataclass(slots=True)
+class PostRecord:
+    """One call of ``post``, as the service made it."""
+
+    xid: XferId | None  # None when the post raised
+    peer: str
+    local_idx: npt.NDArray[np.int32]
+    remote_idx: npt.NDArray[np.int32]
+    notif: bytes
+    probe: tuple[int, int] | None = None  # post_probe() before and after the post
+    round: int = 0  # which notifs() round (= watchdog tick) the post belongs to
+
+
+@dataclass(slots=True)
+class _Xfer:
+    xid: XferId
+    peer: str
+    local_idx: npt.NDArray[np.int32]
+    remote_idx: npt.NDArray[np.int32]
+    notif: bytes
+    checks_left: int | None  # None: hung
+
+
+@dataclass(slots=True)
+class _Pool:
+    base: int
+    nbytes: int
+    data: npt.NDArray[np.uint8]  # shares memory with the registered tensor
+    table: npt.NDArray[np.uint64]
+
+
+def _byte_view(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("the fake door needs a contiguous CPU tensor")
+    view: npt.NDArray[np.uint8] = tensor.reshape(-1).view(torch.uint8).numpy()
+    return view
+
+
+class FakeFabric:
+    """The shared "network" of fake doors in one process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._doors: dict[str, FakeDoor] = {}
+        self.created: list[FakeDoor] = []
+
+    def factory(self, agent_name: str, config: ServiceConfig) -> FakeDoor:
+        """``TransferService(door_factory=fabric.factory)``; runs on the door thread."""
+        door = FakeDoor(self, agent_name)
+        with self.lock:
+            if agent_name in self._doors:
+                raise ValueError(f"agent {agent_name!r} exists already")
+            self._doors[agent_name] = door
+            self.created.append(door)
+        return door
+
+    def door(self, agent_name: str) -> FakeDoor:
+        with self.lock:
+            for door in self.created:
+                if door.agent_name == agent_name:
+                    return door
+        raise KeyError(agent_name)
+
+    def lookup(self, agent_name: str) -> FakeDoor | None:
+        """The live (not closed) door of that name."""
+        with self.lock:
+            return self._doors.get(agent_name)
+
+    def unregister(self, door: FakeDoor) -> None:
+        with self.lock:
+            if self._doors.get(door.agent_name) is door:
+                del self._doors[door.agent_name]
+
+    def violations(self, kind: str = "") -> list[str]:
+        """Every violation recorded by any door; ``kind`` ("check", "release", "post") filters."""
+        with self.lock:
+            return [v for door in self.created for v in door.violations if v.startswith(kind)]
+
+    def assert_clean(self) -> None:
+        """No violations, no live handle, and every posted id released exactly once
+        (at the NIXL level; idempotent extra ``release()`` calls are allowed)."""
+        with self.lock:
+            problems = self.violations()
+            for door in self.created:
+                if door.live_xfers():
+                    problems.append(f"{door.agent_name}: {door.live_xfers()} live handles")
+                for xid in door.posted_ids():
+                    n = door.release_counts[xid]
+                    if n != 1:
+                        problems.append(f"{door.agent_name}: xfer {xid} released {n} times")
+        assert not problems, problems
+
+
+class FakeDoor:
+    """``Door`` over a ``FakeFabric``.  Every method is meant for the door thread."""
+
+    def __init__(self, fabric: FakeFabric, agent_name: str) -> None:
+        self.agent_name = agent_name
+        self._fabric = fabric
+        self._lock = fabric.lock
+        self._pool: _Pool | None = None
+        self._peers: dict[str, npt.NDArray[np.uint64]] = {}
+        self._live: dict[XferId, _Xfer] = {}
+        self._inbox: dict[str, list[bytes]] = collections.defaultdict(list)
+        self._next_id = 1
+        self._round = 0
+        self._closed = False
+        # -- script --------------------------------------------------------------------
+        self._post_errors: collections.deque[DoorError] = collections.deque()
+        self._check_errors: collections.deque[DoorError] = collections.deque()
+        self._add_peer_errors: collections.deque[DoorError] = collections.deque()
+        self._mode = Mode.IMMEDIATE
+        self._after = 1
+        self.post_delay = 0.0
+        self.post_probe: Callable[[], int] | None = None
+        # -- records ---------------------------------------------------------------------
+        self.posts: list[PostRecord] = []
+        self.release_counts: collections.Counter[XferId] = collections.Counter()
+        self.redundant_releases: collections.Counter[XferId] = collections.Counter()
+        self.check_counts: collections.Counter[XferId] = collections.Counter()
+        self.violations: list[str] = []
+        self.threads: set[int] = {threading.get_ident()}
+        self.peers_added: list[str] = []
+        self.peers_removed: list[str] = []
+
+    # -- scripting (any thread) --------------------------------------------------------------
+    def fail_next_post(self, reason: FailureReason, original: BaseException) -> DoorError:
+        err = DoorError(reason, original, "make_prepped_xfer")
+        with self._lock:
+            self._post_errors.append(err)
+        return err
+
+    def fail_next_check(self, reason: FailureReason, original: BaseException) -> DoorError:
+        err = DoorError(reason, original, "check_xfer_state")
+        with self._lock:
+            self._check_errors.append(err)
+        return err
+
+    def fail_next_add_peer(self, reason: FailureReason, original: BaseException) -> DoorError:
+        err = DoorError(reason, original, "add_remote_agent")
+        with self._lock:
+            self._add_peer_errors.append(err)
+        return err
+
+    def complete_immediately(self) -> None:
+        with self._lock:
+            self._mode = Mode.IMMEDIATE
+
+    def complete_after(self, checks: int) -> None:
+        if checks < 1:
+            raise ValueError("checks must be >= 1")
+        with self._lock:
+            self._mode, self._after = Mode.AFTER_CHECKS, checks
+
+    def hang(self) -> None:
+        with self._lock:
+            self._mode = Mode.HANG
+
+    def finish_hung(self) -> int:
+        """Let every hung transfer complete on its next check; returns how many."""
+        with self._lock:
+            hung = [x for x in self._live.values() if x.checks_left is None]
+            for x in hung:
+                x.checks_left = 1
+            return len(hung)
+
+    # -- observations (any thread) -------------------------------------------------------------
+    def posted_ids(self) -> list[XferId]:
+        with self._lock:
+            return [p.xid for p in self.posts if p.xid is not None]
+
+    def post_count(self) -> int:
+        with self._lock:
+            return len(self.posts)
+
+    def live_ids(self) -> list[XferId]:
+        with self._lock:
+            return list(self._live)
+
+    @property
+    def rounds(self) -> int:
+        """How many times ``notifs()`` ran: once per watchdog tick."""
+        with self._lock:
+            return self._round
+
+    def max_posts_per_round(self) -> int:
+        with self._lock:
+            per = collections.Counter(p.round for p in self.posts)
+            return max(per.values(), default=0)
+
+    # -- Door -------------------------------------------------------------------------
+    def _enter(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def metadata(self) -> bytes:
+        self._enter()
+        return b"fake-md:" + self.agent_name.encode()
+
+    def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
+        self._enter()
+        data = _byte_view(tensor)
+        base = int(tensor.data_ptr())
+        self._check_table(table, base, data.size, "register_pool")
+        with self._lock:
+            self._pool = _Pool(base, int(data.size), data, table)
+
+    def _check_table(self, table: npt.NDArray[np.uint64], base: int, nbytes: int, op: str) -> None:
+        if table.ndim != 2 or table.shape[1] != 3 or table.dtype != np.uint64:
+            raise ValueError(f"{op}: table must be N x 3 uint64, got {table.shape} {table.dtype}")
+        lo = int(table[:, 0].min())
+        hi = int((table[:, 0] + table[:, 1]).max())
+        if lo < base or hi > base + nbytes:
+            raise ValueError(f"{op}: table spans {lo:#x}..{hi:#x}, pool is {base:#x}+{nbytes}")
+
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
+        self._enter()
+        with self._lock:
+            if self._add_peer_errors:
+                raise self._add_peer_errors.popleft()
+        if name in self._peers:
+            self.remove_peer(name)
+        if metadata != b"fake-md:" + name.encode():
+            raise DoorError(FailureReason.INCOMPATIBLE, ValueError(f"metadata is not {name!r}'s"),
+                            "add_remote_agent")
+        target = self._fabric.lookup(name)
+        if target is None or target._pool is None:
+            raise DoorError(FailureReason.BACKEND, ConnectionRefusedError(f"no agent {name!r}"),
+                            "add_remote_agent")
+        self._check_table(table, target._pool.base, target._pool.nbytes, "add_peer")
+        with self._lock:
+            self._peers[name] = table
+            self.peers_added.append(name)
+
+    def remove_peer(self, name: str) -> list[XferId]:
+        self._enter()
+        with self._lock:
+            released = [xid for xid, x in self._live.items() if x.peer == name]
+            for xid in released:
+                self._release_live(xid)
+            if self._peers.pop(name, None) is not None:
+                self.peers_removed.append(name)
+            return released
+
+    def post(
+        self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32],
+        notif: bytes,
+    ) -> tuple[XferId, XferState]:
+        self._enter()
+        before = self.post_probe() if self.post_probe else None
+        if self.post_delay:
+            time.sleep(self.post_delay)  # the door thread is busy, as in a real blocking post
+        after = self.post_probe() if self.post_probe else None
+        probe = None if before is None or after is None else (before, after)
+        with self._lock:
+            record = PostRecord(None, peer, local_idx.copy(), remote_idx.copy(), notif, probe, self._round)
+            self.posts.append(record)
+            if self._post_errors:
+                raise self._post_errors.popleft()
+            if peer not in self._peers:
+                raise DoorError(FailureReason.PEER_LOST, KeyError(f"peer {peer!r} not loaded"),
+                                "make_prepped_xfer")
+            self._validate(peer, local_idx, remote_idx)
+            xid = self._next_id
+            self._next_id += 1
+            record.xid = xid
+            checks = None if self._mode is Mode.HANG else self._after
+            xfer = _Xfer(xid, peer, record.local_idx, record.remote_idx, notif, checks)
+            self._live[xid] = xfer
+            if self._mode is Mode.IMMEDIATE:
+                self._complete(xfer)  # releases, as the real door does on DONE
+                return xid, XferState.DONE
+            return xid, XferState.PROC
+
+    def _validate(self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32]) -> None:
+        assert self._pool is not None
+        problem = None
+        if local_idx.dtype != np.int32 or remote_idx.dtype != np.int32:
+            problem = f"index dtypes {local_idx.dtype}/{remote_idx.dtype}, want int32"
+        elif local_idx.ndim != 1 or local_idx.shape != remote_idx.shape or local_idx.size == 0:
+            problem = f"index shapes {local_idx.shape}/{remote_idx.shape}"
+        elif local_idx.min() < 0 or local_idx.max() >= len(self._pool.table):
+            problem = "local index out of the local table"
+        elif remote_idx.min() < 0 or remote_idx.max() >= len(self._peers[peer]):
+            problem = "remote index out of the peer's table"
+        elif not np.array_equal(self._pool.table[local_idx, 1], self._peers[peer][remote_idx, 1]):
+            problem = "paired descriptors differ in length"
+        if problem is not None:
+            self.violations.append(f"post(to {peer}): {problem}")
+            raise DoorError(FailureReason.BACKEND, ValueError(problem), "make_prepped_xfer")
+
+    def _complete(self, xfer: _Xfer) -> None:
+        """Copy the bytes into the peer's pool, deliver the notif, release.  Lock held."""
+        assert self._pool is not None
+        target = self._fabric.lookup(xfer.peer)
+        if target is None or target._pool is None:
+            self._release_live(xfer.xid)
+            raise DoorError(FailureReason.REMOTE_DISCONNECT,
+                            ConnectionResetError(f"{xfer.peer} is gone"), "check_xfer_state")
+        src, dst = self._pool, target._pool
+        rtable = self._peers[xfer.peer]
+        for li, ri in zip(xfer.local_idx.tolist(), xfer.remote_idx.tolist(), strict=True):
+            s_off = int(src.table[li, 0]) - src.base
+            d_off = int(rtable[ri, 0]) - dst.base
+            n = int(src.table[li, 1])
+            dst.data[d_off : d_off + n] = src.data[s_off : s_off + n]
+        target._inbox[self.agent_name].append(xfer.notif)
+        self._release_live(xfer.xid)
+
+    def _release_live(self, xid: XferId) -> None:
+        del self._live[xid]
+        self.release_counts[xid] += 1
+
+    def check(self, xfer: XferId) -> XferState:
+        self._enter()
+        with self._lock:
+            x = self._live.get(xfer)
+            if x is None:
+                what = "after release" if self.release_counts[xfer] else "of an id never posted"
+                self.violations.append(f"check({xfer}) {what}")
+                return XferState.GONE
+            self.check_counts[xfer] += 1
+            if self._check_errors:
+                err = self._check_errors.popleft()
+                self._release_live(xfer)
+                raise err
+            if x.checks_left is None:
+                return XferState.PROC
+            x.checks_left -= 1
+            if x.checks_left > 0:
+                return XferState.PROC
+            self._complete(x)
+            return XferState.DONE
+
+    def release(self, xfer: XferId) -> bool:
+        self._enter()
+        with self._lock:
+            if xfer in self._live:
+                self._release_live(xfer)
+                return True
+            if self.release_counts[xfer]:
+                # Allowed by the Door contract: release() is idempotent and answers
+                # False for a gone id.  What must hold is that the *NIXL* release
+                # (``_release_live``) ran once: ``release_counts`` counts only that.
+                self.redundant_releases[xfer] += 1
+            else:
+                self.violations.append(f"release({xfer}): release of an id never posted")
+            return False
+
+    def notifs(self) -> Mapping[str, list[bytes]]:
+        self._enter()
+        with self._lock:
+            self._round += 1
+            got = {k: v for k, v in self._inbox.items() if v}
+            self._inbox.clear()
+            return got
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        self._enter()
+        with self._lock:
+            target = self._fabric.lookup(peer)
+            if peer not in self._peers or target is None:
+                raise DoorError(FailureReason.REMOTE_DISCONNECT, ConnectionResetError(peer), "send_notif")
+            target._inbox[self.agent_name].append(message)
+
+    def inject_notif(self, sender: str, message: bytes) -> None:
+        """Deliver ``message`` to this door as if ``sender`` had sent it (any thread)."""
+        with self._lock:
+            self._inbox[sender].append(message)
+
+    def live_xfers(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def close(self) -> None:
+        self._enter()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for xid in list(self._live):
+                self._release_live(xid)
+            self._peers.clear()
+        self._fabric.unregister(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+

@@ -1,0 +1,57 @@
+"""Two ``TransferService``s in one process over a ``FakeFabric``: the unit-test harness.
+
+Services are entered inside test bodies (``async with two_services(...)``),
+never held by a fixture across ``yield``.  The control plane is real loopback
+TCP; only NIXL is faked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from kvservice import ServiceConfig, TransferService
+from kvservice._peerproc import pattern
+from tests.helpers import SMALL, config
+
+from .fake_door import FakeDoor, FakeFabric
+
+#: generous bound on any single wait: a hang guard, never a timed assertion
+GUARD_S = 10.0
+
+
+def unit_config(**kw: Any) -> ServiceConfig:
+    kw.setdefault("drain_grace_s", 0.2)
+    return config(SMALL, **kw)
+
+
+@contextlib.asynccontextmanager
+async def two_services(
+    fabric: FakeFabric, sender: ServiceConfig | None = None, receiver: ServiceConfig | None = None,
+) -> AsyncIterator[tuple[TransferService, TransferService]]:
+    """A sending and a receiving service on fake doors.  The receiver exits first."""
+    async with (
+        TransferService(sender or unit_config(), door_factory=fabric.factory) as tx,
+        TransferService(receiver or unit_config(), door_factory=fabric.factory) as rx,
+    ):
+        yield tx, rx
+
+
+def door_of(fabric: FakeFabric, svc: TransferService) -> FakeDoor:
+    return fabric.door(svc.agent_name)
+
+
+def fill(svc: TransferService, rid: str, pages: Sequence[int]) -> torch.Tensor:
+    """Write ``rid``'s payload into ``pages`` of ``svc``'s pool; returns it."""
+    data = pattern(SMALL, rid, len(pages))
+    svc.kv.write(pages, data)
+    return data
+
+
+def untouched(svc: TransferService, but: Sequence[int]) -> bool:
+    """Every page of ``svc``'s pool outside ``but`` is still zero."""
+    rest = [p for p in range(SMALL.num_pages) if p not in set(but)]
+    return bool((svc.kv.pages(rest) == 0).all())

@@ -1,0 +1,144 @@
+"""Control-channel framing and the NIXL notification payload."""
+
+from __future__ import annotations
+
+import struct
+
+import anyio
+import anyio.abc
+import msgspec
+import pytest
+
+from kvservice._peers import FramedStream, split_address
+from kvservice._protocol import (
+    HEADER_BYTES,
+    NOTIF_MAGIC,
+    PROTOCOL_VERSION,
+    Abort,
+    Bye,
+    ChunkNotif,
+    Expect,
+    Failed,
+    FrameError,
+    Hello,
+    Message,
+    Ping,
+    Reject,
+    decode_body,
+    decode_notif,
+    encode_frame,
+    encode_notif,
+    frame_length,
+)
+
+MESSAGES: list[Message] = [
+    Hello(version=PROTOCOL_VERSION, agent="kv-a", address="127.0.0.1:5000", metadata=b"\x00md\xff",
+          layout={"layers": 2, "dtype": "bfloat16"}, num_pages=64, base_addr=2**47 + 4096, device_id=1),
+    Reject("no"),
+    Expect("r1", [0, 5, 63]),
+    Abort("r1", "ABORTED", "bye"),
+    Failed("r1", "TIMEOUT", "late"),
+    Ping(),
+    Bye("shutting down"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_frame_round_trip(msg: Message) -> None:
+    frame = encode_frame(msg)
+    n = frame_length(frame[:HEADER_BYTES], limit=1 << 20)
+    assert n == len(frame) - HEADER_BYTES
+    assert decode_body(frame[HEADER_BYTES:]) == msg
+
+
+def test_frame_length_refuses_oversize_before_reading_the_body() -> None:
+    assert frame_length(struct.pack(">I", 1000), limit=1000) == 1000
+    with pytest.raises(FrameError, match="1001 bytes exceeds the limit of 1000"):
+        frame_length(struct.pack(">I", 1001), limit=1000)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # never-used msgpack byte
+        b"",
+        msgspec.msgpack.encode({"type": "nonsense"}),
+        msgspec.msgpack.encode({"type": "expect", "request_id": "", "pages": [1]}),  # empty id
+        msgspec.msgpack.encode({"type": "expect", "request_id": "r", "pages": ["x"]}),
+        msgspec.msgpack.encode({"type": "hello", "version": 1}),  # missing fields
+        msgspec.msgpack.encode([1, 2, 3]),
+    ],
+)
+def test_malformed_body_is_a_frame_error(body: bytes) -> None:
+    with pytest.raises(FrameError, match="malformed frame"):
+        decode_body(body)
+
+
+def test_request_id_longer_than_256_is_refused() -> None:
+    body = encode_frame(Expect("x" * 257, [1]))[HEADER_BYTES:]
+    with pytest.raises(FrameError):
+        decode_body(body)
+
+
+def test_notif_round_trip() -> None:
+    n = ChunkNotif("req-7", chunk=3, total=4)
+    raw = encode_notif(n)
+    assert raw.startswith(NOTIF_MAGIC)
+    assert decode_notif(raw) == n
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"some other app's notification",
+        NOTIF_MAGIC,  # ours, but empty
+        NOTIF_MAGIC + b"\xc1garbage",
+        NOTIF_MAGIC + msgspec.msgpack.encode(["r", "not-an-int", 0]),
+        b"kv2" + encode_notif(ChunkNotif("r", 0, 1))[len(NOTIF_MAGIC):],  # another version's magic
+    ],
+)
+def test_foreign_or_malformed_notifs_are_ignored(raw: bytes) -> None:
+    assert decode_notif(raw) is None
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", ":80", "host:", "host:0", "host:65536", "host:8o"])
+def test_split_address_rejects(address: str) -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        split_address(address)
+
+
+def test_split_address() -> None:
+    assert split_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert split_address("[::1]:7") == ("::1", 7)
+
+
+async def test_framed_stream_over_tcp_refuses_an_oversize_frame() -> None:
+    """A peer announcing a frame over the limit is refused without reading it."""
+    got: list[BaseException | Message] = []
+    done = anyio.Event()
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        framed = FramedStream(stream, max_frame_bytes=64 * 1024)
+        for _ in range(2):
+            try:
+                got.append(await framed.recv())
+            except FrameError as exc:
+                got.append(exc)
+                break
+        await framed.aclose()
+        done.set()
+
+    with anyio.fail_after(10):
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(listener.serve, serve)
+            client = await anyio.connect_tcp("127.0.0.1", port)
+            async with client:
+                await client.send(encode_frame(Expect("ok", [1, 2])))
+                await client.send(struct.pack(">I", 64 * 1024 + 1) + b"\x00" * 16)
+                await done.wait()
+            tg.cancel_scope.cancel()
+    assert got[0] == Expect("ok", [1, 2])
+    assert isinstance(got[1], FrameError) and "exceeds the limit" in str(got[1])
