@@ -98,7 +98,7 @@ class ControlPlane:
             log.warning("peer.handshake_failed", side="accept", error=repr(exc))
             await framed.aclose()
             return
-        await self._run_link(framed, hello)
+        await self._make_link(framed, hello).run()
 
     # -- dialing -------------------------------------------------------------------
     def check_address(self, address: str) -> None:
@@ -150,7 +150,7 @@ class ControlPlane:
         link = self._make_link(framed, reply)
         attempt.link = link
         attempt.done.set()
-        await self._drive(link)
+        await link.run()
 
     def dial_failure(self, exc: BaseException) -> FailureReason:
         if isinstance(exc, ProtocolError):
@@ -186,9 +186,6 @@ class ControlPlane:
         await self._thread.call(self._door.add_peer, hello.agent, hello.metadata, table)
         self._layouts[hello.agent] = layout
 
-    async def _run_link(self, framed: FramedStream, hello: Hello) -> None:
-        await self._drive(self._make_link(framed, hello))
-
     def _make_link(self, framed: FramedStream, hello: Hello) -> PeerLink:
         prior = self._links.get(hello.agent)
         if prior is not None:  # a second connection from the same incarnation replaces the first
@@ -202,9 +199,6 @@ class ControlPlane:
         self._by_addr[hello.address] = hello.agent
         log.info("peer.connected", peer=hello.address, agent=hello.agent)
         return link
-
-    async def _drive(self, link: PeerLink) -> None:
-        await link.run()
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, Hello | Reject):

@@ -15,7 +15,6 @@ from ._layout import KVLayout, PageIndex
 from ._results import (
     FailureReason,
     KVPoll,
-    TransferFailed,
     TransferResult,
     TransferStatus,
 )
@@ -126,10 +125,8 @@ class TransferHandle:
         result = self._req.result
         if result is None or result.ok:
             raise RuntimeError(f"request {self.request_id!r} has not failed (poll={self.poll().name})")
-        if result.error is not None:
-            raise result.error
-        assert result.reason is not None
-        raise TransferFailed(result.request_id, result.reason, result.message)
+        result.raise_for_failure()
+        raise AssertionError("unreachable: a failed result always raises")
 
     async def wait(self) -> TransferResult:
         await self._req.done.wait()
