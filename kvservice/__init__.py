@@ -13,6 +13,7 @@ from ._results import (
     FailureReason,
     KVPoll,
     KVServiceError,
+    NixlUnavailable,
     ProtocolError,
     TransferFailed,
     TransferResult,
@@ -20,6 +21,7 @@ from ._results import (
     UnknownRequestError,
 )
 from ._service import TransferService
+from .sidecar import SidecarClient
 
 __version__ = "0.1.0"
 
@@ -30,8 +32,10 @@ __all__ = [
     "KVPoll",
     "KVPool",
     "KVServiceError",
+    "NixlUnavailable",
     "ProtocolError",
     "ServiceConfig",
+    "SidecarClient",
     "TransferFailed",
     "TransferHandle",
     "TransferResult",

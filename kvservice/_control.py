@@ -18,7 +18,7 @@ import structlog
 
 from ._door import Door, DoorError, DoorThread
 from ._layout import KVLayout
-from ._peers import CONNECTION_ERRORS, FramedStream, PeerLink, dial, split_address
+from ._peers import CONNECTION_ERRORS, FramedStream, PeerLink, control_stream, dial, split_address
 from ._protocol import PROTOCOL_VERSION, FrameError, Hello, Message, Reject
 from ._results import FailureReason, ProtocolError
 
@@ -81,7 +81,7 @@ class ControlPlane:
         self._listen_scope.cancel()
 
     async def _accept(self, stream: anyio.abc.ByteStream) -> None:
-        framed = FramedStream(stream, self._cfg.max_frame_bytes)
+        framed = control_stream(stream, self._cfg.max_frame_bytes)
         try:
             with anyio.fail_after(self._cfg.connect_timeout_s):
                 hello = await framed.recv()
@@ -186,7 +186,7 @@ class ControlPlane:
         await self._thread.call(self._door.add_peer, hello.agent, hello.metadata, table)
         self._layouts[hello.agent] = layout
 
-    def _make_link(self, framed: FramedStream, hello: Hello) -> PeerLink:
+    def _make_link(self, framed: FramedStream[Message], hello: Hello) -> PeerLink:
         prior = self._links.get(hello.agent)
         if prior is not None:  # a second connection from the same incarnation replaces the first
             self._links.pop(hello.agent)

@@ -26,7 +26,7 @@ import numpy.typing as npt
 import structlog
 
 from ._door import DoorError, XferId, XferState
-from ._results import FailureReason
+from ._results import FailureReason, NixlUnavailable
 
 log = structlog.get_logger("kvservice.nixl")
 
@@ -100,10 +100,6 @@ def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
 
 class NixlStatusError(Exception):
     """``transfer``/``check_xfer_state`` returned ``"ERR"`` without raising."""
-
-
-class NixlUnavailable(RuntimeError):
-    """NIXL could not be imported or no agent could be created."""
 
 
 def nixl_version() -> str:

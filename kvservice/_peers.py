@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
@@ -41,22 +42,38 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-class FramedStream:
-    """Length-prefixed msgpack frames over a byte stream."""
+R = TypeVar("R")
 
-    def __init__(self, stream: anyio.abc.ByteStream, max_frame_bytes: int) -> None:
+
+class FramedStream(Generic[R]):
+    """Length-prefixed msgpack frames over a byte stream.
+
+    ``decode`` turns a frame body into a received message (raising ``FrameError``)
+    and ``encode`` a message into a whole frame; the control plane and the
+    sidecar's worker socket each bring their own pair."""
+
+    def __init__(
+        self, stream: anyio.abc.ByteStream, max_frame_bytes: int,
+        decode: Callable[[bytes], R], encode: Callable[[Any], bytes],
+    ) -> None:
         self._stream = stream
         self._reader = BufferedByteReceiveStream(stream)
         self._limit = max_frame_bytes
-        self._write_lock = anyio.Lock()
+        self._decode = decode
+        self._encode = encode
+        self._write_lock = anyio.Lock(fast_acquire=True)  # no yield when uncontended
 
-    async def recv(self) -> Message:
-        header = await self._reader.receive_exactly(HEADER_BYTES)
-        n = frame_length(header, self._limit)
-        return decode_body(await self._reader.receive_exactly(n) if n else b"")
+    @property
+    def stream(self) -> anyio.abc.ByteStream:
+        return self._stream
 
-    async def send(self, msg: Message) -> None:
-        data = encode_frame(msg)
+    async def recv(self) -> R:
+        """The next message; ``FrameError`` for an oversized or malformed frame."""
+        n = frame_length(await self._reader.receive_exactly(HEADER_BYTES), self._limit)
+        return self._decode(await self._reader.receive_exactly(n) if n else b"")
+
+    async def send(self, msg: Any) -> None:
+        data = self._encode(msg)
         async with self._write_lock:
             await self._stream.send(data)
 
@@ -68,12 +85,19 @@ class FramedStream:
                 pass
 
 
-async def dial(address: str, hello: Hello, *, timeout: float, max_frame_bytes: int) -> tuple[FramedStream, Message]:
+def control_stream(stream: anyio.abc.ByteStream, max_frame_bytes: int) -> FramedStream[Message]:
+    """A ``FramedStream`` speaking the peer control protocol."""
+    return FramedStream(stream, max_frame_bytes, decode_body, encode_frame)
+
+
+async def dial(
+    address: str, hello: Hello, *, timeout: float, max_frame_bytes: int,
+) -> tuple[FramedStream[Message], Message]:
     """Connect, send our Hello, and return the stream with the peer's reply."""
     host, port = split_address(address)
     with anyio.fail_after(timeout):
         stream = await anyio.connect_tcp(host, port)
-        framed = FramedStream(stream, max_frame_bytes)
+        framed = control_stream(stream, max_frame_bytes)
         try:
             await framed.send(hello)
             reply = await framed.recv()
@@ -105,7 +129,7 @@ class PeerLink:
     """
 
     def __init__(
-        self, framed: FramedStream, hello: Hello, *, on_message: OnMessage, on_lost: OnLost,
+        self, framed: FramedStream[Message], hello: Hello, *, on_message: OnMessage, on_lost: OnLost,
         heartbeat_interval: float, peer_timeout: float,
     ) -> None:
         self.hello = hello

@@ -17,9 +17,11 @@ WRITE (``ChunkNotif``), which NIXL delivers after the data is visible.
 from __future__ import annotations
 
 import struct
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 PROTOCOL_VERSION = 1
 _HEADER = struct.Struct(">I")
@@ -109,9 +111,13 @@ def decode_notif(raw: bytes) -> ChunkNotif | None:
         return None
 
 
-def encode_frame(msg: Message) -> bytes:
-    body = _encoder.encode(msg)
+def frame(body: bytes) -> bytes:
+    """Prefix ``body`` with its length: one frame on the wire."""
     return _HEADER.pack(len(body)) + body
+
+
+def encode_frame(msg: Message) -> bytes:
+    return frame(_encoder.encode(msg))
 
 
 def frame_length(header: bytes, limit: int) -> int:
@@ -122,11 +128,16 @@ def frame_length(header: bytes, limit: int) -> int:
     return n
 
 
-def decode_body(body: bytes) -> Message:
+def decode_with(decoder: msgspec.msgpack.Decoder[T], body: bytes) -> T:
+    """Decode a frame body; a malformed or schema-violating one is a ``FrameError``."""
     try:
-        return _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.DecodeError as exc:  # ValidationError subclasses DecodeError
         raise FrameError(f"malformed frame: {exc}") from exc
+
+
+def decode_body(body: bytes) -> Message:
+    return decode_with(_decoder, body)
 
 
 class FrameError(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import collections
 import time
 from collections import deque
@@ -98,12 +99,63 @@ def make_result(
     )
 
 
-class TransferHandle:
-    """The sending side's view of one request, returned by every ``send()``.
+def check_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
+        raise ValueError(f"request_id must be a str of 1..256 characters, got {request_id!r}")
+
+
+class HandleBase(abc.ABC):
+    """The sending side's view of one request: ``TransferHandle`` in-process and
+    the sidecar client's handle share this behaviour.
 
     ``poll()`` never blocks.  ``failure_exception()`` raises the original error
     of a failed request (the very NIXL exception instance when NIXL raised one).
     """
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def request_id(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def result(self) -> TransferResult | None: ...
+
+    @abc.abstractmethod
+    def _pending_poll(self) -> KVPoll:
+        """The state while no result exists yet."""
+
+    @abc.abstractmethod
+    def _done(self) -> anyio.Event:
+        """Set when the result exists."""
+
+    def poll(self) -> KVPoll:
+        result = self.result
+        if result is not None:
+            return KVPoll.Success if result.ok else KVPoll.Failed
+        return self._pending_poll()
+
+    def failure_exception(self) -> NoReturn:
+        result = self.result
+        if result is None or result.ok:
+            raise RuntimeError(f"request {self.request_id!r} has not failed (poll={self.poll().name})")
+        result.raise_for_failure()
+        raise AssertionError("unreachable: a failed result always raises")
+
+    async def wait(self) -> TransferResult:
+        await self._done().wait()
+        result = self.result
+        assert result is not None
+        return result
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.request_id!r}, {self.poll().name})"
+
+
+class TransferHandle(HandleBase):
+    """What ``TransferService.send()`` returns for a request (every chunk's call
+    returns the same request's handle)."""
 
     __slots__ = ("_req",)
 
@@ -118,23 +170,11 @@ class TransferHandle:
     def result(self) -> TransferResult | None:
         return self._req.result
 
-    def poll(self) -> KVPoll:
+    def _pending_poll(self) -> KVPoll:
         return self._req.poll()
 
-    def failure_exception(self) -> NoReturn:
-        result = self._req.result
-        if result is None or result.ok:
-            raise RuntimeError(f"request {self.request_id!r} has not failed (poll={self.poll().name})")
-        result.raise_for_failure()
-        raise AssertionError("unreachable: a failed result always raises")
-
-    async def wait(self) -> TransferResult:
-        await self._req.done.wait()
-        assert self._req.result is not None
-        return self._req.result
-
-    def __repr__(self) -> str:
-        return f"TransferHandle({self.request_id!r}, {self.poll().name})"
+    def _done(self) -> anyio.Event:
+        return self._req.done
 
 
 K = TypeVar("K")

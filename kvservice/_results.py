@@ -55,6 +55,10 @@ class ProtocolError(KVServiceError):
     """A control-channel peer sent something that breaks the protocol."""
 
 
+class NixlUnavailable(KVServiceError, RuntimeError):
+    """NIXL could not be imported, or no agent with a UCX backend could be created."""
+
+
 class TransferFailed(KVServiceError):
     """Raised by ``failure_exception()`` when no original error was kept."""
 

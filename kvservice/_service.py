@@ -23,7 +23,7 @@ from ._control import ControlPlane
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
 from ._protocol import Abort, Expect, Failed, Message, decode_notif
-from ._requests import Recent, RecvRequest, SendRequest, TransferHandle, make_result
+from ._requests import Recent, RecvRequest, SendRequest, TransferHandle, check_request_id, make_result
 from ._results import (
     FailureReason,
     KVServiceError,
@@ -96,10 +96,13 @@ class TransferService:
         await self._tg.__aenter__()
         try:
             await self._start()
-        except BaseException as exc:
+        except BaseException:
+            # Stop what did start, then raise the start's own error (not a group).
             self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
-            self._close_door()
+            try:
+                await self._tg.__aexit__(None, None, None)
+            finally:
+                self._close_door()
             raise
         return self
 
@@ -174,7 +177,7 @@ class TransferService:
         request from the moment its destination is known.
         """
         self._check_open()
-        _check_request_id(request_id)
+        check_request_id(request_id)
         src = self.layout.check_pages(pages)
         req = self._sends.get(request_id)
         if req is None:
@@ -256,7 +259,7 @@ class TransferService:
         at its bootstrap deadline.
         """
         self._check_open()
-        _check_request_id(request_id)
+        check_request_id(request_id)
         dst = self.layout.check_pages(pages)
         if request_id in self._recvs or request_id in self._recvs_done:
             raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
@@ -511,11 +514,6 @@ class TransferService:
 
     def released_by_door(self, xids: list[int]) -> None:
         self.stats.forced_releases += len(xids)
-
-
-def _check_request_id(request_id: str) -> None:
-    if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
-        raise ValueError(f"request_id must be a str of 1..256 characters, got {request_id!r}")
 
 
 def _reason(value: str) -> FailureReason:

@@ -9,7 +9,7 @@ import anyio.abc
 import msgspec
 import pytest
 
-from kvservice._peers import FramedStream, split_address
+from kvservice._peers import control_stream, split_address
 from kvservice._protocol import (
     HEADER_BYTES,
     NOTIF_MAGIC,
@@ -119,7 +119,7 @@ async def test_framed_stream_over_tcp_refuses_an_oversize_frame() -> None:
     done = anyio.Event()
 
     async def serve(stream: anyio.abc.SocketStream) -> None:
-        framed = FramedStream(stream, max_frame_bytes=64 * 1024)
+        framed = control_stream(stream, max_frame_bytes=64 * 1024)
         for _ in range(2):
             try:
                 got.append(await framed.recv())

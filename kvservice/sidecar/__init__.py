@@ -1,0 +1,15 @@
+"""The sidecar: ``kvservice serve`` owns one ``TransferService`` next to the
+workers, who reach it over a Unix socket with ``SidecarClient`` and share its
+KV pool through named shared memory.  See docs/sidecar.md.
+
+Modules: ``settings`` (TOML + environment config), ``shm`` (the shared pool),
+``wire`` (frames), ``server`` (the workers' API), ``client`` and ``handle`` (``SidecarClient``),
+``http`` and ``metrics`` (operations endpoints), ``daemon`` (the lifecycle).
+"""
+
+from .client import SidecarClient
+from .handle import SidecarHandle
+from .settings import SidecarConfig
+from .wire import SidecarRemoteError
+
+__all__ = ["SidecarClient", "SidecarConfig", "SidecarHandle", "SidecarRemoteError"]

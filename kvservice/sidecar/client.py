@@ -1,0 +1,444 @@
+"""``SidecarClient``: the ``TransferService`` API, served by a sidecar daemon.
+
+Switching an engine from in-process to sidecar is one line::
+
+    svc = TransferService(config)            # in-process: this process owns a NIXL agent
+    svc = SidecarClient("/run/kvservice/prefill.sock")   # sidecar: the daemon owns it
+
+Both are async context managers with ``kv`` (the KV pool: here a tensor over
+the daemon's shared segment, so ``kv.write`` puts bytes where the daemon sends
+them from), ``layout``, ``address``, ``send``, ``await_completion``, ``expect``,
+``await_arrival``, ``abort`` and ``status``, with the same arguments, errors and
+``TransferResult`` values.  Differences, all forced by the process boundary:
+
+* ``TransferResult.error`` is a ``SidecarRemoteError`` naming the original
+  exception's class (``type_name``) instead of the exception object itself.
+* ``handle.poll()`` is the state the daemon reported with the latest ``send()``
+  (or ``await fetch_poll(handle)``) until the request ends, then
+  ``Success``/``Failed``; ``poll_arrival`` is a coroutine.
+* ``status()`` is the daemon's snapshot as of the last refresh
+  (``status_interval`` seconds); ``await fetch_status()`` asks for a fresh one.
+* If the daemon goes away, every unfinished request ends ``Failed`` with
+  ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
+  raise ``KVServiceError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy.typing as npt
+
+from .._layout import KVLayout
+from .._peers import CONNECTION_ERRORS, FramedStream
+from .._pool import KVPool
+from .._protocol import FrameError
+from .._requests import Recent, check_request_id
+from .._results import (
+    FailureReason,
+    KVPoll,
+    KVServiceError,
+    ProtocolError,
+    TransferResult,
+    TransferStatus,
+    UnknownRequestError,
+)
+from .handle import CallSlot, RequestState, SidecarHandle
+from .shm import Segment, SegmentError
+from .wire import (
+    SIDECAR_PROTOCOL_VERSION,
+    Abort,
+    AwaitArrival,
+    AwaitCompletion,
+    Bye,
+    Call,
+    Cancel,
+    Done,
+    Error,
+    Expect,
+    Finished,
+    Hello,
+    Poll,
+    PollReply,
+    ResultReply,
+    Send,
+    SendReply,
+    ServerMessage,
+    Status,
+    StatusReply,
+    Welcome,
+    decode_server,
+    frame_stream,
+    result_from_wire,
+)
+
+Pages = Sequence[int] | npt.NDArray[Any]
+
+_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "UnknownRequestError": UnknownRequestError,
+    "KVServiceError": KVServiceError,
+    "ProtocolError": ProtocolError,
+}
+
+
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError, FrameError, *CONNECTION_ERRORS)
+_READ_ERRORS: tuple[type[BaseException], ...] = (FrameError, *CONNECTION_ERRORS)
+_SEND_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS)
+#: a daemon that does not take a frame within this long is treated as gone
+SEND_TIMEOUT_S = 30.0
+
+
+class _Lost(KVServiceError):
+    """The connection to the sidecar is gone."""
+
+
+class SidecarClient:
+    """A worker's connection to a ``kvservice serve`` daemon on this host.
+
+    ``async with SidecarClient(socket_path) as svc:`` connects, maps the shared
+    KV pool and starts a reader task.  Leaving waits up to ``drain_grace_s`` for
+    this worker's unfinished requests, then disconnects; the daemon aborts
+    whatever is still unfinished.
+    """
+
+    def __init__(
+        self, socket_path: str | os.PathLike[str], *, name: str = "", connect_timeout: float = 5.0,
+        drain_grace_s: float = 5.0, status_interval: float = 1.0,
+    ) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.name = name or f"{os.path.basename(sys.argv[0]) or 'python'}:{os.getpid()}"
+        self._connect_timeout = connect_timeout
+        self._grace = drain_grace_s
+        self._status_interval = status_interval
+        self._framed: FramedStream[ServerMessage] | None = None
+        self._segment: Segment | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._calls: dict[int, CallSlot] = {}
+        self._ids = itertools.count(1)
+        self._live: dict[tuple[str, str], RequestState] = {}
+        self._done: Recent[tuple[str, str], RequestState] = Recent(10_000)
+        self._lost: str | None = None
+        self._lost_event: anyio.Event | None = None
+        self._graceful = False
+        self._status: dict[str, Any] = {}
+        self._kv: KVPool | None = None
+        self.welcome: Welcome | None = None
+        self.layout = KVLayout()
+        self.address = ""
+        self.agent_name = ""
+        self.roles: tuple[str, ...] = ()
+
+    @property
+    def connected(self) -> bool:
+        """True between a successful ``async with`` entry and the loss (or close) of the connection."""
+        return self._framed is not None and self._lost is None
+
+    async def wait_disconnected(self) -> str:
+        """Wait until the connection ends (the daemon shut down or vanished); returns why."""
+        if self._lost_event is None:
+            raise KVServiceError("not connected (use 'async with SidecarClient(...)')")
+        await self._lost_event.wait()
+        return self._lost or ""
+
+    @property
+    def kv(self) -> KVPool:
+        """The daemon's KV pool, mapped into this process."""
+        if self._kv is None:
+            raise KVServiceError("not connected (use 'async with SidecarClient(...)')")
+        return self._kv
+
+    # -- lifetime -------------------------------------------------------------------------
+    async def __aenter__(self) -> SidecarClient:
+        try:
+            with anyio.fail_after(self._connect_timeout):
+                stream = await anyio.connect_unix(self.socket_path)
+                framed: FramedStream[ServerMessage] = frame_stream(stream, 64 * 1024 * 1024, decode_server)
+                try:
+                    await framed.send(Hello(SIDECAR_PROTOCOL_VERSION, self.name[:256]))
+                    reply = await framed.recv()
+                except BaseException:
+                    await framed.aclose()
+                    raise
+        except _CONNECT_ERRORS as exc:
+            raise KVServiceError(f"cannot connect to the sidecar at {self.socket_path}: {exc!r}") from exc
+        if not isinstance(reply, Welcome):
+            await framed.aclose()
+            why = reply.message if isinstance(reply, Error) else type(reply).__name__
+            raise KVServiceError(f"the sidecar at {self.socket_path} refused us: {why}")
+        try:
+            self._attach(reply)
+        except BaseException:
+            await framed.aclose()
+            raise
+        self._framed = framed
+        self._lost_event = anyio.Event()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._reader)
+        try:
+            await self.fetch_status()
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        if self._status_interval > 0:
+            self._tg.start_soon(self._refresh_status)
+        return self
+
+    def _attach(self, welcome: Welcome) -> None:
+        self.welcome = welcome
+        self.layout = KVLayout(**welcome.layout)
+        try:
+            self._segment = Segment.attach(welcome.shm_name, self.layout)
+        except SegmentError as exc:
+            raise KVServiceError(f"cannot map the sidecar's KV pool: {exc}") from exc
+        assert self._segment.tensor is not None
+        self._kv = KVPool(self.layout, self._segment.tensor)
+        self._done = Recent(welcome.results_kept)
+        self.address, self.agent_name, self.roles = welcome.address, welcome.agent, tuple(welcome.roles)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        assert self._tg is not None and self._framed is not None
+        with anyio.CancelScope(shield=True):
+            if exc is None and self._lost is None:
+                with anyio.move_on_after(self._grace):
+                    for req in list(self._live.values()):
+                        await req.done.wait()
+            self._on_lost("sidecar client closed", FailureReason.ABORTED)
+            await self._framed.aclose()
+            self._tg.cancel_scope.cancel()
+        try:
+            await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._kv = None
+            if self._segment is not None:
+                self._segment.close()
+        return False
+
+    # -- sending side -----------------------------------------------------------------------
+    async def send(self, request_id: str, pages: Pages, *, last: bool = False,
+                   timeout: float | None = None) -> SidecarHandle:
+        """Queue a chunk of ``request_id``'s pages for the receiver (see ``TransferService.send``)."""
+        check_request_id(request_id)
+        idx = self.layout.check_pages(pages).tolist()
+        key = ("send", request_id)
+        req = self._live.get(key)
+        created = req is None
+        if req is None:
+            req = self._live[key] = RequestState(request_id, "send")
+        try:
+            reply = await self._call(lambda n: Send(n, request_id, idx, last, timeout))
+        except BaseException:
+            if created and req.result is None and self._live.get(key) is req:
+                del self._live[key]
+            raise
+        assert isinstance(reply, SendReply)
+        if reply.result is not None:
+            self._finish(req, result_from_wire(reply.result))
+        else:
+            req.poll = KVPoll(reply.poll)
+        return SidecarHandle(req)
+
+    async def await_completion(self, handle: SidecarHandle, timeout: float | None = None) -> TransferResult:
+        """Wait for ``handle``'s request to end; a ``timeout`` that passes first fails it ``TIMEOUT``."""
+        req = handle._req
+        if req.result is None and timeout is None:
+            await req.done.wait()
+        if req.result is not None:
+            return req.result
+        try:
+            reply = await self._call(lambda n: AwaitCompletion(n, req.request_id, timeout))
+        except _Lost:
+            if req.result is not None:
+                return req.result
+            raise
+        assert isinstance(reply, ResultReply) and reply.result is not None
+        self._finish(req, result_from_wire(reply.result))
+        assert req.result is not None
+        return req.result
+
+    # -- receiving side ---------------------------------------------------------------------
+    async def expect(self, request_id: str, pages: Pages, *, sender: str, timeout: float | None = None) -> None:
+        """Announce that ``request_id`` goes into ``pages`` and tell ``sender`` (see ``TransferService.expect``)."""
+        check_request_id(request_id)
+        idx = self.layout.check_pages(pages).tolist()
+        if not isinstance(sender, str) or not 0 < len(sender) <= 512:
+            raise ValueError(f"sender must be a 'host:port' string, got {sender!r}")
+        key = ("recv", request_id)
+        created = key not in self._live
+        req = self._live.setdefault(key, RequestState(request_id, "recv"))
+        try:
+            reply = await self._call(lambda n: Expect(n, request_id, idx, sender, timeout))
+        except BaseException:
+            if created and req.result is None and self._live.get(key) is req:
+                del self._live[key]
+            raise
+        assert isinstance(reply, Done)
+
+    async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
+        """Wait until every page of ``request_id`` has landed, or it failed."""
+        key = ("recv", request_id)
+        req = self._live.get(key) or self._done.get(key)
+        if req is not None and req.result is None and timeout is None:
+            await req.done.wait()
+        if req is not None and req.result is not None:
+            return req.result
+        try:
+            reply = await self._call(lambda n: AwaitArrival(n, request_id, timeout))
+        except _Lost:
+            if req is not None and req.result is not None:
+                return req.result
+            raise
+        assert isinstance(reply, ResultReply) and reply.result is not None
+        result = result_from_wire(reply.result)
+        if req is not None:
+            self._finish(req, result)
+        return result
+
+    # -- either side ------------------------------------------------------------------------
+    async def abort(self, request_id: str) -> TransferResult | None:
+        """Abandon ``request_id`` and tell the peer (see ``TransferService.abort``)."""
+        reply = await self._call(lambda n: Abort(n, request_id))
+        assert isinstance(reply, ResultReply)
+        if reply.result is None:
+            return None
+        result = result_from_wire(reply.result)
+        req = self._live.get(("send", request_id)) or self._live.get(("recv", request_id))
+        if req is not None:
+            self._finish(req, result)
+        return result
+
+    async def fetch_poll(self, handle: SidecarHandle) -> KVPoll:
+        """The request's state in the daemon now (``handle.poll()`` then agrees until it changes)."""
+        req = handle._req
+        if req.result is None:
+            reply = await self._call(lambda n: Poll(n, req.request_id, "send"))
+            assert isinstance(reply, PollReply)
+            if req.result is None:
+                req.poll = KVPoll(reply.poll)
+        return handle.poll()
+
+    async def poll_arrival(self, request_id: str) -> KVPoll:
+        """Like ``TransferService.poll_arrival``, but a coroutine: the state lives in the daemon."""
+        req = self._live.get(("recv", request_id)) or self._done.get(("recv", request_id))
+        if req is not None and req.result is not None:
+            return KVPoll.Success if req.result.ok else KVPoll.Failed
+        reply = await self._call(lambda n: Poll(n, request_id, "recv"))
+        assert isinstance(reply, PollReply)
+        return KVPoll(reply.poll)
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status as of the last refresh (see ``fetch_status``)."""
+        return dict(self._status)
+
+    async def fetch_status(self) -> dict[str, Any]:
+        reply = await self._call(lambda n: Status(n))
+        assert isinstance(reply, StatusReply)
+        self._status = reply.status
+        return dict(reply.status)
+
+    # -- the connection ---------------------------------------------------------------------
+    async def _call(self, make: Callable[[int], Call]) -> ServerMessage:
+        if self._framed is None:
+            raise KVServiceError("not connected (use 'async with SidecarClient(...)')")
+        if self._lost is not None:
+            raise _Lost(f"sidecar connection lost: {self._lost}")
+        n = next(self._ids)
+        slot = self._calls[n] = CallSlot()
+        try:
+            with anyio.CancelScope(shield=True), anyio.fail_after(SEND_TIMEOUT_S):
+                await self._framed.send(make(n))  # shielded: never leave half a frame on the socket
+            await slot.event.wait()
+        except anyio.get_cancelled_exc_class():
+            if not slot.event.is_set() and self._lost is None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    await self._framed.send(Cancel(n))
+            raise
+        except _SEND_ERRORS as exc:  # the reader may not have seen the end yet
+            self._on_lost(f"connection error: {exc!r}", FailureReason.PEER_LOST)
+            raise _Lost(f"sidecar connection lost: {exc!r}") from exc
+        finally:
+            self._calls.pop(n, None)
+        reply = slot.reply
+        if reply is None:
+            raise _Lost(f"sidecar connection lost: {self._lost}")
+        if isinstance(reply, Error):
+            raise _ERRORS.get(reply.kind, KVServiceError)(reply.message)
+        return reply
+
+    async def _reader(self) -> None:
+        assert self._framed is not None
+        why = "the sidecar closed the connection"
+        try:
+            while True:
+                msg = await self._framed.recv()
+                if isinstance(msg, Finished):
+                    self._on_finished(msg)
+                elif isinstance(msg, Bye):
+                    self._graceful = True
+                    why = f"the sidecar shut down: {msg.message}"
+                    return
+                elif isinstance(msg, Error) and msg.call == 0:
+                    why = f"the sidecar dropped us: {msg.kind}: {msg.message}"
+                    return
+                elif not isinstance(msg, Welcome):
+                    slot = self._calls.get(msg.call)
+                    if slot is not None:
+                        slot.reply = msg
+                        slot.event.set()
+        except _READ_ERRORS as exc:
+            why = f"connection error: {exc!r}"
+        finally:
+            self._on_lost(why, FailureReason.SHUTDOWN if self._graceful else FailureReason.PEER_LOST)
+
+    def _on_finished(self, msg: Finished) -> None:
+        result = result_from_wire(msg.result)
+        key = (msg.side, result.request_id)
+        req = self._live.get(key)
+        if req is None:
+            req = RequestState(result.request_id, msg.side)
+            self._done.put(key, req)
+        self._finish(req, result)
+
+    def _finish(self, req: RequestState, result: TransferResult) -> None:
+        if req.result is not None:
+            return
+        req.result = result
+        req.done.set()
+        key = (req.side, req.request_id)
+        if self._live.get(key) is req:
+            del self._live[key]
+        self._done.put(key, req)
+
+    def _on_lost(self, why: str, reason: FailureReason) -> None:
+        """The connection ended: fail what is unfinished, wake every waiting call."""
+        if self._lost is not None:
+            return
+        self._lost = why
+        now = time.monotonic()
+        for req in list(self._live.values()):
+            self._finish(req, TransferResult(
+                request_id=req.request_id, status=TransferStatus.FAILED, reason=reason,
+                message=why, created_at=req.created, finished_at=now))
+        for slot in self._calls.values():
+            slot.event.set()
+        if self._lost_event is not None:
+            self._lost_event.set()
+
+    async def _refresh_status(self) -> None:
+        while self._lost is None:
+            await anyio.sleep(self._status_interval)
+            try:
+                await self.fetch_status()
+            except KVServiceError:
+                return
+

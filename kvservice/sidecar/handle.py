@@ -1,0 +1,53 @@
+"""Client-side request state, and ``SidecarHandle``: what ``SidecarClient.send`` returns."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from .._requests import HandleBase
+from .._results import KVPoll, TransferResult
+from .wire import ServerMessage
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    side: str  # "send" | "recv"
+    created: float = field(default_factory=time.monotonic)
+    poll: KVPoll = KVPoll.Bootstrapping
+    result: TransferResult | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass(eq=False)
+class CallSlot:
+    event: anyio.Event = field(default_factory=anyio.Event)
+    reply: ServerMessage | None = None
+
+
+class SidecarHandle(HandleBase):
+    """The sending side's view of one request through the sidecar; the same
+    interface as ``TransferHandle``.  ``poll()`` shows the state the daemon
+    reported with the latest ``send()`` until the request ends."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: RequestState) -> None:
+        self._req = req
+
+    @property
+    def request_id(self) -> str:
+        return self._req.request_id
+
+    @property
+    def result(self) -> TransferResult | None:
+        return self._req.result
+
+    def _pending_poll(self) -> KVPoll:
+        return self._req.poll
+
+    def _done(self) -> anyio.Event:
+        return self._req.done

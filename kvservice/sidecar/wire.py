@@ -1,0 +1,226 @@
+"""Frames between workers and the sidecar over its Unix socket.
+
+Same framing as the peer control channel (``kvservice._protocol``): a 4-byte
+big-endian length, then a msgpack body decoded against a tagged union of
+``msgspec.Struct`` types, so a frame is schema-checked as it is decoded, and a
+length above the limit is refused before the body is read.
+
+Conversation::
+
+    worker -> Hello                       sidecar -> Welcome | Error (then closes)
+    worker -> Send | Expect | AwaitCompletion | AwaitArrival | Abort | Poll | Status | Cancel
+    sidecar -> the call's reply (same ``call`` number) or Error
+    sidecar -> Finished     whenever a request this worker sent or expected ends
+    sidecar -> Bye          when it shuts down (after the last Finished)
+
+Each call carries a worker-chosen ``call`` number, so calls on one connection
+overlap; ``Cancel`` withdraws one (the worker's caller was cancelled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+
+from .._peers import FramedStream
+from .._protocol import decode_with, frame
+from .._results import FailureReason, TransferResult, TransferStatus
+
+SIDECAR_PROTOCOL_VERSION = 1
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+CallId = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
+Pages = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(min_length=1)]
+Timeout = float | None  # as in-process: a timeout already past fails the request at once
+
+
+# -- worker -> sidecar -------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
+    version: int
+    client: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class Send(msgspec.Struct, tag="send", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+    request_id: RequestId
+    pages: Pages
+    last: bool = False
+    timeout: Timeout = None
+
+
+class AwaitCompletion(msgspec.Struct, tag="await_completion", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+    request_id: RequestId
+    timeout: Timeout = None
+
+
+class Expect(msgspec.Struct, tag="expect", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+    request_id: RequestId
+    pages: Pages
+    sender: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    timeout: Timeout = None
+
+
+class AwaitArrival(msgspec.Struct, tag="await_arrival", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+    request_id: RequestId
+    timeout: Timeout = None
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+    request_id: RequestId
+
+
+class Poll(msgspec.Struct, tag="poll", frozen=True, forbid_unknown_fields=True):
+    """The request's ``KVPoll`` now; side "send" (``handle.poll()``) or "recv" (``poll_arrival``)."""
+
+    call: CallId
+    request_id: RequestId
+    side: Annotated[str, msgspec.Meta(pattern="^(send|recv)$")]
+
+
+class Status(msgspec.Struct, tag="status", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
+    call: CallId
+
+
+Call = Send | AwaitCompletion | Expect | AwaitArrival | Abort | Poll | Status | Cancel
+ClientMessage = Hello | Call
+
+
+# -- sidecar -> worker -------------------------------------------------------------------
+class WireResult(msgspec.Struct, array_like=True, frozen=True):
+    """A ``TransferResult``; the original error travels as its type name and text."""
+
+    request_id: str
+    status: str
+    reason: str | None
+    error_type: str | None
+    error_message: str | None
+    message: str
+    bytes: int
+    pages: int
+    created_at: float
+    started_at: float | None
+    finished_at: float
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True):
+    version: int
+    pid: int
+    agent: str
+    address: str  # the sidecar's control address: what a receiver passes as ``sender``
+    roles: list[str]
+    shm_name: str
+    layout: dict[str, Any]  # KVLayout fields, num_pages included
+    max_frame_bytes: int
+    results_kept: int
+
+
+class SendReply(msgspec.Struct, tag="sent", frozen=True):
+    call: int
+    poll: int  # KVPoll value after the send
+    result: WireResult | None = None  # set when the request had already ended
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    """Reply to Expect (no value)."""
+
+    call: int
+
+
+class ResultReply(msgspec.Struct, tag="result", frozen=True):
+    call: int
+    result: WireResult | None
+
+
+class PollReply(msgspec.Struct, tag="poll_reply", frozen=True):
+    call: int
+    poll: int  # KVPoll value
+
+
+class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
+    call: int
+    status: dict[str, Any]
+
+
+class Error(msgspec.Struct, tag="error", frozen=True):
+    """A call raised (``kind`` names the exception class), or call 0: the connection is refused."""
+
+    call: int
+    kind: str
+    message: str
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True):
+    """A request this connection sent (side "send") or expected ("recv") has ended."""
+
+    side: str
+    result: WireResult
+
+
+class Bye(msgspec.Struct, tag="bye", frozen=True):
+    message: str = ""
+
+
+ServerMessage = Welcome | SendReply | Done | ResultReply | PollReply | StatusReply | Error | Finished | Bye
+
+M = TypeVar("M")
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+
+def encode(msg: ClientMessage | ServerMessage) -> bytes:
+    return frame(_encoder.encode(msg))
+
+
+def decode_client(body: bytes) -> ClientMessage:
+    return decode_with(_client_decoder, body)
+
+
+def decode_server(body: bytes) -> ServerMessage:
+    return decode_with(_server_decoder, body)
+
+
+def frame_stream(stream: anyio.abc.ByteStream, limit: int, decode: Callable[[bytes], M]) -> FramedStream[M]:
+    """A ``FramedStream`` speaking the worker protocol; ``decode`` picks the direction."""
+    return FramedStream(stream, limit, decode, encode)
+
+
+# -- results ---------------------------------------------------------------------------------
+def result_to_wire(r: TransferResult) -> WireResult:
+    return WireResult(
+        request_id=r.request_id, status=r.status.value, reason=r.reason.value if r.reason else None,
+        error_type=type(r.error).__name__ if r.error is not None else None,
+        error_message=str(r.error) if r.error is not None else None,
+        message=r.message, bytes=r.bytes, pages=r.pages, created_at=r.created_at,
+        started_at=r.started_at, finished_at=r.finished_at,
+    )
+
+
+class SidecarRemoteError(Exception):
+    """Stands for an error raised inside the sidecar (``type_name`` is its class)."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+
+
+def result_from_wire(w: WireResult) -> TransferResult:
+    error = SidecarRemoteError(w.error_type, w.error_message or "") if w.error_type else None
+    return TransferResult(
+        request_id=w.request_id, status=TransferStatus(w.status),
+        reason=FailureReason(w.reason) if w.reason else None, error=error, message=w.message,
+        bytes=w.bytes, pages=w.pages, created_at=w.created_at, started_at=w.started_at,
+        finished_at=w.finished_at,
+    )

@@ -1,0 +1,123 @@
+"""One scenario, run against the in-process ``TransferService`` and against a
+``SidecarClient``: the same calls give the same results and the same errors,
+so switching an engine between them is the one line in ``engine()``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import torch
+
+from kvservice import (
+    FailureReason,
+    KVPoll,
+    SidecarClient,
+    TransferFailed,
+    TransferService,
+    TransferStatus,
+    UnknownRequestError,
+)
+from kvservice._peerproc import pattern
+from tests.helpers import config
+
+from .daemons import SMALL_LAYOUT, Sidecar, sidecars
+
+pytestmark = pytest.mark.nixl
+
+Svc = TransferService | SidecarClient
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Sidecar, Sidecar]]:
+    with sidecars("prefill", "decode") as (p, d):
+        yield p, d
+
+
+def engine(mode: str, sidecar: Sidecar) -> Svc:
+    from kvservice import KVLayout
+
+    if mode == "in-process":
+        return TransferService(config(KVLayout(**SMALL_LAYOUT)))  # type: ignore[arg-type]
+    return SidecarClient(sidecar.socket)
+
+
+async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
+    layout = prefill.layout
+    # 1. bytes arrive, in two chunks
+    rid, src, dst = f"{tag}-ok", [1, 2, 3], [7, 8, 9]
+    prefill.kv.write(src, pattern(layout, rid, 3))
+    await decode.expect(rid, dst, sender=prefill.address)
+    await prefill.send(rid, src[:2], last=False)
+    handle = await prefill.send(rid, src[2:], last=True)
+    result = await prefill.await_completion(handle, timeout=30)
+    assert (result.status, result.reason, result.bytes, result.pages) == (
+        TransferStatus.SUCCESS, None, 3 * layout.page_bytes, 3)
+    assert result.duration_s >= (result.transfer_s or 0) >= 0
+    assert handle.poll() is KVPoll.Success and handle.result == result
+    arrived = await decode.await_arrival(rid, timeout=30)
+    assert arrived.ok and arrived.bytes == 3 * layout.page_bytes
+    assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 3))
+    with pytest.raises(ValueError, match="already completed"):
+        await prefill.send(rid, [4], last=True)
+
+    # 2. bad arguments raise at once, with the same messages
+    with pytest.raises(ValueError, match="out of range"):
+        await prefill.send(f"{tag}-x", [layout.num_pages], last=True)
+    with pytest.raises(ValueError, match="repeat"):
+        await prefill.send(f"{tag}-x", [4, 4], last=True)
+    with pytest.raises(ValueError, match="request_id"):
+        await prefill.send("", [4], last=True)
+    with pytest.raises(ValueError, match="host:port"):
+        await decode.expect(f"{tag}-y", [1], sender="nowhere")
+    with pytest.raises(ValueError, match="duplicate"):
+        await decode.expect(rid, [10], sender=prefill.address)
+    with pytest.raises(UnknownRequestError):
+        await prefill.abort(f"{tag}-never")
+    with pytest.raises(UnknownRequestError):
+        await decode.await_arrival(f"{tag}-never", timeout=1)
+
+    # 3. a timeout that passes fails the request TIMEOUT (nobody expects it)
+    lonely = await prefill.send(f"{tag}-lonely", [5], last=True)
+    assert lonely.poll() is KVPoll.Bootstrapping
+    timed_out = await prefill.await_completion(lonely, timeout=0.2)
+    assert (timed_out.status, timed_out.reason) == (TransferStatus.FAILED, FailureReason.TIMEOUT)
+    assert lonely.poll() is KVPoll.Failed
+    with pytest.raises(TransferFailed, match="TIMEOUT"):
+        lonely.failure_exception()
+
+    # 4. abort: ABORTED here and at the receiver; a later chunk gets the sticky failure
+    rid = f"{tag}-abort"
+    await decode.expect(rid, [20, 21], sender=prefill.address)
+    first = await prefill.send(rid, [6], last=False)
+    with anyio.fail_after(30):  # let the receiver's expect reach the sender first
+        for _ in range(3000):
+            now = await prefill.fetch_poll(first) if isinstance(prefill, SidecarClient) else first.poll()
+            if now is not KVPoll.Bootstrapping:
+                break
+            await anyio.sleep(0.01)
+    aborted = await prefill.abort(rid)
+    assert aborted is not None and aborted.reason is FailureReason.ABORTED
+    assert first.poll() is KVPoll.Failed
+    again = await prefill.send(rid, [7], last=True)
+    assert again.result is not None and again.result.reason is FailureReason.ABORTED
+    far = await decode.await_arrival(rid, timeout=30)
+    assert far.reason is FailureReason.ABORTED and "aborted" in far.message
+
+    # 5. status() speaks the same keys
+    assert {"outcomes", "sending", "receiving", "peers"} <= prefill.status().keys()
+
+
+@pytest.mark.parametrize("mode", ["in-process", "sidecar"])
+async def test_prefill_side_same_api(mode: str, pair: tuple[Sidecar, Sidecar]) -> None:
+    prefill_sidecar, decode_sidecar = pair
+    async with engine(mode, prefill_sidecar) as prefill, SidecarClient(decode_sidecar.socket) as decode:
+        await scenario(prefill, decode, f"p-{mode}")
+
+
+@pytest.mark.parametrize("mode", ["in-process", "sidecar"])
+async def test_decode_side_same_api(mode: str, pair: tuple[Sidecar, Sidecar]) -> None:
+    prefill_sidecar, decode_sidecar = pair
+    async with SidecarClient(prefill_sidecar.socket) as prefill, engine(mode, decode_sidecar) as decode:
+        await scenario(prefill, decode, f"d-{mode}")

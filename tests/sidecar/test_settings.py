@@ -1,0 +1,147 @@
+"""The sidecar's config: the shipped files load, overrides apply, bad values name
+the key, the value and what is allowed, and the docs describe every key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvservice import ConfigError
+from kvservice.sidecar.settings import SECTIONS, keys, load, to_toml
+
+from .daemons import CONFIG, REPO
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_shipped_configs_load(role: str) -> None:
+    cfg = load(CONFIG / f"{role}.toml", env={})
+    assert cfg.sidecar.roles == (role,)
+    assert cfg.http.host == "127.0.0.1"  # loopback by default
+    assert cfg.service.ucx_env == {"UCX_NET_DEVICES": "lo"}
+
+
+def test_prefill_and_decode_layouts_are_compatible() -> None:
+    p, d = load(CONFIG / "prefill.toml", env={}), load(CONFIG / "decode.toml", env={})
+    assert p.layout.compatible_with(d.layout) is None
+    assert p.sidecar.socket_path != d.sidecar.socket_path and p.sidecar.shm_name != d.sidecar.shm_name
+    assert p.http.port != d.http.port and p.service.port != d.service.port
+
+
+def test_environment_overrides_every_kind_of_key() -> None:
+    cfg = load(CONFIG / "prefill.toml", env={
+        "KVSERVICE_HTTP_PORT": "0",
+        "KVSERVICE_SERVICE_DRAIN_GRACE_S": "2.5",
+        "KVSERVICE_SERVICE_PROGRESS_THREAD": "yes",
+        "KVSERVICE_SIDECAR_ROLES": "prefill, decode",
+        "KVSERVICE_SIDECAR_READY_FILE": "",
+        "KVSERVICE_LAYOUT_NUM_PAGES": "32",
+        "KVSERVICE_LOG_LEVEL": "debug",
+        "KVSERVICE_BENCH_WHATEVER": "ignored: not a config section",
+        "OTHER": "ignored",
+    })
+    assert cfg.http.port == 0
+    assert cfg.service.drain_grace_s == 2.5
+    assert cfg.service.progress_thread is True
+    assert cfg.sidecar.roles == ("prefill", "decode")
+    assert cfg.sidecar.ready_file is None
+    assert cfg.layout.num_pages == 32
+    assert cfg.log.level == "debug"
+    assert cfg.sources["http.port"] == "KVSERVICE_HTTP_PORT"
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ("[http]\nport = 70000", "http.port: must be 0..65535, got 70000"),
+    ("[http]\nport = \"9400\"", "http.port: expected an integer, got '9400'"),
+    ("[http]\nprot = 1", "http.prot: unknown key; allowed: host, port"),
+    ("[htp]\nport = 1", "htp: unknown section; allowed: sidecar, http, log, service, layout"),
+    ("[sidecar]\nroles = [\"router\"]", "sidecar.roles: must be a non-empty list of distinct ['prefill', 'decode']"),
+    ("[sidecar]\nroles = []", "sidecar.roles"),
+    ("[sidecar]\nshm_name = \"a/b\"", "sidecar.shm_name: letters, digits"),
+    ("[sidecar]\nsocket_path = \"/" + "x" * 120 + "\"", "sidecar.socket_path: must be 1..107 bytes"),
+    ("[sidecar]\nloop = \"trio\"", "sidecar.loop: must be one of auto, asyncio, uvloop, got 'trio'"),
+    ("[log]\nformat = \"xml\"", "log.format: must be one of auto, json, console, got 'xml'"),
+    ("[service]\ndrain_grace_s = -1", "service.drain_grace_s: must be >= 0, got -1.0"),
+    ("[service]\npeer_timeout_s = 0.1", "service.peer_timeout_s: must exceed heartbeat_interval_s"),
+    ("[service]\nprogress_thread = 1", "service.progress_thread: expected true or false, got 1"),
+    ("[service]\nlayout = 1", "service.layout: unknown key"),
+    ("[service.ucx_env]\nUCX_TLS = 1", "service.ucx_env: expected a table of strings"),
+    ("[layout]\nnum_pages = 0", "layout.num_pages must be a positive int, got 0"),
+    ("[layout]\ndtype = \"float64\"", "layout.dtype must be one of"),
+    ("sidecar = 1", "sidecar: must be a table"),
+])
+def test_bad_values_name_key_value_and_allowed(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load(path, env={})
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"KVSERVICE_HTTP_PORT": "abc"}, "http.port (from KVSERVICE_HTTP_PORT='abc'): expected an integer"),
+    ({"KVSERVICE_HTTP_PROT": "1"}, "KVSERVICE_HTTP_PROT: http.prot is not a key; allowed: host, port"),
+    ({"KVSERVICE_SERVICE_PROGRESS_THREAD": "maybe"}, "expected true or false"),
+    ({"KVSERVICE_SERVICE_UCX_ENV": "x"}, "service.ucx_env (from KVSERVICE_SERVICE_UCX_ENV='x'): cannot be set"),
+    ({"KVSERVICE_LAYOUT_NUM_PAGES": "-3"}, "layout.num_pages must be a positive int, got -3"),
+])
+def test_bad_environment_values_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(CONFIG / "prefill.toml", env=env)
+    assert message in str(info.value)
+
+
+def test_unreadable_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load(tmp_path / "missing.toml", env={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[http\nport = 1")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load(broken, env={})
+
+
+def test_effective_config_round_trips() -> None:
+    cfg = load(CONFIG / "decode.toml", env={"KVSERVICE_HTTP_PORT": "0", "KVSERVICE_SIDECAR_READY_FILE": ""})
+    text = to_toml(cfg)
+    assert "port = 0  # from KVSERVICE_HTTP_PORT" in text
+    from kvservice.sidecar.settings import from_mapping
+
+    assert from_mapping(tomllib.loads(text), {}) == cfg
+
+
+def test_docs_describe_every_key() -> None:
+    doc = (REPO / "docs" / "sidecar.md").read_text()
+    missing = [f"{section}.{key}" for section in SECTIONS for key in keys(section)
+               if f"`{section}.{key}`" not in doc]
+    assert not missing, f"docs/sidecar.md lacks {missing}"
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVICE_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvservice.cli", *args], capture_output=True, text=True,
+                          env=full_env, cwd=REPO, timeout=60, check=False)
+
+
+def test_check_config_prints_effective_config() -> None:
+    out = _cli("check-config", "config/prefill.toml", env={"KVSERVICE_HTTP_PORT": "0"})
+    assert out.returncode == 0, out.stderr
+    assert "port = 0  # from KVSERVICE_HTTP_PORT" in out.stdout
+    assert tomllib.loads(out.stdout)["sidecar"]["roles"] == ["prefill"]
+
+
+def test_check_config_and_serve_refuse_bad_config_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[http]\nport = -1\n")
+    for args in (("check-config", str(bad)), ("serve", "--config", str(bad))):
+        out = _cli(*args)
+        assert out.returncode == 2, out
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "http.port: must be 0..65535, got -1" in lines[0], out.stderr
+    out = _cli("serve", "--config", "config/prefill.toml", env={"KVSERVICE_SERVICE_PORT": "http"})
+    assert out.returncode == 2 and "service.port (from KVSERVICE_SERVICE_PORT='http')" in out.stderr
