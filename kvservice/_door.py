@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -105,11 +107,17 @@ class TickPlan:
     posts: list[PostOp] = field(default_factory=list)
     checks: list[XferId] = field(default_factory=list)
     releases: list[XferId] = field(default_factory=list)
+    #: with nothing to report, keep polling on the door thread this long (seconds) ...
+    linger: float = 0.0
+    #: ... every ``poll`` seconds, and stop early once ``interrupt`` is set
+    poll: float = 0.0
+    interrupt: threading.Event | None = None
 
 
 @dataclass(slots=True)
 class TickOutcome:
     posted: list[tuple[Any, XferId | DoorError, XferState | None]] = field(default_factory=list)
+    #: terminal states only: a handle still in flight is left out
     checked: list[tuple[XferId, XferState | DoorError]] = field(default_factory=list)
     notifs: Mapping[str, list[bytes]] = field(default_factory=dict)
     live: int = 0
@@ -119,7 +127,14 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     """One watchdog round trip: releases, then posts, then checks, then notifications.
 
     Runs on the door thread, so the event loop pays one thread hop per tick
-    however many handles it covers.
+    however many handles it covers.  When the plan asks for it and there is
+    nothing to report, the tick *lingers*: it polls the still-running handles
+    and the notifications every ``plan.poll`` seconds, here on the door thread,
+    and returns at the first news, when ``plan.interrupt`` is set (the loop has
+    new work, or another door call is queued) or after ``plan.linger``.  Polling
+    here costs a few microseconds per round instead of a thread hop, and
+    ``time``-based waits keep sub-millisecond cadences that event-loop timers
+    (uvloop's are in whole milliseconds) cannot.
     """
     out = TickOutcome()
     for xfer in plan.releases:
@@ -131,14 +146,46 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
             out.posted.append((op.key, err, None))
         else:
             out.posted.append((op.key, xid, state))
-    for xfer in plan.checks:
-        try:
-            out.checked.append((xfer, door.check(xfer)))
-        except DoorError as err:
-            out.checked.append((xfer, err))
+    running = _check(door, plan.checks, out)
     out.notifs = door.notifs()
+    if plan.linger > 0 and not (out.posted or out.checked or out.notifs):
+        _linger(door, plan, running, out)
     out.live = door.live_xfers()
     return out
+
+
+def _check(door: Door, xfers: list[XferId], out: TickOutcome) -> list[XferId]:
+    """Check ``xfers``; terminal states go to ``out``, the ids still running are returned."""
+    running = []
+    for xfer in xfers:
+        try:
+            state = door.check(xfer)
+        except DoorError as err:
+            out.checked.append((xfer, err))
+            continue
+        if state is XferState.PROC:
+            running.append(xfer)
+        else:
+            out.checked.append((xfer, state))
+    return running
+
+
+def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome) -> None:
+    deadline = time.monotonic() + plan.linger
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        wait = min(plan.poll, left)
+        if plan.interrupt is not None:
+            if plan.interrupt.wait(wait):
+                return
+        else:
+            time.sleep(wait)
+        running = _check(door, running, out)
+        out.notifs = door.notifs()
+        if out.checked or out.notifs:
+            return
 
 
 class DoorThread:
@@ -147,26 +194,93 @@ class DoorThread:
     A caller cancelled while its call runs does not stop the call: it finishes
     on the thread, and whatever it created stays in the door's tables, where
     ``Door.close()`` (queued behind it) finds and releases it.
+
+    A call is one queue put and one ``call_soon_threadsafe`` back: about half
+    the cost of a ``ThreadPoolExecutor`` round trip, which the watchdog pays on
+    every tick.
+
+    ``interrupt`` ends a lingering watchdog tick (see ``run_tick``): every call
+    queued with ``call``/``call_sync`` sets it, so no door call waits behind a
+    tick that is only polling.
     """
 
     def __init__(self, name: str = "kvservice-nixl") -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._thread_ident: int | None = None
-        self._pool.submit(self._remember_thread).result()
-
-    def _remember_thread(self) -> None:
-        self._thread_ident = threading.get_ident()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.interrupt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     @property
     def thread_ident(self) -> int | None:
-        return self._thread_ident
+        return self._thread.ident
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.run()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+        self.interrupt.set()
+        return await self.call_lingering(fn, *args)
+
+    async def call_lingering(self, fn: Callable[..., T], *args: Any) -> T:
+        """Like ``call`` but leaves ``interrupt`` alone: for the watchdog's own ticks."""
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue ``fn(*args)`` now (without touching ``interrupt``); await the future
+        later.  Cancelling the future does not stop the call."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put(_Job(fn, args, loop, future))
+        return future
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """For use off the event loop (shutdown paths, tests)."""
-        return self._pool.submit(fn, *args).result()
+        self.interrupt.set()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put(_Job(fn, args, None, future))
+        return future.result()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.interrupt.set()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+@dataclass(slots=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    loop: asyncio.AbstractEventLoop | None  # None: ``future`` is a concurrent one
+    future: asyncio.Future[Any] | concurrent.futures.Future[Any]
+
+    def run(self) -> None:
+        try:
+            result, error = self.fn(*self.args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+            result, error = None, exc
+        if self.loop is None:
+            assert isinstance(self.future, concurrent.futures.Future)
+            if error is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(error)
+            return
+        assert isinstance(self.future, asyncio.Future)
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # the caller was cancelled; the call ran all the same
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

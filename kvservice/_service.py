@@ -272,6 +272,9 @@ class TransferService:
             sender=sender, pages=dst,
         )
         self._recvs[request_id] = req
+        # From now on the sender's WRITEs need this side to poll NIXL: wake the
+        # watchdog out of its idle wait rather than leave them stalled until it ends.
+        self._watchdog.wake()  # type: ignore[union-attr]
         try:
             link = await self._control.link_to(sender)
         except anyio.get_cancelled_exc_class():

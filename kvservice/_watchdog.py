@@ -2,27 +2,43 @@
 
 Each tick is one round trip to the door thread (``_door.run_tick``) carrying
 the releases, posts and state checks due, and bringing back their outcomes and
-any NIXL notifications.  Work per tick is bounded (``max_posts_per_tick``,
-``max_checks_per_tick``; checks rotate round-robin over the in-flight set), so
-the event loop stays responsive with thousands of transfers in flight.
-Deadlines are scanned every ``DEADLINE_SCAN_S``.
+any NIXL notifications.  Work per tick is bounded (``max_posts_per_tick`` and
+``MAX_POST_BYTES_PER_TICK``; ``max_checks_per_tick``, rotating round-robin over
+the in-flight set), so the event loop stays responsive with thousands of
+transfers in flight and completions come back while later posts still copy.
+
+Cadence.  New work (``schedule``, ``forget``) wakes the watchdog at once.  While
+transfers are in flight or expected, a tick with nothing to post *lingers* on
+the door thread, polling NIXL every ``poll_interval`` (that polling is also what
+lets peers' WRITEs into this process complete while NIXL's progress thread is
+off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
+thread hop per event rather than per poll, and the cadence holds on loops
+whose timers cannot sleep under a millisecond (uvloop).  Idle, it sleeps
+``idle_interval`` or until woken.  Deadlines are scanned every ``DEADLINE_SCAN_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
-from ._door import Door, DoorError, DoorThread, PostOp, TickPlan, XferId, XferState, run_tick
+from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
 from ._layout import KVLayout
 from ._protocol import ChunkNotif, encode_notif
 from ._requests import SendRequest
 
 DEADLINE_SCAN_S = 0.01
+#: longest a tick polls on the door thread before handing control back to the loop
+LINGER_S = DEADLINE_SCAN_S
+#: bytes posted per tick (at least one chunk): a post copies before it returns, so
+#: this bounds how long completions wait behind later posts (~2 ms at 4 GB/s)
+MAX_POST_BYTES_PER_TICK = 8 * 1024 * 1024
 
 
 class Owner(Protocol):
@@ -79,6 +95,7 @@ class Watchdog:
 
     def wake(self) -> None:
         self._wake.set()
+        self._thread.interrupt.set()  # end a lingering tick: there is work for the loop
 
     @property
     def inflight(self) -> int:
@@ -88,22 +105,44 @@ class Watchdog:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         next_scan = 0.0
+        ahead: asyncio.Future[TickOutcome] | None = None
         while True:
-            await self.tick()
+            if ahead is None:
+                ahead = self._submit(linger=True)
+            self._digest(await ahead)
             now = self._clock()
             if now >= next_scan:
                 self._owner.check_deadlines(now)
                 next_scan = now + DEADLINE_SCAN_S
-            if self._inflight or self._ready or self._releases or self._owner.busy():
-                await anyio.sleep(self._poll)
+            if self._ready or self._releases:
+                # Queue the next tick before yielding, so the door thread copies while
+                # the senders just woken run.  It is planned after the digest and the
+                # deadline scan, so it checks no handle they have just let go of.
+                ahead = self._submit(linger=False)
+                continue
+            ahead = None
+            if self._inflight or self._owner.busy():
+                # the next tick posts at once, or lingers on the door thread until news
+                await anyio.lowlevel.checkpoint()
             else:
                 self._wake = anyio.Event()
                 with anyio.move_on_after(self._idle):
                     await self._wake.wait()
 
     async def tick(self) -> None:
+        """One round trip to the door thread with whatever is due (no lingering)."""
+        self._digest(await self._submit(linger=False))
+
+    def _submit(self, *, linger: bool) -> asyncio.Future[TickOutcome]:
+        """Plan a tick and queue it on the door thread.  With ``linger`` and nothing to
+        post or release, it waits there (polling) for news for up to ``LINGER_S``."""
+        self._thread.interrupt.clear()  # set again by any wake() from here on
         plan = self._plan()
-        outcome = await self._thread.call(run_tick, self._door, plan)
+        if linger and not plan.posts and not plan.releases and (self._inflight or self._owner.busy()):
+            plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
+        return self._thread.submit(run_tick, self._door, plan)
+
+    def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
         self.live_handles = outcome.live
         for key, got, state in outcome.posted:
@@ -138,11 +177,13 @@ class Watchdog:
         plan = TickPlan(releases=self._releases)
         self._releases = []
         budget = self._max_posts
+        byte_budget = MAX_POST_BYTES_PER_TICK
         for rid in list(self._ready):
-            if budget <= 0:
+            if budget <= 0 or byte_budget <= 0:
                 break
             req = self._ready[rid]
-            while req.pending and budget > 0:
+            while req.pending and budget > 0 and byte_budget > 0:
+                byte_budget -= int(req.pending[0].size) * self._layout.page_bytes
                 plan.posts.append(self._post_op(req))
                 budget -= 1
             if not req.pending:

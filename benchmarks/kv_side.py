@@ -1,0 +1,237 @@
+"""kvservice under test: one ``TransferService`` per process, driven through its public API.
+
+``python -m benchmarks.kv_side send|recv CONFIG`` answers JSON lines on stdout.
+The sender runs ``send(...)`` -> ``await_completion(...)`` per request with
+``concurrency`` clients at a time; the receiver ``expect``s every request of a
+run up front (as a decode engine does once it has allocated the pages) and
+then ``await_arrival``s each.  Both use kvservice's default configuration.
+
+A ticker task on the sender's loop sleeps ``TICK_S`` again and again and
+records how late it wakes: the loop lag reported per run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import structlog
+
+from benchmarks._lines import emit, take_stdout
+from kvservice import KVLayout, KVPoll, ServiceConfig, TransferService
+
+TICK_S = 0.001
+RUN_TIMEOUT_S = 120.0
+KILL_WAIT_S = 10.0  # a request not ended this long after the kill is reported PENDING
+
+
+class Ticker:
+    """How late the loop wakes a task sleeping ``TICK_S`` (samples between ``start``
+    and ``stop``), and how long the cyclic GC paused the process meanwhile."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.gc_pauses: list[float] = []  # cyclic-GC pauses during the run, seconds
+        self.since = float("inf")
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if phase == "start":
+            self._gc_started = now
+        elif self._gc_started >= self.since:
+            self.gc_pauses.append(now - self._gc_started)
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await anyio.sleep(TICK_S)
+            t1 = time.monotonic()
+            if t0 >= self.since:  # a sleep begun before start() is not the run's
+                self.lags.append(max(0.0, t1 - t0 - TICK_S))
+
+    def start(self) -> None:
+        self.lags.clear()
+        self.gc_pauses.clear()
+        self.since = time.monotonic()
+
+    def stop(self) -> list[float]:
+        self.since = float("inf")
+        return list(self.lags)
+
+
+def make_config(cfg: dict[str, Any]) -> ServiceConfig:
+    layout = KVLayout(num_pages=int(cfg["num_pages"]), **cfg["layout"])
+    extra = dict(cfg.get("service", {}))
+    return ServiceConfig(layout=layout, ucx_env={"UCX_NET_DEVICES": "lo"}, drain_grace_s=1.0, **extra)
+
+
+async def sender(cfg: dict[str, Any], stdin: Any) -> None:
+    ticker = Ticker()
+    async with TransferService(make_config(cfg)) as svc, anyio.create_task_group() as tg:
+        svc.kv.tensor.fill_(1.0)  # touch every page once
+        tg.start_soon(ticker.run)
+        freeze_startup_heap(cfg.get("gc", "freeze"))
+        emit({"event": "ready", "address": svc.address, "pid": os.getpid()})
+
+        async def run(requests: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+            """``concurrency`` clients, each sending one request after another until none
+            is left.  Clients join one per loop turn, as a server's connections would,
+            rather than as one burst of thousands of sends in a single turn."""
+            todo = iter(requests)
+            lat: list[float] = []
+            failed: list[str] = []
+
+            async def client() -> None:
+                for r in todo:
+                    t0 = time.monotonic()
+                    handle = await svc.send(r["rid"], r["src"], last=True)
+                    result = await svc.await_completion(handle)
+                    if result.ok:
+                        lat.append(time.monotonic() - t0)
+                    else:
+                        failed.append(f"{r['rid']}: {result.reason} {result.message}")
+
+            ticker.start()
+            start = time.monotonic()
+            with anyio.fail_after(RUN_TIMEOUT_S):
+                async with anyio.create_task_group() as clients:
+                    for _ in range(min(concurrency, len(requests))):
+                        clients.start_soon(client, name="bench-client")
+                        await anyio.lowlevel.checkpoint()
+            end = time.monotonic()
+            lags = ticker.stop()
+            return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags,
+                    "gc_max_s": max(ticker.gc_pauses, default=0.0), "ok": len(lat), "failed": failed[:5],
+                    "nfailed": len(failed)}
+
+        async def memory(requests: list[dict[str, Any]]) -> dict[str, Any]:
+            """Python heap held per request: after ``send`` of every request (before any
+            is posted) and at the peak while they are in flight."""
+            tracemalloc.start()
+            tracemalloc.reset_peak()
+            base, _ = tracemalloc.get_traced_memory()
+            handles = [await svc.send(r["rid"], r["src"], last=True) for r in requests]
+            queued, _ = tracemalloc.get_traced_memory()
+            results = [await svc.await_completion(h) for h in handles]
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            n = len(requests)
+            return {"event": "memory", "n": n, "queued_per_request": (queued - base) / n,
+                    "peak_per_request": (peak - base) / n, "ok": sum(r.ok for r in results)}
+
+        async def kill_watch(requests: list[dict[str, Any]]) -> None:
+            """Send ``requests``; report when each ended and how (the receiver gets killed)."""
+            handles = [await svc.send(r["rid"], r["src"], last=True) for r in requests]
+            for _ in range(10_000):  # up to ~10 s, until every request is bound to the receiver
+                if not any(h.poll() is KVPoll.Bootstrapping for h in handles):
+                    break
+                await anyio.sleep(0.001)
+            emit({"event": "sent", "n": len(handles)})
+            with anyio.move_on_after(KILL_WAIT_S):
+                for h in handles:
+                    await h.wait()
+            emit({"event": "ended", "results": [
+                {"rid": h.request_id, "status": h.result.status.value if h.result else "PENDING",
+                 "reason": h.result.reason.value if h.result and h.result.reason else None,
+                 "finished": h.result.finished_at if h.result else None} for h in handles]})
+
+        async for line in stdin:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "run":
+                emit(await run(cmd["requests"], int(cmd["concurrency"])))
+            elif op == "memory":
+                emit(await memory(cmd["requests"]))
+            elif op == "kill_watch":
+                tg.start_soon(kill_watch, cmd["requests"])
+            elif op == "exit":
+                break
+            else:
+                emit({"event": "error", "message": f"unknown op {op!r}"})
+        tg.cancel_scope.cancel()
+
+
+async def receiver(cfg: dict[str, Any], stdin: Any) -> None:
+    async with TransferService(make_config(cfg)) as svc, anyio.create_task_group() as tg:
+        svc.kv.tensor.zero_()  # touch every page once
+        freeze_startup_heap(cfg.get("gc", "freeze"))
+        emit({"event": "ready", "address": svc.address, "pid": os.getpid()})
+
+        async def arrivals(rids: list[str]) -> None:
+            last, failed = 0.0, []
+            with anyio.move_on_after(RUN_TIMEOUT_S):
+                for rid in rids:
+                    result = await svc.await_arrival(rid)
+                    last = max(last, result.finished_at)
+                    if not result.ok:
+                        failed.append(f"{rid}: {result.reason} {result.message}")
+            emit({"event": "arrived", "last": last, "nfailed": len(failed), "failed": failed[:5]})
+
+        async for line in stdin:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "expect":
+                for r in cmd["requests"]:
+                    await svc.expect(r["rid"], r["dst"], sender=cmd["sender"])
+                emit({"event": "expecting", "n": len(cmd["requests"])})
+                if cmd.get("wait", True):
+                    tg.start_soon(arrivals, [r["rid"] for r in cmd["requests"]])
+            elif op == "exit":
+                break
+            else:
+                emit({"event": "error", "message": f"unknown op {op!r}"})
+        tg.cancel_scope.cancel()
+
+
+def freeze_startup_heap(mode: str) -> None:
+    """What a serving process does once it is up: move everything allocated so far
+    (torch, NIXL and the rest of the imports: ~170k objects here) out of the cyclic
+    GC's reach.  Without it every full collection walks them all, 100-250 ms on
+    this machine, and those pauses, not kvservice, dominate the loop-lag maximum.
+
+    ``mode`` "off" also turns automatic collection off: a diagnostic (``kvservice
+    bench --kv-gc off``) that shows which part of the lag is GC pauses."""
+    gc.collect()
+    gc.freeze()
+    if mode == "off":
+        gc.disable()
+
+
+async def _main(role: str, cfg: dict[str, Any]) -> None:
+    stdin = anyio.wrap_file(sys.stdin)
+    await (sender if role == "send" else receiver)(cfg, stdin)
+
+
+def quiet_logs() -> None:
+    """stdout carries the replies: structlog goes to stderr, errors only."""
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def main() -> None:
+    take_stdout()
+    import torch
+
+    quiet_logs()
+    torch.set_num_threads(1)
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    loop = cfg.get("loop", "uvloop")
+    anyio.run(_main, role, cfg, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The benchmark's outputs: a terminal table, a JSON file and a PNG chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+METHOD_LABELS = {"limit": "limit (torch copy)", "raw_nixl": "raw NIXL", "kvservice": "kvservice",
+                 "sidecar": "sidecar"}
+COLORS = {"limit": "#9e9e9e", "raw_nixl": "#1f77b4", "kvservice": "#d62728", "sidecar": "#2ca02c"}
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+
+
+def _f(value: Any, fmt: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, fmt)
+
+
+def table(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [
+        f"kvservice bench, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, "
+        f"nixl {meta['versions'].get('nixl')}, torch {meta['versions'].get('torch')}; "
+        f"load avg {meta['load_avg_start']:.2f} -> {meta.get('load_avg_end', 0):.2f}",
+        "medians of {} repeats; ratio = median of per-repeat kvservice/raw NIXL "
+        "(GB/s for w1, requests/s otherwise)".format(results["plan"]["repeats"]),
+        "lag: kvservice sender's event loop (p99 median over repeats / worst max); floor: the same "
+        "ticker in an idle process at the same time; gc: longest cyclic-GC pause in the sender",
+        "",
+    ]
+    head = (f"{'case':<16}{'reqs':>6} | {'limit':>7} {'raw':>7} {'kv':>7} GB/s | {'raw':>7} {'kv':>7} req/s"
+            f" | {'kv/raw':>6} | {'raw p50/p99':>13} {'kv p50/p99':>13} ms | {'lag p99/max':>12} "
+            f"{'floor':>11} {'gc':>6} ms")
+    lines += [head, "-" * len(head)]
+    for c in results.get("cases", []):
+        m = c["methods"]
+        lim, raw, kv = m.get("limit", {}), m.get("raw_nixl", {}), m.get("kvservice", {})
+        ratio = c.get("kv_over_raw", {}).get("median")
+        lines.append(
+            f"{c['key']:<16}{c['requests']:>6} | {_f(lim.get('gbps')):>7} {_f(raw.get('gbps')):>7} "
+            f"{_f(kv.get('gbps')):>7}      | {_f(raw.get('req_s'), '.0f'):>7} {_f(kv.get('req_s'), '.0f'):>7}      "
+            f" | {_f(ratio):>6} | "
+            f"{_f(raw.get('lat_p50_ms'), '.1f') + '/' + _f(raw.get('lat_p99_ms'), '.1f'):>13} "
+            f"{_f(kv.get('lat_p50_ms'), '.1f') + '/' + _f(kv.get('lat_p99_ms'), '.1f'):>13}    | "
+            f"{_f(kv.get('lag_p99_ms'), '.1f') + '/' + _f(kv.get('lag_max_ms'), '.1f'):>12} "
+            f"{_f(kv.get('probe_lag_p99_ms'), '.1f') + '/' + _f(kv.get('probe_lag_max_ms'), '.1f'):>11} "
+            f"{_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}"
+        )
+    for name, why in results.get("skipped", {}).items():
+        lines.append(f"{name}: skipped ({why})")
+    mem = results.get("memory")
+    if mem:
+        lines.append("")
+        lines.append(f"kvservice state per request (tracemalloc, n={mem['n']}): "
+                     f"{mem['queued_per_request']:.0f} B queued, {mem['peak_per_request']:.0f} B peak in flight")
+    kill = results.get("kill")
+    if kill:
+        lines.append(f"SIGKILL of the receiver, {len(kill['tries'])} tries, ~{kill['inflight_per_try']:.0f} "
+                     f"requests in flight each: last Failed after p50 {kill['median_ms']:.1f} ms, "
+                     f"p99 {kill['p99_ms']:.1f} ms, max {kill['max_ms']:.1f} ms; none left pending: "
+                     f"{_f(kill['all_failed'])}")
+    if results.get("targets"):
+        lines += ["", f"{'target':<52} {'goal':>12} {'measured':>10}  met"]
+        for t in results["targets"]:
+            note = f"  ({t['note']})" if t.get("note") else ""
+            value = t["measured"]
+            shown = _f(value, ".3f" if isinstance(value, float) and abs(value) < 10 else ".1f")
+            lines.append(f"{t['target']:<52} {t['goal']:>12} {shown:>10}  {_f(t['met'])}{note}")
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> Path | None:
+    """Throughput per workload and method; w3 throughput and latency vs concurrency.
+
+    Returns ``None`` (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cases = results.get("cases", [])
+    methods = [m for m in results["methods"] if m not in results.get("skipped", {})]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    meta = results["meta"]
+    fig.suptitle(f"kvservice vs raw NIXL vs memory copy: Llama-3-8B KV pages, two processes on 127.0.0.1\n"
+                 f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, nixl {meta['versions'].get('nixl')}",
+                 fontsize=10)
+    for ax, wl, metric, ylabel in ((axes[0][0], "w1", "gbps", "GB/s (one 2048-token request)"),
+                                   (axes[0][1], "w2", "req_s", "requests/s (1-4 pages each)")):
+        sel = [c for c in cases if c["workload"] == wl]
+        width = 0.8 / max(1, len(methods))
+        for i, m in enumerate(methods):
+            xs = [j + i * width for j in range(len(sel))]
+            ys = [c["methods"].get(m, {}).get(metric, 0) for c in sel]
+            ax.bar(xs, ys, width, label=METHOD_LABELS.get(m, m), color=COLORS.get(m))
+        ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(sel))])
+        ax.set_xticklabels([c["variant"] for c in sel])
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"workload {wl[1]}")
+        ax.legend(fontsize=8)
+    sel = [c for c in cases if c["workload"] == "w3"]
+    conc = [c["concurrency"] for c in sel]
+    ax = axes[1][0]
+    for m in methods:
+        ax.plot(conc, [c["methods"].get(m, {}).get("req_s", 0) for c in sel], "o-", label=METHOD_LABELS.get(m, m),
+                color=COLORS.get(m))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("requests/s (one page each)")
+    ax.set_title("workload 3: throughput vs concurrency")
+    ax.legend(fontsize=8)
+    ax = axes[1][1]
+    for m in methods:
+        if m == "limit":
+            continue
+        for q, style in (("lat_p50_ms", "o-"), ("lat_p99_ms", "x--")):
+            ax.plot(conc, [c["methods"].get(m, {}).get(q, 0) for c in sel], style, color=COLORS.get(m),
+                    label=f"{METHOD_LABELS.get(m, m)} {q[4:7]}")
+    lag = [c["methods"].get("kvservice", {}).get("lag_p99_ms") for c in sel]
+    if any(v is not None for v in lag):
+        ax.plot(conc, [v or 0 for v in lag], "s:", color="black", label="kvservice sender loop lag p99")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("ms")
+    ax.set_title("workload 3: latency vs concurrency")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def markdown(results: dict[str, Any], chart_name: str | None) -> str:
+    """The run as a Markdown page: machine, the terminal table, targets, chart."""
+    meta = results["meta"]
+    lines = [
+        f"# kvservice bench: {meta['date']}",
+        "",
+        f"Machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, {meta['os']}; "
+        f"Python {meta['python']}, " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
+        f"Load average {meta['load_avg_start']:.2f} at the start, {meta.get('load_avg_end', 0):.2f} at the end; "
+        f"wall time {meta.get('wall_s', '?')} s.",
+        "",
+        "Generated by `kvservice bench` (see `docs/perf/README.md` for what each column means).",
+        "",
+        "```",
+        table(results),
+        "```",
+    ]
+    if chart_name:
+        lines += ["", f"![throughput and latency]({chart_name})"]
+    return "\n".join(lines) + "\n"
