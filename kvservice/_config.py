@@ -49,6 +49,10 @@ class ServiceConfig:
     poll_interval_s: float = 0.0005
     idle_poll_interval_s: float = 0.05
     max_posts_per_tick: int = 64
+    #: bytes posted per tick (at least one chunk).  A post may copy before it
+    #: returns, so this bounds how long completions wait behind later posts; a
+    #: larger budget lets more asynchronous WRITEs overlap (see README).
+    max_post_bytes_per_tick: int = 64 * 1024 * 1024
     max_checks_per_tick: int = 4096
     #: ``async with`` exit waits this long for in-flight work before failing it
     drain_grace_s: float = 5.0
@@ -65,7 +69,7 @@ class ServiceConfig:
         positive = (
             "bootstrap_timeout_s", "transfer_timeout_s", "arrival_timeout_s",
             "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
-            "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick",
+            "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
             "max_checks_per_tick", "max_frame_bytes", "results_kept",
         )
         for key in positive:

@@ -190,10 +190,12 @@ class PeerLink:
         """Send what is queued plus a Bye, then close (used at shutdown)."""
         self.send(Bye("shutting down"))
         self._closing = True
+        # We are the ones leaving: the peer closing its end once it reads our Bye is
+        # expected, and may reach our reader before the flush below returns.
+        self.graceful = True
         self._send.close()  # the writer drains the outbox, then sets _drained
         with anyio.move_on_after(timeout):
             await self._drained.wait()
-        self.graceful = True
         self.close()
 
     async def _reader(self) -> None:

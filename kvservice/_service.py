@@ -119,6 +119,7 @@ class TransferService:
             self._thread, self._door, self.layout, self,
             poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
+            max_post_bytes=cfg.max_post_bytes_per_tick,
         )
         self._control = ControlPlane(self, self._thread, self._door, metadata, self._tg)
         self.address = await self._control.listen()

@@ -3,7 +3,7 @@
 Each tick is one round trip to the door thread (``_door.run_tick``) carrying
 the releases, posts and state checks due, and bringing back their outcomes and
 any NIXL notifications.  Work per tick is bounded (``max_posts_per_tick`` and
-``MAX_POST_BYTES_PER_TICK``; ``max_checks_per_tick``, rotating round-robin over
+``max_post_bytes_per_tick``; ``max_checks_per_tick``, rotating round-robin over
 the in-flight set), so the event loop stays responsive with thousands of
 transfers in flight and completions come back while later posts still copy.
 
@@ -36,9 +36,6 @@ from ._requests import SendRequest
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop
 LINGER_S = DEADLINE_SCAN_S
-#: bytes posted per tick (at least one chunk): a post copies before it returns, so
-#: this bounds how long completions wait behind later posts (~2 ms at 4 GB/s)
-MAX_POST_BYTES_PER_TICK = 8 * 1024 * 1024
 
 
 class Owner(Protocol):
@@ -55,6 +52,7 @@ class Watchdog:
     def __init__(
         self, thread: DoorThread, door: Door, layout: KVLayout, owner: Owner, *,
         poll_interval: float, idle_interval: float, max_posts: int, max_checks: int,
+        max_post_bytes: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._thread = thread
@@ -64,6 +62,7 @@ class Watchdog:
         self._poll = poll_interval
         self._idle = idle_interval
         self._max_posts = max_posts
+        self._max_post_bytes = max_post_bytes
         self._max_checks = max_checks
         self._clock = clock
         self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
@@ -177,7 +176,7 @@ class Watchdog:
         plan = TickPlan(releases=self._releases)
         self._releases = []
         budget = self._max_posts
-        byte_budget = MAX_POST_BYTES_PER_TICK
+        byte_budget = self._max_post_bytes
         for rid in list(self._ready):
             if budget <= 0 or byte_budget <= 0:
                 break
