@@ -28,6 +28,7 @@ import structlog
 
 from benchmarks._lines import emit, take_stdout
 from kvservice import KVLayout, KVPoll, ServiceConfig, TransferService
+from kvservice._runtime import freeze_startup_objects
 
 TICK_S = 0.001
 RUN_TIMEOUT_S = 120.0
@@ -202,8 +203,7 @@ def freeze_startup_heap(mode: str) -> None:
 
     ``mode`` "off" also turns automatic collection off: a diagnostic (``kvservice
     bench --kv-gc off``) that shows which part of the lag is GC pauses."""
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
     if mode == "off":
         gc.disable()
 

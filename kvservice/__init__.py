@@ -20,6 +20,7 @@ from ._results import (
     TransferStatus,
     UnknownRequestError,
 )
+from ._runtime import freeze_startup_objects
 from ._service import TransferService
 from .sidecar import SidecarClient
 
@@ -43,4 +44,5 @@ __all__ = [
     "TransferStatus",
     "UnknownRequestError",
     "__version__",
+    "freeze_startup_objects",
 ]

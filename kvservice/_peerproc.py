@@ -65,6 +65,7 @@ def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, 
 
 
 async def _child(config_json: str) -> None:
+    from ._runtime import freeze_startup_objects
     from ._service import TransferService
 
     raw = json.loads(config_json)
@@ -78,6 +79,7 @@ async def _child(config_json: str) -> None:
             sys.stdout.flush()
 
     async with TransferService(config) as svc, anyio.create_task_group() as tg:
+        freeze_startup_objects()
         await emit({"event": "ready", "address": svc.address, "agent": svc.agent_name, "pid": os.getpid()})
 
         async def wait_sent(handle: Any, timeout: float | None) -> None:

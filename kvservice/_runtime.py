@@ -3,6 +3,7 @@ configures logging; only ``cli`` and the helper processes call these."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,20 @@ def run(main: Callable[..., Awaitable[T]], *args: Any, loop: str = "auto") -> T:
         raise ConfigError("loop: 'uvloop' requested but uvloop is not installed")
     use_uvloop = loop != "asyncio" and uvloop_available()
     return anyio.run(main, *args, backend="asyncio", backend_options={"use_uvloop": use_uvloop})
+
+
+def freeze_startup_objects() -> None:
+    """What a serving process does once it is up: move everything allocated so far
+    (torch, NIXL and the rest of the imports: ~170k objects) out of the cyclic GC's
+    reach.  Without it every full collection walks them all, 100-250 ms measured on
+    a 2-core machine, and those pauses dominate the event loop's worst stalls
+    (``kvservice bench --only w3``).  Call it from entry points, after start-up.
+
+    No ``gc.collect()`` first: that one full pass would itself stall the running
+    loop for as long as the pauses this avoids; freezing is a list splice.  The
+    price is that garbage alive at this moment is kept for good (start-up leaves
+    little)."""
+    gc.freeze()
 
 
 def configure_logging(level: str = "info", json: bool | None = None, stream: Any = None) -> None:

@@ -33,7 +33,7 @@ from ._config import ServiceConfig
 from ._layout import KVLayout
 from ._peerproc import PeerProcess, pattern
 from ._results import TransferResult
-from ._runtime import configure_logging, run
+from ._runtime import configure_logging, freeze_startup_objects, run
 from ._service import TransferService
 
 DEMO_LAYOUT = KVLayout(layers=8, page_tokens=16, kv_heads=4, head_dim=128, dtype="bfloat16", num_pages=1024)
@@ -270,6 +270,7 @@ async def _main(requests: int, seed: int) -> int:
     phases: list[Phase] = []
     async with TransferService(config) as svc, anyio.create_task_group() as tg:
         demo = Demo(svc, layout, rng)
+        freeze_startup_objects()
         decode = await PeerProcess.start(tg, _child_config(layout, port))
         print(f"prefill (this process) at {svc.address}; decode (pid {decode.pid}) at {decode.address}")
         phases.append(await _steady(demo, decode, "steady", requests))

@@ -33,7 +33,7 @@ import structlog
 
 from .._config import ConfigError
 from .._results import NixlUnavailable
-from .._runtime import configure_logging, run
+from .._runtime import configure_logging, freeze_startup_objects, run
 from .._service import TransferService
 from ..cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from . import metrics
@@ -206,6 +206,7 @@ class Daemon:
     # -- ready ------------------------------------------------------------------------------
     def _announce(self, segment: Segment) -> None:
         assert self.svc is not None
+        freeze_startup_objects()  # long-lived from here on: keep GC passes short
         self.ready = True
         info = {
             "event": "sidecar.ready", "pid": os.getpid(), "roles": list(self.cfg.sidecar.roles),
