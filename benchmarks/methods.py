@@ -60,7 +60,19 @@ def _two_sided(sample: dict[str, Any], arrived: dict[str, Any], n: int) -> dict[
     return sample
 
 
-class RawNixl:
+class _TwoChildren:
+    """A method measured by a sending and a receiving child process."""
+
+    send: Child | None
+    recv: Child | None
+
+    def close(self) -> None:
+        for child in (self.send, self.recv):
+            if child is not None:
+                child.close()
+
+
+class RawNixl(_TwoChildren):
     """Hand-written NIXL loop in two child processes (``benchmarks.raw_nixl``)."""
 
     name = "raw_nixl"
@@ -86,13 +98,9 @@ class RawNixl:
         sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency)
         return _two_sided(sample, self.recv.wait("arrived", RUN_TIMEOUT_S), len(reqs))
 
-    def close(self) -> None:
-        for child in (self.send, self.recv):
-            if child is not None:
-                child.close()
 
 
-class KvService:
+class KvService(_TwoChildren):
     """kvservice's public API in two child processes (``benchmarks.kv_side``)."""
 
     name = "kvservice"
@@ -123,10 +131,6 @@ class KvService:
         sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency)
         return _two_sided(sample, self.recv.wait("arrived", RUN_TIMEOUT_S), len(reqs))
 
-    def close(self) -> None:
-        for child in (self.send, self.recv):
-            if child is not None:
-                child.close()
 
 
 class Sidecar:

@@ -38,7 +38,7 @@ import anyio.abc
 import numpy.typing as npt
 
 from .._layout import KVLayout
-from .._peers import CONNECTION_ERRORS, FramedStream
+from .._peers import CONNECTION_ERRORS, FramedStream, split_address
 from .._pool import KVPool
 from .._protocol import FrameError
 from .._requests import Recent, check_request_id
@@ -225,22 +225,30 @@ class SidecarClient:
         return False
 
     # -- sending side -----------------------------------------------------------------------
+    async def _request_call(
+        self, side: str, request_id: str, make: Callable[[int], Call],
+    ) -> tuple[RequestState, ServerMessage]:
+        """Call the daemon for ``request_id``, tracking the request from before the call
+        (its Finished frame may overtake the reply); a request this call created is
+        forgotten again if the call fails."""
+        key = (side, request_id)
+        created = key not in self._live
+        req = self._live.setdefault(key, RequestState(request_id, side))
+        try:
+            reply = await self._call(make)
+        except BaseException:
+            if created and req.result is None and self._live.get(key) is req:
+                del self._live[key]
+            raise
+        return req, reply
+
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
                    timeout: float | None = None) -> SidecarHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver (see ``TransferService.send``)."""
         check_request_id(request_id)
         idx = self.layout.check_pages(pages).tolist()
-        key = ("send", request_id)
-        req = self._live.get(key)
-        created = req is None
-        if req is None:
-            req = self._live[key] = RequestState(request_id, "send")
-        try:
-            reply = await self._call(lambda n: Send(n, request_id, idx, last, timeout))
-        except BaseException:
-            if created and req.result is None and self._live.get(key) is req:
-                del self._live[key]
-            raise
+        req, reply = await self._request_call(
+            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout))
         assert isinstance(reply, SendReply)
         if reply.result is not None:
             self._finish(req, result_from_wire(reply.result))
@@ -271,17 +279,9 @@ class SidecarClient:
         """Announce that ``request_id`` goes into ``pages`` and tell ``sender`` (see ``TransferService.expect``)."""
         check_request_id(request_id)
         idx = self.layout.check_pages(pages).tolist()
-        if not isinstance(sender, str) or not 0 < len(sender) <= 512:
-            raise ValueError(f"sender must be a 'host:port' string, got {sender!r}")
-        key = ("recv", request_id)
-        created = key not in self._live
-        req = self._live.setdefault(key, RequestState(request_id, "recv"))
-        try:
-            reply = await self._call(lambda n: Expect(n, request_id, idx, sender, timeout))
-        except BaseException:
-            if created and req.result is None and self._live.get(key) is req:
-                del self._live[key]
-            raise
+        split_address(sender)  # the service's own check, here rather than a round trip later
+        _, reply = await self._request_call(
+            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout))
         assert isinstance(reply, Done)
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
