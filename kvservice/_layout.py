@@ -13,6 +13,7 @@ which lets NIXL merge a run of pages into one descriptor per plane.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,8 +160,17 @@ class KVLayout:
         The local and the remote index arrays of one transfer are built the same
         way, so entry *i* of one pairs with entry *i* of the other.
         """
-        planes = np.arange(self.planes, dtype=np.int32)[:, None] * np.int32(self.num_pages)
-        return (planes + pages[None, :]).ravel()
+        return (_plane_offsets(self.planes, self.num_pages) + pages[None, :]).ravel()
 
     def bytes_for(self, npages: int) -> int:
         return npages * self.page_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _plane_offsets(planes: int, num_pages: int) -> PageIndex:
+    """``plane * num_pages`` for every plane, as a column (read-only: it is shared
+    by every call; computed once per pool shape, not once per post)."""
+    column = (np.arange(planes, dtype=np.int32) * np.int32(num_pages))[:, None]
+    column.flags.writeable = False
+    return column
+

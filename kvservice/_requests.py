@@ -53,6 +53,16 @@ class SendRequest(_Request):
     posting: int = 0  # chunks on the door thread, outcome not back yet
     bytes_done: int = 0
 
+    @classmethod
+    def ended(cls, result: TransferResult) -> SendRequest:
+        """A stand-in for a request that ended before: only its result is kept."""
+        req = cls(request_id=result.request_id, created=result.created_at, deadline=0.0, result=result)
+        req.done.set()
+        return req
+
+    def due_at(self) -> float:
+        return self.bootstrap_deadline if self.peer is None else self.deadline
+
     @property
     def complete(self) -> bool:
         return (
@@ -62,7 +72,7 @@ class SendRequest(_Request):
 
     def poll(self) -> KVPoll:
         if self.result is not None:
-            return KVPoll.Success if self.result.ok else KVPoll.Failed
+            return self.result.poll
         if self.peer is None:
             return KVPoll.Bootstrapping
         if self.inflight or self.posting or self.pending:
@@ -80,9 +90,12 @@ class RecvRequest(_Request):
     chunks_seen: int = 0
     total_chunks: int | None = None
 
+    def due_at(self) -> float:
+        return self.deadline
+
     def poll(self) -> KVPoll:
         if self.result is not None:
-            return KVPoll.Success if self.result.ok else KVPoll.Failed
+            return self.result.poll
         if self.peer is None:
             return KVPoll.Bootstrapping
         return KVPoll.Transferring if self.chunks_seen else KVPoll.WaitingForInput
@@ -132,9 +145,7 @@ class HandleBase(abc.ABC):
 
     def poll(self) -> KVPoll:
         result = self.result
-        if result is not None:
-            return KVPoll.Success if result.ok else KVPoll.Failed
-        return self._pending_poll()
+        return self._pending_poll() if result is None else result.poll
 
     def failure_exception(self) -> NoReturn:
         result = self.result

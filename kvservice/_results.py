@@ -93,6 +93,11 @@ class TransferResult:
         return self.status is TransferStatus.SUCCESS
 
     @property
+    def poll(self) -> KVPoll:
+        """``Success`` or ``Failed``: what ``poll()`` answers once a request has ended."""
+        return KVPoll.Success if self.ok else KVPoll.Failed
+
+    @property
     def duration_s(self) -> float:
         """From the request's creation to its end."""
         return self.finished_at - self.created_at

@@ -6,6 +6,7 @@ through the ``Door``, on the ``DoorThread``.  Peer links live in ``_control``.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -20,12 +21,14 @@ import structlog
 
 from ._config import ServiceConfig
 from ._control import ControlPlane
+from ._deadlines import Deadlines
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
 from ._protocol import Abort, Expect, Failed, Message, decode_notif
 from ._requests import Recent, RecvRequest, SendRequest, TransferHandle, check_request_id, make_result
 from ._results import (
     FailureReason,
+    KVPoll,
     KVServiceError,
     TransferResult,
     TransferStatus,
@@ -72,8 +75,11 @@ class TransferService:
         self._control: ControlPlane | None = None
         self._sends: dict[str, SendRequest] = {}
         self._recvs: dict[str, RecvRequest] = {}
-        self._sends_done: Recent[str, SendRequest] = Recent(self.config.results_kept)
-        self._recvs_done: Recent[str, RecvRequest] = Recent(self.config.results_kept)
+        # Ended requests keep only their result: one object each for the cyclic GC
+        # to walk, not the request's events, queues and sets.
+        self._sends_done: Recent[str, TransferResult] = Recent(self.config.results_kept)
+        self._recvs_done: Recent[str, TransferResult] = Recent(self.config.results_kept)
+        self._deadlines = Deadlines()
         # Expects that arrived before the matching send(): rid -> (peer agent, pages)
         self._early: dict[str, tuple[str, npt.NDArray[np.int32]]] = {}
         # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
@@ -184,9 +190,9 @@ class TransferService:
         if req is None:
             done = self._sends_done.get(request_id)
             if done is not None:
-                if done.result is not None and done.result.ok:
+                if done.ok:
                     raise ValueError(f"request {request_id!r} already completed; send after last")
-                return TransferHandle(done)  # sticky failure: the chunk is not posted
+                return TransferHandle(SendRequest.ended(done))  # sticky failure: not posted
         elif req.last:
             raise ValueError(f"request {request_id!r}: send after last=True")
         queued = (req.pages_queued if req else 0) + int(src.size)
@@ -207,6 +213,7 @@ class TransferService:
         req.last = last
         if timeout is not None:
             req.deadline = time.monotonic() + timeout
+            self._deadlines.push(req)
         if req.peer is not None:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
         return TransferHandle(req)
@@ -220,6 +227,7 @@ class TransferService:
             bootstrap_deadline=now + cfg.bootstrap_timeout_s,
         )
         self._sends[request_id] = req
+        self._deadlines.push(req)
         dropped = self._dropped.pop(request_id)
         if dropped is not None:
             self._fail(req, dropped, "the receiver's expect was dropped before this send")
@@ -273,6 +281,7 @@ class TransferService:
             sender=sender, pages=dst,
         )
         self._recvs[request_id] = req
+        self._deadlines.push(req)
         # From now on the sender's WRITEs need this side to poll NIXL: wake the
         # watchdog out of its idle wait rather than leave them stalled until it ends.
         self._watchdog.wake()  # type: ignore[union-attr]
@@ -297,9 +306,12 @@ class TransferService:
         A ``timeout`` that passes first fails the request with ``TIMEOUT`` and
         tells the sender to stop.
         """
-        req = self._recvs.get(request_id) or self._recvs_done.get(request_id)
+        req = self._recvs.get(request_id)
         if req is None:
-            raise UnknownRequestError(f"unknown request {request_id!r} (call expect() first)")
+            done = self._recvs_done.get(request_id)
+            if done is None:
+                raise UnknownRequestError(f"unknown request {request_id!r} (call expect() first)")
+            return done
         if timeout is None:
             await req.done.wait()
         else:
@@ -310,11 +322,14 @@ class TransferService:
         assert req.result is not None
         return req.result
 
-    def poll_arrival(self, request_id: str) -> Any:
-        req = self._recvs.get(request_id) or self._recvs_done.get(request_id)
-        if req is None:
+    def poll_arrival(self, request_id: str) -> KVPoll:
+        req = self._recvs.get(request_id)
+        if req is not None:
+            return req.poll()
+        done = self._recvs_done.get(request_id)
+        if done is None:
             raise UnknownRequestError(f"unknown request {request_id!r}")
-        return req.poll()
+        return done.poll
 
     # -- either side ---------------------------------------------------------------
     async def abort(self, request_id: str) -> TransferResult | None:
@@ -336,7 +351,7 @@ class TransferService:
             done = self._sends_done.get(request_id) or self._recvs_done.get(request_id)
             if done is None:
                 raise UnknownRequestError(f"unknown request {request_id!r}")
-            return done.result
+            return done
         req = sreq or rreq
         assert req is not None
         return req.result
@@ -363,6 +378,7 @@ class TransferService:
         req.remote_layout = self._control.remote_layout(peer)
         req.dest = pages
         req.deadline = min(req.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        self._deadlines.push(req)  # due_at() is now the transfer deadline
         if req.pending:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
 
@@ -371,11 +387,11 @@ class TransferService:
         req.done.set()
         if isinstance(req, SendRequest):
             self._sends.pop(req.request_id, None)
-            self._sends_done.put(req.request_id, req)
+            self._sends_done.put(req.request_id, result)
             self._watchdog.forget(req)  # type: ignore[union-attr]
         else:
             self._recvs.pop(req.request_id, None)
-            self._recvs_done.put(req.request_id, req)
+            self._recvs_done.put(req.request_id, result)
         side = "send" if isinstance(req, SendRequest) else "recv"
         self.stats.record(side, result)
         if result.ok:
@@ -442,15 +458,17 @@ class TransferService:
                         pages=int(req.pages.size)))
 
     def check_deadlines(self, now: float) -> None:
-        for sreq in list(self._sends.values()):
-            if sreq.peer is None and now > sreq.bootstrap_deadline:
-                self._fail(sreq, FailureReason.TIMEOUT,
-                           f"no expect from a receiver within {self.config.bootstrap_timeout_s}s")
-            elif now > sreq.deadline:
-                self._fail(sreq, FailureReason.TIMEOUT, "transfer deadline passed")
-        for rreq in list(self._recvs.values()):
-            if now > rreq.deadline:
-                self._fail(rreq, FailureReason.TIMEOUT, "arrival deadline passed")
+        for req in self._deadlines.pop_due(now):
+            assert isinstance(req, SendRequest | RecvRequest)
+            if isinstance(req, RecvRequest):
+                why = "arrival deadline passed"
+            elif req.peer is None:
+                why = f"no expect from a receiver within {self.config.bootstrap_timeout_s}s"
+            else:
+                why = "transfer deadline passed"
+            self._fail(req, FailureReason.TIMEOUT, why)
+        live = len(self._sends) + len(self._recvs)
+        self._deadlines.compact(itertools.chain(self._sends.values(), self._recvs.values()), live)
 
     def busy(self) -> bool:
         # Receivers keep the watchdog polling: with NIXL's progress thread off, a
@@ -485,8 +503,8 @@ class TransferService:
                 self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, why))
         elif rid in self._sends_done:
             done = self._sends_done.get(rid)
-            assert done is not None and done.result is not None
-            reason = done.result.reason or FailureReason.INCOMPATIBLE
+            assert done is not None
+            reason = done.reason or FailureReason.INCOMPATIBLE
             self._send_to(agent, Failed(rid, reason.value, "request already ended on the sender"))
         elif rid in self._early:
             self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, "duplicate expect"))

@@ -70,18 +70,28 @@ class Watchdog:
         self._releases: list[XferId] = []
         self._cursor = 0
         self._wake = anyio.Event()
+        #: the tick queued on the door thread and not yet digested, if any
+        self._ahead: asyncio.Future[TickOutcome] | None = None
         self.ticks = 0
         self.live_handles = 0  # as the door last reported
 
     # -- called by the service (event loop) -----------------------------------
     def schedule(self, req: SendRequest) -> None:
-        """``req`` has a destination and pending chunks: post them next tick."""
+        """``req`` has a destination and pending chunks: post them next tick.
+
+        With no tick on the door thread, that tick is queued right here: the door
+        thread starts the copy while the loop goes on to wake the watchdog task,
+        instead of after it (a thread wake-up less on a lone request's path)."""
         self._ready[req.request_id] = req
+        if self._ahead is None:
+            self._ahead = self._submit(linger=False)
         self.wake()
 
     def forget(self, req: SendRequest) -> None:
         """``req`` ended: drop it and release whatever of it is still in flight."""
         self._ready.pop(req.request_id, None)
+        if not req.inflight:
+            return  # nothing of it on NIXL: no tick needed
         for xid in req.inflight:
             self._inflight.pop(xid, None)
             self._releases.append(xid)
@@ -104,29 +114,34 @@ class Watchdog:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         next_scan = 0.0
-        ahead: asyncio.Future[TickOutcome] | None = None
         while True:
-            if ahead is None:
-                ahead = self._submit(linger=True)
-            self._digest(await ahead)
+            if self._ahead is None:
+                if not (self._ready or self._releases or self._inflight or self._owner.busy()):
+                    self._wake = anyio.Event()
+                    with anyio.move_on_after(self._idle):
+                        await self._wake.wait()
+                if self._ahead is None:
+                    self._ahead = self._submit(linger=True)
+            ahead = self._ahead
+            try:
+                outcome = await ahead
+            finally:
+                if self._ahead is ahead:
+                    self._ahead = None
+            self._digest(outcome)
             now = self._clock()
             if now >= next_scan:
                 self._owner.check_deadlines(now)
                 next_scan = now + DEADLINE_SCAN_S
-            if self._ready or self._releases:
+            if self._ahead is None and (self._ready or self._releases):
                 # Queue the next tick before yielding, so the door thread copies while
                 # the senders just woken run.  It is planned after the digest and the
                 # deadline scan, so it checks no handle they have just let go of.
-                ahead = self._submit(linger=False)
+                self._ahead = self._submit(linger=False)
                 continue
-            ahead = None
-            if self._inflight or self._owner.busy():
+            if self._ahead is None and (self._inflight or self._owner.busy()):
                 # the next tick posts at once, or lingers on the door thread until news
                 await anyio.lowlevel.checkpoint()
-            else:
-                self._wake = anyio.Event()
-                with anyio.move_on_after(self._idle):
-                    await self._wake.wait()
 
     async def tick(self) -> None:
         """One round trip to the door thread with whatever is due (no lingering)."""

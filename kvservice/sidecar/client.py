@@ -331,7 +331,7 @@ class SidecarClient:
         """Like ``TransferService.poll_arrival``, but a coroutine: the state lives in the daemon."""
         req = self._live.get(("recv", request_id)) or self._done.get(("recv", request_id))
         if req is not None and req.result is not None:
-            return KVPoll.Success if req.result.ok else KVPoll.Failed
+            return req.result.poll
         reply = await self._call(lambda n: Poll(n, request_id, "recv"))
         assert isinstance(reply, PollReply)
         return KVPoll(reply.poll)

@@ -1,0 +1,111 @@
+"""The deadline heap on its own, then the three deadlines it serves in a service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from kvservice import FailureReason, KVPoll, TransferStatus
+from kvservice._deadlines import Deadlines
+
+from .fake_door import FakeFabric
+from .harness import GUARD_S, door_of, two_services, unit_config
+
+
+@dataclass(eq=False)
+class Req:
+    at: float
+    finished: bool = False
+
+    def due_at(self) -> float:
+        return self.at
+
+
+def test_only_what_is_due_pops_earliest_first() -> None:
+    heap = Deadlines()
+    reqs = [Req(at) for at in (5.0, 1.0, 3.0, 9.0)]
+    for r in reqs:
+        heap.push(r)
+    assert heap.pop_due(0.5) == []
+    assert heap.pop_due(4.0) == [reqs[1], reqs[2]]
+    assert heap.pop_due(4.0) == []  # popped once only
+    assert heap.pop_due(100.0) == [reqs[0], reqs[3]]
+    assert len(heap) == 0
+
+
+def test_moved_and_ended_deadlines() -> None:
+    heap = Deadlines()
+    later, earlier, ended = Req(1.0), Req(10.0), Req(2.0)
+    for r in (later, earlier, ended):
+        heap.push(r)
+    later.at = 20.0  # moved later: its old entry is filed again, not reported
+    earlier.at = 0.5  # moved earlier: a new entry, the old one stays behind
+    heap.push(earlier)
+    ended.finished = True
+    assert heap.pop_due(5.0) == [earlier]
+    earlier.finished = True  # the service fails what is due
+    assert heap.pop_due(15.0) == []  # so its stale entry at 10.0 is dropped
+    assert heap.pop_due(25.0) == [later]
+
+
+def test_a_request_filed_twice_pops_once() -> None:
+    heap = Deadlines()
+    r = Req(1.0)
+    heap.push(r)
+    heap.push(r)
+    assert heap.pop_due(2.0) == [r]
+    assert len(heap) == 0
+
+
+def test_compact_bounds_the_heap_by_the_live_set() -> None:
+    heap = Deadlines()
+    live = [Req(100.0 + i) for i in range(10)]
+    ended = [Req(50.0 + i, finished=True) for i in range(5000)]
+    for r in [*live, *ended]:
+        heap.push(r)
+    heap.compact(live, len(live))
+    assert len(heap) == len(live)  # the ended are gone, and with them the references
+    heap.compact(live, len(live))  # below the bound: nothing to do
+    assert len(heap) == len(live)
+    assert heap.pop_due(1000.0) == live
+
+
+async def test_arrival_deadline_fails_the_receiver() -> None:
+    async with two_services(FakeFabric(), receiver=unit_config(arrival_timeout_s=0.2)) as (tx, rx):
+        with anyio.fail_after(GUARD_S):
+            await rx.expect("never", [3], sender=tx.address)
+            result = await rx.await_arrival("never")
+        assert result.status is TransferStatus.FAILED and result.reason is FailureReason.TIMEOUT
+        assert "arrival deadline" in result.message
+        assert rx.poll_arrival("never") is KVPoll.Failed
+        assert await rx.await_arrival("never") is result  # kept as a result after the end
+
+
+async def test_binding_replaces_the_bootstrap_deadline() -> None:
+    """Sent before the expect: due at the bootstrap deadline until bound, then at the
+    transfer deadline; the bootstrap entry left in the heap must not fail it."""
+    fabric = FakeFabric()
+    sender = unit_config(bootstrap_timeout_s=0.3, transfer_timeout_s=0.8)
+    async with two_services(fabric, sender=sender) as (tx, rx):
+        door_of(fabric, tx).hang()
+        with anyio.fail_after(GUARD_S):
+            handle = await tx.send("bound", [1], last=True)
+            await rx.expect("bound", [2], sender=tx.address)
+            result = await tx.await_completion(handle)
+        assert result.reason is FailureReason.TIMEOUT
+        assert result.message == "transfer deadline passed"  # not "no expect ..."
+        assert result.started_at is not None and result.finished_at - result.created_at > 0.3
+
+
+async def test_a_shorter_send_timeout_moves_the_deadline_earlier() -> None:
+    fabric = FakeFabric()
+    async with two_services(fabric, sender=unit_config(transfer_timeout_s=60.0)) as (tx, rx):
+        door_of(fabric, tx).hang()
+        with anyio.fail_after(GUARD_S):
+            await rx.expect("short", [2], sender=tx.address)
+            handle = await tx.send("short", [1], last=True, timeout=0.2)
+            result = await tx.await_completion(handle)
+        assert result.reason is FailureReason.TIMEOUT and "deadline" in result.message
+
+
