@@ -85,7 +85,9 @@ class Watchdog:
         self._ready[req.request_id] = req
         if self._ahead is None:
             self._ahead = self._submit(linger=False)
-        self.wake()
+            self._wake.set()  # no tick lingers: the watchdog task only needs to digest this one
+        else:
+            self.wake()
 
     def forget(self, req: SendRequest) -> None:
         """``req`` ended: drop it and release whatever of it is still in flight."""
