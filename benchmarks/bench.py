@@ -1,4 +1,5 @@
-"""``kvservice bench``: kvservice against raw NIXL and the memory-copy limit.
+"""``kvservice bench``: kvservice against raw NIXL and the memory-copy limit, in
+process and as a sidecar (``kvservice serve`` daemons and their workers).
 
 Every method moves the same requests of the same layout; methods take turns
 case by case, in an order that rotates with each repeat, so noise from the
@@ -184,10 +185,11 @@ def aggregate(cases: list[Case], runs: dict[str, dict[str, list[dict[str, Any]]]
             "bytes": case.pages * pbytes, "methods": {m.name: combine(per[m.name]) for m in methods},
             "runs": per,
         }
-        if "kvservice" in per and "raw_nixl" in per:
-            key = "gbps" if case.workload == "w1" else "req_s"
-            r = ratios(per["kvservice"], per["raw_nixl"], key)
-            entry["kv_over_raw"] = {"metric": key, "median": median(r), "per_repeat": r}
+        key = "gbps" if case.workload == "w1" else "req_s"
+        for method, ratio in (("kvservice", "kv_over_raw"), ("sidecar", "sidecar_over_raw")):
+            if method in per and "raw_nixl" in per:
+                r = ratios(per[method], per["raw_nixl"], key)
+                entry[ratio] = {"metric": key, "median": median(r), "per_repeat": r}
         out.append(entry)
     return out
 
@@ -242,7 +244,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--only", default="w1,w2,w3,memory,kill",
                    help="comma-separated subset of w1,w2,w3,memory,kill")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
-                   help="event loop of the kvservice processes")
+                   help="event loop of the kvservice processes (the sidecar's daemons and workers too)")
     p.add_argument("--kv-gc", choices=("freeze", "off"), default="freeze",
                    help="cyclic GC in the kvservice processes: frozen start-up heap (default), or also "
                         "no automatic collection (a diagnostic for GC pauses in the loop lag)")
@@ -274,9 +276,11 @@ def main(argv: Sequence[str]) -> int:
     _lines.child_stderr = log_file  # NIXL and UCX write to stderr; keep the terminal readable
     kv = KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc)
     methods: list[Method] = [Limit(LLAMA3_8B, plan.pool_pages), RawNixl(LLAMA3_8B, plan.pool_pages), kv]
-    skipped = {Sidecar.name: Sidecar.unavailable()} if Sidecar.unavailable() else {}
-    if not skipped:  # once the sidecar method is wired in
-        methods.append(Sidecar(LLAMA3_8B, plan.pool_pages))
+    sidecar = Sidecar(LLAMA3_8B, plan.pool_pages, loop=args.loop)
+    why_not = sidecar.unavailable()
+    skipped = {sidecar.name: why_not} if why_not else {}
+    if why_not is None:
+        methods.append(sidecar)
     results: dict[str, Any] = {"meta": meta, "plan": plan.__dict__, "layout": LLAMA3_8B,
                                "options": {"loop": args.loop, "kv_gc": args.kv_gc, "seed": args.seed},
                                "methods": [m.name for m in methods] + list(skipped), "skipped": skipped}

@@ -8,6 +8,9 @@ then ``await_arrival``s each.  Both use kvservice's default configuration.
 
 A ticker task on the sender's loop sleeps ``TICK_S`` again and again and
 records how late it wakes: the loop lag reported per run.
+
+The same two processes drive any object with this API: ``benchmarks.sidecar_side``
+runs them with a ``SidecarClient`` in place of the ``TransferService``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -29,6 +34,9 @@ import structlog
 from benchmarks._lines import emit, take_stdout
 from kvservice import KVLayout, KVPoll, ServiceConfig, TransferService
 from kvservice._runtime import freeze_startup_objects
+
+#: opens the API under test for a child's CONFIG (an async context manager yielding it)
+Opener = Callable[[dict[str, Any]], AbstractAsyncContextManager[Any]]
 
 TICK_S = 0.001
 RUN_TIMEOUT_S = 120.0
@@ -77,44 +85,52 @@ def make_config(cfg: dict[str, Any]) -> ServiceConfig:
     return ServiceConfig(layout=layout, ucx_env={"UCX_NET_DEVICES": "lo"}, drain_grace_s=1.0, **extra)
 
 
-async def sender(cfg: dict[str, Any], stdin: Any) -> None:
+def open_service(cfg: dict[str, Any]) -> AbstractAsyncContextManager[Any]:
+    """The in-process service of this method: a ``TransferService`` of its own."""
+    return TransferService(make_config(cfg))
+
+
+async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+    """One measured run on the sender (``svc``: a ``TransferService`` or a
+    ``SidecarClient``): ``concurrency`` clients, each sending one
+    request after another until none is left.  Clients join one per loop turn, as
+    a server's connections would, rather than as one burst of thousands of sends
+    in a single turn."""
+    todo = iter(requests)
+    lat: list[float] = []
+    failed: list[str] = []
+
+    async def client() -> None:
+        for r in todo:
+            t0 = time.monotonic()
+            handle = await svc.send(r["rid"], r["src"], last=True)
+            result = await svc.await_completion(handle)
+            if result.ok:
+                lat.append(time.monotonic() - t0)
+            else:
+                failed.append(f"{r['rid']}: {result.reason} {result.message}")
+
+    ticker.start()
+    start = time.monotonic()
+    with anyio.fail_after(RUN_TIMEOUT_S):
+        async with anyio.create_task_group() as clients:
+            for _ in range(min(concurrency, len(requests))):
+                clients.start_soon(client, name="bench-client")
+                await anyio.lowlevel.checkpoint()
+    end = time.monotonic()
+    lags = ticker.stop()
+    return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags,
+            "gc_max_s": max(ticker.gc_pauses, default=0.0), "ok": len(lat), "failed": failed[:5],
+            "nfailed": len(failed)}
+
+
+async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_service) -> None:
     ticker = Ticker()
-    async with TransferService(make_config(cfg)) as svc, anyio.create_task_group() as tg:
+    async with open_svc(cfg) as svc, anyio.create_task_group() as tg:
         svc.kv.tensor.fill_(1.0)  # touch every page once
         tg.start_soon(ticker.run)
         freeze_startup_heap(cfg.get("gc", "freeze"))
         emit({"event": "ready", "address": svc.address, "pid": os.getpid()})
-
-        async def run(requests: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
-            """``concurrency`` clients, each sending one request after another until none
-            is left.  Clients join one per loop turn, as a server's connections would,
-            rather than as one burst of thousands of sends in a single turn."""
-            todo = iter(requests)
-            lat: list[float] = []
-            failed: list[str] = []
-
-            async def client() -> None:
-                for r in todo:
-                    t0 = time.monotonic()
-                    handle = await svc.send(r["rid"], r["src"], last=True)
-                    result = await svc.await_completion(handle)
-                    if result.ok:
-                        lat.append(time.monotonic() - t0)
-                    else:
-                        failed.append(f"{r['rid']}: {result.reason} {result.message}")
-
-            ticker.start()
-            start = time.monotonic()
-            with anyio.fail_after(RUN_TIMEOUT_S):
-                async with anyio.create_task_group() as clients:
-                    for _ in range(min(concurrency, len(requests))):
-                        clients.start_soon(client, name="bench-client")
-                        await anyio.lowlevel.checkpoint()
-            end = time.monotonic()
-            lags = ticker.stop()
-            return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags,
-                    "gc_max_s": max(ticker.gc_pauses, default=0.0), "ok": len(lat), "failed": failed[:5],
-                    "nfailed": len(failed)}
 
         async def memory(requests: list[dict[str, Any]]) -> dict[str, Any]:
             """Python heap held per request: after ``send`` of every request (before any
@@ -151,7 +167,7 @@ async def sender(cfg: dict[str, Any], stdin: Any) -> None:
             cmd = json.loads(line)
             op = cmd["op"]
             if op == "run":
-                emit(await run(cmd["requests"], int(cmd["concurrency"])))
+                emit(await drive(svc, ticker, cmd["requests"], int(cmd["concurrency"])))
             elif op == "memory":
                 emit(await memory(cmd["requests"]))
             elif op == "kill_watch":
@@ -163,8 +179,12 @@ async def sender(cfg: dict[str, Any], stdin: Any) -> None:
         tg.cancel_scope.cancel()
 
 
-async def receiver(cfg: dict[str, Any], stdin: Any) -> None:
-    async with TransferService(make_config(cfg)) as svc, anyio.create_task_group() as tg:
+async def receiver(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_service, *,
+                   seen_at_return: bool = False) -> None:
+    """``seen_at_return``: an arrival counts when ``await_arrival`` returns it here,
+    not at its ``finished_at`` (when the service saw it): for a service in another
+    process, whose news of an arrival takes a hop to reach this one."""
+    async with open_svc(cfg) as svc, anyio.create_task_group() as tg:
         svc.kv.tensor.zero_()  # touch every page once
         freeze_startup_heap(cfg.get("gc", "freeze"))
         emit({"event": "ready", "address": svc.address, "pid": os.getpid()})
@@ -174,7 +194,7 @@ async def receiver(cfg: dict[str, Any], stdin: Any) -> None:
             with anyio.move_on_after(RUN_TIMEOUT_S):
                 for rid in rids:
                     result = await svc.await_arrival(rid)
-                    last = max(last, result.finished_at)
+                    last = max(last, time.monotonic() if seen_at_return else result.finished_at)
                     if not result.ok:
                         failed.append(f"{rid}: {result.reason} {result.message}")
             emit({"event": "arrived", "last": last, "nfailed": len(failed), "failed": failed[:5]})
@@ -208,9 +228,12 @@ def freeze_startup_heap(mode: str) -> None:
         gc.disable()
 
 
-async def _main(role: str, cfg: dict[str, Any]) -> None:
+async def _main(role: str, cfg: dict[str, Any], open_svc: Opener, seen_at_return: bool) -> None:
     stdin = anyio.wrap_file(sys.stdin)
-    await (sender if role == "send" else receiver)(cfg, stdin)
+    if role == "send":
+        await sender(cfg, stdin, open_svc)
+    else:
+        await receiver(cfg, stdin, open_svc, seen_at_return=seen_at_return)
 
 
 def quiet_logs() -> None:
@@ -222,7 +245,8 @@ def quiet_logs() -> None:
     )
 
 
-def main() -> None:
+def main(open_svc: Opener = open_service, *, seen_at_return: bool = False) -> None:
+    """``python -m ... send|recv CONFIG``, with the API ``open_svc`` opens."""
     take_stdout()
     import torch
 
@@ -230,7 +254,8 @@ def main() -> None:
     torch.set_num_threads(1)
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
     loop = cfg.get("loop", "uvloop")
-    anyio.run(_main, role, cfg, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
+    anyio.run(_main, role, cfg, open_svc, seen_at_return, backend="asyncio",
+              backend_options={"use_uvloop": loop == "uvloop"})
 
 
 if __name__ == "__main__":

@@ -3,21 +3,33 @@
 ``measure(case, prefix)`` moves every request of ``case`` once and returns a
 sample: ``start``/``end`` (``time.monotonic()``, which is one clock for every
 process of the machine), per-request ``latencies`` (seconds), and for
-kvservice the sender's loop ``lags``.  A two-process run ends when both the
-sender has seen its last completion and the receiver its last arrival.
+kvservice and the sidecar the sending worker's loop ``lags``.  A two-process
+run ends when both the sender has seen its last completion and the receiver
+its last arrival.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks._lines import Child, ChildError
+from benchmarks import _lines
+from benchmarks._lines import CHILD_ENV, REPO_ROOT, Child, ChildError
 from benchmarks.limit import CopyLimit
 from benchmarks.workloads import Case
+from kvservice import KVLayout
+from kvservice.sidecar.local import DaemonError, LocalDaemon, short_tmpdir
+from kvservice.sidecar.shm import SHM_DIR
 
 SETUP_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 180.0
+#: the sidecar's socket directory (under /tmp) and shared segments (under /dev/shm) start with
+#: this and the driver's pid
+NAME_PREFIX = "kvs-bench-"
 
 
 class Method(Protocol):
@@ -99,8 +111,21 @@ class RawNixl(_TwoChildren):
         return _two_sided(sample, self.recv.wait("arrived", RUN_TIMEOUT_S), len(reqs))
 
 
+class _ApiChildren(_TwoChildren):
+    """Two children on kvservice's API (``benchmarks.kv_side``'s protocol): the
+    receiver expects every request of a run up front, then the sender runs them."""
 
-class KvService(_TwoChildren):
+    address = ""  # the sending service's control address, the receiver's ``sender``
+
+    def measure(self, case: Case, prefix: str) -> dict[str, Any]:
+        assert self.send is not None and self.recv is not None
+        reqs = case.with_prefix(prefix)
+        self.recv.call("expect", "expecting", RUN_TIMEOUT_S, requests=reqs, sender=self.address)
+        sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency)
+        return _two_sided(sample, self.recv.wait("arrived", RUN_TIMEOUT_S), len(reqs))
+
+
+class KvService(_ApiChildren):
     """kvservice's public API in two child processes (``benchmarks.kv_side``)."""
 
     name = "kvservice"
@@ -124,42 +149,74 @@ class KvService(_TwoChildren):
         self.address = self.send.wait("ready", SETUP_TIMEOUT_S)["address"]
         self.recv.wait("ready", SETUP_TIMEOUT_S)
 
-    def measure(self, case: Case, prefix: str) -> dict[str, Any]:
-        assert self.send is not None and self.recv is not None
-        reqs = case.with_prefix(prefix)
-        self.recv.call("expect", "expecting", RUN_TIMEOUT_S, requests=reqs, sender=self.address)
-        sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency)
-        return _two_sided(sample, self.recv.wait("arrived", RUN_TIMEOUT_S), len(reqs))
 
+class Sidecar(_ApiChildren):
+    """kvservice as a sidecar: a ``kvservice serve`` daemon per side and a worker
+    process on each driving the public ``SidecarClient`` API (``benchmarks.sidecar_side``).
 
-
-class Sidecar:
-    """HOOK (sidecar): not measured yet; the tables and the JSON list it as skipped.
-
-    The sidecar (``kvservice serve`` daemons, workers speaking to them through
-    ``kvservice.sidecar.client.SidecarClient`` over a Unix socket and shared
-    pages) is still being built.  To measure it, give ``start`` / ``measure`` /
-    ``close`` the meaning they have in ``KvService``: a prefill and a decode
-    daemon with this layout, one worker process on each side driving the public
-    client API end to end, one sample per ``measure`` with the same keys; then
-    make ``unavailable()`` return ``None``.  Nothing else in the benchmark changes.
+    The workers do what ``KvService``'s two processes do, with the same requests,
+    clients and sample; the daemons are configured as those processes' services
+    are (this layout and pool size, loopback, defaults otherwise).  So the
+    difference to ``kvservice`` is what the sidecar costs: a hop over a Unix
+    socket for every call and every result, and two more processes on the cores.
+    Each daemon gets a socket, a shared-segment name and ephemeral ports of its
+    own in a directory of this run; ``close`` stops the daemons started here,
+    by pid, and removes that directory.
     """
 
     name = "sidecar"
 
-    def __init__(self, layout: dict[str, Any], num_pages: int) -> None:
-        self._layout, self._pages = layout, num_pages
+    def __init__(self, layout: dict[str, Any], num_pages: int, *, loop: str = "uvloop") -> None:
+        self.layout, self.num_pages, self.loop = layout, num_pages, loop
+        self.cfg: dict[str, Any] = {"layout": layout, "num_pages": num_pages, "loop": loop}
+        self.send: Child | None = None
+        self.recv: Child | None = None
+        self.daemons: list[LocalDaemon] = []
+        self.workdir: str | None = None
 
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why the sidecar cannot be measured, or ``None`` once it can."""
-        return "sidecar method not wired into the benchmark yet (hook: benchmarks/methods.py, class Sidecar)"
+    def unavailable(self) -> str | None:
+        """Why the sidecar cannot be measured on this host, or ``None``.  Its two
+        daemons keep their pools in shared memory, which a container may not
+        have room for (Docker's default /dev/shm is 64 MiB)."""
+        need = 2 * KVLayout(num_pages=self.num_pages, **self.layout).pool_bytes
+        try:
+            st = os.statvfs(SHM_DIR)
+        except OSError:
+            return f"no {SHM_DIR} on this host for the daemons' shared pools"
+        if st.f_bavail * st.f_frsize < need:
+            return (f"{SHM_DIR} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free; the two daemons' "
+                    f"pools need {need / 2**20:.0f} MiB")
+        return None
 
     def start(self) -> None:
-        raise NotImplementedError(self.unavailable())
-
-    def measure(self, case: Case, prefix: str) -> dict[str, Any]:
-        raise NotImplementedError(self.unavailable())
+        tag = f"{NAME_PREFIX}{os.getpid()}-"  # this run's names (and a test's way to find leftovers)
+        self.workdir = short_tmpdir(tag)
+        layout = {**self.layout, "num_pages": self.num_pages}
+        env = {**CHILD_ENV, "KVSERVICE_SIDECAR_LOOP": self.loop,
+               "KVSERVICE_SERVICE_DRAIN_GRACE_S": "1"}  # as kv_side.make_config
+        self.daemons = [LocalDaemon(role, self.workdir, shm=f"{tag}{role}-{uuid.uuid4().hex[:8]}", layout=layout,
+                                    env=env, stderr=_lines.child_stderr, cwd=REPO_ROOT)
+                        for role in ("prefill", "decode")]
+        try:
+            for d in self.daemons:  # both start at once
+                d.spawn()
+            prefill, decode = (d.await_ready(SETUP_TIMEOUT_S) for d in self.daemons)
+        except DaemonError as exc:
+            raise ChildError(str(exc)) from exc
+        self.address = prefill.address
+        self.send = Child("benchmarks.sidecar_side", "send", {**self.cfg, "socket": prefill.socket})
+        self.recv = Child("benchmarks.sidecar_side", "recv", {**self.cfg, "socket": decode.socket})
+        self.send.wait("ready", SETUP_TIMEOUT_S)
+        self.recv.wait("ready", SETUP_TIMEOUT_S)
 
     def close(self) -> None:
-        pass
+        super().close()  # the workers first: they leave before their daemons do
+        for d in self.daemons:
+            d.signal(signal.SIGTERM)  # both drain at once
+        for d in self.daemons:
+            d.stop(timeout=30)
+            d.cleanup_names()
+        self.daemons = []
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None

@@ -23,36 +23,70 @@ def _f(value: Any, fmt: str = ".2f") -> str:
     return format(value, fmt)
 
 
+#: short column names in the terminal table
+SHORT = {"limit": "limit", "raw_nixl": "raw", "kvservice": "kv", "sidecar": "sc"}
+#: the methods measured by ratio to raw NIXL, and where ``aggregate`` keeps that ratio
+RATIOS = {"kvservice": "kv_over_raw", "sidecar": "sidecar_over_raw"}
+
+
+def measured(results: dict[str, Any]) -> list[str]:
+    return [m for m in results["methods"] if m not in results.get("skipped", {})]
+
+
+def _cell(case: dict[str, Any], method: str, key: str, fmt: str) -> str:
+    """One table cell: a number of ``method``'s, its ratio to raw NIXL, or its latency p50/p99."""
+    got = case["methods"].get(method, {})
+    if key == "ratio":
+        return _f(case.get(RATIOS[method], {}).get("median"), fmt)
+    if key == "lat":
+        return _f(got.get("lat_p50_ms"), fmt) + "/" + _f(got.get("lat_p99_ms"), fmt)
+    return _f(got.get(key), fmt)
+
+
 def table(results: dict[str, Any]) -> str:
     meta = results["meta"]
+    methods = measured(results)
+    rated = [m for m in RATIOS if m in methods]  # kvservice, and the sidecar when measured
+    timed = [m for m in ("raw_nixl", *rated) if m in methods]  # latency columns
     lines = [
         f"kvservice bench, {meta['date']}: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, "
         f"nixl {meta['versions'].get('nixl')}, torch {meta['versions'].get('torch')}; "
         f"load avg {meta['load_avg_start']:.2f} -> {meta.get('load_avg_end', 0):.2f}",
         "medians of {} repeats; ratio = median of per-repeat kvservice/raw NIXL "
         "(GB/s for w1, requests/s otherwise)".format(results["plan"]["repeats"]),
+    ]
+    if "sidecar" in methods:
+        lines.append("sc: the sidecar (kvservice serve daemons, a SidecarClient worker on each side); "
+                     "sc/raw its ratio, the same way")
+    lines += [
         "lag: kvservice sender's event loop (p99 median over repeats / worst max); floor: the same "
         "ticker in an idle process at the same time; gc: longest cyclic-GC pause in the sender",
         "",
     ]
-    head = (f"{'case':<16}{'reqs':>6} | {'limit':>7} {'raw':>7} {'kv':>7} GB/s | {'raw':>7} {'kv':>7} req/s"
-            f" | {'kv/raw':>6} | {'raw p50/p99':>13} {'kv p50/p99':>13} ms | {'lag p99/max':>12} "
-            f"{'floor':>11} {'gc':>6} ms")
+    gb = [m for m in ("limit", "raw_nixl", *rated) if m in methods]
+    rs = [m for m in ("raw_nixl", *rated) if m in methods]
+    # column groups: (method, key or ratio, format), cell width, unit (rows pad it with spaces)
+    groups: list[tuple[list[tuple[str, str, str]], int, str]] = [
+        ([(x, "gbps", ".2f") for x in gb], 7, "GB/s"),
+        ([(x, "req_s", ".0f") for x in rs], 7, "req/s"),
+        ([(x, "ratio", ".2f") for x in rated], 6, ""),
+        ([(x, "lat", ".1f") for x in timed], 13, "ms"),
+    ]
+    titles = {"ratio": "/raw", "lat": " p50/p99"}
+    head = f"{'case':<16}{'reqs':>6}"
+    for cols, width, unit in groups:
+        head += " | " + " ".join(f"{SHORT[x] + titles.get(k, ''):>{width}}" for x, k, _ in cols) + (
+            f" {unit}" if unit else "")
+    head += f" | {'lag p99/max':>12} {'floor':>11} {'gc':>6} ms"
     lines += [head, "-" * len(head)]
     for c in results.get("cases", []):
-        m = c["methods"]
-        lim, raw, kv = m.get("limit", {}), m.get("raw_nixl", {}), m.get("kvservice", {})
-        ratio = c.get("kv_over_raw", {}).get("median")
-        lines.append(
-            f"{c['key']:<16}{c['requests']:>6} | {_f(lim.get('gbps')):>7} {_f(raw.get('gbps')):>7} "
-            f"{_f(kv.get('gbps')):>7}      | {_f(raw.get('req_s'), '.0f'):>7} {_f(kv.get('req_s'), '.0f'):>7}      "
-            f" | {_f(ratio):>6} | "
-            f"{_f(raw.get('lat_p50_ms'), '.1f') + '/' + _f(raw.get('lat_p99_ms'), '.1f'):>13} "
-            f"{_f(kv.get('lat_p50_ms'), '.1f') + '/' + _f(kv.get('lat_p99_ms'), '.1f'):>13}    | "
-            f"{_f(kv.get('lag_p99_ms'), '.1f') + '/' + _f(kv.get('lag_max_ms'), '.1f'):>12} "
-            f"{_f(kv.get('probe_lag_p99_ms'), '.1f') + '/' + _f(kv.get('probe_lag_max_ms'), '.1f'):>11} "
-            f"{_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}"
-        )
+        row = f"{c['key']:<16}{c['requests']:>6}"
+        for cols, width, unit in groups:
+            row += " | " + " ".join(f"{_cell(c, *col):>{width}}" for col in cols) + " " * (len(unit) + 1 if unit else 0)
+        kv = c["methods"].get("kvservice", {})
+        lag = _f(kv.get("lag_p99_ms"), ".1f") + "/" + _f(kv.get("lag_max_ms"), ".1f")
+        floor = _f(kv.get("probe_lag_p99_ms"), ".1f") + "/" + _f(kv.get("probe_lag_max_ms"), ".1f")
+        lines.append(f"{row} | {lag:>12} {floor:>11} {_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}")
     for name, why in results.get("skipped", {}).items():
         lines.append(f"{name}: skipped ({why})")
     mem = results.get("memory")
@@ -89,10 +123,11 @@ def chart(results: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     cases = results.get("cases", [])
-    methods = [m for m in results["methods"] if m not in results.get("skipped", {})]
+    methods = measured(results)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     meta = results["meta"]
-    fig.suptitle(f"kvservice vs raw NIXL vs memory copy: Llama-3-8B KV pages, two processes on 127.0.0.1\n"
+    what = "kvservice in process and as a sidecar" if "sidecar" in methods else "kvservice"
+    fig.suptitle(f"{what} vs raw NIXL vs memory copy: Llama-3-8B KV pages, on 127.0.0.1\n"
                  f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, nixl {meta['versions'].get('nixl')}",
                  fontsize=10)
     for ax, wl, metric, ylabel in ((axes[0][0], "w1", "gbps", "GB/s (one 2048-token request)"),

@@ -1,9 +1,10 @@
 """Start ``kvservice serve`` daemons from the examples (``--spawn``).
 
-Each daemon reads config/<role>.toml with a few ``KVSERVICE_*`` overrides: a
-socket and segment name of its own, and ephemeral HTTP and control ports,
-reported on its ready line.  Stopping sends SIGTERM (SIGKILL after a timeout)
-to the process started here, by pid.
+Each daemon reads config/<role>.toml with a few ``KVSERVICE_*`` overrides
+(``kvservice.sidecar.local.daemon_env``): a socket and segment name of its own,
+and ephemeral HTTP and control ports, reported on its ready line.  Stopping
+sends SIGTERM (SIGKILL after a timeout) to the process started here, by pid.
+(Synchronous code can use ``kvservice.sidecar.local.LocalDaemon`` instead.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,8 @@ from typing import Any
 
 import anyio
 import anyio.abc
+
+from kvservice.sidecar.local import daemon_env, short_tmpdir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,13 +83,8 @@ class Daemon:
 
 def daemon(role: str, workdir: str | None = None, *, shm: str | None = None, **overrides: str) -> Daemon:
     """A daemon of ``role`` (not started) with its own names and ephemeral ports."""
-    workdir = workdir or tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+    workdir = workdir or short_tmpdir()
     sock = os.path.join(workdir, f"{role}.sock")
     shm = shm or f"kvservice-example-{role}-{uuid.uuid4().hex[:8]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVICE_")}
-    env.update({
-        "KVSERVICE_SIDECAR_SOCKET_PATH": sock, "KVSERVICE_SIDECAR_SHM_NAME": shm,
-        "KVSERVICE_HTTP_PORT": "0", "KVSERVICE_SERVICE_PORT": "0", "KVSERVICE_LOG_LEVEL": "warning",
-        **overrides,
-    })
+    env = daemon_env(sock, shm, role=role, **{"KVSERVICE_LOG_LEVEL": "warning", **overrides})
     return Daemon(role, workdir, sock, shm, env)

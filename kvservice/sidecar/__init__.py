@@ -4,7 +4,8 @@ KV pool through named shared memory.  See docs/sidecar.md.
 
 Modules: ``settings`` (TOML + environment config), ``shm`` (the shared pool),
 ``wire`` (frames), ``server`` (the workers' API), ``client`` and ``handle`` (``SidecarClient``),
-``http`` and ``metrics`` (operations endpoints), ``daemon`` (the lifecycle).
+``http`` and ``metrics`` (operations endpoints), ``daemon`` (the lifecycle), ``local``
+(daemons started as child processes: the examples, tests and benchmark use it).
 """
 
 from .client import SidecarClient
