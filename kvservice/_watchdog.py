@@ -141,9 +141,10 @@ class Watchdog:
                 # deadline scan, so it checks no handle they have just let go of.
                 self._ahead = self._submit(linger=False)
                 continue
-            if self._ahead is None and (self._inflight or self._owner.busy()):
-                # the next tick posts at once, or lingers on the door thread until news
-                await anyio.lowlevel.checkpoint()
+            # Let the tasks this digest woke run first: a client whose request just
+            # ended usually sends its next one in that turn, and schedule() then queues
+            # the post straight away rather than after this task has gone idle.
+            await anyio.lowlevel.checkpoint()
 
     async def tick(self) -> None:
         """One round trip to the door thread with whatever is due (no lingering)."""
