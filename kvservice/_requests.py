@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, NoReturn, TypeVar
-
-import anyio
+from typing import Generic, NoReturn, Protocol, TypeVar
 
 from ._door import XferId
 from ._layout import KVLayout, PageIndex
@@ -21,6 +20,15 @@ from ._results import (
 )
 
 
+class DoneEvent(Protocol):
+    """Set once a request has a result (an ``asyncio.Event`` here, an ``anyio.Event`` in
+    the sidecar client)."""
+
+    def is_set(self) -> bool: ...
+
+    async def wait(self) -> object: ...
+
+
 @dataclass(eq=False, slots=True)
 class _Request:
     request_id: str
@@ -28,7 +36,9 @@ class _Request:
     deadline: float
     result: TransferResult | None = None
     started_at: float | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
+    # asyncio's own event: created for every request and set on every end, and
+    # anyio's wrapper costs a backend lookup per creation on that hot path.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def finished(self) -> bool:
@@ -140,7 +150,7 @@ class HandleBase(abc.ABC):
         """The state while no result exists yet."""
 
     @abc.abstractmethod
-    def _done(self) -> anyio.Event:
+    def _done(self) -> DoneEvent:
         """Set when the result exists."""
 
     def poll(self) -> KVPoll:
@@ -184,7 +194,7 @@ class TransferHandle(HandleBase):
     def _pending_poll(self) -> KVPoll:
         return self._req.poll()
 
-    def _done(self) -> anyio.Event:
+    def _done(self) -> DoneEvent:
         return self._req.done
 
 

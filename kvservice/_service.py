@@ -64,6 +64,7 @@ class TransferService:
     ) -> None:
         self.config = config or ServiceConfig()
         self.layout = self.config.layout
+        self._page_bytes = self.layout.page_bytes
         self._pool_tensor = pool
         self._kv: KVPool | None = None
         self.agent_name = f"{self.config.agent_prefix}-{uuid.uuid4().hex[:12]}"
@@ -426,7 +427,7 @@ class TransferService:
     # -- watchdog callbacks (Owner) ---------------------------------------------------
     def chunk_done(self, req: SendRequest, npages: int) -> None:
         req.chunks_done += 1
-        req.bytes_done += npages * self.layout.page_bytes
+        req.bytes_done += npages * self._page_bytes
         if req.complete and req.result is None:
             self._finish(req, make_result(req, TransferStatus.SUCCESS, nbytes=req.bytes_done,
                                           pages=req.pages_queued))

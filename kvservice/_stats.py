@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 from dataclasses import dataclass, field
@@ -39,12 +40,7 @@ class Stats:
                 d = result.duration_s
                 self.latency_sum += d
                 self.latency_count += 1
-                for i, bound in enumerate(LATENCY_BUCKETS):
-                    if d <= bound:
-                        self.latency_buckets[i] += 1
-                        break
-                else:
-                    self.latency_buckets[-1] += 1
+                self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, d)] += 1
 
     async def monitor_loop_lag(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Sleep ``LAG_INTERVAL_S`` again and again; how late each wake-up is, is the lag."""

@@ -58,6 +58,7 @@ class Watchdog:
         self._thread = thread
         self._door = door
         self._layout = layout
+        self._page_bytes = layout.page_bytes  # a property chain: read once, not per post
         self._owner = owner
         self._poll = poll_interval
         self._idle = idle_interval
@@ -200,7 +201,7 @@ class Watchdog:
                 break
             req = self._ready[rid]
             while req.pending and budget > 0 and byte_budget > 0:
-                byte_budget -= int(req.pending[0].size) * self._layout.page_bytes
+                byte_budget -= int(req.pending[0].size) * self._page_bytes
                 plan.posts.append(self._post_op(req))
                 budget -= 1
             if not req.pending:
