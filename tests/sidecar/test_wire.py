@@ -1,0 +1,127 @@
+"""The worker socket's framing (``SocketFrames``): frames written straight to the
+socket and read whole, with the generic ``FramedStream``'s behaviour at the edges:
+frames split across reads or several in one, a full socket, an oversized length,
+a connection that ends mid-frame or is closed."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import anyio
+import anyio.abc
+import pytest
+
+from kvservice._protocol import FrameError
+from kvservice.sidecar.wire import (
+    Finished,
+    Send,
+    SocketFrames,
+    Status,
+    WireResult,
+    decode_client,
+    decode_server,
+    encode,
+    frame_stream,
+)
+
+RESULT = WireResult("r1", "SUCCESS", None, None, None, "", 4096, 1, 1.0, 1.5, 2.0)
+
+
+async def pair() -> tuple[anyio.abc.UNIXSocketStream, anyio.abc.UNIXSocketStream]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return await anyio.abc.UNIXSocketStream.from_socket(a), await anyio.abc.UNIXSocketStream.from_socket(b)
+
+
+async def test_frames_round_trip_and_split_reads() -> None:
+    a, b = await pair()
+    worker, daemon = frame_stream(a, 1 << 20, decode_server), frame_stream(b, 1 << 20, decode_client)
+    assert isinstance(worker, SocketFrames) and worker._sock is not None
+    msgs = [Send(1, "r1", [0, 1, 2], True, None), Status(2), Send(3, "r2", list(range(5000)))]
+    for m in msgs:  # several frames in one read
+        await worker.send(m)
+    assert [await daemon.recv() for _ in msgs] == msgs
+    raw = b"".join(encode(m) for m in msgs)
+
+    async def dribble() -> None:  # frames split across reads, the header too
+        for i in range(0, len(raw), 7):
+            await a.send(raw[i:i + 7])
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dribble)
+            assert [await daemon.recv() for _ in msgs] == msgs
+    await daemon.send(Finished("send", RESULT))
+    assert await worker.recv() == Finished("send", RESULT)
+    await worker.aclose()
+    await daemon.aclose()
+
+
+async def test_a_full_socket_is_written_as_the_reader_drains_it() -> None:
+    a, b = await pair()
+    a.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    worker, daemon = frame_stream(a, 1 << 24, decode_server), frame_stream(b, 1 << 24, decode_client)
+    msgs = [Send(n, f"r{n}", list(range(20_000))) for n in range(1, 6)]  # far more than the buffers hold
+    got = []
+    async with anyio.create_task_group() as tg:
+        async def read() -> None:
+            for _ in msgs:
+                got.append(await daemon.recv())
+
+        tg.start_soon(read)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as writers:  # concurrent senders: frames never interleave
+                for m in msgs:
+                    writers.start_soon(worker.send, m)
+    assert sorted(got, key=lambda m: m.call) == msgs
+    await worker.aclose()
+    await daemon.aclose()
+
+
+async def test_an_oversized_length_is_refused_before_the_body() -> None:
+    a, b = await pair()
+    daemon = frame_stream(b, 1024, decode_client)
+    await a.send(struct.pack(">I", 1025))
+    with anyio.fail_after(5), pytest.raises(FrameError):
+        await daemon.recv()
+    await a.aclose()
+    await daemon.aclose()
+
+
+async def test_a_connection_that_ends_mid_frame_or_between_frames() -> None:
+    a, b = await pair()
+    daemon = frame_stream(b, 1024, decode_client)
+    await a.send(encode(Status(1))[:-1])
+    await a.aclose()
+    with anyio.fail_after(5), pytest.raises(anyio.IncompleteRead):
+        await daemon.recv()
+    await daemon.aclose()
+    a, b = await pair()
+    daemon = frame_stream(b, 1024, decode_client)
+    await a.aclose()
+    with anyio.fail_after(5), pytest.raises(anyio.IncompleteRead):  # as the generic FramedStream
+        await daemon.recv()
+    await daemon.aclose()
+
+
+async def test_sending_on_a_closed_or_broken_stream_raises_the_streams_errors() -> None:
+    a, b = await pair()
+    worker = frame_stream(a, 1024, decode_server)
+    await b.aclose()
+    with pytest.raises((anyio.BrokenResourceError, anyio.ClosedResourceError)):
+        for _ in range(3):  # the peer's close may take a write to be noticed
+            await worker.send(Status(1))
+    await worker.aclose()
+    with pytest.raises(anyio.ClosedResourceError):
+        await worker.send(Status(2))
+
+
+async def test_tcp_streams_keep_the_streams_own_writes() -> None:
+    """anyio's TCP stream may still hold bytes in its transport when ``send`` returns, so a
+    direct write could overtake them: only Unix sockets are written directly."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp("127.0.0.1", port) as tcp:
+                framed = frame_stream(tcp, 1 << 20, decode_server)
+                assert isinstance(framed, SocketFrames) and framed._sock is None
