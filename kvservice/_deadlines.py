@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Timed(Protocol):
@@ -29,25 +29,28 @@ class Timed(Protocol):
         """When this request times out, as things stand now (``time.monotonic()``)."""
 
 
-class Deadlines:
+R = TypeVar("R", bound=Timed)
+
+
+class Deadlines(Generic[R]):
     #: rebuild when the heap exceeds ``SLACK * live + FLOOR`` entries
     SLACK = 2
     FLOOR = 256
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Timed]] = []
+        self._heap: list[tuple[float, int, R]] = []
         self._seq = itertools.count()  # ties break by insertion, never by comparing requests
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, req: Timed) -> None:
+    def push(self, req: R) -> None:
         """File ``req`` at its current ``due_at()``.  Call again whenever that moves."""
         heapq.heappush(self._heap, (req.due_at(), next(self._seq), req))
 
-    def pop_due(self, now: float) -> list[Timed]:
+    def pop_due(self, now: float) -> list[R]:
         """Live requests whose deadline is before ``now``, each once, earliest first."""
-        due: list[Timed] = []
+        due: list[R] = []
         seen: set[int] = set()  # a request may have several entries
         heap = self._heap
         while heap and heap[0][0] < now:
@@ -61,7 +64,7 @@ class Deadlines:
                 self.push(req)
         return due
 
-    def compact(self, live: Iterable[Timed], nlive: int) -> None:
+    def compact(self, live: Iterable[R], nlive: int) -> None:
         """Rebuild from ``live`` (``nlive`` of them) if ended entries dominate."""
         if len(self._heap) > self.SLACK * nlive + self.FLOOR:
             self._heap = [(r.due_at(), next(self._seq), r) for r in live]

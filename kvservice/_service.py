@@ -80,7 +80,7 @@ class TransferService:
         # to walk, not the request's events, queues and sets.
         self._sends_done: Recent[str, TransferResult] = Recent(self.config.results_kept)
         self._recvs_done: Recent[str, TransferResult] = Recent(self.config.results_kept)
-        self._deadlines = Deadlines()
+        self._deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
         # Expects that arrived before the matching send(): rid -> (peer agent, pages)
         self._early: dict[str, tuple[str, npt.NDArray[np.int32]]] = {}
         # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
@@ -460,7 +460,6 @@ class TransferService:
 
     def check_deadlines(self, now: float) -> None:
         for req in self._deadlines.pop_due(now):
-            assert isinstance(req, SendRequest | RecvRequest)
             if isinstance(req, RecvRequest):
                 why = "arrival deadline passed"
             elif req.peer is None:

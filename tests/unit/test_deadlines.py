@@ -23,7 +23,7 @@ class Req:
 
 
 def test_only_what_is_due_pops_earliest_first() -> None:
-    heap = Deadlines()
+    heap: Deadlines[Req] = Deadlines()
     reqs = [Req(at) for at in (5.0, 1.0, 3.0, 9.0)]
     for r in reqs:
         heap.push(r)
@@ -35,7 +35,7 @@ def test_only_what_is_due_pops_earliest_first() -> None:
 
 
 def test_moved_and_ended_deadlines() -> None:
-    heap = Deadlines()
+    heap: Deadlines[Req] = Deadlines()
     later, earlier, ended = Req(1.0), Req(10.0), Req(2.0)
     for r in (later, earlier, ended):
         heap.push(r)
@@ -50,7 +50,7 @@ def test_moved_and_ended_deadlines() -> None:
 
 
 def test_a_request_filed_twice_pops_once() -> None:
-    heap = Deadlines()
+    heap: Deadlines[Req] = Deadlines()
     r = Req(1.0)
     heap.push(r)
     heap.push(r)
@@ -59,7 +59,7 @@ def test_a_request_filed_twice_pops_once() -> None:
 
 
 def test_compact_bounds_the_heap_by_the_live_set() -> None:
-    heap = Deadlines()
+    heap: Deadlines[Req] = Deadlines()
     live = [Req(100.0 + i) for i in range(10)]
     ended = [Req(50.0 + i, finished=True) for i in range(5000)]
     for r in [*live, *ended]:
