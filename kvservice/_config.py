@@ -7,13 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._addresses import is_loopback_host, is_unspecified_host
 from ._layout import KVLayout
+from ._results import ConfigError
+from ._trust.keys import load_key
+
+__all__ = ["LOOPS", "ConfigError", "ServiceConfig"]
 
 LOOPS = ("auto", "asyncio", "uvloop")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,27 @@ class ServiceConfig:
     results_kept: int = 10_000
     agent_prefix: str = "kvservice"
 
+    # -- trust (README "Security") ---------------------------------------------------
+    #: the cluster's shared key (``kvservice keygen PATH``); None: peers are not
+    #: authenticated, allowed only on loopback unless ``allow_unauthenticated``
+    auth_key_file: str | None = None
+    #: bind a non-loopback address without a key (logged as a warning at start)
+    allow_unauthenticated: bool = False
+
+    # -- bounds: each one refuses or drops, and counts (status()["refused"]) ----------
+    #: connections accepted and still in their handshake; more are closed at once
+    max_handshakes: int = 64
+    #: peers linked at once; a handshake beyond it is rejected
+    max_peers: int = 1024
+    #: frames queued for one peer; a peer that does not read past this is dropped as lost
+    max_outbox_bytes: int = 16 * 1024 * 1024
+    #: Expects for requests this side has not sent yet, per peer; more are refused
+    max_unknown_expects: int = 10_000
+    #: such an Expect with no send() this long is dropped (the receiver is told TIMEOUT)
+    unknown_expect_ttl_s: float = 120.0
+    #: requests alive at once (both sides); send()/expect() beyond it raise ``Overloaded``
+    max_live_requests: int = 100_000
+
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"layout: expected KVLayout, got {type(self.layout).__name__}")
@@ -71,6 +93,8 @@ class ServiceConfig:
             "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
             "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
             "max_checks_per_tick", "max_frame_bytes", "results_kept",
+            "max_handshakes", "max_peers", "max_outbox_bytes", "max_unknown_expects",
+            "unknown_expect_ttl_s", "max_live_requests",
         )
         for key in positive:
             value = getattr(self, key)
@@ -89,6 +113,31 @@ class ServiceConfig:
             raise ConfigError(
                 f"agent_prefix: letters, digits and '-' only, got {self.agent_prefix!r}"
             )
+
+        self._check_trust()
+
+    def _check_trust(self) -> None:
+        if self.auth_key_file is not None:
+            if not isinstance(self.auth_key_file, str) or not self.auth_key_file:
+                raise ConfigError(f"auth_key_file: must be a path, got {self.auth_key_file!r}")
+            load_key(self.auth_key_file)  # raises naming the problem (missing, readable by others, short)
+        if is_unspecified_host(self.host) and not self.advertise_host:
+            raise ConfigError(
+                f"advertise_host: required when host is {self.host!r} (peers cannot dial it); "
+                "set it to the address peers reach this service at")
+        if self.advertise_host is not None and (
+                not self.advertise_host or is_unspecified_host(self.advertise_host)):
+            raise ConfigError(f"advertise_host: must be a host peers can dial, got {self.advertise_host!r}")
+        if self.auth_key_file is None and not self.allow_unauthenticated and not self.loopback_only:
+            raise ConfigError(
+                f"auth_key_file: required when host is {self.host!r} (not loopback): without a key "
+                "anyone who reaches the port can take requests' KV; set auth_key_file "
+                "(kvservice keygen PATH), or allow_unauthenticated = true to accept that risk")
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether only this host can reach the control listener."""
+        return is_loopback_host(self.host)
 
     def replace(self, **changes: Any) -> ServiceConfig:
         return dataclasses.replace(self, **changes)

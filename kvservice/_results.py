@@ -38,10 +38,19 @@ class FailureReason(enum.Enum):
     SHUTDOWN = "SHUTDOWN"  # the service (either side) shut down first
     INCOMPATIBLE = "INCOMPATIBLE"  # peer speaks another protocol or KV layout
     PEER_REPORTED = "PEER_REPORTED"  # the peer reported a failure it did not classify
+    REFUSED = "REFUSED"  # not authorised: authentication failed, pinned to another receiver, over a limit
 
 
 class KVServiceError(Exception):
     """Base class of the exceptions kvservice raises."""
+
+
+class ConfigError(KVServiceError, ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+class Overloaded(KVServiceError):
+    """A bound was reached (``max_live_requests``): the call is refused, nothing changed."""
 
 
 class UnknownRequestError(KVServiceError, KeyError):
@@ -53,6 +62,10 @@ class UnknownRequestError(KVServiceError, KeyError):
 
 class ProtocolError(KVServiceError):
     """A control-channel peer sent something that breaks the protocol."""
+
+
+class AuthenticationError(ProtocolError):
+    """A peer could not prove it holds the cluster's key (or we could not prove it to the peer)."""
 
 
 class NixlUnavailable(KVServiceError, RuntimeError):

@@ -27,6 +27,9 @@ class Stats:
     latency_sum: float = 0.0
     latency_count: int = 0
     stale_notifs: int = 0
+    #: what a peer or a worker tried and was refused, by kind ("auth", "hello_invalid",
+    #: "frame", "outbox_overflow", "accept_error", ...): see README "Security"
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
     forced_releases: int = 0
     lag_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=3000))
     max_lag_s: float = 0.0
@@ -41,6 +44,10 @@ class Stats:
                 self.latency_sum += d
                 self.latency_count += 1
                 self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, d)] += 1
+
+    def refuse(self, what: str) -> None:
+        """Count one refusal of kind ``what``."""
+        self.refused[what] += 1
 
     async def monitor_loop_lag(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Sleep ``LAG_INTERVAL_S`` again and again; how late each wake-up is, is the lag."""
@@ -65,6 +72,7 @@ class Stats:
             "bytes_received": self.bytes["recv"],
             "stale_notifs": self.stale_notifs,
             "forced_releases": self.forced_releases,
+            "refused": dict(sorted(self.refused.items())),
             "loop_lag_p99_s": self.lag_quantile(0.99),
             "loop_lag_max_s": self.max_lag_s,
             **extra,

@@ -1,0 +1,10 @@
+"""Who may talk to this service, and what they may say.
+
+* ``keys``: the cluster's shared key on disk (load it as ssh loads a private
+  key: refused when others can read it; ``kvservice keygen`` writes one).
+* ``handshake``: the mutual challenge-response both peers run before any NIXL
+  metadata moves, and the per-frame MACs that protect the link afterwards.
+* ``checks``: range checks of every field a peer supplies, before it reaches
+  arithmetic, an allocation or NIXL.
+* ``peercred``: the uid of the process at the other end of a Unix socket.
+"""
