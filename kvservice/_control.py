@@ -1,35 +1,95 @@
-"""The control plane: listener, dialing, handshake, and the table of live peers.
+"""The control plane: listener, dialling, the authenticated handshake, and the peer table.
 
-A peer is known by its agent name (unique per service instance) and by the
-control address it advertises.  A Hello from an address we already know under
-another agent name means the peer restarted: the old incarnation is dropped
-(its requests fail ``PEER_LOST``, its NIXL agent is unloaded), then the new
-one is loaded with fresh metadata and descriptor lists.
+Identity.  A peer is its authenticated NIXL agent name (unique per process
+incarnation), never a claimed address.  The table holds one ``Peer`` per live
+agent, each with the ``generation`` of its link: frames from a link that is no
+longer its agent's current one are ignored.  A second connection claiming a
+live agent is refused.  A handshake from a *new* agent advertising a live
+peer's address means that peer restarted: the old incarnation is dropped (its
+requests fail ``PEER_LOST``, its NIXL agent is unloaded) before the new one is
+loaded.  Loading and dropping hold one lock, so a drop and a reconnect of the
+same agent can interleave in any order without unloading the fresh agent.
+
+Addresses.  One link per peer however it is addressed: ``localhost:p``,
+``127.0.0.1:p`` and the peer's advertised address all map, by canonical form
+(``_addresses``), to the same agent.
+
+Containment.  Every connection's handshake runs under a guard that logs,
+counts (``Stats.refuse``) and closes that connection whatever it raised, and
+each link guards its own reader (``PeerLink``): nothing a peer sends reaches
+the service's task group.  Bounds: ``max_handshakes`` connections in their
+handshake, ``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()``
+errors back off and go on (``_accept``).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import anyio
 import anyio.abc
 import structlog
 
+from ._accept import accept_loop
+from ._addresses import join_address, literal_canonical, resolve_canonical, split_address
+from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
 from ._layout import KVLayout
-from ._peers import CONNECTION_ERRORS, FramedStream, PeerLink, control_stream, dial, split_address
-from ._protocol import PROTOCOL_VERSION, FrameError, Hello, Message, Reject
-from ._results import FailureReason, ProtocolError
-
-if TYPE_CHECKING:
-    from ._service import TransferService
+from ._peers import CONNECTION_ERRORS, ControlStream, PeerLink
+from ._protocol import (
+    PREAUTH_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    FrameError,
+    Hello,
+    Join,
+    Message,
+    Proof,
+    Reject,
+    decode_body,
+    text,
+)
+from ._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
+from ._stats import Stats
+from ._trust import checks
+from ._trust.handshake import ACCEPTOR, DIALER, NONCE_BYTES, FrameMac, new_nonce, prove, transcript, verify
 
 log = structlog.get_logger("kvservice.control")
 
-HANDSHAKE_ERRORS: tuple[type[BaseException], ...] = (
-    *CONNECTION_ERRORS, FrameError, ProtocolError, TimeoutError, DoorError,
-)
+#: refusals that mean "not allowed" rather than "cannot work together"
+_REFUSED_KINDS = frozenset({"auth", "agent_live", "address_live", "peer_limit", "handshake_limit"})
+#: canonical forms remembered for addresses the engine named (cleared when exceeded)
+_CANON_CACHE = 4096
+
+
+class PeerEvents(Protocol):
+    """What the control plane tells its owner (the service)."""
+
+    def on_message(self, agent: str, msg: Message) -> None: ...
+    def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
+    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool) -> None: ...
+    def released_by_door(self, xids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalPeer:
+    """This service as peers see it."""
+
+    agent: str
+    layout: KVLayout
+    join: Join  # our NIXL metadata and pool, sent to authenticated peers only
+    key: bytes | None  # the cluster's shared key; None: unauthenticated (loopback)
+
+
+@dataclass(eq=False)
+class Peer:
+    agent: str
+    address: str  # as it advertises itself
+    layout: KVLayout  # its pool
+    link: PeerLink
+    canonicals: set[str] = field(default_factory=set)  # canonical addresses that name it
 
 
 @dataclass
@@ -41,212 +101,392 @@ class _Dial:
 
 class ControlPlane:
     def __init__(
-        self, service: TransferService, thread: DoorThread, door: Door, metadata: bytes,
-        tg: anyio.abc.TaskGroup,
+        self, config: ServiceConfig, thread: DoorThread, door: Door, events: PeerEvents, local: LocalPeer,
+        stats: Stats, tg: anyio.abc.TaskGroup,
     ) -> None:
-        self._svc = service
-        self._cfg = service.config
+        self._cfg = config
         self._thread = thread
         self._door = door
-        self._metadata = metadata
+        self._events = events
+        self._local = local
+        self._stats = stats
         self._tg = tg
-        self._links: dict[str, PeerLink] = {}  # agent -> link
-        self._by_addr: dict[str, str] = {}  # address -> agent
-        self._layouts: dict[str, KVLayout] = {}  # agent -> its pool layout
-        self._dials: dict[str, _Dial] = {}
+        self._peers: dict[str, Peer] = {}  # agent -> peer
+        self._by_addr: dict[str, str] = {}  # canonical address -> agent
+        self._canon: dict[str, str] = {}  # address as named by the engine -> canonical
+        self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
+        self._table_lock = anyio.Lock()  # loading and dropping peers
+        self._generations = itertools.count(1)
+        self._handshaking = 0
         self._listen_scope = anyio.CancelScope()
-        self._hello: Hello | None = None
+        self._closing = False
+        self.address = ""
 
     # -- listening ---------------------------------------------------------------
     async def listen(self) -> str:
         cfg = self._cfg
-        listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port)
-        port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        address = f"{cfg.advertise_host or cfg.host}:{port}"
-        kv = self._svc.kv
-        self._hello = Hello(
-            version=PROTOCOL_VERSION, agent=self._svc.agent_name, address=address,
-            metadata=self._metadata, layout=dict(kv.layout.wire_shape()),
-            num_pages=kv.layout.num_pages, base_addr=kv.base_addr, device_id=kv.device_id,
-        )
-        self._tg.start_soon(self._serve, listener)
-        return address
+        multi = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port)
+        port = multi.extra(anyio.abc.SocketAttribute.local_port)
+        self.address = join_address(cfg.advertise_host or cfg.host, port)
+        for listener in multi.listeners:
+            assert isinstance(listener, anyio.abc.SocketListener)  # what create_tcp_listener makes
+            self._tg.start_soon(self._serve, listener)
+        return self.address
 
-    async def _serve(self, listener: anyio.abc.Listener[Any]) -> None:
+    async def _serve(self, listener: anyio.abc.SocketListener) -> None:
         with self._listen_scope:
             async with listener:
-                await listener.serve(self._accept, task_group=self._tg)
+                await accept_loop(listener, self._accept, self._tg, on_error=self._accept_failed)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        self._stats.refuse("accept_error")
+        log.warning("peer.accept_failed", error=repr(exc))
 
     def stop_listening(self) -> None:
         self._listen_scope.cancel()
 
-    async def _accept(self, stream: anyio.abc.ByteStream) -> None:
-        framed = control_stream(stream, self._cfg.max_frame_bytes)
+    async def _accept(self, stream: anyio.abc.SocketStream) -> None:
+        if self._handshaking >= self._cfg.max_handshakes:
+            self._stats.refuse("handshake_limit")
+            log.warning("peer.refused", side="accept", kind="handshake_limit", limit=self._cfg.max_handshakes)
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        self._handshaking += 1
+        framed = ControlStream(stream, self._cfg.max_frame_bytes)
         try:
             with anyio.fail_after(self._cfg.connect_timeout_s):
-                hello = await framed.recv()
-                if not isinstance(hello, Hello):
-                    raise FrameError(f"expected hello, got {type(hello).__name__}")
-                problem = self._check_hello(hello)
-                if problem is not None:
-                    await framed.send(Reject(problem))
-                    raise ProtocolError(problem)
-                await self._load_peer(hello)
-                assert self._hello is not None
-                await framed.send(self._hello)
-        except HANDSHAKE_ERRORS as exc:
-            log.warning("peer.handshake_failed", side="accept", error=repr(exc))
-            await framed.aclose()
+                peer = await self._handshake_as_acceptor(framed)
+        except Exception as exc:  # noqa: BLE001 - one connection's failure is that connection's
+            await self._handshake_failed("accept", framed, exc)
             return
-        await self._make_link(framed, hello).run()
+        finally:
+            self._handshaking -= 1
+        await peer.link.run()
 
-    # -- dialing -------------------------------------------------------------------
-    def check_address(self, address: str) -> None:
-        split_address(address)
+    async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer:
+        local = self._local
+        hello = await framed.recv(PREAUTH_FRAME_BYTES)
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"expected hello, got {type(hello).__name__}", "hello_invalid")
+        self._check_hello(hello)
+        nonce = new_nonce()
+        script = transcript((hello.agent, hello.address, hello.nonce), (local.agent, self.address, nonce))
+        await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce,
+                                prove(local.key, ACCEPTOR, script)))
+        answer = await framed.recv(PREAUTH_FRAME_BYTES)
+        if isinstance(answer, Reject):
+            raise _rejected_by(hello.address, answer)
+        if not isinstance(answer, Proof):
+            raise ProtocolError(f"expected proof, got {type(answer).__name__}", "hello_invalid")
+        why = verify(local.key, DIALER, script, answer.proof)
+        if why is not None:
+            raise AuthenticationError(why)
+        if local.key is not None:
+            framed.mac = FrameMac(local.key, script, ACCEPTOR)
+        join = await framed.recv()
+        if not isinstance(join, Join):
+            raise ProtocolError(f"expected join, got {type(join).__name__}", "hello_invalid")
+        peer = await self._admit(framed, hello, join)
+        try:
+            await framed.send(local.join)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._drop(peer.agent, ConnectionResetError("handshake broke off"), graceful=False)
+            raise
+        return peer
+
+    # -- dialling -------------------------------------------------------------------
+    async def canonical(self, address: str) -> str:
+        """``address``'s canonical form (resolved once per spelling); ``ValueError`` if malformed,
+        ``OSError`` if its name does not resolve."""
+        canon = self._canon.get(address)
+        if canon is None:
+            canon = literal_canonical(address) or await resolve_canonical(address)
+            if len(self._canon) >= _CANON_CACHE:
+                self._canon.clear()
+            self._canon[address] = canon
+        return canon
+
+    def addresses_of(self, agent: str) -> set[str]:
+        """The canonical addresses that name ``agent`` (empty when it is not linked)."""
+        peer = self._peers.get(agent)
+        return set(peer.canonicals) if peer is not None else set()
 
     async def link_to(self, address: str) -> PeerLink:
-        """The live link to ``address``, dialling once however many callers wait."""
-        agent = self._by_addr.get(address)
-        if agent is not None and not self._links[agent].closed:
-            return self._links[agent]
-        attempt = self._dials.get(address)
+        """The live link to ``address``, dialling once however many callers wait.
+
+        Raises what the dial raised (classify with ``dial_failure``); raises
+        ``KVServiceError`` if the service shuts down first."""
+        canon = await self.canonical(address)
+        agent = self._by_addr.get(canon)
+        if agent is not None:
+            peer = self._peers.get(agent)
+            if peer is not None and not peer.link.closed:
+                return peer.link
+        if self._closing:
+            raise KVServiceError("service is shutting down")
+        attempt = self._dials.get(canon)
         if attempt is None:
-            attempt = self._dials[address] = _Dial()
-            self._tg.start_soon(self._dial, address, attempt)
+            attempt = self._dials[canon] = _Dial()
+            self._tg.start_soon(self._dial, address, canon, attempt)
         await attempt.done.wait()
         if attempt.error is not None:
             raise attempt.error
         assert attempt.link is not None
         return attempt.link
 
-    async def _dial(self, address: str, attempt: _Dial) -> None:
-        assert self._hello is not None
+    async def _dial(self, address: str, canon: str, attempt: _Dial) -> None:
+        peer: Peer | None = None
         try:
+            peer = await self._dial_and_admit(address, canon)
+        except Exception as exc:  # noqa: BLE001 - handed to every waiter, classified there
+            attempt.error = exc
+            kind = exc.kind if isinstance(exc, ProtocolError) else type(exc).__name__
+            log.warning("peer.dial_failed", address=address, kind=kind, error=str(exc) or repr(exc))
+        finally:
+            self._dials.pop(canon, None)
+            if peer is None and attempt.error is None:  # cancelled: the service is shutting down
+                attempt.error = KVServiceError("service shut down while connecting")
+            attempt.link = peer.link if peer is not None else None
+            attempt.done.set()
+        if peer is not None:
+            await peer.link.run()
+
+    async def _dial_and_admit(self, address: str, canon: str) -> Peer:
+        local = self._local
+        host, port = split_address(address)
+        with anyio.fail_after(self._cfg.connect_timeout_s):
             try:
-                framed, reply = await dial(address, self._hello, timeout=self._cfg.connect_timeout_s,
-                                           max_frame_bytes=self._cfg.max_frame_bytes)
-            except TimeoutError as exc:
-                raise TimeoutError(f"connecting to {address} timed out") from exc
+                stream = await anyio.connect_tcp(host, port)
+            except OSError as exc:
+                raise ConnectionRefusedError(f"cannot connect to {address}: {exc}") from exc
+            framed = ControlStream(stream, self._cfg.max_frame_bytes)
             try:
+                nonce = new_nonce()
+                await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce))
+                reply = await framed.recv(PREAUTH_FRAME_BYTES)
                 if isinstance(reply, Reject):
-                    raise ProtocolError(f"{address} refused us: {reply.message}")
+                    raise _rejected_by(address, reply)
                 if not isinstance(reply, Hello):
                     raise ProtocolError(f"{address} answered {type(reply).__name__}, not hello")
-                problem = self._check_hello(reply)
-                if problem is not None:
-                    raise ProtocolError(problem)
-                await self._load_peer(reply)
+                self._check_hello(reply)
+                script = transcript((local.agent, self.address, nonce), (reply.agent, reply.address, reply.nonce))
+                why = verify(local.key, ACCEPTOR, script, reply.proof)
+                if why is not None:
+                    await _try_send(framed, Reject(why, "auth"))
+                    raise AuthenticationError(f"{address}: {why}")
+                await framed.send(Proof(prove(local.key, DIALER, script)))
+                if local.key is not None:
+                    framed.mac = FrameMac(local.key, script, DIALER)
+                await framed.send(local.join)
+                join = await _recv_join_or_reject(framed)
+                if isinstance(join, Reject):
+                    raise _rejected_by(address, join)
+                if not isinstance(join, Join):
+                    raise ProtocolError(f"{address} answered {type(join).__name__}, not join")
+                peer = await self._admit(framed, reply, join, dialled=canon)
             except BaseException:
                 await framed.aclose()
                 raise
-        except Exception as exc:  # noqa: BLE001 - handed to every waiter, classified there
-            attempt.error = exc
-            log.warning("peer.dial_failed", address=address, error=repr(exc))
-            return
-        finally:
-            self._dials.pop(address, None)
-            if attempt.error is not None:
-                attempt.done.set()
-        link = self._make_link(framed, reply)
-        attempt.link = link
-        attempt.done.set()
-        await link.run()
+        return peer
 
     def dial_failure(self, exc: BaseException) -> FailureReason:
         if isinstance(exc, ProtocolError):
-            return FailureReason.INCOMPATIBLE
+            return FailureReason.REFUSED if exc.kind in _REFUSED_KINDS else FailureReason.INCOMPATIBLE
         if isinstance(exc, DoorError):
             return exc.reason
+        if isinstance(exc, KVServiceError):
+            return FailureReason.SHUTDOWN
         return FailureReason.PEER_LOST
 
     # -- the handshake ---------------------------------------------------------------
-    def _check_hello(self, hello: Hello) -> str | None:
+    def _check_hello(self, hello: Hello) -> None:
+        """Pre-authentication checks of a Hello (raises ``ProtocolError``)."""
         if hello.version != PROTOCOL_VERSION:
-            return f"protocol version {hello.version}, this service speaks {PROTOCOL_VERSION}"
-        if hello.agent == self._svc.agent_name:
-            return "a service cannot peer with itself"
+            raise ProtocolError(
+                f"protocol version {hello.version}, this service speaks {PROTOCOL_VERSION}", "version")
+        if len(hello.nonce) != NONCE_BYTES:
+            raise ProtocolError(f"nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", "hello_invalid")
+        why = checks.check_agent(hello.agent, self._local.agent) or checks.check_address(hello.address)
+        if why is not None:
+            raise ProtocolError(why, "hello_invalid")
+
+    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, dialled: str | None = None) -> Peer:
+        """Check an authenticated peer's pool, load it into NIXL and link it (raises ``ProtocolError``)."""
+        layout, why = checks.check_pool(self._local.layout, join.layout, join.num_pages, join.base_addr)
+        if layout is None:
+            raise ProtocolError(why or "invalid pool", "incompatible")
         try:
-            theirs = KVLayout(num_pages=hello.num_pages, **hello.layout)  # type: ignore[arg-type]
-        except (TypeError, ValueError) as exc:
-            return f"invalid layout: {exc}"
-        why = self._svc.layout.compatible_with(theirs)
-        return None if why is None else f"incompatible KV layout: {why}"
+            canon = await self.canonical(hello.address)
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"advertised address {hello.address!r} does not resolve: {exc}",
+                                "hello_invalid") from exc
+        agent = hello.agent
+        inside = self._door.metadata_agent(join.metadata)
+        if inside != agent:
+            raise ProtocolError(f"NIXL metadata names agent {inside!r}, not {agent!r}", "metadata_mismatch")
+        await self._let_dying_link_end(agent)
+        async with self._table_lock:
+            current = self._peers.get(agent)
+            if current is not None:
+                if not current.link.closed:
+                    raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
+                # Its old link has ended and its drop waits for this lock: do it now.
+                await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
+            if len(self._peers) >= self._cfg.max_peers:
+                raise ProtocolError(f"too many peers (max_peers = {self._cfg.max_peers})", "peer_limit")
+            old = self._by_addr.get(canon)
+            if old is not None and old != agent:
+                prior = self._peers.get(old)
+                if prior is not None and prior.link.alive(self._cfg.peer_timeout_s):
+                    raise ProtocolError(
+                        f"{hello.address} belongs to live agent {old!r}; a restarted peer is accepted "
+                        "once its old incarnation is gone", "address_live")
+                log.info("peer.restarted", address=hello.address, old_agent=old, agent=agent)
+                await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False)
+            with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
+                await self._thread.call(_load, self._door, agent, join, layout)  # DoorError: refused
+            link = PeerLink(
+                framed, agent=agent, address=hello.address, generation=next(self._generations),
+                on_message=self._on_message, on_lost=self._on_lost, on_refused=self._stats.refuse,
+                heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
+                max_outbox_bytes=self._cfg.max_outbox_bytes,
+            )
+            peer = Peer(agent, hello.address, layout, link, {canon} | ({dialled} if dialled else set()))
+            self._peers[agent] = peer
+            for c in peer.canonicals:
+                self._by_addr[c] = agent
+        log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
+                 authenticated=self._local.key is not None)
+        return peer
 
-    async def _load_peer(self, hello: Hello) -> None:
-        old = self._by_addr.get(hello.address)
-        if old is not None and old != hello.agent:
-            log.info("peer.restarted", address=hello.address, old_agent=old, agent=hello.agent)
-            await self._drop(old, ConnectionResetError("peer restarted"), graceful=False)
-        if hello.agent in self._layouts and hello.agent in self._links:
-            # A second connection from the same live incarnation: already loaded.  Loading
-            # it again would release its in-flight handles under the watchdog.
-            return
-        layout = KVLayout(num_pages=hello.num_pages, **hello.layout)  # type: ignore[arg-type]
-        table = layout.descriptor_table(hello.base_addr, hello.device_id)
-        await self._thread.call(self._door.add_peer, hello.agent, hello.metadata, table)
-        self._layouts[hello.agent] = layout
+    async def _let_dying_link_end(self, agent: str) -> None:
+        """A peer reconnecting may reach us before we noticed its old link end: give
+        that link up to a heartbeat to close, so the new one is not refused."""
+        current = self._peers.get(agent)
+        if current is not None and not current.link.alive(self._cfg.heartbeat_interval_s):
+            with anyio.move_on_after(self._cfg.heartbeat_interval_s):
+                await current.link.ended.wait()
 
-    def _make_link(self, framed: FramedStream[Message], hello: Hello) -> PeerLink:
-        prior = self._links.get(hello.agent)
-        if prior is not None:  # a second connection from the same incarnation replaces the first
-            self._links.pop(hello.agent)
-            prior.close(ConnectionResetError("replaced by a new connection"))
-        link = PeerLink(
-            framed, hello, on_message=self._on_message, on_lost=self._on_lost,
-            heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
-        )
-        self._links[hello.agent] = link
-        self._by_addr[hello.address] = hello.agent
-        log.info("peer.connected", peer=hello.address, agent=hello.agent)
-        return link
+    async def _handshake_failed(self, side: str, framed: ControlStream, exc: Exception) -> None:
+        if isinstance(exc, ProtocolError):
+            kind = exc.kind
+            await _try_send(framed, Reject(text(str(exc)), kind))
+        elif isinstance(exc, TimeoutError):
+            kind = "handshake_timeout"
+        elif isinstance(exc, FrameError):
+            kind = "frame"
+            await _try_send(framed, Reject(text(str(exc)), kind))
+        elif isinstance(exc, DoorError):
+            kind = "nixl_refused"
+            await _try_send(framed, Reject(text(f"cannot load this agent into NIXL: {exc}"), kind))
+        elif isinstance(exc, CONNECTION_ERRORS):
+            kind = "handshake_incomplete"
+        else:
+            kind = "handler_error"
+            log.error("peer.handshake_crashed", side=side, exc_info=exc)
+        self._stats.refuse(kind)
+        log.warning("peer.handshake_failed", side=side, kind=kind, error=str(exc) or repr(exc))
+        await framed.aclose()
 
+    # -- links ----------------------------------------------------------------------
     def _on_message(self, link: PeerLink, msg: Message) -> None:
-        if isinstance(msg, Hello | Reject):
+        peer = self._peers.get(link.agent)
+        if peer is None or peer.link is not link:
+            self._stats.refuse("stale_frame")  # an older generation of this agent's link
+            return
+        if isinstance(msg, Hello | Proof | Join | Reject):
             link.close(FrameError(f"unexpected {type(msg).__name__} after handshake"))
             return
-        self._svc.on_message(link.agent, msg)
+        self._events.on_message(link.agent, msg)
 
     async def _on_lost(self, link: PeerLink, cause: BaseException | None, graceful: bool) -> None:
-        if self._links.get(link.agent) is not link:
-            return  # superseded by a newer link of the same agent
-        await self._drop(link.agent, cause, graceful)
+        await self._drop(link.agent, cause, graceful, link=link)
 
-    async def _drop(self, agent: str, cause: BaseException | None, graceful: bool) -> None:
-        link = self._links.pop(agent, None)
-        if link is None:
+    async def _drop(self, agent: str, cause: BaseException | None, graceful: bool,
+                    link: PeerLink | None = None) -> None:
+        async with self._table_lock:
+            await self._drop_locked(agent, link, cause, graceful)
+
+    async def _drop_locked(self, agent: str, link: PeerLink | None, cause: BaseException | None,
+                           graceful: bool) -> None:
+        """Forget ``agent`` (only if ``link`` is still its current link, when given)."""
+        peer = self._peers.get(agent)
+        if peer is None or (link is not None and peer.link is not link):
             return
-        if self._by_addr.get(link.address) == agent:
-            del self._by_addr[link.address]
+        del self._peers[agent]
+        for c in peer.canonicals:
+            if self._by_addr.get(c) == agent:
+                del self._by_addr[c]
         (log.info if graceful else log.warning)(
-            "peer.lost", peer=link.address, agent=agent, graceful=graceful, cause=repr(cause))
+            "peer.lost", peer=peer.address, agent=agent, graceful=graceful, cause=repr(cause))
         # The peer's last WRITEs may have landed with their notifications not collected
         # yet (its Bye can overtake them): take them first, so what arrived succeeds.
-        self._svc.on_notifs(await self._thread.call(self._door.notifs))
-        self._svc.on_peer_lost(agent, link.address, cause, graceful)
-        link.close(cause)
+        self._events.on_notifs(await self._thread.call(self._door.notifs))
+        self._events.on_peer_lost(agent, peer.address, cause, graceful)
+        peer.link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)
-        self._layouts.pop(agent, None)
-        self._svc.released_by_door(released)
+        self._events.released_by_door(released)
 
     # -- used by the service ------------------------------------------------------------
-    def remote_layout(self, agent: str) -> KVLayout:
-        return self._layouts[agent]
+    def remote_layout(self, agent: str) -> KVLayout | None:
+        peer = self._peers.get(agent)
+        return peer.layout if peer is not None else None
 
     def drop_peer(self, agent: str, cause: BaseException) -> None:
         """Close the link to ``agent``; its loss is then handled as any other."""
-        link = self._links.get(agent)
-        if link is not None:
-            link.close(cause)
+        peer = self._peers.get(agent)
+        if peer is not None:
+            peer.link.close(cause)
 
     def send_to(self, agent: str, msg: Message) -> None:
-        link = self._links.get(agent)
-        if link is not None:
-            link.send(msg)
+        peer = self._peers.get(agent)
+        if peer is not None:
+            peer.link.send(msg)
 
     def peer_addresses(self) -> list[str]:
-        return sorted(link.address for link in self._links.values())
+        return sorted(peer.address for peer in self._peers.values())
 
     async def close_all(self, timeout: float) -> None:
+        self._closing = True
         async with anyio.create_task_group() as tg:
-            for link in list(self._links.values()):
-                tg.start_soon(link.flush_and_close, timeout)
+            for peer in list(self._peers.values()):
+                tg.start_soon(peer.link.flush_and_close, timeout)
+
+
+def _load(door: Door, agent: str, join: Join, layout: KVLayout) -> None:
+    """On the door thread: the peer's descriptor table, then its NIXL agent."""
+    door.add_peer(agent, join.metadata, layout.descriptor_table(join.base_addr, join.device_id))
+
+
+def _rejected_by(address: str, reject: Reject) -> ProtocolError:
+    message = f"{address} refused us: {reject.message}"
+    return AuthenticationError(message) if reject.kind == "auth" else ProtocolError(message, reject.kind or "rejected")
+
+
+async def _recv_join_or_reject(framed: ControlStream) -> Message:
+    """The acceptor's answer to our proof: a sealed Join, or a Reject, which is
+    unsealed when the acceptor refused the proof itself (it has no session key)."""
+    body = await framed.recv_body()
+    if framed.mac is None:
+        return decode_body(body)
+    opened = framed.mac.open(body)
+    if opened is not None:
+        return decode_body(opened)
+    try:
+        msg = decode_body(body)
+    except FrameError:
+        msg = None
+    if isinstance(msg, Reject):
+        return msg
+    raise FrameError("frame failed authentication (forged, altered or replayed)")
+
+
+async def _try_send(framed: ControlStream, msg: Message) -> None:
+    """Best effort: a refusal must not wait on, or fail because of, the peer."""
+    with anyio.move_on_after(1.0):
+        try:
+            await framed.send(msg)
+        except CONNECTION_ERRORS:
+            pass

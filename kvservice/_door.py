@@ -61,6 +61,10 @@ class Door(Protocol):
 
     def metadata(self) -> bytes: ...
 
+    def metadata_agent(self, metadata: bytes) -> str | None:
+        """The agent name inside a peer's metadata, or None if unreadable.  Pure:
+        the one door method that may run on any thread (it touches no agent)."""
+
     def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
         """Register the KV pool and prepare its descriptor table as the local side."""
 

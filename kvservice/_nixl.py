@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import struct
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -38,6 +39,30 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without nixl installed
     _nb = None
     NIXL_IMPORT_ERROR = exc
+
+
+_MD_PREFIX = b"nixlSerDes|Agent"
+_MD_LEN = struct.Struct("<Q")
+
+
+def metadata_agent(metadata: bytes) -> str | None:
+    """The agent name NIXL's serialised metadata carries, read without loading it.
+
+    NIXL 1.x serialises as ``nixlSerDes|`` then tagged fields, the first being
+    ``Agent``, an 8-byte little-endian length and the name.  ``None`` when the
+    bytes are not in that form."""
+    if not metadata.startswith(_MD_PREFIX):
+        return None
+    start = len(_MD_PREFIX) + _MD_LEN.size
+    if len(metadata) < start:
+        return None
+    (n,) = _MD_LEN.unpack_from(metadata, len(_MD_PREFIX))
+    if n > 256 or len(metadata) < start + n:
+        return None
+    try:
+        return metadata[start : start + n].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 class _NeverRaised(Exception):
@@ -153,6 +178,9 @@ class NixlDoor:
         self._check_thread()
         return bytes(self._agent.get_agent_metadata())
 
+    def metadata_agent(self, metadata: bytes) -> str | None:
+        return metadata_agent(metadata)
+
     def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
         self._check_thread()
         self._mem_type = "VRAM" if getattr(tensor, "is_cuda", False) else "DRAM"
@@ -161,6 +189,15 @@ class NixlDoor:
 
     def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
         self._check_thread()
+        inside = metadata_agent(metadata)
+        if inside != name:
+            # Checked before loading: metadata naming another (perhaps live) agent must
+            # neither load a stranger nor replace, or later remove, that agent.
+            raise DoorError(
+                FailureReason.INCOMPATIBLE,
+                ValueError(f"metadata names agent {inside!r}, the peer authenticated as {name!r}"),
+                "add_remote_agent",
+            )
         if name in self._peers:
             self.remove_peer(name)
         try:

@@ -1,9 +1,9 @@
-"""Control-channel links to peers: framing, handshake, outbox and liveness.
+"""Control-channel links to peers: framing, outbox and liveness.
 
-A ``PeerLink`` is one TCP connection to one peer service, after the Hello
-exchange.  It is used in both directions whichever side dialled.  The service
-owns what the link *means* (requests tied to the peer); this module only moves
-frames and says when the link is gone, and why.
+A ``PeerLink`` is one TCP connection to one peer service, after the handshake
+(``_control``).  It is used in both directions whichever side dialled.  The
+service owns what the link *means* (requests tied to the peer); this module
+only moves frames and says when the link is gone, and why.
 """
 
 from __future__ import annotations
@@ -18,17 +18,22 @@ import anyio.abc
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from ._addresses import split_address
 from ._protocol import (
     HEADER_BYTES,
     Bye,
     FrameError,
-    Hello,
     Message,
     Ping,
     decode_body,
+    encode_body,
     encode_frame,
+    frame,
     frame_length,
 )
+from ._trust.handshake import FrameMac
+
+__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink", "split_address"]
 
 log = structlog.get_logger("kvservice.peers")
 
@@ -67,13 +72,19 @@ class FramedStream(Generic[R]):
     def stream(self) -> anyio.abc.ByteStream:
         return self._stream
 
+    async def recv_body(self, limit: int | None = None) -> bytes:
+        """The next frame's body; ``FrameError`` above ``limit`` (default: the stream's)."""
+        n = frame_length(await self._reader.receive_exactly(HEADER_BYTES), limit or self._limit)
+        return await self._reader.receive_exactly(n) if n else b""
+
     async def recv(self) -> R:
         """The next message; ``FrameError`` for an oversized or malformed frame."""
-        n = frame_length(await self._reader.receive_exactly(HEADER_BYTES), self._limit)
-        return self._decode(await self._reader.receive_exactly(n) if n else b"")
+        return self._decode(await self.recv_body())
 
     async def send(self, msg: Any) -> None:
-        data = self._encode(msg)
+        await self.send_frame(self._encode(msg))
+
+    async def send_frame(self, data: bytes) -> None:
         async with self._write_lock:
             await self._stream.send(data)
 
@@ -85,64 +96,77 @@ class FramedStream(Generic[R]):
                 pass
 
 
-def control_stream(stream: anyio.abc.ByteStream, max_frame_bytes: int) -> FramedStream[Message]:
-    """A ``FramedStream`` speaking the peer control protocol."""
-    return FramedStream(stream, max_frame_bytes, decode_body, encode_frame)
+class ControlStream(FramedStream[Message]):
+    """The peer control protocol's frames; once ``mac`` is set (after the handshake
+    proved the key) every frame is sealed and checked (``_trust.handshake.FrameMac``)."""
+
+    def __init__(self, stream: anyio.abc.ByteStream, max_frame_bytes: int) -> None:
+        super().__init__(stream, max_frame_bytes, decode_body, encode_frame)
+        self.mac: FrameMac | None = None
+
+    async def recv(self, limit: int | None = None) -> Message:
+        """The next message (``limit``: a smaller frame bound, before authentication)."""
+        body = await self.recv_body(limit)
+        if self.mac is not None:
+            opened = self.mac.open(body)
+            if opened is None:
+                raise FrameError("frame failed authentication (forged, altered or replayed)")
+            body = opened
+        return decode_body(body)
+
+    async def send(self, msg: Any) -> None:
+        await self.send_body(encode_body(msg))
+
+    async def send_body(self, body: bytes) -> None:
+        """Frame (and seal) an encoded message and write it.  Sealing happens in
+        write order: the MAC's sequence number is the frame's place on the wire."""
+        async with self._write_lock:
+            await self._stream.send(frame(self.mac.seal(body) if self.mac is not None else body))
 
 
-async def dial(
-    address: str, hello: Hello, *, timeout: float, max_frame_bytes: int,
-) -> tuple[FramedStream[Message], Message]:
-    """Connect, send our Hello, and return the stream with the peer's reply."""
-    host, port = split_address(address)
-    with anyio.fail_after(timeout):
-        stream = await anyio.connect_tcp(host, port)
-        framed = control_stream(stream, max_frame_bytes)
-        try:
-            await framed.send(hello)
-            reply = await framed.recv()
-        except BaseException:
-            await framed.aclose()
-            raise
-    return framed, reply
+class OutboxOverflow(Exception):
+    """The peer stopped reading: more than ``max_outbox_bytes`` queued for it."""
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> (host, port); raises ``ValueError`` naming the problem."""
-    host, sep, port_s = address.rpartition(":")
-    if not sep or not host or not port_s.isdigit() or not (0 < int(port_s) < 65536):
-        raise ValueError(f"address must be 'host:port', got {address!r}")
-    return host.strip("[]"), int(port_s)
-
+_LINK_ENDINGS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, OutboxOverflow)
 
 OnMessage = Callable[["PeerLink", Message], None]
 OnLost = Callable[["PeerLink", BaseException | None, bool], Awaitable[None]]
 
 
 class PeerLink:
-    """A live control link to one peer.
+    """A live control link to one peer incarnation (``agent``), the ``generation``-th
+    link this service has made.
 
-    ``send`` never blocks or raises: frames queue in an outbox drained by the
-    link's writer, so the service can speak from synchronous code.  When the
-    link ends (EOF, error, silence past ``peer_timeout``, protocol breach, or
-    ``close()``) ``on_lost(link, cause, graceful)`` runs exactly once.
+    ``send`` never blocks or raises: encoded frames queue in an outbox drained by
+    the link's writer, so the service can speak from synchronous code.  The
+    outbox is bounded in bytes (``max_outbox_bytes``): a peer that does not read
+    is dropped as lost (``OutboxOverflow``), not buffered for ever.  When the link
+    ends (EOF, error, silence past ``peer_timeout``, protocol breach, overflow, an
+    exception in ``on_message``, or ``close()``) ``on_lost(link, cause, graceful)``
+    runs exactly once.
     """
 
     def __init__(
-        self, framed: FramedStream[Message], hello: Hello, *, on_message: OnMessage, on_lost: OnLost,
-        heartbeat_interval: float, peer_timeout: float,
+        self, framed: ControlStream, *, agent: str, address: str, generation: int,
+        on_message: OnMessage, on_lost: OnLost, heartbeat_interval: float, peer_timeout: float,
+        max_outbox_bytes: int, on_refused: Callable[[str], None] = lambda kind: None,
     ) -> None:
-        self.hello = hello
-        self.agent = hello.agent
-        self.address = hello.address
+        self.agent = agent
+        self.address = address
+        self.generation = generation
         self._framed = framed
         self._on_message = on_message
         self._on_lost = on_lost
+        self._on_refused = on_refused
         self._heartbeat = heartbeat_interval
         self._peer_timeout = peer_timeout
-        self._send, self._outbox = anyio.create_memory_object_stream[Message](math.inf)
+        self._max_outbox = max_outbox_bytes
+        self._queued = 0  # bytes in the outbox
+        self._send, self._outbox = anyio.create_memory_object_stream[bytes](math.inf)
         self._scope = anyio.CancelScope()
         self._drained = anyio.Event()
+        self.ended = anyio.Event()  # set once on_lost has run
         self.last_rx = time.monotonic()
         self.closed = False
         self._closing = False
@@ -151,8 +175,20 @@ class PeerLink:
 
     def send(self, msg: Message) -> None:
         """Queue ``msg``; dropped once the link is closing (nothing may follow Bye)."""
-        if not self.closed and not self._closing:
-            self._send.send_nowait(msg)
+        if self.closed or self._closing:
+            return
+        body = encode_body(msg)
+        self._queued += len(body)
+        if self._queued > self._max_outbox:
+            self._on_refused("outbox_overflow")
+            self.close(OutboxOverflow(
+                f"peer {self.address} is not reading: {self._queued} bytes queued, limit {self._max_outbox}"))
+            return
+        self._send.send_nowait(body)
+
+    def alive(self, within: float) -> bool:
+        """Open, and heard from (any frame, pings included) within ``within`` seconds."""
+        return not self.closed and time.monotonic() - self.last_rx <= within
 
     def close(self, cause: BaseException | None = None) -> None:
         if self._cause is None:
@@ -173,16 +209,25 @@ class PeerLink:
             self._outbox.close()
             await self._framed.aclose()
             with anyio.CancelScope(shield=True):
-                await self._on_lost(self, self._cause, self.graceful)
+                try:
+                    await self._on_lost(self, self._cause, self.graceful)
+                finally:
+                    self.ended.set()
 
     async def _guard(self, part: Callable[[], Awaitable[None]]) -> None:
-        """Run one part of the link; whichever part ends first ends the link."""
+        """Run one part of the link; whichever part ends first ends the link, and
+        nothing raised while serving this peer goes further than this link."""
         try:
             await part()
-        except CONNECTION_ERRORS as exc:
+        except _LINK_ENDINGS as exc:
             self._cause = self._cause or exc
         except FrameError as exc:
-            log.warning("peer.protocol_error", peer=self.address, error=str(exc))
+            log.warning("peer.protocol_error", peer=self.address, agent=self.agent, error=str(exc))
+            self._on_refused("frame")
+            self._cause = self._cause or exc
+        except Exception as exc:  # one peer's failure is that peer's
+            log.exception("peer.handler_error", peer=self.address, agent=self.agent)
+            self._on_refused("handler_error")
             self._cause = self._cause or exc
         self._scope.cancel()
 
@@ -210,8 +255,14 @@ class PeerLink:
             self._on_message(self, msg)
 
     async def _writer(self) -> None:
-        async for msg in self._outbox:
-            await self._framed.send(msg)
+        async for body in self._outbox:
+            self._queued -= len(body)
+            # A write that cannot finish for peer_timeout: the peer has stopped reading.
+            with anyio.move_on_after(self._peer_timeout) as stuck:
+                await self._framed.send_body(body)
+            if stuck.cancelled_caught:
+                self._on_refused("outbox_overflow")
+                raise OutboxOverflow(f"peer {self.address} read nothing for {self._peer_timeout}s")
         self._drained.set()
 
     async def _liveness(self) -> None:

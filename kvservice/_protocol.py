@@ -4,11 +4,18 @@ Frames are a 4-byte big-endian length followed by a msgpack-encoded message;
 messages are a tagged union of ``msgspec.Struct`` types, so decoding checks the
 schema.  Frames above the configured limit are refused before they are read.
 
-Conversation::
+Conversation (see ``_trust.handshake`` for the proofs)::
 
-    dialer  -> Hello            acceptor validates version and layout
-    dialer  <- Hello | Reject
-    either  -> Expect / Abort / Failed / Ping / Bye   for the life of the link
+    dialer   -> Hello(nonce)                      small, read with PREAUTH_FRAME_BYTES
+    acceptor -> Hello(nonce, proof) | Reject      the acceptor proves the key first
+    dialer   -> Proof(proof)                      small; from here on every frame has a MAC
+    dialer   -> Join(metadata, pool)              read only after the proof checked out
+    acceptor -> Join(metadata, pool) | Reject
+    either   -> Expect / Abort / Failed / Ping / Bye   for the life of the link
+
+Every field is bounded by the struct types below (lengths, integer ranges), so a
+malformed frame fails decoding before any value is used; ``_trust.checks`` does
+the checks that need context.
 
 Completion does not travel here: it rides the NIXL notification of the last
 WRITE (``ChunkNotif``), which NIXL delivers after the data is visible.
@@ -23,26 +30,59 @@ import msgspec
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
+#: the largest frame read before the peer has proved the key (Hello, Proof, Reject)
+PREAUTH_FRAME_BYTES = 1024
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_Agent = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_Address = Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
+_Nonce = Annotated[bytes, msgspec.Meta(max_length=32)]  # exactly 32: checked with the version
+_Proof = Annotated[bytes, msgspec.Meta(max_length=32)]
+#: longest free text in a frame (messages of Reject / Abort / Failed / Bye); ``text()`` cuts to it
+MAX_TEXT = 4096
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+_Reason = Annotated[str, msgspec.Meta(max_length=64)]
+_LayoutKey = Annotated[str, msgspec.Meta(max_length=32)]
+_LayoutValue = str | Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+
+
+def text(s: str) -> str:
+    """``s`` cut to what a frame may carry."""
+    return s if len(s) <= MAX_TEXT else s[: MAX_TEXT - 3] + "..."
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """First frame each way.  ``version`` is checked before anything else."""
+
     version: int
-    agent: str
-    address: str  # the sender of this Hello's own control address ("host:port")
-    metadata: bytes  # NIXL agent metadata
-    layout: dict[str, str | int]  # KVLayout.wire_shape()
-    num_pages: int
-    base_addr: int  # address of the pool's first byte, for the descriptor table
-    device_id: int = 0
+    agent: _Agent
+    address: _Address  # the sender of this Hello's own control address ("host:port")
+    nonce: _Nonce = b""
+    proof: _Proof = b""  # the acceptor's; empty from the dialer
+
+
+class Proof(msgspec.Struct, tag="proof", frozen=True):
+    """The dialer's answer to the acceptor's Hello."""
+
+    proof: _Proof
+
+
+class Join(msgspec.Struct, tag="join", frozen=True):
+    """What a peer needs to write into our pool; sent only to an authenticated peer."""
+
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1)]  # NIXL agent metadata
+    layout: Annotated[dict[_LayoutKey, _LayoutValue], msgspec.Meta(max_length=16)]  # KVLayout.wire_shape()
+    num_pages: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    base_addr: Annotated[int, msgspec.Meta(ge=1)]  # the pool's first byte (msgpack: < 2**64)
+    device_id: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
-    message: str
+    message: _Text
+    kind: _Reason = ""  # ProtocolError.kind of the refusal ("auth", "incompatible", ...)
 
 
 class Expect(msgspec.Struct, tag="expect", frozen=True):
@@ -56,16 +96,16 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     """Either way: the request is abandoned; reason is a ``FailureReason`` value."""
 
     request_id: RequestId
-    reason: str
-    message: str = ""
+    reason: _Reason
+    message: _Text = ""
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):
     """Sender -> receiver: the request's transfer failed on the sending side."""
 
     request_id: RequestId
-    reason: str
-    message: str = ""
+    reason: _Reason
+    message: _Text = ""
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
@@ -75,10 +115,10 @@ class Ping(msgspec.Struct, tag="ping", frozen=True):
 class Bye(msgspec.Struct, tag="bye", frozen=True):
     """The peer is shutting down; it has already failed what it owed us."""
 
-    message: str = ""
+    message: _Text = ""
 
 
-Message = Hello | Reject | Expect | Abort | Failed | Ping | Bye
+Message = Hello | Proof | Join | Reject | Expect | Abort | Failed | Ping | Bye
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -114,6 +154,10 @@ def decode_notif(raw: bytes) -> ChunkNotif | None:
 def frame(body: bytes) -> bytes:
     """Prefix ``body`` with its length: one frame on the wire."""
     return _HEADER.pack(len(body)) + body
+
+
+def encode_body(msg: Message) -> bytes:
+    return _encoder.encode(msg)
 
 
 def encode_frame(msg: Message) -> bytes:

@@ -50,6 +50,7 @@ class SendRequest(_Request):
     """Sender side.  Chunks queue in ``pending`` until the destination is known."""
 
     bootstrap_deadline: float = 0.0
+    receiver: str | None = None  # canonical address the request is pinned to (send(receiver=))
     peer: str | None = None  # destination agent, once the receiver's Expect arrived
     remote_layout: KVLayout | None = None
     dest: PageIndex | None = None
@@ -223,6 +224,75 @@ class Recent(Generic[K, V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class EarlyExpects:
+    """Expects that arrived before the matching ``send()``, bounded per peer and by age.
+
+    A peer may announce requests this side has not sent yet (the normal race),
+    but not without limit: past ``per_peer`` entries a peer's new Expects are
+    refused, and an entry older than ``ttl`` is dropped by ``expire``.  Entries
+    are kept in arrival order, so expiry looks only at the oldest."""
+
+    def __init__(self, per_peer: int, ttl: float) -> None:
+        self._per_peer = per_peer
+        self._ttl = ttl
+        self._d: dict[str, tuple[str, PageIndex, float]] = {}  # rid -> (agent, pages, arrived)
+        self._count: collections.Counter[str] = collections.Counter()
+
+    def add(self, rid: str, agent: str, pages: PageIndex, now: float) -> bool:
+        """Remember an Expect; False (nothing stored) when ``agent`` is at its limit."""
+        if self._count[agent] >= self._per_peer:
+            return False
+        self._d[rid] = (agent, pages, now)
+        self._count[agent] += 1
+        return True
+
+    def peer_of(self, rid: str) -> str | None:
+        entry = self._d.get(rid)
+        return entry[0] if entry is not None else None
+
+    def pages_of(self, rid: str) -> PageIndex | None:
+        entry = self._d.get(rid)
+        return entry[1] if entry is not None else None
+
+    def pop(self, rid: str) -> tuple[str, PageIndex] | None:
+        entry = self._d.pop(rid, None)
+        if entry is None:
+            return None
+        self._forget(entry[0])
+        return entry[0], entry[1]
+
+    def drop_peer(self, agent: str) -> list[str]:
+        """Forget ``agent``'s entries; their request ids."""
+        rids = [rid for rid, entry in self._d.items() if entry[0] == agent]
+        for rid in rids:
+            del self._d[rid]
+        self._count.pop(agent, None)
+        return rids
+
+    def expire(self, now: float) -> list[tuple[str, str]]:
+        """Drop entries older than ``ttl``: their (request id, agent)."""
+        gone: list[tuple[str, str]] = []
+        while self._d:
+            rid, (agent, _, arrived) = next(iter(self._d.items()))
+            if now - arrived < self._ttl:
+                break
+            del self._d[rid]
+            self._forget(agent)
+            gone.append((rid, agent))
+        return gone
+
+    def _forget(self, agent: str) -> None:
+        self._count[agent] -= 1
+        if self._count[agent] <= 0:
+            del self._count[agent]
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._d
 
     def __len__(self) -> int:
         return len(self._d)

@@ -61,11 +61,21 @@ class UnknownRequestError(KVServiceError, KeyError):
 
 
 class ProtocolError(KVServiceError):
-    """A control-channel peer sent something that breaks the protocol."""
+    """A control-channel peer sent something that breaks the protocol, or refused us.
+
+    ``kind`` names the refusal for counters and for the ``Reject`` frame
+    ("version", "hello_invalid", "incompatible", "agent_live", "peer_limit", ...)."""
+
+    def __init__(self, message: str, kind: str = "protocol") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class AuthenticationError(ProtocolError):
     """A peer could not prove it holds the cluster's key (or we could not prove it to the peer)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "auth")
 
 
 class NixlUnavailable(KVServiceError, RuntimeError):

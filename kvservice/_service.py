@@ -19,22 +19,33 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from ._addresses import split_address
 from ._config import ServiceConfig
-from ._control import ControlPlane
+from ._control import ControlPlane, LocalPeer
 from ._deadlines import Deadlines
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
-from ._protocol import Abort, Expect, Failed, Message, decode_notif
-from ._requests import Recent, RecvRequest, SendRequest, TransferHandle, check_request_id, make_result
+from ._protocol import Abort, Expect, Failed, Join, Message, decode_notif, text
+from ._requests import (
+    EarlyExpects,
+    Recent,
+    RecvRequest,
+    SendRequest,
+    TransferHandle,
+    check_request_id,
+    make_result,
+)
 from ._results import (
     FailureReason,
     KVPoll,
     KVServiceError,
+    Overloaded,
     TransferResult,
     TransferStatus,
     UnknownRequestError,
 )
 from ._stats import Stats
+from ._trust.keys import load_key
 from ._watchdog import Watchdog
 
 log = structlog.get_logger("kvservice")
@@ -81,8 +92,8 @@ class TransferService:
         self._sends_done: Recent[str, TransferResult] = Recent(self.config.results_kept)
         self._recvs_done: Recent[str, TransferResult] = Recent(self.config.results_kept)
         self._deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
-        # Expects that arrived before the matching send(): rid -> (peer agent, pages)
-        self._early: dict[str, tuple[str, npt.NDArray[np.int32]]] = {}
+        # Expects that arrived before the matching send()
+        self._early = EarlyExpects(self.config.max_unknown_expects, self.config.unknown_expect_ttl_s)
         # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
         self._dropped: Recent[str, FailureReason] = Recent(self.config.results_kept)
         self._idle = anyio.Event()
@@ -122,18 +133,28 @@ class TransferService:
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         await self._thread.call(self._door.register_pool, self.kv.tensor, self.kv.descriptor_table())
         metadata = await self._thread.call(self._door.metadata)
+        key = None
+        if cfg.auth_key_file is not None:
+            key = await anyio.to_thread.run_sync(load_key, cfg.auth_key_file)
+        elif not cfg.loopback_only:
+            log.warning("service.unauthenticated", host=cfg.host,
+                        detail="allow_unauthenticated: anyone who reaches this port can peer with it")
+        kv = self.kv
+        local = LocalPeer(self.agent_name, self.layout, Join(
+            metadata=metadata, layout=dict(self.layout.wire_shape()), num_pages=self.layout.num_pages,
+            base_addr=kv.base_addr, device_id=kv.device_id), key)
         self._watchdog = Watchdog(
             self._thread, self._door, self.layout, self,
             poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
             max_post_bytes=cfg.max_post_bytes_per_tick,
         )
-        self._control = ControlPlane(self, self._thread, self._door, metadata, self._tg)
+        self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg)
         self.address = await self._control.listen()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         log.info("service.started", address=self.address, agent=self.agent_name,
-                 pool_bytes=self.layout.pool_bytes)
+                 pool_bytes=self.layout.pool_bytes, authenticated=key is not None)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -178,16 +199,26 @@ class TransferService:
 
     # -- sending side -------------------------------------------------------------
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
-                   timeout: float | None = None) -> TransferHandle:
+                   timeout: float | None = None, receiver: str | None = None) -> TransferHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver; never waits for the copy.
 
         ``timeout`` (seconds, default ``transfer_timeout_s``) bounds the whole
-        request from the moment its destination is known.
+        request from the moment its destination is known.  ``receiver``
+        ("host:port", on the first chunk) pins the request to that decode: an
+        Expect for it from any other peer is refused (``REFUSED`` there) and
+        counted.  Without it the first Expect for the id binds it.
         """
         self._check_open()
         check_request_id(request_id)
         src = self.layout.check_pages(pages)
         req = self._sends.get(request_id)
+        pinned: str | None = None
+        if receiver is not None:
+            if req is not None or request_id in self._sends_done:
+                raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
+            assert self._control is not None
+            pinned = await self._control.canonical(receiver)  # ValueError when malformed
+            self._check_open()
         if req is None:
             done = self._sends_done.get(request_id)
             if done is not None:
@@ -198,8 +229,8 @@ class TransferService:
             raise ValueError(f"request {request_id!r}: send after last=True")
         queued = (req.pages_queued if req else 0) + int(src.size)
         dest = req.dest if req else None
-        if dest is None and req is None and request_id in self._early:
-            dest = self._early[request_id][1]
+        if dest is None and req is None:
+            dest = self._early.pages_of(request_id)
         if dest is not None:
             if queued > dest.size:
                 raise ValueError(
@@ -208,7 +239,7 @@ class TransferService:
                 raise ValueError(
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
-            req = self._new_send(request_id, timeout)
+            req = self._new_send(request_id, timeout, pinned)
         req.pending.append(src)
         req.pages_queued = queued
         req.last = last
@@ -219,23 +250,47 @@ class TransferService:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
         return TransferHandle(req)
 
-    def _new_send(self, request_id: str, timeout: float | None) -> SendRequest:
+    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None) -> SendRequest:
+        self._check_capacity()
         now = time.monotonic()
         cfg = self.config
         req = SendRequest(
             request_id=request_id, created=now,
             deadline=now + (timeout or cfg.transfer_timeout_s) + cfg.bootstrap_timeout_s,
-            bootstrap_deadline=now + cfg.bootstrap_timeout_s,
+            bootstrap_deadline=now + cfg.bootstrap_timeout_s, receiver=receiver,
         )
         self._sends[request_id] = req
         self._deadlines.push(req)
         dropped = self._dropped.pop(request_id)
         if dropped is not None:
             self._fail(req, dropped, "the receiver's expect was dropped before this send")
-        elif request_id in self._early:
-            peer, pages = self._early.pop(request_id)
-            self._bind(req, peer, pages)
+        else:
+            early = self._early.pop(request_id)
+            if early is not None:
+                peer, pages = early
+                if self._receiver_ok(req, peer):
+                    self._bind(req, peer, pages)
         return req
+
+    def _check_capacity(self) -> None:
+        live = len(self._sends) + len(self._recvs)
+        if live >= self.config.max_live_requests:
+            self.stats.refuse("live_request_limit")
+            raise Overloaded(f"{live} requests alive, the limit (max_live_requests) is "
+                             f"{self.config.max_live_requests}")
+
+    def _receiver_ok(self, req: SendRequest, agent: str) -> bool:
+        """Whether ``agent`` may receive ``req``; if not, it is told (``REFUSED``) and it is counted."""
+        if req.receiver is None:
+            return True
+        assert self._control is not None
+        if req.receiver in self._control.addresses_of(agent):
+            return True
+        self.stats.refuse("receiver_mismatch")
+        log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver)
+        self._send_to(agent, Failed(req.request_id, FailureReason.REFUSED.value,
+                                    "the request is pinned to another receiver"))
+        return False
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
         """Wait for the request behind ``handle`` to end.
@@ -274,7 +329,8 @@ class TransferService:
         if request_id in self._recvs or request_id in self._recvs_done:
             raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
         assert self._control is not None
-        self._control.check_address(sender)
+        split_address(sender)  # ValueError naming the problem
+        self._check_capacity()
         now = time.monotonic()
         req = RecvRequest(
             request_id=request_id, created=now,
@@ -295,6 +351,9 @@ class TransferService:
             reason = self._control.dial_failure(exc)
             original = exc.original if isinstance(exc, DoorError) else exc  # NIXL's own exception
             self._fail(req, reason, f"cannot reach sender {sender}: {exc}", error=original)
+            return
+        if self._closing:
+            self._fail(req, FailureReason.SHUTDOWN, "service shut down before the expect was sent")
             return
         if req.result is None:
             req.peer = link.agent
@@ -339,8 +398,9 @@ class TransferService:
         not-yet-sent expect was dropped."""
         sreq = self._sends.get(request_id)
         rreq = self._recvs.get(request_id)
-        if sreq is None and rreq is None and request_id in self._early:
-            peer, _ = self._early.pop(request_id)
+        early = self._early.pop(request_id) if sreq is None and rreq is None else None
+        if early is not None:
+            peer, _ = early
             self._dropped.put(request_id, FailureReason.ABORTED)
             self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
             return None
@@ -375,8 +435,12 @@ class TransferService:
                        f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)
             return
         assert self._control is not None
+        remote = self._control.remote_layout(peer)
+        if remote is None:  # the peer is gone (its loss fails what was bound to it)
+            self._fail(req, FailureReason.PEER_LOST, "receiver lost before the request was bound", peer=peer)
+            return
         req.peer = peer
-        req.remote_layout = self._control.remote_layout(peer)
+        req.remote_layout = remote
         req.dest = pages
         req.deadline = min(req.deadline, time.monotonic() + self.config.transfer_timeout_s)
         self._deadlines.push(req)  # due_at() is now the transfer deadline
@@ -410,6 +474,7 @@ class TransferService:
         """End ``req`` as Failed and, unless the peer told us, tell the peer."""
         if req.result is not None:
             return
+        message = text(message)  # it travels to the peer, whose frames bound text
         self._finish(req, make_result(req, TransferStatus.FAILED, reason=reason, error=error,
                                       message=message))
         target = peer or req.peer
@@ -467,6 +532,10 @@ class TransferService:
             else:
                 why = "transfer deadline passed"
             self._fail(req, FailureReason.TIMEOUT, why)
+        for rid, agent in self._early.expire(now):
+            self.stats.refuse("unknown_expect_expired")
+            self._send_to(agent, Failed(rid, FailureReason.TIMEOUT.value,
+                                        f"no send() for this request within {self.config.unknown_expect_ttl_s}s"))
         live = len(self._sends) + len(self._recvs)
         self._deadlines.compact(itertools.chain(self._sends.values(), self._recvs.values()), live)
 
@@ -489,15 +558,19 @@ class TransferService:
     def _on_expect(self, agent: str, msg: Expect) -> None:
         assert self._control is not None
         rid = msg.request_id
+        remote = self._control.remote_layout(agent)
+        if remote is None:
+            return  # its link is being dropped
         try:
-            pages = self._control.remote_layout(agent).check_pages(msg.pages)
+            pages = remote.check_pages(msg.pages)
         except ValueError as exc:
-            self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, str(exc)))
+            self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, text(str(exc))))
             return
         req = self._sends.get(rid)
         if req is not None:
             if req.peer is None:
-                self._bind(req, agent, pages)
+                if self._receiver_ok(req, agent):
+                    self._bind(req, agent, pages)
             else:
                 why = "request already bound to a receiver"
                 self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, why))
@@ -508,8 +581,11 @@ class TransferService:
             self._send_to(agent, Failed(rid, reason.value, "request already ended on the sender"))
         elif rid in self._early:
             self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, "duplicate expect"))
-        else:
-            self._early[rid] = (agent, pages)
+        elif not self._early.add(rid, agent, pages, time.monotonic()):
+            self.stats.refuse("unknown_expect_limit")
+            self._send_to(agent, Failed(rid, FailureReason.REFUSED.value, (
+                f"too many expects for requests not sent yet (max_unknown_expects = "
+                f"{self.config.max_unknown_expects})")))
 
     def _on_peer_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
         why = _reason(reason)  # the peer's own reason: ABORTED, SHUTDOWN, TIMEOUT, ...
@@ -519,8 +595,8 @@ class TransferService:
         rreq = self._recvs.get(rid)
         if rreq is not None and rreq.peer == agent:
             self._fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
-        if rid in self._early and self._early[rid][0] == agent:
-            del self._early[rid]
+        if self._early.peer_of(rid) == agent:
+            self._early.pop(rid)
             self._dropped.put(rid, why)
 
     def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool) -> None:
@@ -530,8 +606,7 @@ class TransferService:
             self._fail(sreq, reason, what, error=cause, from_peer=True)
         for rreq in [r for r in self._recvs.values() if r.peer == agent]:
             self._fail(rreq, reason, what, error=cause, from_peer=True)
-        for rid in [rid for rid, (peer, _) in self._early.items() if peer == agent]:
-            del self._early[rid]
+        for rid in self._early.drop_peer(agent):
             self._dropped.put(rid, reason)
 
     def released_by_door(self, xids: list[int]) -> None:

@@ -96,6 +96,30 @@ def test_restarted_peer_is_reloaded_under_the_same_name(door: NixlDoor) -> None:
 
 
 def test_garbage_metadata_is_a_door_error(door: NixlDoor) -> None:
+    assert door.metadata_agent(b"not nixl metadata") is None
     with pytest.raises(DoorError) as info:
         door.add_peer("nobody", b"not nixl metadata", SMALL.descriptor_table(0))
-    assert type(info.value.original).__module__.startswith("nixl")
+    assert info.value.reason is FailureReason.INCOMPATIBLE
+    assert door.remove_peer("nobody") == []
+
+
+def test_metadata_naming_another_agent_is_refused_before_loading(door: NixlDoor) -> None:
+    """A peer cannot hand us NIXL metadata of another agent (a live peer, say): the
+    name inside is read first, and nothing is loaded, replaced or removed."""
+    proc, metadata, table = _start_child()
+    try:
+        assert door.metadata_agent(metadata) == "door-child"
+        assert door.metadata_agent(metadata[:20]) is None  # truncated
+        with pytest.raises(DoorError, match="names agent 'door-child'") as info:
+            door.add_peer("impostor", metadata, table)
+        assert info.value.reason is FailureReason.INCOMPATIBLE
+        door.add_peer("door-child", metadata, table)  # the genuine claim loads
+        idx = SMALL.descriptor_indices(SMALL.check_pages([7]))
+        xid, state = door.post("door-child", idx, idx, b"")
+        assert _wait_done(door, xid, state) is XferState.DONE
+        with pytest.raises(DoorError):  # and a second impostor does not unload it
+            door.add_peer("other", metadata, table)
+        xid, state = door.post("door-child", idx, idx, b"")
+        assert _wait_done(door, xid, state) is XferState.DONE
+    finally:
+        _reap(proc)

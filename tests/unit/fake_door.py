@@ -250,6 +250,10 @@ class FakeDoor:
         self._enter()
         return b"fake-md:" + self.agent_name.encode()
 
+    def metadata_agent(self, metadata: bytes) -> str | None:
+        prefix = b"fake-md:"
+        return metadata[len(prefix):].decode(errors="replace") if metadata.startswith(prefix) else None
+
     def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
         self._enter()
         data = _byte_view(tensor)

@@ -9,7 +9,8 @@ import anyio.abc
 import msgspec
 import pytest
 
-from kvservice._peers import control_stream, split_address
+from kvservice._addresses import split_address
+from kvservice._peers import ControlStream
 from kvservice._protocol import (
     HEADER_BYTES,
     NOTIF_MAGIC,
@@ -21,8 +22,10 @@ from kvservice._protocol import (
     Failed,
     FrameError,
     Hello,
+    Join,
     Message,
     Ping,
+    Proof,
     Reject,
     decode_body,
     decode_notif,
@@ -32,9 +35,11 @@ from kvservice._protocol import (
 )
 
 MESSAGES: list[Message] = [
-    Hello(version=PROTOCOL_VERSION, agent="kv-a", address="127.0.0.1:5000", metadata=b"\x00md\xff",
-          layout={"layers": 2, "dtype": "bfloat16"}, num_pages=64, base_addr=2**47 + 4096, device_id=1),
-    Reject("no"),
+    Hello(version=PROTOCOL_VERSION, agent="kv-a", address="127.0.0.1:5000", nonce=b"n" * 32, proof=b"p" * 32),
+    Proof(b"p" * 32),
+    Join(metadata=b"\x00md\xff", layout={"layers": 2, "dtype": "bfloat16"}, num_pages=64,
+         base_addr=2**63 + 4096, device_id=1),
+    Reject("no", "auth"),
     Expect("r1", [0, 5, 63]),
     Abort("r1", "ABORTED", "bye"),
     Failed("r1", "TIMEOUT", "late"),
@@ -66,6 +71,15 @@ def test_frame_length_refuses_oversize_before_reading_the_body() -> None:
         msgspec.msgpack.encode({"type": "expect", "request_id": "", "pages": [1]}),  # empty id
         msgspec.msgpack.encode({"type": "expect", "request_id": "r", "pages": ["x"]}),
         msgspec.msgpack.encode({"type": "hello", "version": 1}),  # missing fields
+        msgspec.msgpack.encode({"type": "hello", "version": 2, "agent": "a" * 129, "address": "h:1"}),
+        msgspec.msgpack.encode({"type": "hello", "version": 2, "agent": "a", "address": "h:1", "nonce": b"n" * 33}),
+        msgspec.msgpack.encode({"type": "join", "metadata": b"m", "layout": {}, "num_pages": 0, "base_addr": 1}),
+        msgspec.msgpack.encode({"type": "join", "metadata": b"m", "layout": {}, "num_pages": 1, "base_addr": -1}),
+        msgspec.msgpack.encode({"type": "join", "metadata": b"m", "layout": {}, "num_pages": 1, "base_addr": 1,
+                                "device_id": 70000}),
+        msgspec.msgpack.encode({"type": "join", "metadata": b"", "layout": {}, "num_pages": 1, "base_addr": 1}),
+        msgspec.msgpack.encode({"type": "failed", "request_id": "r", "reason": "x" * 65}),
+        msgspec.msgpack.encode({"type": "abort", "request_id": "r", "reason": "ABORTED", "message": "m" * 5000}),
         msgspec.msgpack.encode([1, 2, 3]),
     ],
 )
@@ -119,7 +133,7 @@ async def test_framed_stream_over_tcp_refuses_an_oversize_frame() -> None:
     done = anyio.Event()
 
     async def serve(stream: anyio.abc.SocketStream) -> None:
-        framed = control_stream(stream, max_frame_bytes=64 * 1024)
+        framed = ControlStream(stream, max_frame_bytes=64 * 1024)
         for _ in range(2):
             try:
                 got.append(await framed.recv())

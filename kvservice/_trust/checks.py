@@ -1,0 +1,58 @@
+"""Checks of every field a peer supplies, before any of it is used.
+
+The control protocol's structs already bound types, lengths and integer ranges
+(``_protocol``); what is checked here needs context: our own identity, our
+layout, and arithmetic over several fields.  Each check returns ``None`` or a
+sentence for the ``Reject`` the peer receives.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .._addresses import is_unspecified_host, split_address
+from .._layout import KVLayout
+
+#: agent names: what ``ServiceConfig.agent_prefix`` plus a uuid produce, with room to spare
+AGENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: a peer's descriptor table (one entry per page-plane) is built here and handed to
+#: NIXL: bound it, or one Hello could make this process allocate gigabytes
+MAX_REMOTE_DESCRIPTORS = 1 << 24
+_ADDRESS_SPACE = 1 << 64
+
+
+def check_agent(agent: str, own: str) -> str | None:
+    if not AGENT_NAME.fullmatch(agent):
+        return f"agent name {agent[:140]!r} is not 1-128 of [A-Za-z0-9._-]"
+    if agent == own:
+        return "a service cannot peer with itself"
+    return None
+
+
+def check_address(address: str) -> str | None:
+    try:
+        host, _ = split_address(address)
+    except ValueError as exc:
+        return f"advertised address: {exc}"
+    if is_unspecified_host(host):
+        return f"advertised address {address!r} cannot be dialled (set advertise_host there)"
+    return None
+
+
+def check_pool(
+    own: KVLayout, layout: dict[str, str | int], num_pages: int, base_addr: int,
+) -> tuple[KVLayout | None, str | None]:
+    """The peer's layout if its pool description is usable and compatible with ``own``."""
+    try:
+        theirs = KVLayout(num_pages=num_pages, **layout)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        return None, f"invalid layout: {exc}"
+    why = own.compatible_with(theirs)
+    if why is not None:
+        return None, f"incompatible KV layout: {why}"
+    if theirs.planes * theirs.num_pages > MAX_REMOTE_DESCRIPTORS:
+        return None, (f"pool of {theirs.num_pages} pages x {theirs.planes} planes exceeds "
+                      f"{MAX_REMOTE_DESCRIPTORS} descriptors")
+    if base_addr + theirs.pool_bytes > _ADDRESS_SPACE:
+        return None, f"pool at {base_addr:#x} of {theirs.pool_bytes} bytes overflows the address space"
+    return theirs, None
