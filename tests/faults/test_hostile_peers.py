@@ -1,0 +1,338 @@
+"""A hostile client against a real prefill service (real NIXL, a real decode process).
+
+Each attack must get a clear refusal (a ``Reject`` with its kind, or the
+connection closed), be counted in ``status()["refused"]``, and disturb no one:
+after every attack the service is up and a legitimate request still passes
+byte-exact to a real decode process."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from kvservice import FailureReason, ServiceConfig, TransferService
+from kvservice._door import DoorThread
+from kvservice._nixl import NixlDoor
+from kvservice._peerproc import PeerProcess, pattern
+from kvservice._pool import KVPool
+from kvservice._protocol import Expect, Hello, Join, Ping, Proof, frame
+from kvservice._trust.handshake import DIALER, prove
+from kvservice._trust.keys import generate_key, load_key
+from tests.helpers import LOOPBACK_UCX, SMALL, config, peer_config, peers
+from tests.hostile import Raw, authenticate, dial, is_reject, join_for
+
+pytestmark = pytest.mark.nixl
+
+_rids = itertools.count()
+
+
+def hostile_config(**kw: Any) -> ServiceConfig:
+    kw.setdefault("connect_timeout_s", 1.0)
+    kw.setdefault("heartbeat_interval_s", 0.25)
+    kw.setdefault("peer_timeout_s", 1.5)
+    return config(**kw)
+
+
+def refused(svc: TransferService, kind: str) -> int:
+    return int(svc.status()["refused"].get(kind, 0))
+
+
+async def legit_transfer(svc: TransferService, decode: PeerProcess) -> None:
+    """One request, prefill (svc) -> decode process, verified byte for byte there."""
+    rid = f"legit-{next(_rids)}"
+    src, dst = [3, 4, 5], [40, 41, 42]
+    svc.kv.write(src, pattern(SMALL, rid, len(src)))
+    await decode.command(op="expect", rid=rid, pages=dst, sender=svc.address)
+    await decode.event("expecting", rid)
+    handle = await svc.send(rid, src, last=True)
+    result = await svc.await_completion(handle, timeout=15)
+    assert result.ok, result
+    arrived = await decode.event("arrived", rid)
+    assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
+
+
+async def expect_refusal(svc: TransferService, decode: PeerProcess, kind: str,
+                         attack: Callable[[], Awaitable[object]]) -> None:
+    before = refused(svc, kind)
+    await attack()
+    with anyio.fail_after(10):
+        while refused(svc, kind) <= before:  # noqa: ASYNC110 - a counter, no event announces it
+            await anyio.sleep(0.01)
+    await legit_transfer(svc, decode)
+
+
+async def answered(raw: Raw, kind: str) -> None:
+    """The service answered ``raw`` with a Reject of ``kind`` and closed it."""
+    msg = await raw.recv()
+    assert is_reject(msg, kind), msg
+    assert await raw.closed_by_peer()
+    await raw.aclose()
+
+
+# -- attacks before authentication ----------------------------------------------------------------
+
+
+async def test_malformed_and_out_of_range_frames_are_refused_and_harmless() -> None:
+    async with peers(peer_config()) as (decode,), TransferService(hostile_config()) as svc:
+        await legit_transfer(svc, decode)
+
+        async def raw_bytes(data: bytes, kind: str) -> None:
+            raw = await Raw.connect(svc.address)
+            await raw.send_raw(data)
+            await answered(raw, kind)
+
+        async def hello(kind: str, **fields: Any) -> None:
+            raw, answer, _ = await dial(svc.address, hello=fields)
+            assert is_reject(answer, kind), answer
+            assert await raw.closed_by_peer()
+            await raw.aclose()
+
+        attacks: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("frame", lambda: raw_bytes(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "frame")),  # an HTTP probe
+            ("frame", lambda: raw_bytes(struct.pack(">I", 0xFFFFFFFF) + b"x" * 64, "frame")),  # oversized
+            ("frame", lambda: raw_bytes(frame(b"\xc1\xc1\xc1"), "frame")),  # not msgpack
+            ("frame", lambda: raw_bytes(frame(b"\x93\x01\x02\x03"), "frame")),  # msgpack, no message
+            ("frame", lambda: raw_bytes(frame(b"\x82\xa4type\xa6expect\xaarequest_id\xa1r"), "frame")),
+            ("version", lambda: hello("version", version=99)),
+            ("hello_invalid", lambda: hello("hello_invalid", agent="bad name!")),
+            ("frame", lambda: hello("frame", agent="a" * 129)),
+            ("hello_invalid", lambda: hello("hello_invalid", nonce=b"short")),
+            ("hello_invalid", lambda: hello("hello_invalid", address="0.0.0.0:5000")),
+            ("hello_invalid", lambda: hello("hello_invalid", address="no-port")),
+            ("hello_invalid", lambda: hello("hello_invalid", agent=svc.agent_name)),  # ourselves
+            ("frame", lambda: hello("frame", version="2")),
+        ]
+        for kind, attack in attacks:
+            await expect_refusal(svc, decode, kind, attack)
+
+        # a well-formed message, but not a Hello, before the handshake
+        async def expect_first() -> None:
+            raw = await Raw.connect(svc.address)
+            await raw.send(Expect("stolen", [1, 2]))
+            await answered(raw, "hello_invalid")
+
+        await expect_refusal(svc, decode, "hello_invalid", expect_first)
+        assert svc.status()["peers"] == [decode.address]
+
+
+async def test_join_fields_out_of_range_are_refused_before_use() -> None:
+    """Without a key (loopback) anyone passes the proof step; the Join is still checked
+    field by field before anything reaches arithmetic, an allocation or NIXL."""
+    async with peers(peer_config()) as (decode,), TransferService(hostile_config()) as svc:
+        await legit_transfer(svc, decode)
+
+        async def join(kind: str, **fields: Any) -> None:
+            raw = await authenticate(svc.address, key=None, agent="kv-stranger-2")
+            await raw.send(join_for("kv-stranger-2", **fields))
+            await answered(raw, kind)
+
+        cases: list[tuple[str, dict[str, Any]]] = [
+            ("frame", {"base_addr": -1}),  # the Hello that used to end the service
+            ("frame", {"base_addr": 0}),
+            ("frame", {"num_pages": 0}),
+            ("frame", {"num_pages": -5}),
+            ("frame", {"device_id": 70000}),
+            ("frame", {"metadata": b""}),
+            ("frame", {"layout": {str(i): i for i in range(17)}}),
+            ("incompatible", {"num_pages": (1 << 31) - 1}),  # a descriptor table of gigabytes
+            ("incompatible", {"base_addr": (1 << 64) - 4096}),  # the pool wraps the address space
+            ("incompatible", {"layout": {"layers": 3}}),
+            ("incompatible", {"layout": {"layers": 2, "dtype": "float32", "page_tokens": 16, "kv_heads": 2,
+                                         "head_dim": 64}}),
+            ("incompatible", {"layout": {"bogus": 1}}),
+            ("metadata_mismatch", {"metadata": b"not nixl at all"}),
+        ]
+        for kind, fields in cases:
+            await expect_refusal(svc, decode, kind, lambda kind=kind, fields=fields: join(kind, **fields))
+        assert svc.status()["peers"] == [decode.address]
+
+
+async def test_a_live_agents_name_or_address_cannot_be_taken_over() -> None:
+    async with peers(peer_config()) as (decode,), TransferService(hostile_config()) as svc:
+        await legit_transfer(svc, decode)  # the decode is linked now
+
+        async def impersonate() -> None:  # claims the decode's agent name
+            raw = await authenticate(svc.address, key=None, agent=decode.agent, my_address="127.0.0.1:2")
+            await raw.send(join_for(decode.agent))
+            await answered(raw, "agent_live")
+
+        async def usurp() -> None:  # a new agent claiming the decode's address ("I restarted")
+            raw = await authenticate(svc.address, key=None, agent="kv-usurper", my_address=decode.address)
+            await raw.send(join_for("kv-usurper"))
+            await answered(raw, "address_live")
+
+        await expect_refusal(svc, decode, "agent_live", impersonate)
+        await expect_refusal(svc, decode, "address_live", usurp)
+        assert svc.status()["peers"] == [decode.address]
+        assert svc.status()["outcomes"].get("send.PEER_LOST", 0) == 0
+
+
+# -- the key --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, str]:
+    paths = {}
+    for name in ("cluster", "wrong"):
+        paths[name] = str(tmp_path / f"{name}.key")
+        generate_key(paths[name])
+    return paths
+
+
+async def test_without_the_key_nothing_is_learnt_and_nothing_is_accepted(keys: dict[str, str]) -> None:
+    key, wrong = load_key(keys["cluster"]), load_key(keys["wrong"])
+    cfg = hostile_config(auth_key_file=keys["cluster"])
+    async with (peers(peer_config(auth_key_file=keys["cluster"])) as (decode,), TransferService(cfg) as svc):
+        await legit_transfer(svc, decode)
+
+        async def with_key(k: bytes | None) -> None:
+            raw, answer, script = await dial(svc.address, agent="kv-stranger-3")
+            assert isinstance(answer, Hello)  # the service proves itself first: that reveals nothing
+            await raw.send(Proof(prove(k, DIALER, script)))
+            await raw.send(join_for("kv-stranger-3"))
+            msg = await raw.recv()
+            assert is_reject(msg, "auth"), msg  # never the service's Join (its NIXL metadata)
+            assert await raw.closed_by_peer()
+            await raw.aclose()
+
+        async def replay() -> None:
+            """Record a genuine handshake (made with the key), replay its bytes on a new connection."""
+            genuine = await authenticate(svc.address, key=key, agent="kv-recorded")
+            recorded = list(genuine.sent)
+            await genuine.aclose()
+            raw = await Raw.connect(svc.address)
+            for data in recorded:
+                await raw.send_raw(data)
+            first = await raw.recv()
+            assert isinstance(first, Hello)  # a fresh nonce: the recorded proof no longer fits
+            msg = await raw.recv()
+            assert is_reject(msg, "auth"), msg
+            await raw.aclose()
+
+        async def tampered() -> None:
+            """A key holder whose frames fail their MAC loses its link, nobody else's."""
+            raw = await authenticate(svc.address, key=key, agent="kv-insider")
+            raw.mac = None  # from now on its frames carry no MAC
+            await raw.send(join_for("kv-insider"))
+            assert await raw.closed_by_peer()  # after a (sealed) Reject it cannot read
+            await raw.aclose()
+
+        await expect_refusal(svc, decode, "auth", lambda: with_key(wrong))
+        await expect_refusal(svc, decode, "auth", lambda: with_key(None))
+        await expect_refusal(svc, decode, "auth", replay)
+        await expect_refusal(svc, decode, "frame", tampered)
+        assert svc.status()["peers"] == [decode.address]
+
+
+async def test_decodes_without_the_key_receive_no_byte(keys: dict[str, str]) -> None:
+    """A decode with no key and one with a wrong key expect the very ids the prefill
+    sends: neither gets a byte (their pages stay zero), the prefill's requests time out at
+    bootstrap and it stays up; then the keyed decode gets the same ids byte-exact."""
+    cfg = hostile_config(auth_key_file=keys["cluster"], bootstrap_timeout_s=2.0)
+    async with (
+        peers(peer_config(), peer_config(auth_key_file=keys["wrong"]),
+              peer_config(auth_key_file=keys["cluster"])) as (nokey, wrongkey, keyed),
+        TransferService(cfg) as svc,
+    ):
+        pages = [10, 11, 12, 13]
+        for thief in (nokey, wrongkey):
+            await thief.command(op="expect", rid="secret-a", pages=pages, sender=svc.address)
+            arrived = await thief.event("arrived", "secret-a")
+            assert arrived["status"] == "FAILED" and arrived["reason"] == FailureReason.REFUSED.value, arrived
+            assert "auth" in arrived["message"] or "authenticat" in arrived["message"], arrived
+            await thief.command(op="untouched", pages=pages)
+            assert (await thief.event("untouched"))["ok"] is True
+        svc.kv.write(pages, pattern(SMALL, "secret-a", len(pages)))
+        handle = await svc.send("secret-a", pages, last=True)
+        result = await svc.await_completion(handle, timeout=15)
+        assert not result.ok and result.reason is FailureReason.TIMEOUT, result
+        assert svc.status()["peers"] == []
+        assert svc.status()["refused"].get("auth", 0) >= 2
+
+        svc.kv.write(pages, pattern(SMALL, "secret-b", len(pages)))
+        await keyed.command(op="expect", rid="secret-b", pages=pages, sender=svc.address)
+        await keyed.event("expecting", "secret-b")
+        result = await svc.await_completion(await svc.send("secret-b", pages, last=True), timeout=15)
+        assert result.ok, result
+        assert (await keyed.event("arrived", "secret-b"))["verified"] is True
+        for thief in (nokey, wrongkey):
+            await thief.command(op="untouched", pages=pages)
+            assert (await thief.event("untouched"))["ok"] is True
+
+
+# -- floods ---------------------------------------------------------------------------------------
+
+
+async def test_idle_and_trickling_connections_are_bounded_and_time_out() -> None:
+    """300 idle connections and one that sends its header a byte at a time: beyond
+    ``max_handshakes`` they are closed at once, the rest at ``connect_timeout_s``; a
+    new peer connects normally afterwards."""
+    async with TransferService(hostile_config(max_handshakes=64)) as svc:
+        trickle = await Raw.connect(svc.address)
+        idle = [await Raw.connect(svc.address) for _ in range(300)]
+
+        async def drip() -> None:
+            """A valid header, one byte every 0.4 s: the handshake's deadline cuts it off."""
+            try:
+                for byte in struct.pack(">I", 40):
+                    await trickle.send_raw(bytes([byte]))
+                    await anyio.sleep(0.4)
+            except (anyio.BrokenResourceError, OSError):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drip)
+        with anyio.fail_after(10):
+            while refused(svc, "handshake_limit") + refused(svc, "handshake_timeout") < 301:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert refused(svc, "handshake_limit") >= 300 - 64
+        assert refused(svc, "handshake_timeout") >= 1
+        for raw in [*idle, trickle]:
+            assert await raw.closed_by_peer(timeout=5)
+            await raw.aclose()
+        async with peers(peer_config()) as (decode,):
+            await legit_transfer(svc, decode)
+
+
+async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
+    """A key holder with a real NIXL agent floods Expects the service must answer
+    (pages out of range) and never reads: its link is dropped as lost once the
+    service's writes stall, counted; the legitimate decode goes on."""
+    thread = DoorThread("hostile-nixl")
+    door = await thread.call(functools.partial(NixlDoor, "kv-silent", progress_thread=False, ucx_env=LOOPBACK_UCX))
+    pool = await thread.call(KVPool, SMALL)
+    try:
+        await thread.call(door.register_pool, pool.tensor, pool.descriptor_table())
+        metadata = await thread.call(door.metadata)
+        cfg = hostile_config(max_outbox_bytes=256 * 1024)
+        async with peers(peer_config()) as (decode,), TransferService(cfg) as svc:
+            await legit_transfer(svc, decode)
+            raw = await authenticate(svc.address, key=None, agent="kv-silent", my_address="127.0.0.1:3",
+                                     rcvbuf=4096)
+            await raw.send(join_for("kv-silent", metadata=metadata, base_addr=pool.base_addr))
+            assert isinstance(await raw.recv(), Join)  # the service's Join; from here on it never reads
+            before = refused(svc, "outbox_overflow")
+            with anyio.move_on_after(20):
+                for i in range(100_000):
+                    if refused(svc, "outbox_overflow") > before:
+                        break
+                    await raw.send(Expect(f"flood-{i}", [SMALL.num_pages + 1]))
+                    if i % 50 == 0:
+                        await raw.send(Ping())
+            assert refused(svc, "outbox_overflow") > before
+            with anyio.fail_after(10):
+                while "127.0.0.1:3" in svc.status()["peers"]:  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            await raw.aclose()
+            await legit_transfer(svc, decode)
+            assert svc.status()["peers"] == [decode.address]
+    finally:
+        await thread.call(door.close)
+        thread.shutdown()

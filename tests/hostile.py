@@ -1,0 +1,166 @@
+"""A hostile control-channel client: speaks, or mangles, the peer protocol from raw TCP.
+
+Used by the fault tests to attack a real service the way a stranger on the
+network (or a peer holding the key but misbehaving) would.  Everything it does
+is bounded in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from kvservice._addresses import split_address
+from kvservice._protocol import (
+    HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Hello,
+    Join,
+    Message,
+    Proof,
+    Reject,
+    decode_body,
+    encode_body,
+    frame,
+)
+from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac, new_nonce, prove, transcript, verify
+
+WAIT_S = 10.0  # hang guard for every wait here
+
+
+def fake_metadata(agent: str) -> bytes:
+    """Bytes that name ``agent`` the way NIXL's metadata does, and load nowhere."""
+    name = agent.encode()
+    return b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name + b"|junk"
+
+
+class Raw:
+    """One raw TCP connection to a control port."""
+
+    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+        self.stream = stream
+        self.mac: FrameMac | None = None
+        self.sent: list[bytes] = []  # every byte string written, for replays
+
+    @classmethod
+    async def connect(cls, address: str, *, rcvbuf: int | None = None) -> Raw:
+        """``rcvbuf``: a small receive buffer, fixed before connecting (no autotuning), so a
+        client that never reads stops accepting bytes after a few KiB, not tens of MiB."""
+        host, port = split_address(address)
+        with anyio.fail_after(WAIT_S):
+            if rcvbuf is None:
+                return cls(await anyio.connect_tcp(host, port))
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, (host, port))
+            except BaseException:
+                sock.close()
+                raise
+            return cls(await anyio.abc.SocketStream.from_socket(sock))
+
+    async def send_raw(self, data: bytes) -> None:
+        self.sent.append(data)
+        await self.stream.send(data)
+
+    async def send(self, msg: Message | dict[str, Any]) -> None:
+        """A message (or a raw dict, to break the schema), framed and sealed if keyed."""
+        body = encode_body(msg) if not isinstance(msg, dict) else msgspec.msgpack.encode(msg)
+        await self.send_raw(frame(self.mac.seal(body) if self.mac else body))
+
+    async def recv(self, timeout: float = WAIT_S) -> Message | None:
+        """The next message; None when the service closed the connection."""
+        with anyio.fail_after(timeout):
+            try:
+                header = await self._exactly(HEADER_BYTES)
+                (n,) = struct.unpack(">I", header)
+                body = await self._exactly(n)
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
+                return None
+        if self.mac is not None:
+            opened = self.mac.open(body)
+            if opened is not None:
+                body = opened
+        return decode_body(body)
+
+    async def _exactly(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            buf += await self.stream.receive(n - len(buf))
+        return buf
+
+    async def closed_by_peer(self, timeout: float = WAIT_S) -> bool:
+        """True once the service has closed this connection (reads drain until EOF)."""
+        with anyio.move_on_after(timeout):
+            try:
+                while True:
+                    await self.stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                return True
+        return False
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.stream.aclose()
+            except OSError:
+                pass
+
+
+async def dial(
+    address: str, *, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
+    hello: dict[str, Any] | None = None, rcvbuf: int | None = None,
+) -> tuple[Raw, Message | None, bytes]:
+    """Open a connection and send a Hello (fields overridden by ``hello``); returns the
+    connection, the service's answer, and the transcript (for a proof)."""
+    raw = await Raw.connect(address, rcvbuf=rcvbuf)
+    nonce = new_nonce()
+    fields: dict[str, Any] = {"type": "hello", "version": PROTOCOL_VERSION, "agent": agent,
+                              "address": my_address, "nonce": nonce, "proof": b""}
+    fields.update(hello or {})
+    await raw.send(fields)
+    answer = await raw.recv()
+    script = b""
+    if isinstance(answer, Hello):
+        script = transcript((fields["agent"], fields["address"], fields["nonce"]),
+                            (answer.agent, answer.address, answer.nonce))
+    return raw, answer, script
+
+
+async def authenticate(
+    address: str, *, key: bytes | None, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
+    rcvbuf: int | None = None,
+) -> Raw:
+    """Pass the handshake up to (not including) Join, as a peer holding ``key`` would."""
+    raw, answer, script = await dial(address, agent=agent, my_address=my_address, rcvbuf=rcvbuf)
+    assert isinstance(answer, Hello), answer
+    assert verify(key, ACCEPTOR, script, answer.proof) is None, "the service's proof did not verify"
+    await raw.send(Proof(prove(key, DIALER, script)))
+    if key is not None:
+        raw.mac = FrameMac(key, script, DIALER)
+    return raw
+
+
+def join_for(agent: str, metadata: bytes | None = None, **overrides: Any) -> dict[str, Any]:
+    """A Join as a dict (so tests can put any value in any field)."""
+    fields: dict[str, Any] = {
+        "type": "join", "metadata": metadata if metadata is not None else fake_metadata(agent),
+        "layout": {"layers": 2, "page_tokens": 16, "kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"},
+        "num_pages": 64, "base_addr": 1 << 40, "device_id": 0,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def is_reject(msg: Message | None, kind: str | None = None) -> bool:
+    return isinstance(msg, Reject) and (kind is None or msg.kind == kind)
+
+
+__all__ = ["Join", "Raw", "authenticate", "dial", "fake_metadata", "is_reject", "join_for"]
