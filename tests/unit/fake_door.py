@@ -166,6 +166,10 @@ class FakeDoor:
         self._mode = Mode.IMMEDIATE
         self._after = 1
         self.post_delay = 0.0
+        #: op name -> event the door thread waits for before doing that op ("add_peer",
+        #: "remove_peer"); ``arrived[op]`` is set when it starts waiting
+        self.gates: dict[str, threading.Event] = {}
+        self.arrived: dict[str, threading.Event] = collections.defaultdict(threading.Event)
         self.post_probe: Callable[[], int] | None = None
         # -- records ---------------------------------------------------------------------
         self.posts: list[PostRecord] = []
@@ -219,6 +223,10 @@ class FakeDoor:
             return len(hung)
 
     # -- observations (any thread) -------------------------------------------------------------
+    def loaded_peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
+
     def posted_ids(self) -> list[XferId]:
         with self._lock:
             return [p.xid for p in self.posts if p.xid is not None]
@@ -270,8 +278,16 @@ class FakeDoor:
         if lo < base or hi > base + nbytes:
             raise ValueError(f"{op}: table spans {lo:#x}..{hi:#x}, pool is {base:#x}+{nbytes}")
 
+    def _gate(self, op: str) -> None:
+        gate = self.gates.get(op)
+        if gate is not None:
+            self.arrived[op].set()
+            if not gate.wait(10.0):
+                self.violations.append(f"{op}: gate never opened")
+
     def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
         self._enter()
+        self._gate("add_peer")
         with self._lock:
             if self._add_peer_errors:
                 raise self._add_peer_errors.popleft()
@@ -291,6 +307,7 @@ class FakeDoor:
 
     def remove_peer(self, name: str) -> list[XferId]:
         self._enter()
+        self._gate("remove_peer")
         with self._lock:
             released = [xid for xid, x in self._live.items() if x.peer == name]
             for xid in released:
