@@ -5,15 +5,18 @@ hung peer or a cancelled transfer becomes ``Failed`` with a ``FailureReason``
 and the original error, never an exception that takes the caller down.
 """
 
-from ._config import ConfigError, ServiceConfig
+from ._config import ServiceConfig
 from ._layout import KVLayout
 from ._pool import KVPool
 from ._requests import TransferHandle
 from ._results import (
+    AuthenticationError,
+    ConfigError,
     FailureReason,
     KVPoll,
     KVServiceError,
     NixlUnavailable,
+    Overloaded,
     ProtocolError,
     TransferFailed,
     TransferResult,
@@ -27,6 +30,7 @@ from .sidecar import SidecarClient
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
     "ConfigError",
     "FailureReason",
     "KVLayout",
@@ -34,6 +38,7 @@ __all__ = [
     "KVPool",
     "KVServiceError",
     "NixlUnavailable",
+    "Overloaded",
     "ProtocolError",
     "ServiceConfig",
     "SidecarClient",
