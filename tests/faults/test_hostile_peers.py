@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import resource
 import struct
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -336,3 +339,37 @@ async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
     finally:
         await thread.call(door.close)
         thread.shutdown()
+
+
+_CONNECTOR = """
+import socket, sys, time
+conns = [socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5) for _ in range(int(sys.argv[3]))]
+print("connected", flush=True)
+time.sleep(30)
+"""
+
+
+async def test_accept_errors_back_off_and_the_service_goes_on() -> None:
+    """The service runs out of file descriptors while another process opens 40
+    connections: ``accept()`` fails with EMFILE, which is counted and backed off from
+    (anyio's own ``serve()`` would end the service); with descriptors back, the same
+    service serves a legitimate transfer."""
+    async with peers(peer_config()) as (decode,), TransferService(hostile_config(max_handshakes=1000)) as svc:
+        await legit_transfer(svc, decode)
+        host, port = svc.address.rsplit(":", 1)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        used = len(os.listdir("/proc/self/fd"))
+        async with await anyio.open_process([sys.executable, "-c", _CONNECTOR, host, port, "40"]) as proc:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, hard))
+            try:
+                with anyio.fail_after(10):
+                    while refused(svc, "accept_error") < 3:  # noqa: ASYNC110 - a counter
+                        await anyio.sleep(0.05)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            proc.kill()
+        await legit_transfer(svc, decode)
+        errors = refused(svc, "accept_error")
+        await anyio.sleep(0.5)
+        assert refused(svc, "accept_error") == errors  # descriptors are back: no more errors
+        assert svc.status()["peers"] == [decode.address]

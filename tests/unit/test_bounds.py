@@ -1,0 +1,96 @@
+"""Every bound refuses or drops, and counts: Expects for ids not sent yet (count and
+age), live requests, and requests pinned to a receiver."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvservice import FailureReason, Overloaded
+from kvservice._layout import KVLayout
+from kvservice._requests import EarlyExpects
+from tests.helpers import eventually
+
+from .fake_door import FakeFabric
+from .harness import GUARD_S, fill, two_services, unit_config
+
+
+def test_early_expects_bound_per_peer_and_expire_oldest_first() -> None:
+    early = EarlyExpects(per_peer=2, ttl=10.0)
+    pages = KVLayout().check_pages([1])
+    assert early.add("a1", "A", pages, now=0.0) and early.add("a2", "A", pages, now=1.0)
+    assert not early.add("a3", "A", pages, now=2.0)  # A is at its limit ...
+    assert early.add("b1", "B", pages, now=3.0)  # ... B is not disturbed
+    assert early.expire(now=10.5) == [("a1", "A")]
+    assert early.add("a3", "A", pages, now=10.5)  # room again
+    assert early.pop("a2") is not None and early.pop("a2") is None
+    assert sorted(early.drop_peer("A")) == ["a3"]
+    assert len(early) == 1 and "b1" in early and early.peer_of("b1") == "B"
+
+
+async def test_expects_for_unknown_ids_are_bounded_and_counted() -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric, sender=unit_config(max_unknown_expects=3)) as (tx, rx):
+            for i in range(5):
+                await rx.expect(f"u{i}", [i], sender=tx.address)
+            for i in (3, 4):  # refused at once, not left to time out
+                result = await rx.await_arrival(f"u{i}", timeout=GUARD_S)
+                assert result.reason is FailureReason.REFUSED and "max_unknown_expects" in result.message
+            assert len(tx._early) == 3
+            assert tx.status()["refused"]["unknown_expect_limit"] == 2
+            fill(tx, "u0", [9])
+            sent = await tx.await_completion(await tx.send("u0", [9], last=True), timeout=GUARD_S)
+            assert sent.ok, sent  # an accepted one still works
+
+
+async def test_expects_for_unknown_ids_expire_and_the_receiver_is_told() -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric, sender=unit_config(unknown_expect_ttl_s=0.2)) as (tx, rx):
+            await rx.expect("old", [1], sender=tx.address)
+            result = await rx.await_arrival("old", timeout=GUARD_S)
+            assert result.reason is FailureReason.TIMEOUT and "no send()" in result.message
+            assert len(tx._early) == 0 and tx.status()["refused"]["unknown_expect_expired"] == 1
+
+
+async def test_live_requests_are_bounded() -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric, sender=unit_config(max_live_requests=2)) as (tx, rx):
+            await tx.send("l1", [1], last=True)
+            await tx.send("l2", [2], last=True)
+            with pytest.raises(Overloaded, match="max_live_requests"):
+                await tx.send("l3", [3], last=True)
+            with pytest.raises(Overloaded):
+                await tx.expect("l4", [4], sender=rx.address)
+            assert tx.status()["refused"]["live_request_limit"] == 2
+            assert await tx.abort("l1") is not None
+            await tx.send("l3", [3], last=True)  # room again
+
+
+async def test_a_request_pinned_to_a_receiver_refuses_any_other() -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with (
+            two_services(fabric) as (tx, thief),
+            two_services(fabric) as (_, meant),
+        ):
+            data = fill(tx, "pin", [5, 6])
+            # the thief's Expect arrives first (before the send) and again after it
+            await thief.expect("pin", [1, 2], sender=tx.address)
+            await eventually(lambda: "pin" in tx._early, GUARD_S)
+            handle = await tx.send("pin", [5, 6], last=True, receiver=meant.address)
+            refused = await thief.await_arrival("pin", timeout=GUARD_S)
+            assert refused.reason is FailureReason.REFUSED and "pinned" in refused.message
+            assert handle.result is None  # still waiting for the right receiver
+            await thief.expect("pin2", [3], sender=tx.address)  # unrelated ids are fine
+            await meant.expect("pin", [7, 8], sender=tx.address)
+            sent = await tx.await_completion(handle, timeout=GUARD_S)
+            assert sent.ok, sent
+            assert (await meant.await_arrival("pin", timeout=GUARD_S)).ok
+            assert bool((meant.kv.pages([7, 8]) == data).all())
+            assert bool((thief.kv.pages([1, 2]) == 0).all())
+            assert tx.status()["refused"]["receiver_mismatch"] == 1
+            with pytest.raises(ValueError, match="host:port"):
+                await tx.send("bad", [1], last=True, receiver="nowhere")
