@@ -69,7 +69,9 @@ class PeerEvents(Protocol):
 
     def on_message(self, agent: str, msg: Message) -> None: ...
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
-    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool) -> None: ...
+    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
+                     gone: bool) -> None: ...
+    def on_peer_linked(self, agent: str) -> None: ...
     def released_by_door(self, xids: list[int]) -> None: ...
 
 
@@ -260,7 +262,10 @@ class ControlPlane:
             try:
                 stream = await anyio.connect_tcp(host, port)
             except OSError as exc:
-                raise ConnectionRefusedError(f"cannot connect to {address}: {exc}") from exc
+                # anyio reports "all attempts failed"; its cause says whether one was refused
+                refused = isinstance(exc, ConnectionRefusedError) or isinstance(exc.__cause__, ConnectionRefusedError)
+                cls = ConnectionRefusedError if refused else ConnectionError
+                raise cls(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
             framed = ControlStream(stream, self._cfg.max_frame_bytes)
             try:
                 nonce = new_nonce()
@@ -344,7 +349,8 @@ class ControlPlane:
                         f"{hello.address} belongs to live agent {old!r}; a restarted peer is accepted "
                         "once its old incarnation is gone", "address_live")
                 log.info("peer.restarted", address=hello.address, old_agent=old, agent=agent)
-                await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False)
+                await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
+                                        gone=True)  # a new incarnation holds its address
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
                 await self._thread.call(_load, self._door, agent, join, layout)  # DoorError: refused
             link = PeerLink(
@@ -359,6 +365,7 @@ class ControlPlane:
                 self._by_addr[c] = agent
         log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
                  authenticated=self._local.key is not None)
+        self._events.on_peer_linked(agent)
         return peer
 
     async def _let_dying_link_end(self, agent: str) -> None:
@@ -410,8 +417,12 @@ class ControlPlane:
             await self._drop_locked(agent, link, cause, graceful)
 
     async def _drop_locked(self, agent: str, link: PeerLink | None, cause: BaseException | None,
-                           graceful: bool) -> None:
-        """Forget ``agent`` (only if ``link`` is still its current link, when given)."""
+                           graceful: bool, gone: bool = False) -> None:
+        """Forget ``agent`` (only if ``link`` is still its current link, when given).
+
+        Before unloading it, NIXL is asked whether its process is gone (a notification
+        to a dead endpoint fails ``REMOTE_DISCONNECT``): what it could still write into
+        our pages depends on it (``_settle``)."""
         peer = self._peers.get(agent)
         if peer is None or (link is not None and peer.link is not link):
             return
@@ -424,12 +435,19 @@ class ControlPlane:
         # The peer's last WRITEs may have landed with their notifications not collected
         # yet (its Bye can overtake them): take them first, so what arrived succeeds.
         self._events.on_notifs(await self._thread.call(self._door.notifs))
-        self._events.on_peer_lost(agent, peer.address, cause, graceful)
+        if not graceful and not gone:
+            gone = await self._thread.call(_endpoint_gone, self._door, agent)
+        self._events.on_peer_lost(agent, peer.address, cause, graceful, gone)
         peer.link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)
         self._events.released_by_door(released)
 
     # -- used by the service ------------------------------------------------------------
+    def generation_of(self, agent: str) -> int | None:
+        """The generation of ``agent``'s current link (None when not linked)."""
+        peer = self._peers.get(agent)
+        return peer.link.generation if peer is not None else None
+
     def remote_layout(self, agent: str) -> KVLayout | None:
         peer = self._peers.get(agent)
         return peer.layout if peer is not None else None
@@ -458,6 +476,19 @@ class ControlPlane:
 def _load(door: Door, agent: str, join: Join, layout: KVLayout) -> None:
     """On the door thread: the peer's descriptor table, then its NIXL agent."""
     door.add_peer(agent, join.metadata, layout.descriptor_table(join.base_addr, join.device_id))
+
+
+#: the notification that asks NIXL whether a peer's endpoint is still there
+PROBE_NOTIF = b"kvservice-probe"
+
+
+def _endpoint_gone(door: Door, agent: str) -> bool:
+    """On the door thread: whether NIXL reports ``agent``'s endpoint disconnected."""
+    try:
+        door.send_notif(agent, PROBE_NOTIF)
+    except DoorError as exc:
+        return exc.reason is FailureReason.REMOTE_DISCONNECT
+    return False
 
 
 def _rejected_by(address: str, reject: Reject) -> ProtocolError:

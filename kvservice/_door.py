@@ -125,6 +125,8 @@ class TickOutcome:
     checked: list[tuple[XferId, XferState | DoorError]] = field(default_factory=list)
     notifs: Mapping[str, list[bytes]] = field(default_factory=dict)
     live: int = 0
+    #: the plan's releases, all done by the time the outcome exists
+    released: list[XferId] = field(default_factory=list)
 
 
 def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
@@ -140,7 +142,7 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     ``time``-based waits keep sub-millisecond cadences that event-loop timers
     (uvloop's are in whole milliseconds) cannot.
     """
-    out = TickOutcome()
+    out = TickOutcome(released=plan.releases)
     for xfer in plan.releases:
         door.release(xfer)
     for op in plan.posts:

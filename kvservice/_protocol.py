@@ -11,7 +11,7 @@ Conversation (see ``_trust.handshake`` for the proofs)::
     dialer   -> Proof(proof)                      small; from here on every frame has a MAC
     dialer   -> Join(metadata, pool)              read only after the proof checked out
     acceptor -> Join(metadata, pool) | Reject
-    either   -> Expect / Abort / Failed / Ping / Bye   for the life of the link
+    either   -> Expect / Abort / Failed / Settled / Ping / Bye   for the life of the link
 
 Every field is bounded by the struct types below (lengths, integer ranges), so a
 malformed frame fails decoding before any value is used; ``_trust.checks`` does
@@ -108,6 +108,14 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     message: _Text = ""
 
 
+class Settled(msgspec.Struct, tag="settled", frozen=True):
+    """Sender -> receiver: no WRITE of this request can land any more (each one is
+    complete or released), so its pages may be reused.  ``ok``: it ended SUCCESS here."""
+
+    request_id: RequestId
+    ok: bool = False
+
+
 class Ping(msgspec.Struct, tag="ping", frozen=True):
     pass
 
@@ -118,7 +126,7 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: _Text = ""
 
 
-Message = Hello | Proof | Join | Reject | Expect | Abort | Failed | Ping | Bye
+Message = Hello | Proof | Join | Reject | Expect | Abort | Failed | Settled | Ping | Bye
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -128,8 +136,13 @@ class ChunkNotif(msgspec.Struct, array_like=True, frozen=True):
     """Carried in the NIXL notification of each chunk's WRITE."""
 
     request_id: str
-    chunk: int
+    chunk: int  # FENCE: the settle fence, not a chunk
     total: int  # number of chunks of the request when this is the last one, else 0
+
+
+#: ``ChunkNotif.chunk`` of the fence WRITE a sender posts after releasing a failed
+#: request's handles: its notification arrives after every earlier WRITE to us landed
+FENCE = -1
 
 
 _notif_encoder = msgspec.msgpack.Encoder()

@@ -62,6 +62,10 @@ class SendRequest(_Request):
     last: bool = False
     inflight: set[XferId] = field(default_factory=set)
     posting: int = 0  # chunks on the door thread, outcome not back yet
+    releasing: int = 0  # handles queued for release, not confirmed by the door yet
+    timeout: float | None = None  # the caller's send(timeout=), counted from the bind
+    fence_src: int | None = None  # a source page of the first chunk (for the settle fence)
+    link_generation: int | None = None  # of the link to ``peer`` when it was bound
     bytes_done: int = 0
 
     @classmethod
@@ -119,7 +123,7 @@ def make_result(
     return TransferResult(
         request_id=req.request_id, status=status, reason=reason, error=error, message=message,
         bytes=nbytes, pages=pages, created_at=req.created, started_at=req.started_at,
-        finished_at=time.monotonic(),
+        finished_at=time.monotonic(), settled=status is TransferStatus.SUCCESS,
     )
 
 

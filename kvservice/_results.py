@@ -98,6 +98,8 @@ class TransferResult:
     ``error`` is the original exception (for example the very
     ``nixlRemoteDisconnectError`` instance NIXL raised) when there was one.
     Times are ``time.monotonic()`` seconds; ``None`` when a phase never began.
+    A success is settled by definition; a failure is settled once nothing of the
+    request can still be written (README "Settled").
     """
 
     request_id: str
@@ -110,6 +112,9 @@ class TransferResult:
     created_at: float = 0.0
     started_at: float | None = None  # first chunk posted (sender) / expect sent (receiver)
     finished_at: float = 0.0
+    #: no WRITE of this request can land any more: on the receiver its pages may be
+    #: reused (see ``TransferService.await_settled``); on the sender its source pages
+    settled: bool = False
 
     @property
     def ok(self) -> bool:

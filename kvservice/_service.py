@@ -6,6 +6,7 @@ through the ``Door``, on the ``DoorThread``.  Peer links live in ``_control``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -25,7 +26,7 @@ from ._control import ControlPlane, LocalPeer
 from ._deadlines import Deadlines
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
-from ._protocol import Abort, Expect, Failed, Join, Message, decode_notif, text
+from ._protocol import FENCE, Abort, Expect, Failed, Join, Message, Settled, decode_notif, text
 from ._requests import (
     EarlyExpects,
     Recent,
@@ -44,11 +45,15 @@ from ._results import (
     TransferStatus,
     UnknownRequestError,
 )
+from ._settle import Settlement
 from ._stats import Stats
 from ._trust.keys import load_key
 from ._watchdog import Watchdog
 
 log = structlog.get_logger("kvservice")
+
+#: longest wait between two dials that try to settle a lost sender's requests
+PROBE_MAX_S = 5.0
 
 DoorFactory = Callable[[str, ServiceConfig], Door]
 Pages = Sequence[int] | npt.NDArray[Any]
@@ -96,6 +101,7 @@ class TransferService:
         self._early = EarlyExpects(self.config.max_unknown_expects, self.config.unknown_expect_ttl_s)
         # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
         self._dropped: Recent[str, FailureReason] = Recent(self.config.results_kept)
+        self._settlement = Settlement(self._recvs_done, self._sends_done)
         self._idle = anyio.Event()
         self._closing = False
         self.stats = Stats()
@@ -173,9 +179,10 @@ class TransferService:
                 self._fail(sreq, FailureReason.SHUTDOWN, "service shut down before completion")
             for rreq in list(self._recvs.values()):
                 self._fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival")
-            await self._control.close_all(timeout=1.0)
             if self._watchdog is not None:
-                await self._watchdog.tick()  # hand the last releases to the door
+                # The last releases, before the Bye: a peer takes our Bye as "settled".
+                await self._watchdog.tick()
+            await self._control.close_all(timeout=1.0)
             self._tg.cancel_scope.cancel()
         try:
             await self._tg.__aexit__(exc_type, exc, tb)
@@ -244,8 +251,10 @@ class TransferService:
         req.pages_queued = queued
         req.last = last
         if timeout is not None:
-            req.deadline = time.monotonic() + timeout
-            self._deadlines.push(req)
+            req.timeout = timeout
+            if req.peer is not None:  # bound: from now; else the bind starts it
+                req.deadline = time.monotonic() + timeout
+                self._deadlines.push(req)
         if req.peer is not None:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
         return TransferHandle(req)
@@ -288,8 +297,7 @@ class TransferService:
             return True
         self.stats.refuse("receiver_mismatch")
         log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver)
-        self._send_to(agent, Failed(req.request_id, FailureReason.REFUSED.value,
-                                    "the request is pinned to another receiver"))
+        self._refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
         return False
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
@@ -299,6 +307,10 @@ class TransferService:
         handles released, the receiver told) and that result is returned.  If the
         *caller* is cancelled, the cancellation propagates and the transfer goes
         on; ``abort()`` stops it.
+
+        A failed result is returned once the door has released every handle of
+        the request (``result.settled``): from then on nothing reads the source
+        pages, and they may be reused.
         """
         req = handle._req
         if timeout is None:
@@ -308,6 +320,7 @@ class TransferService:
                 await req.done.wait()
             if req.result is None:
                 self._fail(req, FailureReason.TIMEOUT, f"not complete within await_completion timeout {timeout}s")
+                await req.done.wait()  # the release: one watchdog tick
         assert req.result is not None
         return req.result
 
@@ -355,6 +368,10 @@ class TransferService:
         if self._closing:
             self._fail(req, FailureReason.SHUTDOWN, "service shut down before the expect was sent")
             return
+        if req.result is not None:  # aborted (or timed out) while dialling: the sender fails it at once
+            assert req.result.reason is not None
+            link.send(Abort(request_id, req.result.reason.value, req.result.message))
+            return
         if req.result is None:
             req.peer = link.agent
             req.started_at = time.monotonic()
@@ -381,6 +398,45 @@ class TransferService:
                 self._fail(req, FailureReason.TIMEOUT, f"not arrived within {timeout}s")
         assert req.result is not None
         return req.result
+
+    async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult:
+        """Wait until ``request_id`` has ended and nothing of it can be written any more;
+        return its result then (updated: ``settled=True``; an abort that lost the race with
+        the last chunk here becomes the sender's ``SUCCESS``).
+
+        On the receiving side this is when a failed request's pages may be reused:
+        its ``Failed`` result alone does not mean that (a WRITE already posted keeps
+        copying).  On the sending side a failure is settled once its handles are
+        released, which ``await_completion`` already waits for.  ``timeout``: return
+        the result as it stands then (``settled`` still False) rather than wait on;
+        a sender that hangs (SIGSTOP) settles only when it is killed or resumes.
+        Looks at the receiving side first when this service both sent and received
+        ``request_id``."""
+        side = "recv" if request_id in self._recvs or request_id in self._recvs_done else "send"
+        live: RecvRequest | SendRequest | None = self._recvs.get(request_id) if side == "recv" else \
+            self._sends.get(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if live is not None:
+            with anyio.move_on_after(timeout):
+                await live.done.wait()
+            if live.result is None:
+                return await self._settled_or_unknown(side, request_id)
+        result = await self._settled_or_unknown(side, request_id)
+        if not result.settled:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await self._settlement.wait(side, request_id, left)
+        return await self._settled_or_unknown(side, request_id)
+
+    async def _settled_or_unknown(self, side: str, request_id: str) -> TransferResult:
+        live = self._recvs.get(request_id) if side == "recv" else self._sends.get(request_id)
+        result = (live.result if live is not None else None) or \
+            (self._recvs_done if side == "recv" else self._sends_done).get(request_id)
+        if result is None:
+            if live is not None:  # still running: report where it stands
+                return make_result(live, TransferStatus.FAILED, reason=FailureReason.TIMEOUT,
+                                   message="still in progress when await_settled's timeout passed")
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        return result
 
     def poll_arrival(self, request_id: str) -> KVPoll:
         req = self._recvs.get(request_id)
@@ -423,6 +479,7 @@ class TransferService:
         return self.stats.snapshot(
             sending=len(self._sends), receiving=len(self._recvs),
             expects_before_send=len(self._early),
+            unsettled_pages=self._settlement.unsettled_pages,
             inflight_handles=wd.inflight if wd else 0,
             live_nixl_handles=wd.live_handles if wd else 0,
             peers=self._control.peer_addresses() if self._control else [],
@@ -440,23 +497,32 @@ class TransferService:
             self._fail(req, FailureReason.PEER_LOST, "receiver lost before the request was bound", peer=peer)
             return
         req.peer = peer
+        req.link_generation = self._control.generation_of(peer)
         req.remote_layout = remote
         req.dest = pages
-        req.deadline = min(req.deadline, time.monotonic() + self.config.transfer_timeout_s)
+        req.deadline = time.monotonic() + (req.timeout or self.config.transfer_timeout_s)
         self._deadlines.push(req)  # due_at() is now the transfer deadline
         if req.pending:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
 
     def _finish(self, req: SendRequest | RecvRequest, result: TransferResult) -> None:
+        if isinstance(req, RecvRequest) and not result.ok and req.peer is None:
+            result = dataclasses.replace(result, settled=True)  # no sender ever had these pages
         req.result = result
-        req.done.set()
         if isinstance(req, SendRequest):
             self._sends.pop(req.request_id, None)
             self._sends_done.put(req.request_id, result)
+            if result.ok:
+                req.done.set()
+            # else: done once the door released every handle of it (released())
             self._watchdog.forget(req)  # type: ignore[union-attr]
         else:
+            req.done.set()
             self._recvs.pop(req.request_id, None)
             self._recvs_done.put(req.request_id, result)
+            if not result.settled:
+                assert req.peer is not None and req.pages is not None
+                self._settlement.hold(req.request_id, req.peer, int(req.pages.size))
         side = "send" if isinstance(req, SendRequest) else "recv"
         self.stats.record(side, result)
         if result.ok:
@@ -475,15 +541,14 @@ class TransferService:
         if req.result is not None:
             return
         message = text(message)  # it travels to the peer, whose frames bound text
+        target = peer or req.peer
+        if not from_peer and target is not None:  # first: a Settled the finish may send follows it
+            if isinstance(req, SendRequest):
+                self._send_to(target, Failed(req.request_id, reason.value, message))
+            else:
+                self._send_to(target, Abort(req.request_id, reason.value, message))
         self._finish(req, make_result(req, TransferStatus.FAILED, reason=reason, error=error,
                                       message=message))
-        target = peer or req.peer
-        if from_peer or target is None:
-            return
-        if isinstance(req, SendRequest):
-            self._send_to(target, Failed(req.request_id, reason.value, message))
-        else:
-            self._send_to(target, Abort(req.request_id, reason.value, message))
 
     def _send_to(self, agent: str, msg: Message) -> None:
         if self._control is not None:
@@ -510,6 +575,9 @@ class TransferService:
         for agent, messages in notifs.items():
             for raw in messages:
                 n = decode_notif(raw)
+                if n is not None and n.chunk == FENCE:
+                    self._settlement.settle_recv(n.request_id, agent)
+                    continue
                 req = self._recvs.get(n.request_id) if n else None
                 if n is None or req is None or req.peer != agent:
                     self.stats.stale_notifs += 1
@@ -534,8 +602,8 @@ class TransferService:
             self._fail(req, FailureReason.TIMEOUT, why)
         for rid, agent in self._early.expire(now):
             self.stats.refuse("unknown_expect_expired")
-            self._send_to(agent, Failed(rid, FailureReason.TIMEOUT.value,
-                                        f"no send() for this request within {self.config.unknown_expect_ttl_s}s"))
+            self._refuse_expect(agent, rid, FailureReason.TIMEOUT,
+                                f"no send() for this request within {self.config.unknown_expect_ttl_s}s")
         live = len(self._sends) + len(self._recvs)
         self._deadlines.compact(itertools.chain(self._sends.values(), self._recvs.values()), live)
 
@@ -554,6 +622,16 @@ class TransferService:
             rreq = self._recvs.get(msg.request_id)
             if rreq is not None and rreq.peer == agent:
                 self._fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True)
+        elif isinstance(msg, Settled):
+            self._settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
+
+    def _refuse_expect(self, agent: str, rid: str, reason: FailureReason, message: str) -> None:
+        """Tell ``agent`` its Expect for ``rid`` is refused; nothing of ours was or will be
+        written there for it, so it is settled too (unless ``rid`` is bound to that agent)."""
+        self._send_to(agent, Failed(rid, reason.value, text(message)))
+        bound = self._sends.get(rid)
+        if bound is None or bound.peer != agent:
+            self._send_to(agent, Settled(rid))
 
     def _on_expect(self, agent: str, msg: Expect) -> None:
         assert self._control is not None
@@ -564,7 +642,7 @@ class TransferService:
         try:
             pages = remote.check_pages(msg.pages)
         except ValueError as exc:
-            self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, text(str(exc))))
+            self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, str(exc))
             return
         req = self._sends.get(rid)
         if req is not None:
@@ -572,34 +650,43 @@ class TransferService:
                 if self._receiver_ok(req, agent):
                     self._bind(req, agent, pages)
             else:
-                why = "request already bound to a receiver"
-                self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, why))
+                self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "request already bound to a receiver")
         elif rid in self._sends_done:
             done = self._sends_done.get(rid)
             assert done is not None
-            reason = done.reason or FailureReason.INCOMPATIBLE
-            self._send_to(agent, Failed(rid, reason.value, "request already ended on the sender"))
+            self._refuse_expect(agent, rid, done.reason or FailureReason.INCOMPATIBLE,
+                                "request already ended on the sender")
         elif rid in self._early:
-            self._send_to(agent, Failed(rid, FailureReason.INCOMPATIBLE.value, "duplicate expect"))
+            self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
         elif not self._early.add(rid, agent, pages, time.monotonic()):
             self.stats.refuse("unknown_expect_limit")
-            self._send_to(agent, Failed(rid, FailureReason.REFUSED.value, (
+            self._refuse_expect(agent, rid, FailureReason.REFUSED, (
                 f"too many expects for requests not sent yet (max_unknown_expects = "
-                f"{self.config.max_unknown_expects})")))
+                f"{self.config.max_unknown_expects})"))
 
     def _on_peer_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
         why = _reason(reason)  # the peer's own reason: ABORTED, SHUTDOWN, TIMEOUT, ...
         sreq = self._sends.get(rid)
-        if sreq is not None and sreq.peer == agent:
+        if sreq is not None and (sreq.peer == agent or (sreq.peer is None and self._receiver_ok(sreq, agent))):
+            # Its release, then a Settled to the receiver, follow (released()).
             self._fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
+        elif sreq is None:
+            # Not live here: ended already (settled once released), or not sent yet (a
+            # later send() fails at once).  Either way nothing of it is or will be in flight.
+            done = self._sends_done.get(rid)
+            if done is None:
+                if self._early.peer_of(rid) in (agent, None):
+                    self._early.pop(rid)
+                    self._dropped.put(rid, why)
+                self._send_to(agent, Settled(rid))
+            elif done.settled:
+                self._send_to(agent, Settled(rid, ok=done.ok))
         rreq = self._recvs.get(rid)
         if rreq is not None and rreq.peer == agent:
             self._fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
-        if self._early.peer_of(rid) == agent:
-            self._early.pop(rid)
-            self._dropped.put(rid, why)
 
-    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool) -> None:
+    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
+                     gone: bool) -> None:
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
         for sreq in [r for r in self._sends.values() if r.peer == agent]:
@@ -608,6 +695,63 @@ class TransferService:
             self._fail(rreq, reason, what, error=cause, from_peer=True)
         for rid in self._early.drop_peer(agent):
             self._dropped.put(rid, reason)
+        if gone or self._closing:  # its process is gone / ours is leaving (our pool with it)
+            if self._settlement.settle_agent(agent):
+                log.info("transfer.settled_by_loss", peer=address, agent=agent,
+                         why="NIXL reports its endpoint disconnected" if gone else "this service is leaving")
+        elif self._settlement.held_by(agent) and self._tg is not None and not self._closing:
+            self._tg.start_soon(self._settle_by_probing, agent, address)
+
+    def on_peer_linked(self, agent: str) -> None:
+        """A new link with ``agent`` settles nothing it held: its peer table dropped the
+        old link (releasing every handle to us) before admitting this one, but NIXL's
+        release does not stop a zero-copy WRITE already under way (measured: a resumed
+        SIGSTOPped sender's released WRITE still landed after it re-linked).  What it
+        held settles when its process is gone."""
+
+    async def _settle_by_probing(self, agent: str, address: str) -> None:
+        """``agent``'s link was lost but not proven gone (hung, or cut off): dial its
+        address until that settles what it held (see ``_settle``).  Ends when nothing
+        of ``agent`` is held any more, or with the service."""
+        assert self._control is not None
+        wait = self.config.heartbeat_interval_s
+        while self._settlement.held_by(agent) and not self._closing:
+            await anyio.sleep(wait)
+            wait = min(wait * 2, PROBE_MAX_S)
+            try:
+                link = await self._control.link_to(address)
+            except ConnectionRefusedError:  # nobody listens there any more: the process is gone
+                log.info("transfer.settled_by_loss", peer=address, agent=agent, why="its address refuses connections")
+                self._settlement.settle_agent(agent)
+            except Exception as exc:  # noqa: BLE001 - still unknown (hung, cut off): try again later
+                log.debug("peer.settle_probe_failed", agent=agent, address=address, error=repr(exc))
+            else:
+                if link.agent != agent:  # a new incarnation holds the address: the old one is gone
+                    log.info("transfer.settled_by_loss", peer=address, agent=agent, why="a new incarnation holds it")
+                    self._settlement.settle_agent(agent)
+                    return
+                # The same process, alive: keep probing for its exit.
+
+    def released(self, req: SendRequest) -> None:
+        """Watchdog: the door released every handle of ``req``.  A failure is settled
+        now: its caller may reuse the source pages, and the receiver is told."""
+        result = req.result
+        if result is None or result.ok or result.settled:
+            return
+        req.result = self._settlement.settled_send(result)
+        req.done.set()
+        if req.peer is None:
+            return
+        # A released handle's bytes may still be on the wire (a TCP stream, a queue
+        # pair): the receiver settles on the fence's notification, which NIXL sends only
+        # after flushing the endpoint.  Nothing ever posted: nothing to wait for.
+        assert self._watchdog is not None and self._control is not None
+        if req.fence_src is None:
+            self._send_to(req.peer, Settled(req.request_id))
+        elif self._control.generation_of(req.peer) == req.link_generation:
+            self._watchdog.fence(req)
+        # else: its link (and endpoint) is gone: a fence on a newer one proves nothing
+        # about the old; the receiver settles when this process is gone
 
     def released_by_door(self, xids: list[int]) -> None:
         self.stats.forced_releases += len(xids)

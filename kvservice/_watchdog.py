@@ -30,8 +30,9 @@ import anyio.lowlevel
 
 from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
 from ._layout import KVLayout
-from ._protocol import ChunkNotif, encode_notif
+from ._protocol import FENCE, ChunkNotif, encode_notif
 from ._requests import SendRequest
+from ._results import FailureReason
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop
@@ -43,6 +44,8 @@ class Owner(Protocol):
 
     def chunk_done(self, req: SendRequest, npages: int) -> None: ...
     def chunk_failed(self, req: SendRequest, err: DoorError) -> None: ...
+    def released(self, req: SendRequest) -> None:
+        """``req`` has ended and the door has released every handle of it."""
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
     def check_deadlines(self, now: float) -> None: ...
     def busy(self) -> bool: ...
@@ -69,6 +72,8 @@ class Watchdog:
         self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []
+        self._releasing: dict[XferId, SendRequest] = {}  # queued or in a tick, not yet confirmed
+        self._fences: list[PostOp] = []  # settle fences to post next tick
         self._cursor = 0
         self._wake = anyio.Event()
         #: the tick queued on the door thread and not yet digested, if any
@@ -91,19 +96,50 @@ class Watchdog:
             self.wake()
 
     def forget(self, req: SendRequest) -> None:
-        """``req`` ended: drop it and release whatever of it is still in flight."""
+        """``req`` ended: drop it and release whatever of it is still in flight.  Once
+        the door has released all of it (now, if nothing is in flight),
+        ``Owner.released(req)`` is called."""
         self._ready.pop(req.request_id, None)
         if not req.inflight:
-            return  # nothing of it on NIXL: no tick needed
+            self._settle_if_released(req)  # nothing of it on NIXL: no tick needed
+            return
         for xid in req.inflight:
             self._inflight.pop(xid, None)
-            self._releases.append(xid)
+            self._release(req, xid)
         req.inflight.clear()
         self.wake()
 
-    def release_later(self, xids: list[XferId]) -> None:
-        self._releases.extend(xids)
+    def fence(self, req: SendRequest) -> bool:
+        """Post the settle fence of a failed ``req`` whose handles are all released: one
+        page WRITE into its first destination page, carrying a ``FENCE`` notification.
+        NIXL delivers a WRITE's notification after flushing the endpoint, so its arrival
+        tells the receiver that every earlier WRITE to it has landed.  False when ``req``
+        never posted anything (nothing to fence)."""
+        if req.fence_src is None or req.dest is None or req.peer is None or req.remote_layout is None:
+            return False
+        self.fence_page(req, req.peer, req.remote_layout, req.fence_src, int(req.dest[0]))
+        return True
+
+    def fence_page(self, req: SendRequest, peer: str, remote: KVLayout, src_page: int, dst_page: int) -> None:
+        """Post a fence WRITE of our page ``src_page`` into ``peer``'s ``dst_page`` for
+        ``req`` (its notification: ``FENCE``)."""
+        local = self._layout.descriptor_indices(self._layout.check_pages([src_page]))
+        self._fences.append(PostOp(
+            key=(req, FENCE), peer=peer, local_idx=local,
+            remote_idx=remote.descriptor_indices(remote.check_pages([dst_page])),
+            notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE)),
+        ))
         self.wake()
+
+    def _release(self, req: SendRequest, xid: XferId) -> None:
+        self._releases.append(xid)
+        self._releasing[xid] = req
+        req.releasing += 1
+        self.wake()
+
+    def _settle_if_released(self, req: SendRequest) -> None:
+        if req.finished and req.posting == 0 and req.releasing == 0:
+            self._owner.released(req)
 
     def wake(self) -> None:
         self._wake.set()
@@ -163,19 +199,30 @@ class Watchdog:
     def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
         self.live_handles = outcome.live
+        for xid in outcome.released:
+            owner = self._releasing.pop(xid, None)
+            if owner is not None:
+                owner.releasing -= 1
+                self._settle_if_released(owner)
         for key, got, state in outcome.posted:
             req, npages = key
+            if npages == FENCE:  # tracked only so its handle is checked until done
+                if isinstance(got, int) and state is XferState.PROC:
+                    self._inflight[got] = (req, FENCE)
+                continue
             req.posting -= 1
             if isinstance(got, DoorError):
                 self._owner.chunk_failed(req, got)
             elif req.finished:
                 if state is XferState.PROC:  # failed or aborted while posting
-                    self.release_later([got])
+                    self._release(req, got)
             elif state is XferState.DONE:
                 self._owner.chunk_done(req, npages)
             else:
                 self._inflight[got] = (req, npages)
                 req.inflight.add(got)
+            if req.finished:
+                self._settle_if_released(req)
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
                 continue
@@ -183,17 +230,24 @@ class Watchdog:
             if entry is None:  # released in the meantime
                 continue
             req, npages = entry
+            if npages == FENCE:
+                continue
             req.inflight.discard(xid)
             if isinstance(state_or_err, DoorError):
                 self._owner.chunk_failed(req, state_or_err)
             elif state_or_err is XferState.DONE:
                 self._owner.chunk_done(req, npages)
+            else:  # GONE: the handle was released behind our back; its WRITE is not done
+                self._owner.chunk_failed(req, DoorError(
+                    FailureReason.BACKEND, RuntimeError(f"transfer handle {xid} released outside the watchdog"),
+                    "check_xfer_state"))
         if outcome.notifs:
             self._owner.on_notifs(outcome.notifs)
 
     def _plan(self) -> TickPlan:
-        plan = TickPlan(releases=self._releases)
+        plan = TickPlan(releases=self._releases, posts=self._fences)
         self._releases = []
+        self._fences = []
         budget = self._max_posts
         byte_budget = self._max_post_bytes
         for rid in list(self._ready):
@@ -218,6 +272,8 @@ class Watchdog:
     def _post_op(self, req: SendRequest) -> PostOp:
         assert req.dest is not None and req.peer is not None and req.remote_layout is not None
         src = req.pending.popleft()
+        if req.fence_src is None:
+            req.fence_src = int(src[0])
         dst = req.dest[req.offset : req.offset + src.size]
         req.offset += src.size
         chunk = req.chunks_posted

@@ -298,9 +298,14 @@ async def test_abort_resolves_the_other_side_aborted(side: str) -> None:
                 there = await tx.await_completion(h)
             assert here is not None and here.reason is FailureReason.ABORTED
             assert there.reason is FailureReason.ABORTED
-            assert (await (tx if side == "sender" else rx).abort("ab")) is here  # already ended
+            again = await (tx if side == "sender" else rx).abort("ab")  # already ended: how it ended
+            assert again is not None and (again.status, again.reason, again.message) == (
+                here.status, here.reason, here.message)
             await eventually(lambda: txd.live_xfers() == 0, GUARD_S)
             assert txd.release_counts[xid] == 1
+            # both sides settle once the sender's door released the handle
+            assert (await tx.await_settled("ab", timeout=GUARD_S)).settled
+            assert (await rx.await_settled("ab", timeout=GUARD_S)).settled
     fabric.assert_clean()
 
 
