@@ -65,6 +65,7 @@ class SendRequest(_Request):
     releasing: int = 0  # handles queued for release, not confirmed by the door yet
     timeout: float | None = None  # the caller's send(timeout=), counted from the bind
     fence_src: int | None = None  # a source page of the first chunk (for the settle fence)
+    posted: bool = False  # some post of it returned a handle: a WRITE may exist
     link_generation: int | None = None  # of the link to ``peer`` when it was bound
     bytes_done: int = 0
 

@@ -695,6 +695,8 @@ class TransferService:
             self._fail(rreq, reason, what, error=cause, from_peer=True)
         for rid in self._early.drop_peer(agent):
             self._dropped.put(rid, reason)
+        if self._watchdog is not None:
+            self._watchdog.forget_fences(agent)  # its unloading releases them
         if gone or self._closing:  # its process is gone / ours is leaving (our pool with it)
             if self._settlement.settle_agent(agent):
                 log.info("transfer.settled_by_loss", peer=address, agent=agent,
@@ -746,7 +748,7 @@ class TransferService:
         # pair): the receiver settles on the fence's notification, which NIXL sends only
         # after flushing the endpoint.  Nothing ever posted: nothing to wait for.
         assert self._watchdog is not None and self._control is not None
-        if req.fence_src is None:
+        if not req.posted:
             self._send_to(req.peer, Settled(req.request_id))
         elif self._control.generation_of(req.peer) == req.link_generation:
             self._watchdog.fence(req)

@@ -115,7 +115,8 @@ class Watchdog:
         NIXL delivers a WRITE's notification after flushing the endpoint, so its arrival
         tells the receiver that every earlier WRITE to it has landed.  False when ``req``
         never posted anything (nothing to fence)."""
-        if req.fence_src is None or req.dest is None or req.peer is None or req.remote_layout is None:
+        if (not req.posted or req.fence_src is None or req.dest is None or req.peer is None
+                or req.remote_layout is None):
             return False
         self.fence_page(req, req.peer, req.remote_layout, req.fence_src, int(req.dest[0]))
         return True
@@ -130,6 +131,13 @@ class Watchdog:
             notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE)),
         ))
         self.wake()
+
+    def forget_fences(self, peer: str) -> None:
+        """``peer`` is about to be unloaded (which releases its handles): stop checking
+        the fences posted to it."""
+        for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
+            del self._inflight[xid]
+        self._fences = [op for op in self._fences if op.peer != peer]
 
     def _release(self, req: SendRequest, xid: XferId) -> None:
         self._releases.append(xid)
@@ -211,6 +219,8 @@ class Watchdog:
                     self._inflight[got] = (req, FENCE)
                 continue
             req.posting -= 1
+            if not isinstance(got, DoorError):
+                req.posted = True
             if isinstance(got, DoorError):
                 self._owner.chunk_failed(req, got)
             elif req.finished:

@@ -303,8 +303,13 @@ async def test_abort_resolves_the_other_side_aborted(side: str) -> None:
                 here.status, here.reason, here.message)
             await eventually(lambda: txd.live_xfers() == 0, GUARD_S)
             assert txd.release_counts[xid] == 1
-            # both sides settle once the sender's door released the handle
+            # both sides settle once the sender's door released the handle: the sender at
+            # once; the receiver when the sender's fence lands (the fake no longer hangs it)
             assert (await tx.await_settled("ab", timeout=GUARD_S)).settled
+            assert not (await rx.await_settled("ab", timeout=0.2)).settled
+            assert rx.status()["unsettled_pages"] == 1
+            txd.complete_immediately()
+            await eventually(lambda: txd.finish_hung() >= 1, GUARD_S)  # the fence, posted while hung
             assert (await rx.await_settled("ab", timeout=GUARD_S)).settled
     fabric.assert_clean()
 
