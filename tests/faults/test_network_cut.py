@@ -316,6 +316,8 @@ async def test_pages_of_a_cut_request_are_not_written_after_the_link_heals(
         reused = [p for d in cut.dst for p in d]
         await decode.command(op="fill", rid="reused", pages=reused)
         await decode.event("filled", "reused")
+        await decode.command(op="verify", rid="reused", pages=reused)
+        assert (await decode.event("verified", "reused"))["ok"] is True  # nothing lands while cut
         _heal(link, method, link.b)
         # New traffic over the healed link, into other pages; then wait until nothing a
         # cut left in the sockets between the two hosts is still queued.
