@@ -13,6 +13,7 @@ per line on stdin, writes one event per line on stdout::
     -> {"op": "expect", "rid": "r1", "pages": [5, 6], "sender": "host:port"}
                                                            <- {"event": "expecting", ...}
                                                            <- {"event": "arrived", "verified": true, ...}
+    -> {"op": "verify", "rid": "r1", "pages": [5, 6]}        <- {"event": "verified", "ok": true, ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
 
 Payloads are a deterministic pattern per request id (``pattern``), so the
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -38,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import ServiceConfig
 from ._layout import KVLayout
-from ._pool import torch_dtype
+from ._pool import KVPool, torch_dtype
 from ._results import TransferResult
 
 # -- the payload pattern -------------------------------------------------------------
@@ -49,6 +50,11 @@ def pattern(layout: KVLayout, request_id: str, npages: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
     values = torch.randn((layout.layers, 2, npages, layout.page_elems), generator=gen)
     return values.to(torch_dtype(layout.dtype))
+
+
+def holds(kv: KVPool, request_id: str, pages: list[int]) -> bool:
+    """Whether ``pages`` of ``kv`` hold exactly what request ``request_id`` carries."""
+    return bool(torch.equal(kv.pages(pages), pattern(kv.layout, request_id, len(pages))))
 
 
 def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, Any]:
@@ -119,6 +125,9 @@ async def _child(config_json: str) -> None:
                 elif op == "abort":
                     result = await svc.abort(rid)
                     await emit({"event": "aborted", **base, "status": result.status.value if result else None})
+                elif op == "verify":  # do ``pages`` hold ``rid``'s pattern (still, or now)?
+                    ok = await anyio.to_thread.run_sync(holds, svc.kv, rid, cmd["pages"])
+                    await emit({"event": "verified", **base, "ok": ok})
                 elif op == "untouched":
                     ok = bool((svc.kv.pages(cmd["pages"]) == 0).all())
                     await emit({"event": "untouched", **base, "ok": ok})
@@ -158,9 +167,12 @@ class PeerProcess:
     @classmethod
     async def start(
         cls, tg: anyio.abc.TaskGroup, config: dict[str, Any] | None = None, *,
-        env: dict[str, str] | None = None, ready_timeout: float = 30.0,
+        env: dict[str, str] | None = None, ready_timeout: float = 30.0, prefix: Sequence[str] = (),
     ) -> PeerProcess:
-        cmd = [sys.executable, "-m", "kvservice._peerproc", json.dumps(config or {})]
+        """Start a child service.  ``prefix`` goes before the Python command line: a
+        launcher that must ``exec`` it (so ``pid`` is the service's own), e.g.
+        ``("ip", "netns", "exec", NAME)`` to run the child in a network namespace."""
+        cmd = [*prefix, sys.executable, "-m", "kvservice._peerproc", json.dumps(config or {})]
         proc = await anyio.open_process(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
             env={**os.environ, **(env or {})},

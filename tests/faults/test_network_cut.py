@@ -1,0 +1,357 @@
+"""A cut network between two hosts: services in two network namespaces joined by a veth.
+
+Each service is a ``_peerproc`` child started inside its own namespace
+(``ip netns exec NS python -m kvservice._peerproc``), bound to that namespace's
+veth address with a shared key file (``auth_key_file``, as a real deployment
+binds a non-loopback address), and moves KV over UCX's TCP transport on that
+veth only.  The test process drives both through their stdin/stdout and never
+touches the network, so each side sees what a host on a LAN sees: no loopback
+short cut, and a cut that neither process is told about.
+
+The cut lands while large requests are in flight: the sender's egress is
+rate-limited (``tbf``) so their copy takes seconds.  A cut gives neither side
+an error (no EOF, no RST; TCP and UCX just retransmit): only the control link's
+silence past ``peer_timeout_s`` reveals it.  Every wait runs under a hang guard
+well above that.  Each test asserts the status and reason of every request on
+both sides, that both processes still answer and exit cleanly, and that no NIXL
+handle is left; then it heals the link and moves new requests byte-exact between
+the same two processes.  See docs/testing-faults.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import pytest
+
+from kvservice import KVLayout
+from kvservice._peerproc import PeerProcess
+from kvservice._trust.keys import generate_key
+from tests.faults import netns
+from tests.faults.netns import Host, NetnsError, Wire
+from tests.helpers import peer_config
+
+REAL = [pytest.mark.nixl, pytest.mark.slow]
+
+# 128 KiB pages, 512 of them (64 MiB) per service.
+LAYOUT = KVLayout(layers=2, page_tokens=16, kv_heads=8, head_dim=128, dtype="bfloat16", num_pages=512)
+PEER_TIMEOUT_S = 2.0
+HEARTBEAT_S = 0.5
+#: hang guard after a cut: the loss is seen after PEER_TIMEOUT_S; the rest is slack for a
+#: loaded 2-core machine, not a performance claim
+CUT_GUARD_S = PEER_TIMEOUT_S + 13.0
+#: the cut requests: 4 x 48 pages (24 MiB in all) through a 64 Mbit/s egress: ~3 s uncut
+CUT_REQUESTS = 4
+CUT_PAGES = 48
+SHAPED_RATE = "64mbit"
+#: what a request cut in flight may end as, on either side
+CUT_REASONS = {"PEER_LOST", "REMOTE_DISCONNECT", "TIMEOUT"}
+METHODS = ["link_down", "loss"]
+
+
+# -- fixtures -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def namespaces_usable() -> None:
+    why = netns.unavailable()
+    if why is not None:
+        if os.environ.get("KVSERVICE_REQUIRE_NETNS"):
+            pytest.fail(f"KVSERVICE_REQUIRE_NETNS is set, but {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def link(namespaces_usable: None) -> Iterator[Wire]:
+    with netns.wire() as w:
+        yield w
+    assert not netns.existing(w.a.netns) and not netns.existing(w.b.netns)
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> str:
+    path = tmp_path / "cluster.key"
+    generate_key(path)  # 32 random bytes as hex, mode 0600: what `kvservice keygen` writes
+    return str(path)
+
+
+# -- two services, one per namespace ----------------------------------------------------
+
+
+def _service(host: Host, key_file: str) -> dict[str, Any]:
+    return peer_config(
+        LAYOUT, host=host.ip, auth_key_file=key_file, ucx_env=host.ucx_env,
+        peer_timeout_s=PEER_TIMEOUT_S, heartbeat_interval_s=HEARTBEAT_S,
+        transfer_timeout_s=60.0, arrival_timeout_s=60.0, drain_grace_s=0.5,
+    )
+
+
+@contextlib.asynccontextmanager
+async def services(w: Wire, key_file: str) -> AsyncIterator[tuple[PeerProcess, PeerProcess]]:
+    """A decode service in ``w.a`` and a prefill service in ``w.b``.  Both must exit
+    cleanly (status 0) when the block ends normally; they are killed if it fails."""
+    async with anyio.create_task_group() as tg:
+        started: dict[str, PeerProcess] = {}
+
+        async def start(host: Host) -> None:
+            started[host.netns] = await PeerProcess.start(
+                tg, _service(host, key_file), env=host.ucx_env, prefix=host.prefix)
+
+        try:
+            async with anyio.create_task_group() as starting:  # the two start-ups overlap
+                for host in (w.a, w.b):
+                    starting.start_soon(start, host)
+            yield started[w.a.netns], started[w.b.netns]
+            codes = [await p.stop(timeout=10) for p in started.values()]
+            assert codes == [0, 0], f"exit statuses {codes}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                for p in started.values():
+                    await p.stop(timeout=5)
+            tg.cancel_scope.cancel()
+
+
+_ids = itertools.count(1)
+
+
+async def status(peer: PeerProcess, timeout: float = 10.0) -> dict[str, Any]:
+    """The child's ``svc.status()``; a child that is gone or does not answer fails the test."""
+    assert peer.proc.returncode is None, f"peer {peer.pid} exited ({peer.proc.returncode})"
+    i = next(_ids)
+    await peer.command(op="status", id=i)
+    return await peer.wait_for(lambda e: e["event"] == "status" and e.get("id") == i, timeout=timeout)
+
+
+async def until(peer: PeerProcess, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+    """Poll ``status`` every 50 ms until ``pred`` holds, for at most ``timeout``."""
+    last: dict[str, Any] = {}
+    with anyio.move_on_after(timeout):
+        while True:
+            last = await status(peer)
+            if pred(last):
+                return last
+            await anyio.sleep(0.05)
+    raise AssertionError(f"peer {peer.pid}: condition not reached within {timeout}s; last status {last}")
+
+
+async def move(decode: PeerProcess, prefill: PeerProcess, rids: list[str], src: list[list[int]],
+               dst: list[list[int]], timeout: float = 30.0) -> None:
+    """Fill, expect and send each request; every one succeeds on both sides and arrives byte-exact."""
+    await start_requests(decode, prefill, rids, src, dst)
+    for rid in rids:
+        completed = await prefill.event("completed", rid, timeout=timeout)
+        assert completed["status"] == "SUCCESS", completed
+        arrived = await decode.event("arrived", rid, timeout=timeout)
+        assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
+
+
+async def start_requests(decode: PeerProcess, prefill: PeerProcess, rids: list[str], src: list[list[int]],
+                         dst: list[list[int]]) -> None:
+    for rid, s in zip(rids, src, strict=True):
+        await prefill.command(op="fill", rid=rid, pages=s)
+        await prefill.event("filled", rid)
+    for rid, d in zip(rids, dst, strict=True):
+        await decode.command(op="expect", rid=rid, pages=d, sender=prefill.address)
+        await decode.event("expecting", rid)
+    for rid, s in zip(rids, src, strict=True):
+        await prefill.command(op="send", rid=rid, pages=s, last=True)
+
+
+def _tx_bytes(host: Host) -> int:
+    info = json.loads(host.ip_cmd("-j", "-s", "link", "show", "dev", host.dev))
+    return int(info[0]["stats64"]["tx"]["bytes"])
+
+
+def _counters(st: dict[str, Any]) -> dict[str, Any]:
+    return {k: st[k] for k in ("outcomes", "stale_notifs", "refused", "forced_releases", "peers")}
+
+
+# -- the happy path -----------------------------------------------------------------------
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_requests_cross_the_veth_byte_exact(link: Wire, key_file: str) -> None:
+    async with services(link, key_file) as (decode, prefill):
+        assert decode.address.startswith(f"{link.a.ip}:") and prefill.address.startswith(f"{link.b.ip}:")
+        tx_before = _tx_bytes(link.b)
+        n = 6
+        rids = [f"happy{i}" for i in range(n)]
+        src = [list(range(8 * i, 8 * i + 8)) for i in range(n)]
+        dst = [list(range(LAYOUT.num_pages - 8 * (i + 1), LAYOUT.num_pages - 8 * i)) for i in range(n)]
+        with anyio.fail_after(60):
+            await move(decode, prefill, rids, src, dst)
+        # The bytes went over the veth (the only way out of the prefill's namespace).
+        assert _tx_bytes(link.b) - tx_before >= n * 8 * LAYOUT.page_bytes
+        for me, other in ((decode, prefill), (prefill, decode)):
+            st = await until(me, lambda s: s["live_nixl_handles"] == 0, timeout=10)
+            assert st["peers"] == [other.address]
+            assert st["inflight_handles"] == 0 and st["sending"] == 0 and st["receiving"] == 0
+            assert st["refused"] == {}, st  # each side authenticated the other with the key
+        assert (await status(decode))["outcomes"] == {"recv.SUCCESS": n}
+        assert (await status(prefill))["outcomes"] == {"send.SUCCESS": n}
+
+
+# -- the cut --------------------------------------------------------------------------------
+
+
+@dataclass
+class Cut:
+    what: str  # how the link was cut, in words
+    rids: list[str]
+    src: list[list[int]]  # prefill pages
+    dst: list[list[int]]  # decode pages
+    resolved_after: dict[str, float]  # "send cutN" / "recv cutN" -> seconds from the cut to its result
+
+
+def _cut_link(w: Wire, method: str, host: Host) -> str:
+    if method == "link_down":
+        w.link_down(host)
+        return "link down"
+    return f"100% loss ({w.drop_all(host)} qdisc)"
+
+
+def _heal(w: Wire, method: str, host: Host) -> None:
+    if method == "link_down":
+        w.link_up(host)
+    w.unshape(host)  # drops the loss qdisc, and the shaping
+
+
+async def cut_in_flight(w: Wire, method: str, decode: PeerProcess, prefill: PeerProcess) -> Cut:
+    """Start large requests, cut the link at the prefill's end while all are copying,
+    and check that both sides fail every one of them, stay up and leave nothing behind."""
+    await move(decode, prefill, ["warm"], [[0]], [[1]])  # linked first: the cut requests post at once
+    w.shape(w.b, SHAPED_RATE)
+    rids = [f"cut{i}" for i in range(CUT_REQUESTS)]
+    src = [list(range(CUT_PAGES * i, CUT_PAGES * (i + 1))) for i in range(CUT_REQUESTS)]
+    dst = [list(range(LAYOUT.num_pages - CUT_PAGES * (i + 1), LAYOUT.num_pages - CUT_PAGES * i))
+           for i in range(CUT_REQUESTS)]
+    await start_requests(decode, prefill, rids, src, dst)
+    # Every request posted and still copying (none can finish in under ~3 s): the cut lands on all.
+    before = await until(prefill, lambda s: s["inflight_handles"] == CUT_REQUESTS, timeout=10)
+    assert before["outcomes"] == {"send.SUCCESS": 1}, before
+    what = _cut_link(w, method, w.b)
+    cut_at = time.monotonic()
+
+    ended: dict[str, dict[str, Any]] = {}
+    with anyio.fail_after(CUT_GUARD_S):  # hang guard
+        for rid in rids:
+            ended[f"send {rid}"] = await prefill.event("completed", rid, timeout=CUT_GUARD_S)
+            ended[f"recv {rid}"] = await decode.event("arrived", rid, timeout=CUT_GUARD_S)
+    for side, ev in ended.items():
+        assert ev["status"] == "FAILED", (side, ev)
+        assert ev["reason"] in CUT_REASONS, (side, ev)
+    resolved_after = {side: round(ev["_t"] - cut_at, 2) for side, ev in ended.items()}
+    print(f"\n{what}: resolved after (s) {resolved_after}")
+
+    # Both processes are up and answer; each declared the other lost; no handle is left.
+    for p, side in ((decode, "recv"), (prefill, "send")):
+        st = await until(p, lambda s: s["peers"] == [] and s["live_nixl_handles"] == 0
+                         and s["inflight_handles"] == 0, timeout=10)
+        assert st["sending"] == 0 and st["receiving"] == 0 and st["expects_before_send"] == 0, st
+        failed = {k: v for k, v in st["outcomes"].items() if k != f"{side}.SUCCESS"}
+        assert sum(failed.values()) == CUT_REQUESTS, st
+        print(f"{side} side after the cut: {_counters(st)}")
+    return Cut(what, rids, src, dst, resolved_after)
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+async def test_cut_mid_transfer_fails_both_sides_then_heals(link: Wire, key_file: str, method: str) -> None:
+    async with services(link, key_file) as (decode, prefill):
+        cut = await cut_in_flight(link, method, decode, prefill)
+
+        _heal(link, method, link.b)
+        # The same processes: the peer is dialled afresh and new bytes land exactly.  Into other
+        # pages than the cut requests': those take the old link's late write at a moment TCP
+        # picks (see the xfail test below), which could land on top of these requests' bytes.
+        healed = [f"healed{i}" for i in range(CUT_REQUESTS)]
+        spare = [list(range(64 + CUT_PAGES * i, 64 + CUT_PAGES * (i + 1))) for i in range(CUT_REQUESTS)]
+        assert not {p for d in spare for p in d} & {p for d in cut.dst for p in d}
+        with anyio.fail_after(60):
+            await move(decode, prefill, healed, cut.src, spare)
+        for p, side in ((decode, "recv"), (prefill, "send")):
+            st = await until(p, lambda s: s["live_nixl_handles"] == 0 and s["inflight_handles"] == 0, timeout=10)
+            assert st["outcomes"].get(f"{side}.SUCCESS") == 1 + CUT_REQUESTS, st
+            assert sum(st["outcomes"].values()) == 1 + 2 * CUT_REQUESTS, st  # each request ended once
+            assert len(st["peers"]) == 1, st
+            # Nothing of the old link was taken for the new one: no frame of it refused as a
+            # stale generation or a failed MAC, and no second result for any request.
+            assert st["refused"] == {}, st
+            print(f"{side} side after the heal: {_counters(st)}")
+        for p in (decode, prefill):
+            again = [e for e in p.backlog if e.get("rid") in cut.rids and e["event"] in ("completed", "arrived")]
+            assert again == [], again
+
+
+class LateWrite(AssertionError):
+    """Pages were written by a request after both sides had declared it failed."""
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True, raises=LateWrite,
+    reason="known: after a cut, releasing the handles and removing the peer's agent leaves UCX's TCP "
+           "connection (and the released WRITEs queued on it) alive; when the link heals the old bytes "
+           "land in pages the receiver already gave up on (issue #9, settling)")
+@pytest.mark.parametrize("method", METHODS)
+async def test_pages_of_a_cut_request_are_not_written_after_the_link_heals(
+        link: Wire, key_file: str, method: str) -> None:
+    async with services(link, key_file) as (decode, prefill):
+        cut = await cut_in_flight(link, method, decode, prefill)
+        # The decode's engine reuses the pages of the failed requests for its own data.
+        reused = [p for d in cut.dst for p in d]
+        await decode.command(op="fill", rid="reused", pages=reused)
+        await decode.event("filled", "reused")
+        await decode.command(op="verify", rid="reused", pages=reused)
+        assert (await decode.event("verified", "reused"))["ok"] is True  # nothing lands while cut
+        _heal(link, method, link.b)
+        # New traffic over the healed link, into other pages; then wait until nothing a
+        # cut left in the sockets between the two hosts is still queued.
+        others = [f"after{i}" for i in range(2)]
+        with anyio.fail_after(60):
+            await move(decode, prefill, others, [[0, 1], [2, 3]], [[10, 11], [12, 13]])
+        healed_at = time.monotonic()
+        with anyio.fail_after(20):
+            while await anyio.to_thread.run_sync(link.queued) > 0:  # noqa: ASYNC110 - kernel state, no event
+                await anyio.sleep(0.1)
+        print(f"sockets between the hosts drained {time.monotonic() - healed_at:.2f}s after the new requests")
+        intact = True
+        for _ in range(2):  # a second look, 1 s on, for bytes UCX had read but not yet written
+            await decode.command(op="verify", rid="reused", pages=reused)
+            intact = intact and (await decode.event("verified", "reused"))["ok"]
+            if not intact:
+                break
+            await anyio.sleep(1)
+        for p in (decode, prefill):
+            await until(p, lambda s: s["live_nixl_handles"] == 0, timeout=10)
+    # Raised once both processes have exited cleanly (inside, a task group would wrap it).
+    if not intact:
+        raise LateWrite(f"{cut.what}: pages of requests failed on both sides were overwritten "
+                        "by the old link's data after it healed")
+
+
+# -- without namespaces ---------------------------------------------------------------------
+
+
+def test_refused_namespaces_give_a_skip_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*argv: str) -> str:
+        raise NetnsError(f"{' '.join(argv)}: exit 1: mount --make-shared /run/netns failed: Operation not permitted")
+
+    monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(netns, "_run", refuse)
+    why = netns.unavailable()
+    assert why is not None and "'ip netns add' refused" in why and "not permitted" in why
