@@ -296,52 +296,31 @@ async def test_cut_mid_transfer_fails_both_sides_then_heals(link: Wire, key_file
             assert again == [], again
 
 
-class LateWrite(AssertionError):
-    """Pages were written by a request after both sides had declared it failed."""
-
-
 @pytest.mark.nixl
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True, raises=LateWrite,
-    reason="known: after a cut, releasing the handles and removing the peer's agent leaves UCX's TCP "
-           "connection (and the released WRITEs queued on it) alive; when the link heals the old bytes "
-           "land in pages the receiver already gave up on (issue #9, settling)")
 @pytest.mark.parametrize("method", METHODS)
-async def test_pages_of_a_cut_request_are_not_written_after_the_link_heals(
+async def test_pages_of_a_cut_request_stay_unsettled_until_the_sender_is_gone(
         link: Wire, key_file: str, method: str) -> None:
+    """After a cut, the released WRITEs stay queued on UCX's old TCP connection and land
+    when the link heals (measured: within ~0.5 s), in pages both sides failed seconds
+    before.  So the decode must not call those pages reusable: they stay unsettled
+    (``unsettled_pages``) through the heal, while new requests succeed, and settle once
+    the prefill's process is gone (its address then refuses connections)."""
     async with services(link, key_file) as (decode, prefill):
         cut = await cut_in_flight(link, method, decode, prefill)
-        # The decode's engine reuses the pages of the failed requests for its own data.
-        reused = [p for d in cut.dst for p in d]
-        await decode.command(op="fill", rid="reused", pages=reused)
-        await decode.event("filled", "reused")
-        await decode.command(op="verify", rid="reused", pages=reused)
-        assert (await decode.event("verified", "reused"))["ok"] is True  # nothing lands while cut
+        held = sum(len(d) for d in cut.dst)
+        await until(decode, lambda s: s["unsettled_pages"] == held, timeout=10)
         _heal(link, method, link.b)
-        # New traffic over the healed link, into other pages; then wait until nothing a
-        # cut left in the sockets between the two hosts is still queued.
         others = [f"after{i}" for i in range(2)]
         with anyio.fail_after(60):
             await move(decode, prefill, others, [[0, 1], [2, 3]], [[10, 11], [12, 13]])
-        healed_at = time.monotonic()
-        with anyio.fail_after(20):
+        with anyio.fail_after(20):  # the old link's queued bytes have had their chance to land
             while await anyio.to_thread.run_sync(link.queued) > 0:  # noqa: ASYNC110 - kernel state, no event
                 await anyio.sleep(0.1)
-        print(f"sockets between the hosts drained {time.monotonic() - healed_at:.2f}s after the new requests")
-        intact = True
-        for _ in range(2):  # a second look, 1 s on, for bytes UCX had read but not yet written
-            await decode.command(op="verify", rid="reused", pages=reused)
-            intact = intact and (await decode.event("verified", "reused"))["ok"]
-            if not intact:
-                break
-            await anyio.sleep(1)
-        for p in (decode, prefill):
-            await until(p, lambda s: s["live_nixl_handles"] == 0, timeout=10)
-    # Raised once both processes have exited cleanly (inside, a task group would wrap it).
-    if not intact:
-        raise LateWrite(f"{cut.what}: pages of requests failed on both sides were overwritten "
-                        "by the old link's data after it healed")
+        st = await status(decode)
+        assert st["unsettled_pages"] == held, st  # the sender lives: nothing proves its WRITEs over
+        assert await prefill.stop(timeout=10) == 0
+        await until(decode, lambda s: s["unsettled_pages"] == 0, timeout=20)
 
 
 # -- without namespaces ---------------------------------------------------------------------
