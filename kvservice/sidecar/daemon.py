@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ class Daemon:
         self.cfg = config
         self.svc: TransferService | None = None
         self.server: SidecarServer | None = None
+        self.ops: OpsServer | None = None
         self.ready = False
         self.http_address = ""
         self._socket_ino: int | None = None
@@ -93,7 +95,8 @@ class Daemon:
     async def _serve(self) -> int:
         cfg = self.cfg
         try:
-            segment = await anyio.to_thread.run_sync(Segment.create, cfg.sidecar.shm_name, cfg.layout)
+            segment = await anyio.to_thread.run_sync(
+                functools.partial(Segment.create, cfg.sidecar.shm_name, cfg.layout, gid=cfg.sidecar.gid))
         except SegmentError as exc:
             raise StartupError(str(exc)) from exc
         try:
@@ -110,7 +113,7 @@ class Daemon:
             raise StartupError(f"http.port {port} on {host}: {exc.strerror or exc}") from exc
         bound = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.http_address = f"{host}:{bound}"
-        ops = OpsServer({"/healthz": self._healthz, "/readyz": self._readyz, "/metrics": self._metrics})
+        self.ops = ops = OpsServer({"/healthz": self._healthz, "/readyz": self._readyz, "/metrics": self._metrics})
         async with anyio.create_task_group() as tg:
             await tg.start(ops.serve, listener)
             try:
@@ -187,6 +190,15 @@ class Daemon:
         finally:
             os.umask(old)
         self._socket_ino = os.lstat(path).st_ino
+        gid = self.cfg.sidecar.gid
+        if gid is not None:  # 0600 -> 0660: only ever wider for the group, never for others
+            try:
+                os.chown(path, -1, gid, follow_symlinks=False)
+                os.chmod(path, 0o660)
+            except OSError as exc:
+                await listener.aclose()
+                self._remove_socket()
+                raise StartupError(f"sidecar.group: cannot give {path} to group {gid}: {exc.strerror}") from exc
         return listener
 
     def _remove_socket(self) -> None:
@@ -240,7 +252,7 @@ class Daemon:
     def _metrics(self) -> tuple[int, str, str]:
         if self.svc is None:
             return 200, metrics.CONTENT_TYPE, "# starting\nkvservice_up 0\n"
-        return 200, metrics.CONTENT_TYPE, metrics.render(self.svc, self.server, ready=self.ready)
+        return 200, metrics.CONTENT_TYPE, metrics.render(self.svc, self.server, self.ops, ready=self.ready)
 
 
 def _existing_socket(path: str) -> bool:
@@ -250,8 +262,12 @@ def _existing_socket(path: str) -> bool:
         raise StartupError(f"sidecar.socket_path: directory {parent} does not exist")
     if not os.path.lexists(path):
         return False
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"sidecar.socket_path {path} exists and is not a socket")
+    if st.st_uid != os.geteuid():  # not ours to probe or remove, even as root
+        raise StartupError(f"sidecar.socket_path {path} belongs to uid {st.st_uid}, not to this user "
+                           f"({os.geteuid()}); remove it or choose another path")
     return True
 
 
