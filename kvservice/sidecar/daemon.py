@@ -22,6 +22,7 @@ import contextlib
 import functools
 import json
 import os
+import resource
 import signal
 import stat
 import sys
@@ -286,11 +287,26 @@ def serve_main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     fmt = cfg.log.format
     configure_logging(cfg.log.level, json=None if fmt == "auto" else fmt == "json")
+    _raise_descriptor_limit()
     try:
         return run(Daemon(cfg).run, loop=cfg.sidecar.loop)
     except ConfigError as exc:  # e.g. loop = "uvloop" without uvloop
         print(f"kvservice serve: config error: sidecar.{exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _raise_descriptor_limit() -> None:
+    """Raise the soft descriptor limit to the hard one, as servers do: every worker, peer and
+    UCX endpoint holds descriptors, and running out costs more than a failed accept(): UCX's own
+    listener was seen refusing every later peer after one accept() failed for want of them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("sidecar.fd_limit", soft=soft, hard=hard, error=repr(exc))
+            return
+    log.info("sidecar.fd_limit", soft=hard, was=soft)
 
 
 def check_config_main(argv: Sequence[str]) -> int:
