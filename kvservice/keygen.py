@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ._results import ConfigError
 from ._trust.keys import generate_key, load_key
 from .cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
@@ -40,7 +41,10 @@ def main(argv: Sequence[str]) -> int:
         if exc.errno == errno.ELOOP:
             return _fail(EXIT_USAGE, f"{path} is a symbolic link; name the file itself")
         return _fail(EXIT_FAILED, f"cannot write {path}: {exc.strerror or exc}")
-    load_key(path)  # what the services will do with it: must not raise
+    try:
+        load_key(path)  # what the services will do with it
+    except ConfigError as exc:  # e.g. --force on a file of another user: rewritten, but not ours
+        return _fail(EXIT_FAILED, f"wrote {path}, but the services would refuse it: {exc}")
     full = os.path.abspath(path)
     print(f"wrote a new key to {full} (mode 0600)\n"
           f"use it: [service] auth_key_file = \"{full}\" in the sidecar's TOML, or "

@@ -24,13 +24,13 @@ class Connection:
     framed: SocketFrames[ClientMessage]
     #: who connected (SO_PEERCRED); None where the kernel could not say (then refused)
     cred: PeerCred | None
+    #: this worker's send handles: ended ones while results are kept (unfinished: ``sending``)
+    sent: Recent[str, TransferHandle]
     #: the name the worker gave in its Hello, for logs
     client: str = ""
     tg: anyio.abc.TaskGroup | None = None
     calls: dict[int, anyio.CancelScope] = field(default_factory=dict)
-    #: this worker's send handles: unfinished ones, and ended ones while results are kept
     sending: dict[str, TransferHandle] = field(default_factory=dict)
-    sent: Recent[str, TransferHandle] = field(default_factory=lambda: Recent(10_000))
     watching: int = 0
     idle: anyio.Event = field(default_factory=anyio.Event)
     closed: bool = False

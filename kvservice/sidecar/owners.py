@@ -86,6 +86,3 @@ class Owners:
             self._live.pop(key, None)
             self._ended.put(key, conn)
         return keys
-
-    def live(self) -> int:
-        return len(self._live)

@@ -133,8 +133,8 @@ class SidecarServer:
             cred: PeerCred | None = stream_peer_cred(stream)
         except PeerCredError as exc:
             cred, who = None, str(exc)
-        conn = Connection(self._numbers, frame_stream(stream, HELLO_MAX_BYTES, decode_client), cred)
-        conn.sent = Recent(self.svc.config.results_kept)
+        conn = Connection(self._numbers, frame_stream(stream, HELLO_MAX_BYTES, decode_client), cred,
+                          Recent(self.svc.config.results_kept))
         sidecar = self.cfg.sidecar
         if cred is None:
             return await self._refuse(conn, "uid", f"cannot tell which user the worker runs as: {who}")

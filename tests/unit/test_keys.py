@@ -109,3 +109,12 @@ def test_load_key_refuses_another_users_file(good: Path) -> None:
     os.chown(good, NOBODY, -1)
     with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}, not to this user"):
         load_key(good)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_keygen_force_over_another_users_file_says_the_key_would_be_refused(good: Path) -> None:
+    os.chown(good, NOBODY, -1)
+    out = keygen(str(good), "--force")
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"kvservice keygen: wrote {good}, but the services would refuse it: ")
+    assert f"belongs to uid {NOBODY}" in out.stderr
