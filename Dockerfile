@@ -1,13 +1,22 @@
 # The kvservice sidecar: `kvservice serve` next to prefill or decode workers.
 #
 #   docker build -t kvservice-sidecar .
+#   kvservice keygen cluster.key && sudo chown 10001 cluster.key     # once per cluster
 #   docker run -d --name kv-prefill --network host --ipc shareable \
 #       -v "$PWD/config:/etc/kvservice:ro" -v kvservice-run:/run/kvservice \
+#       -v "$PWD/cluster.key:/run/secrets/kvservice.key:ro" \
 #       kvservice-sidecar --config /etc/kvservice/prefill.toml
+#
+# The cluster key is a secret file: the same one in every sidecar of the
+# cluster, mode 0600 and owned by the sidecar's user (10001), or it is refused.
+# The image reads it from /run/secrets/kvservice.key (KVSERVICE_AUTH_KEY_FILE);
+# a sidecar that only ever talks to peers on loopback may run without one:
+# -e KVSERVICE_AUTH_KEY_FILE= (empty).
 #
 # Workers share the socket volume (/run/kvservice) and the sidecar's IPC
 # namespace (--ipc container:kv-prefill) and run as the same uid (10001): the
-# socket and the shared KV segment are mode 0600.  See docs/sidecar.md.
+# socket and the shared KV segment are mode 0600, and the sidecar refuses
+# workers of other uids (sidecar.allowed_uids).  See docs/sidecar.md.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -36,7 +45,8 @@ COPY config/ /etc/kvservice/
 # The daemon's own settings for the container; anything else comes from the mounted config.
 ENV KVSERVICE_SIDECAR_SOCKET_PATH=/run/kvservice/kvservice.sock \
     KVSERVICE_HTTP_PORT=9400 \
-    KVSERVICE_LOG_FORMAT=json
+    KVSERVICE_LOG_FORMAT=json \
+    KVSERVICE_AUTH_KEY_FILE=/run/secrets/kvservice.key
 
 USER 10001
 EXPOSE 9400

@@ -47,10 +47,17 @@ def _check_config(argv: Sequence[str]) -> int:
     return check_config_main(argv)
 
 
+def _keygen(argv: Sequence[str]) -> int:
+    from .keygen import main
+
+    return main(argv)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "bench": ("measure kvservice against raw NIXL and the copy limit (from a repository checkout)", _bench),
     "check-config": ("validate a sidecar config file and print the effective config", _check_config),
     "demo": ("two services, a few dozen verified requests, a decode crash and restart", _demo),
+    "keygen": ("write a new cluster key file: kvservice keygen PATH [--force]", _keygen),
     "serve": ("run the sidecar daemon: kvservice serve --config config/prefill.toml", _serve),
 }
 

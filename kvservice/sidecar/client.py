@@ -21,6 +21,13 @@ them from), ``layout``, ``address``, ``send``, ``await_completion``, ``expect``,
 * If the daemon goes away, every unfinished request ends ``Failed`` with
   ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
   raise ``KVServiceError``.
+* A request id belongs to the worker that first sent or expected it: another
+  worker's call naming it raises ``NotOwnerError``.
+
+Before it says anything, the client checks who runs the daemon (``SO_PEERCRED``):
+this process's own uid, root, or one of ``trusted_uids``; anything else may be
+a socket planted by another user, and is refused.  What the daemon then
+announces is checked before it is used (the segment's name and owner, the layout).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -51,10 +58,12 @@ from .._results import (
     TransferStatus,
     UnknownRequestError,
 )
+from .._trust.peercred import PeerCred
+from .dial import handshake, map_pool
 from .handle import CallSlot, RequestState, SidecarHandle
-from .shm import Segment, SegmentError
+from .owners import NotOwnerError
+from .shm import Segment
 from .wire import (
-    SIDECAR_PROTOCOL_VERSION,
     Abort,
     AwaitArrival,
     AwaitCompletion,
@@ -65,7 +74,6 @@ from .wire import (
     Error,
     Expect,
     Finished,
-    Hello,
     Poll,
     PollReply,
     ResultReply,
@@ -75,8 +83,6 @@ from .wire import (
     Status,
     StatusReply,
     Welcome,
-    decode_server,
-    frame_stream,
     result_from_wire,
 )
 
@@ -87,10 +93,9 @@ _ERRORS: dict[str, type[Exception]] = {
     "UnknownRequestError": UnknownRequestError,
     "KVServiceError": KVServiceError,
     "ProtocolError": ProtocolError,
+    "NotOwnerError": NotOwnerError,
 }
 
-
-_CONNECT_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError, FrameError, *CONNECTION_ERRORS)
 _READ_ERRORS: tuple[type[BaseException], ...] = (FrameError, *CONNECTION_ERRORS)
 _SEND_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS)
 #: a daemon that does not take a frame within this long is treated as gone
@@ -107,14 +112,16 @@ class SidecarClient:
     ``async with SidecarClient(socket_path) as svc:`` connects, maps the shared
     KV pool and starts a reader task.  Leaving waits up to ``drain_grace_s`` for
     this worker's unfinished requests, then disconnects; the daemon aborts
-    whatever is still unfinished.
+    whatever is still unfinished.  ``trusted_uids``: users besides this
+    process's own and root that may run the daemon.
     """
 
     def __init__(
         self, socket_path: str | os.PathLike[str], *, name: str = "", connect_timeout: float = 5.0,
-        drain_grace_s: float = 5.0, status_interval: float = 1.0,
+        drain_grace_s: float = 5.0, status_interval: float = 1.0, trusted_uids: Collection[int] = (),
     ) -> None:
         self.socket_path = os.fspath(socket_path)
+        self.trusted_uids = frozenset(trusted_uids)
         self.name = name or f"{os.path.basename(sys.argv[0]) or 'python'}:{os.getpid()}"
         self._connect_timeout = connect_timeout
         self._grace = drain_grace_s
@@ -158,24 +165,10 @@ class SidecarClient:
 
     # -- lifetime -------------------------------------------------------------------------
     async def __aenter__(self) -> SidecarClient:
+        framed, welcome, daemon = await handshake(self.socket_path, self.name, timeout=self._connect_timeout,
+                                                  trusted_uids=self.trusted_uids)
         try:
-            with anyio.fail_after(self._connect_timeout):
-                stream = await anyio.connect_unix(self.socket_path)
-                framed: FramedStream[ServerMessage] = frame_stream(stream, 64 * 1024 * 1024, decode_server)
-                try:
-                    await framed.send(Hello(SIDECAR_PROTOCOL_VERSION, self.name[:256]))
-                    reply = await framed.recv()
-                except BaseException:
-                    await framed.aclose()
-                    raise
-        except _CONNECT_ERRORS as exc:
-            raise KVServiceError(f"cannot connect to the sidecar at {self.socket_path}: {exc!r}") from exc
-        if not isinstance(reply, Welcome):
-            await framed.aclose()
-            why = reply.message if isinstance(reply, Error) else type(reply).__name__
-            raise KVServiceError(f"the sidecar at {self.socket_path} refused us: {why}")
-        try:
-            self._attach(reply)
+            self._attach(welcome, daemon)
         except BaseException:
             await framed.aclose()
             raise
@@ -193,13 +186,9 @@ class SidecarClient:
             self._tg.start_soon(self._refresh_status)
         return self
 
-    def _attach(self, welcome: Welcome) -> None:
+    def _attach(self, welcome: Welcome, daemon: PeerCred) -> None:
         self.welcome = welcome
-        self.layout = KVLayout(**welcome.layout)
-        try:
-            self._segment = Segment.attach(welcome.shm_name, self.layout)
-        except SegmentError as exc:
-            raise KVServiceError(f"cannot map the sidecar's KV pool: {exc}") from exc
+        self.layout, self._segment = map_pool(welcome, daemon, self.socket_path)
         assert self._segment.tensor is not None
         self._kv = KVPool(self.layout, self._segment.tensor)
         self._done = Recent(welcome.results_kept)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
+import resource
 import signal
 import stat
 import sys
@@ -57,6 +59,7 @@ class Daemon:
         self.cfg = config
         self.svc: TransferService | None = None
         self.server: SidecarServer | None = None
+        self.ops: OpsServer | None = None
         self.ready = False
         self.http_address = ""
         self._socket_ino: int | None = None
@@ -93,7 +96,8 @@ class Daemon:
     async def _serve(self) -> int:
         cfg = self.cfg
         try:
-            segment = await anyio.to_thread.run_sync(Segment.create, cfg.sidecar.shm_name, cfg.layout)
+            segment = await anyio.to_thread.run_sync(
+                functools.partial(Segment.create, cfg.sidecar.shm_name, cfg.layout, gid=cfg.sidecar.gid))
         except SegmentError as exc:
             raise StartupError(str(exc)) from exc
         try:
@@ -110,7 +114,7 @@ class Daemon:
             raise StartupError(f"http.port {port} on {host}: {exc.strerror or exc}") from exc
         bound = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.http_address = f"{host}:{bound}"
-        ops = OpsServer({"/healthz": self._healthz, "/readyz": self._readyz, "/metrics": self._metrics})
+        self.ops = ops = OpsServer({"/healthz": self._healthz, "/readyz": self._readyz, "/metrics": self._metrics})
         async with anyio.create_task_group() as tg:
             await tg.start(ops.serve, listener)
             try:
@@ -187,6 +191,15 @@ class Daemon:
         finally:
             os.umask(old)
         self._socket_ino = os.lstat(path).st_ino
+        gid = self.cfg.sidecar.gid
+        if gid is not None:  # 0600 -> 0660: only ever wider for the group, never for others
+            try:
+                os.chown(path, -1, gid, follow_symlinks=False)
+                os.chmod(path, 0o660)
+            except OSError as exc:
+                await listener.aclose()
+                self._remove_socket()
+                raise StartupError(f"sidecar.group: cannot give {path} to group {gid}: {exc.strerror}") from exc
         return listener
 
     def _remove_socket(self) -> None:
@@ -240,7 +253,7 @@ class Daemon:
     def _metrics(self) -> tuple[int, str, str]:
         if self.svc is None:
             return 200, metrics.CONTENT_TYPE, "# starting\nkvservice_up 0\n"
-        return 200, metrics.CONTENT_TYPE, metrics.render(self.svc, self.server, ready=self.ready)
+        return 200, metrics.CONTENT_TYPE, metrics.render(self.svc, self.server, self.ops, ready=self.ready)
 
 
 def _existing_socket(path: str) -> bool:
@@ -250,8 +263,12 @@ def _existing_socket(path: str) -> bool:
         raise StartupError(f"sidecar.socket_path: directory {parent} does not exist")
     if not os.path.lexists(path):
         return False
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"sidecar.socket_path {path} exists and is not a socket")
+    if st.st_uid != os.geteuid():  # not ours to probe or remove, even as root
+        raise StartupError(f"sidecar.socket_path {path} belongs to uid {st.st_uid}, not to this user "
+                           f"({os.geteuid()}); remove it or choose another path")
     return True
 
 
@@ -270,11 +287,26 @@ def serve_main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     fmt = cfg.log.format
     configure_logging(cfg.log.level, json=None if fmt == "auto" else fmt == "json")
+    _raise_descriptor_limit()
     try:
         return run(Daemon(cfg).run, loop=cfg.sidecar.loop)
     except ConfigError as exc:  # e.g. loop = "uvloop" without uvloop
         print(f"kvservice serve: config error: sidecar.{exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _raise_descriptor_limit() -> None:
+    """Raise the soft descriptor limit to the hard one, as servers do: every worker, peer and
+    UCX endpoint holds descriptors, and running out costs more than a failed accept(): UCX's own
+    listener was seen refusing every later peer after one accept() failed for want of them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("sidecar.fd_limit", soft=soft, hard=hard, error=repr(exc))
+            return
+    log.info("sidecar.fd_limit", soft=hard, was=soft)
 
 
 def check_config_main(argv: Sequence[str]) -> int:

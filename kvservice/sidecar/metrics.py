@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from .._results import FailureReason
 from .._service import TransferService
 from .._stats import LATENCY_BUCKETS
+from .http import OpsServer
 from .server import SidecarServer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,7 +46,7 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def render(svc: TransferService, server: SidecarServer | None, *, ready: bool) -> str:
+def render(svc: TransferService, server: SidecarServer | None, ops: OpsServer | None, *, ready: bool) -> str:
     stats = svc.stats
     snap = svc.status()
     w = _Writer()
@@ -90,11 +91,19 @@ def render(svc: TransferService, server: SidecarServer | None, *, ready: bool) -
         w.family("kvservice_sidecar_connections_total", "counter", "Worker connections accepted",
                  [("", {}, c.connections_total)])
         w.family("kvservice_sidecar_connections_refused_total", "counter",
-                 "Worker connections refused (too many, bad hello, shutting down)", [("", {}, c.refused_total)])
+                 "Worker connections refused (uid, too many, bad hello, shutting down)",
+                 [("", {}, c.connections_refused_total)])
         w.family("kvservice_sidecar_frames_rejected_total", "counter", "Malformed or oversized worker frames",
                  [("", {}, c.frames_rejected_total)])
         w.family("kvservice_sidecar_disconnect_aborts_total", "counter",
                  "Requests aborted because their worker disconnected", [("", {}, c.aborted_on_disconnect_total)])
         w.family("kvservice_sidecar_calls_total", "counter", "Worker API calls, by operation",
                  [("", {"op": op}, n) for op, n in sorted(c.calls.items())])
+    refused = [("", {"where": "service", "kind": kind}, n) for kind, n in sorted(stats.refused.items())]
+    for where, counts in (("workers", server.counters.refused if server else {}),
+                          ("http", ops.refused if ops else {})):
+        refused.extend(("", {"where": where, "kind": kind}, n) for kind, n in sorted(counts.items()))
+    w.family("kvservice_refused_total", "counter",
+             "What a peer (where=service), a worker (workers) or an HTTP client (http) tried and was refused, "
+             "by kind", refused)
     return w.text()

@@ -1,10 +1,21 @@
 """The workers' API: a Unix-socket server in front of one ``TransferService``.
 
+Admission comes before a byte is read: the connecting process's uid (the
+kernel's ``SO_PEERCRED``) must be the daemon's own or in
+``sidecar.allowed_uids``, fewer than ``sidecar.max_clients`` connections may be
+open (greeted or greeting), and the daemon must not be draining.  Then a Hello
+of at most ``HELLO_MAX_BYTES`` must come within ``HELLO_TIMEOUT_S``; only after
+it may frames reach ``sidecar.max_frame_bytes``.  Every refusal gets an
+``Error`` frame (call 0), is logged and counted by kind (``counters.refused``)
+and closes that connection only; ``accept_loop`` guards the rest (a failed
+``accept()``, a handler that raises).
+
 Each connection is one worker.  Its calls run as tasks of the connection's own
 task group, so a slow ``await_arrival`` never holds up a ``send``, and when the
 worker goes away (EOF, a broken frame, a stuck socket) the group is cancelled
 and every request the worker started and that has not ended is aborted
-(``ABORTED``, the peer told), without touching other workers.
+(``ABORTED``, the peer told), without touching other workers.  A worker acts
+on its own request ids only (``owners.py``).
 
 Every request a connection sends or expects gets a watcher that pushes a
 ``Finished`` frame when it ends, so the client resolves handles without asking.
@@ -12,102 +23,53 @@ Every request a connection sends or expects gets a watcher that pushes a
 
 from __future__ import annotations
 
-import collections
 import os
-import socket
-import struct
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import anyio.abc
 import structlog
 
-from .._peers import CONNECTION_ERRORS, FramedStream
+from .._accept import accept_loop
+from .._peers import CONNECTION_ERRORS
 from .._protocol import FrameError
-from .._requests import Recent, TransferHandle
-from .._results import KVPoll, KVServiceError, ProtocolError, TransferResult, UnknownRequestError
+from .._requests import Recent
+from .._results import KVServiceError, UnknownRequestError
 from .._service import TransferService
+from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
+from .calls import WorkerCalls
+from .connection import Connection, ServerCounters
+from .owners import NotOwnerError, Owners
 from .settings import SidecarConfig
 from .wire import (
     SIDECAR_PROTOCOL_VERSION,
     Abort,
-    AwaitArrival,
-    AwaitCompletion,
     Bye,
     Call,
     Cancel,
-    ClientMessage,
-    Done,
     Error,
-    Expect,
-    Finished,
     Hello,
     Poll,
-    PollReply,
-    ResultReply,
     Send,
-    SendReply,
     ServerMessage,
     Status,
-    StatusReply,
     Welcome,
     decode_client,
     frame_stream,
-    result_to_wire,
 )
 
 log = structlog.get_logger("kvservice.sidecar")
 
 HELLO_TIMEOUT_S = 5.0
+#: the largest frame before the handshake: a Hello is a version and a name of 256 characters
+HELLO_MAX_BYTES = 4096
 #: a worker that does not take a frame within this long is dropped (its requests aborted)
 PUSH_TIMEOUT_S = 10.0
 MAX_CALLS_PER_CONNECTION = 10_000
 #: at shutdown, how long to wait for the last Finished frames before Bye
 FLUSH_TIMEOUT_S = 2.0
-_PUSH_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS)
 #: calls that complete without waiting on anything: run in the reader, saving a task per call
 _INLINE = (Send, Abort, Poll, Status)
-
-
-@dataclass(eq=False)
-class Connection:
-    number: int
-    framed: FramedStream[ClientMessage]
-    pid: int | None
-    client: str = ""
-    tg: anyio.abc.TaskGroup | None = None
-    calls: dict[int, anyio.CancelScope] = field(default_factory=dict)
-    handles: Recent[str, TransferHandle] = field(default_factory=lambda: Recent(10_000))
-    owned: set[str] = field(default_factory=set)  # request ids this worker started, not yet ended
-    watching: int = 0
-    idle: anyio.Event = field(default_factory=anyio.Event)
-    closed: bool = False
-
-    def close(self) -> None:
-        self.closed = True
-        if self.tg is not None:
-            self.tg.cancel_scope.cancel()
-
-    async def push(self, msg: ServerMessage) -> None:
-        """Send a frame; a worker that cannot take it in time is dropped."""
-        if self.closed:
-            return
-        try:
-            with anyio.fail_after(PUSH_TIMEOUT_S):
-                await self.framed.send(msg)
-        except _PUSH_ERRORS as exc:
-            log.warning("sidecar.client_stuck", conn=self.number, pid=self.pid, error=repr(exc))
-            self.close()
-
-
-@dataclass
-class ServerCounters:
-    connections_total: int = 0
-    refused_total: int = 0  # connections refused (too many, bad hello)
-    frames_rejected_total: int = 0  # malformed or oversized frames
-    aborted_on_disconnect_total: int = 0
-    calls: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class SidecarServer:
@@ -119,14 +81,17 @@ class SidecarServer:
         self.roles = tuple(config.sidecar.roles)
         self.shm_name = shm_name
         self.conns: set[Connection] = set()
+        self.owners = Owners(svc.config.results_kept)
+        self.calls = WorkerCalls(svc, self.roles, self.owners, self._push, self.status)
         self.counters = ServerCounters()
         self.listening = False
         self.draining = False
         self._listen_scope = anyio.CancelScope()
         self._numbers = 0
+        self._greeting = 0
 
     # -- listening ------------------------------------------------------------------
-    async def serve(self, listener: anyio.abc.Listener[anyio.abc.SocketStream], *,
+    async def serve(self, listener: anyio.abc.SocketListener, *,
                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             with self._listen_scope:
@@ -134,13 +99,16 @@ class SidecarServer:
                     self.listening = True
                     task_status.started()
                     try:
-                        await listener.serve(self._handle, task_group=tg)
+                        await accept_loop(listener, self._handle, tg, self._on_listener_error, name="workers")
                     finally:
                         self.listening = False
 
+    def _on_listener_error(self, kind: str, exc: BaseException) -> None:
+        self.counters.refused[kind] += 1
+
     def stop_accepting(self) -> None:
         """No new workers, no new requests; calls and pushes for existing ones go on."""
-        self.draining = True
+        self.draining = self.calls.draining = True
         self._listen_scope.cancel()
 
     async def close(self) -> None:
@@ -153,68 +121,78 @@ class SidecarServer:
                     await conn.idle.wait()
         for conn in list(self.conns):
             with anyio.move_on_after(0.5):
-                await conn.push(Bye("sidecar shutting down"))
+                await self._push(conn, Bye("sidecar shutting down"))
             conn.close()
 
-    # -- one worker ----------------------------------------------------------------------
+    # -- admission ----------------------------------------------------------------------
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        try:
-            await self._serve_worker(stream)
-        except Exception:  # one worker's connection must never take the daemon down
-            log.exception("sidecar.connection_crashed")
-
-    async def _serve_worker(self, stream: anyio.abc.SocketStream) -> None:
+        """One worker's connection, from accept to close (``accept_loop`` closes the stream)."""
         self._numbers += 1
         self.counters.connections_total += 1
-        conn = Connection(self._numbers, frame_stream(stream, self.cfg.sidecar.max_frame_bytes, decode_client),
-                          _peer_pid(stream))
-        conn.handles = Recent(self.svc.config.results_kept)
         try:
-            if not await self._greet(conn):
-                self.counters.refused_total += 1
-                return
-            self.conns.add(conn)
-            log.info("sidecar.client_connected", conn=conn.number, pid=conn.pid, client=conn.client)
-            try:
-                async with anyio.create_task_group() as tg:
-                    conn.tg = tg
-                    await self._read(conn)
-                    conn.close()
-            finally:
-                self.conns.discard(conn)
-                with anyio.CancelScope(shield=True):
-                    aborted = await self._abort_owned(conn)
-                (log.warning if aborted else log.info)(
-                    "sidecar.client_disconnected", conn=conn.number, pid=conn.pid, aborted=aborted)
+            cred: PeerCred | None = stream_peer_cred(stream)
+        except PeerCredError as exc:
+            cred, who = None, str(exc)
+        conn = Connection(self._numbers, frame_stream(stream, HELLO_MAX_BYTES, decode_client), cred,
+                          Recent(self.svc.config.results_kept))
+        sidecar = self.cfg.sidecar
+        if cred is None:
+            return await self._refuse(conn, "uid", f"cannot tell which user the worker runs as: {who}")
+        if not uid_allowed(cred.uid, sidecar.allowed_uids, root_too=False):
+            return await self._refuse(conn, "uid", f"uid {cred.uid} may not use this sidecar (allowed: the "
+                                                   f"daemon's own uid {os.geteuid()} and sidecar.allowed_uids)")
+        if self.draining:
+            return await self._refuse(conn, "draining", "sidecar is shutting down")
+        if len(self.conns) + self._greeting >= sidecar.max_clients:
+            return await self._refuse(
+                conn, "too_many_workers", f"too many workers connected (sidecar.max_clients = {sidecar.max_clients})")
+        self._greeting += 1
+        try:
+            greeted = await self._greet(conn)
         finally:
-            await conn.framed.aclose()
+            self._greeting -= 1
+        if greeted:
+            conn.framed.set_limit(sidecar.max_frame_bytes)
+            await self._serve_worker(conn)
+
+    async def _refuse(self, conn: Connection, kind: str, message: str, error: str = "KVServiceError") -> None:
+        """Count, log and tell a connection why it is refused; the caller then ends it."""
+        self.counters.refused[kind] += 1
+        cred = conn.cred
+        log.warning("sidecar.client_refused", kind=kind, conn=conn.number, pid=conn.pid,
+                    uid=cred.uid if cred else None, error=message)
+        try:
+            with anyio.move_on_after(1.0):
+                await conn.framed.send(Error(0, error, message))
+        except CONNECTION_ERRORS:
+            pass
 
     async def _greet(self, conn: Connection) -> bool:
         try:
             with anyio.fail_after(HELLO_TIMEOUT_S):
                 hello = await conn.framed.recv()
-                if not isinstance(hello, Hello):
-                    raise FrameError(f"expected hello, got {type(hello).__name__}")
-                if hello.version != SIDECAR_PROTOCOL_VERSION:
-                    raise FrameError(f"protocol version {hello.version}, "
-                                     f"this sidecar speaks {SIDECAR_PROTOCOL_VERSION}")
-                if self.draining:
-                    raise KVServiceError("sidecar is shutting down")
-                if len(self.conns) >= self.cfg.sidecar.max_clients:
-                    raise KVServiceError(f"too many workers connected (sidecar.max_clients = "
-                                         f"{self.cfg.sidecar.max_clients})")
-                conn.client = hello.client
-                await conn.framed.send(self._welcome())
-                return True
-        except (FrameError, KVServiceError, TimeoutError) as exc:
-            if isinstance(exc, FrameError):
-                self.counters.frames_rejected_total += 1
-            log.warning("sidecar.client_refused", pid=conn.pid, error=str(exc) or repr(exc))
-            kind = "KVServiceError" if isinstance(exc, KVServiceError) else "ProtocolError"
-            await _try_send(conn, Error(0, kind, str(exc) or "no hello in time"))
+            if not isinstance(hello, Hello):
+                raise FrameError(f"expected hello, got {type(hello).__name__}")
+            if hello.version != SIDECAR_PROTOCOL_VERSION:
+                raise FrameError(f"protocol version {hello.version}, this sidecar speaks {SIDECAR_PROTOCOL_VERSION}")
+        except FrameError as exc:
+            await self._refuse(conn, "hello_invalid", str(exc), "ProtocolError")
+            return False
+        except TimeoutError:
+            await self._refuse(conn, "hello_timeout", f"no hello within {HELLO_TIMEOUT_S:g} s", "ProtocolError")
+            return False
         except CONNECTION_ERRORS:
-            pass
-        return False
+            self.counters.refused["hello_incomplete"] += 1
+            return False
+        if self.draining:
+            await self._refuse(conn, "draining", "sidecar is shutting down")
+            return False
+        conn.client = hello.client
+        try:
+            await conn.framed.send(self._welcome())
+        except CONNECTION_ERRORS:
+            return False
+        return True
 
     def _welcome(self) -> Welcome:
         lay = self.svc.layout
@@ -224,6 +202,24 @@ class SidecarServer:
             layout={**lay.wire_shape(), "num_pages": lay.num_pages},
             max_frame_bytes=self.cfg.sidecar.max_frame_bytes, results_kept=self.svc.config.results_kept,
         )
+
+    # -- one worker ----------------------------------------------------------------------
+    async def _serve_worker(self, conn: Connection) -> None:
+        self.conns.add(conn)
+        self.owners.connected(conn.number)
+        log.info("sidecar.client_connected", conn=conn.number, pid=conn.pid, client=conn.client)
+        try:
+            async with anyio.create_task_group() as tg:
+                conn.tg = tg
+                await self._read(conn)
+                conn.close()
+        finally:
+            self.conns.discard(conn)
+            with anyio.CancelScope(shield=True):
+                aborted = await self.calls.abort_owned(conn)
+            self.counters.aborted_on_disconnect_total += aborted
+            (log.warning if aborted else log.info)(
+                "sidecar.client_disconnected", conn=conn.number, pid=conn.pid, aborted=aborted)
 
     async def _read(self, conn: Connection) -> None:
         assert conn.tg is not None
@@ -237,20 +233,36 @@ class SidecarServer:
                 elif isinstance(msg, Hello):
                     raise FrameError("hello after the handshake")
                 elif msg.call in conn.calls:
-                    await conn.push(Error(msg.call, "ProtocolError", f"call {msg.call} is already in flight"))
+                    self.counters.refused["duplicate_call"] += 1
+                    await self._push(conn, Error(msg.call, "ProtocolError", f"call {msg.call} is already in flight"))
                 elif len(conn.calls) >= MAX_CALLS_PER_CONNECTION:
-                    await conn.push(Error(msg.call, "KVServiceError", "too many calls in flight"))
+                    self.counters.refused["too_many_calls"] += 1
+                    await self._push(conn, Error(msg.call, "KVServiceError", "too many calls in flight"))
                 elif isinstance(msg, _INLINE):  # never waits: answer it now, in order, no task
                     await self._run_call(conn, msg, anyio.CancelScope())
                 else:
                     scope = conn.calls[msg.call] = anyio.CancelScope()
                     conn.tg.start_soon(self._run_call, conn, msg, scope)
         except FrameError as exc:
-            self.counters.frames_rejected_total += 1
+            self.counters.refused["frame"] += 1
             log.warning("sidecar.frame_rejected", conn=conn.number, pid=conn.pid, error=str(exc))
-            await _try_send(conn, Error(0, "ProtocolError", str(exc)))
+            await self._push(conn, Error(0, "ProtocolError", str(exc)))
         except CONNECTION_ERRORS:
             pass
+
+    async def _push(self, conn: Connection, msg: ServerMessage) -> None:
+        """Send a frame; a worker that cannot take it in time is dropped."""
+        if conn.closed:
+            return
+        try:
+            with anyio.fail_after(PUSH_TIMEOUT_S):
+                await conn.framed.send(msg)
+        except TimeoutError:
+            self.counters.refused["push_timeout"] += 1
+            log.warning("sidecar.client_stuck", conn=conn.number, pid=conn.pid, timeout_s=PUSH_TIMEOUT_S)
+            conn.close()
+        except CONNECTION_ERRORS:
+            conn.close()
 
     async def _run_call(self, conn: Connection, msg: Call, scope: anyio.CancelScope) -> None:
         op = str(type(msg).__struct_config__.tag)
@@ -258,7 +270,12 @@ class SidecarServer:
         reply: ServerMessage | None = None
         try:
             with scope:
-                reply = await self._execute(conn, msg)
+                reply = await self.calls.execute(conn, msg)
+        except NotOwnerError as exc:
+            self.counters.refused["not_owner"] += 1
+            log.warning("sidecar.not_owner", op=op, conn=conn.number, pid=conn.pid,
+                        request_id=getattr(msg, "request_id", None))
+            reply = Error(msg.call, "NotOwnerError", str(exc))
         except UnknownRequestError as exc:
             reply = Error(msg.call, "UnknownRequestError", str(exc))
         except ValueError as exc:
@@ -271,128 +288,12 @@ class SidecarServer:
         finally:
             conn.calls.pop(msg.call, None)
         if reply is not None:  # None: the worker cancelled the call
-            await conn.push(reply)
-
-    # -- the calls ------------------------------------------------------------------------
-    async def _execute(self, conn: Connection, msg: Call) -> ServerMessage:
-        svc = self.svc
-        if isinstance(msg, Send):
-            self._check_open("prefill")
-            handle = await svc.send(msg.request_id, msg.pages, last=msg.last, timeout=msg.timeout)
-            result = handle.result
-            if conn.handles.get(msg.request_id) is None and result is None:
-                conn.handles.put(msg.request_id, handle)
-                conn.owned.add(msg.request_id)
-                self._watch(conn, "send", msg.request_id, handle.wait)
-            return SendReply(msg.call, int(handle.poll()), result_to_wire(result) if result else None)
-        if isinstance(msg, AwaitCompletion):
-            known = conn.handles.get(msg.request_id)
-            if known is None:
-                raise UnknownRequestError(f"unknown request {msg.request_id!r} (not sent on this connection)")
-            return ResultReply(msg.call, result_to_wire(await svc.await_completion(known, timeout=msg.timeout)))
-        if isinstance(msg, Expect):
-            self._check_open("decode")
-            rid = msg.request_id
-            new = rid not in conn.owned
-            conn.owned.add(rid)  # before the await: a disconnect during expect() aborts it
-            try:
-                await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout)
-            except ValueError:
-                if new:
-                    conn.owned.discard(rid)  # nothing was registered (e.g. a duplicate id)
-                raise
-
-            async def arrival() -> TransferResult:
-                return await svc.await_arrival(rid)
-
-            self._watch(conn, "recv", rid, arrival)
-            return Done(msg.call)
-        if isinstance(msg, AwaitArrival):
-            return ResultReply(msg.call, result_to_wire(await svc.await_arrival(msg.request_id, msg.timeout)))
-        if isinstance(msg, Abort):
-            result = await svc.abort(msg.request_id)
-            return ResultReply(msg.call, result_to_wire(result) if result else None)
-        if isinstance(msg, Poll):
-            if msg.side == "recv":
-                return PollReply(msg.call, int(svc.poll_arrival(msg.request_id)))
-            known = conn.handles.get(msg.request_id)
-            if known is None:
-                raise UnknownRequestError(f"unknown request {msg.request_id!r} (not sent on this connection)")
-            return PollReply(msg.call, int(known.poll()))
-        if isinstance(msg, Status):
-            return StatusReply(msg.call, self.status())
-        raise ProtocolError(f"unexpected {type(msg).__name__}")  # pragma: no cover - schema forbids
-
-    def _check_open(self, role: str) -> None:
-        if role not in self.roles:
-            raise KVServiceError(f"this sidecar does not serve the {role} role (sidecar.roles = {list(self.roles)})")
-        if self.draining:
-            raise KVServiceError("sidecar is shutting down")
-
-    def _watch(self, conn: Connection, side: str, rid: str, wait: Any) -> None:
-        assert conn.tg is not None
-        conn.watching += 1
-
-        async def watcher() -> None:
-            try:
-                result = await wait()
-                conn.owned.discard(rid)
-                await conn.push(Finished(side, result_to_wire(result)))
-            finally:
-                conn.watching -= 1
-                if not conn.watching:
-                    conn.idle.set()
-
-        conn.tg.start_soon(watcher)
-
-    async def _abort_owned(self, conn: Connection) -> int:
-        """Abort what a departed worker started and that has not ended."""
-        n = 0
-        for rid in sorted(conn.owned):
-            if not self._live(conn, rid):
-                continue
-            try:
-                await self.svc.abort(rid)
-            except (UnknownRequestError, KVServiceError):
-                continue
-            n += 1
-            log.warning("sidecar.request_aborted", request_id=rid, conn=conn.number, pid=conn.pid,
-                        why="worker disconnected")
-        conn.owned.clear()
-        self.counters.aborted_on_disconnect_total += n
-        return n
-
-    def _live(self, conn: Connection, rid: str) -> bool:
-        handle = conn.handles.get(rid)
-        if handle is not None:
-            return handle.result is None
-        try:
-            return self.svc.poll_arrival(rid) not in (KVPoll.Success, KVPoll.Failed)
-        except UnknownRequestError:
-            return False
+            await self._push(conn, reply)
 
     def status(self) -> dict[str, Any]:
         return {
             **self.svc.status(), "roles": list(self.roles), "workers": len(self.conns),
             "worker_calls_waiting": sum(len(c.calls) for c in self.conns),
+            "workers_refused": dict(sorted(self.counters.refused.items())),
             "draining": self.draining, "address": self.svc.address, "agent": self.svc.agent_name,
         }
-
-
-async def _try_send(conn: Connection, msg: ServerMessage) -> None:
-    try:
-        with anyio.move_on_after(1.0):
-            await conn.framed.send(msg)
-    except CONNECTION_ERRORS:
-        pass
-
-
-def _peer_pid(stream: anyio.abc.SocketStream) -> int | None:
-    """The worker's pid from SO_PEERCRED (Linux), for logs."""
-    try:
-        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid: int = struct.unpack("3i", creds)[0]
-        return pid
-    except (OSError, AttributeError, anyio.TypedAttributeLookupError):
-        return None

@@ -21,9 +21,9 @@ error; variables of other sections are left alone (other tools share the prefix)
 from __future__ import annotations
 
 import dataclasses
+import grp
 import json
 import os
-import re
 import tomllib
 import types
 import typing
@@ -33,6 +33,7 @@ from typing import Any
 
 from .._config import LOOPS, ConfigError, ServiceConfig
 from .._layout import KVLayout
+from .shm import check_shm_name
 
 ENV_PREFIX = "KVSERVICE_"
 ROLES = ("prefill", "decode")
@@ -40,7 +41,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 #: sun_path is 108 bytes on Linux, including the terminating NUL
 MAX_SOCKET_PATH = 107
-_SHM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+#: uid_t is 32 bits and (uid_t)-1 means "no change"
+MAX_ID = 2**32 - 2
+#: short aliases for the most asked-for keys: variable -> section.key
+ENV_ALIASES = {
+    f"{ENV_PREFIX}AUTH_KEY_FILE": "service.auth_key_file",
+    f"{ENV_PREFIX}ALLOW_UNAUTHENTICATED": "service.allow_unauthenticated",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,21 +66,46 @@ class DaemonSettings:
     #: where to write the ready line (JSON) once serving; "" for none
     ready_file: str | None = None
     loop: str = "auto"
+    #: uids besides the daemon's own that may connect (SO_PEERCRED); root only if listed
+    allowed_uids: tuple[int, ...] = ()
+    #: group (name or gid) given read-write access to the socket and the segment
+    #: (mode 0660 instead of 0600), so that workers of ``allowed_uids`` in it can use them
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if not self.roles or any(r not in ROLES for r in self.roles) or len(set(self.roles)) != len(self.roles):
             raise ConfigError(f"roles: must be a non-empty list of distinct {list(ROLES)}, got {list(self.roles)!r}")
         if not self.socket_path or len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket_path: must be 1..{MAX_SOCKET_PATH} bytes, got {self.socket_path!r}")
-        if not _SHM_NAME.fullmatch(self.shm_name):
-            raise ConfigError(
-                f"shm_name: letters, digits, '.', '_', '-' (1..200, no '/'), got {self.shm_name!r}")
+        try:
+            check_shm_name(self.shm_name)
+        except ValueError as exc:
+            raise ConfigError(f"shm_name: {exc}") from exc
         if self.max_clients <= 0:
             raise ConfigError(f"max_clients: must be a positive int, got {self.max_clients!r}")
         if self.max_frame_bytes < 64 * 1024:
             raise ConfigError(f"max_frame_bytes: must be >= 65536, got {self.max_frame_bytes!r}")
         if self.loop not in LOOPS:
             raise ConfigError(f"loop: must be one of {', '.join(LOOPS)}, got {self.loop!r}")
+        bad = [uid for uid in self.allowed_uids if isinstance(uid, bool) or not 0 <= uid <= MAX_ID]
+        if bad:
+            raise ConfigError(f"allowed_uids: each a uid 0..{MAX_ID}, got {bad[0]!r}")
+        if self.group is not None:
+            self.gid  # noqa: B018 - resolves it, raising ConfigError for an unknown group
+
+    @property
+    def gid(self) -> int | None:
+        """``group`` as a gid (None: no group access)."""
+        if self.group is None:
+            return None
+        if self.group.isdigit():
+            if int(self.group) > MAX_ID:
+                raise ConfigError(f"group: a gid is 0..{MAX_ID}, got {self.group!r}")
+            return int(self.group)
+        try:
+            return grp.getgrnam(self.group).gr_gid
+        except KeyError:
+            raise ConfigError(f"group: no such group on this host: {self.group!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,25 +206,33 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     for var, text in sorted((env or {}).items()):
         if not var.startswith(ENV_PREFIX):
             continue
-        section, _, key = var[len(ENV_PREFIX):].lower().partition("_")
+        if var in ENV_ALIASES:
+            section, _, key = ENV_ALIASES[var].partition(".")
+        else:
+            section, _, key = var[len(ENV_PREFIX):].lower().partition("_")
         if section not in SECTIONS:
             continue
         allowed = keys(section)
         if key not in allowed:
             raise ConfigError(f"{var}: {section}.{key!s} is not a key; allowed: {', '.join(allowed)}")
         name = f"{section}.{key}"
-        values[section][key] = _from_env(name, var, text, allowed[key])
+        value = _from_env(name, var, text, allowed[key])
+        if name in sources and values[section][key] != value:
+            raise ConfigError(f"{name}: {sources[name]} and {var} disagree; set one of them")
+        values[section][key] = value
         sources[name] = var
     return SidecarConfig(
-        sidecar=_build("sidecar", values["sidecar"]),
-        http=_build("http", values["http"]),
-        log=_build("log", values["log"]),
-        service=_build("service", {**values["service"], "layout": _build("layout", values["layout"])}),
+        sidecar=_build("sidecar", values["sidecar"], sources, env),
+        http=_build("http", values["http"], sources, env),
+        log=_build("log", values["log"], sources, env),
+        service=_build("service", {**values["service"], "layout": _build("layout", values["layout"], sources, env)},
+                       sources, env),
         sources=sources,
     )
 
 
-def _build(section: str, values: dict[str, Any]) -> Any:
+def _build(section: str, values: dict[str, Any], sources: Mapping[str, str],
+           env: Mapping[str, str] | None) -> Any:
     try:
         return SECTIONS[section](**values)
     except (ConfigError, ValueError) as exc:
@@ -200,6 +240,10 @@ def _build(section: str, values: dict[str, Any]) -> Any:
         if section == "layout":  # KVLayout says "KVLayout.num_pages must ..."
             msg = msg.replace("KVLayout.", "layout.").replace("KVLayout:", "layout:")
             raise ConfigError(msg) from exc
+        key, sep, rest = msg.partition(": ")
+        var = sources.get(f"{section}.{key}") if sep else None
+        if var is not None and env is not None:  # say which variable set the bad value
+            raise ConfigError(f"{section}.{key} (from {var}={env[var]!r}): {rest}") from exc
         raise ConfigError(f"{section}.{msg}") from exc
 
 
@@ -214,7 +258,7 @@ def _describe(tp: Any) -> str:
         return "a string"
     origin = typing.get_origin(tp)
     if origin is tuple:
-        return "a list of strings"
+        return "a list of integers" if typing.get_args(tp)[0] is int else "a list of strings"
     if origin is Mapping or origin is dict:
         return "a table of strings"
     if _optional(tp) is not None:
@@ -246,7 +290,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         ok = isinstance(value, str)
     elif typing.get_origin(tp) is tuple:
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        item = typing.get_args(tp)[0]
+        ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
         value = tuple(value) if ok else value
     elif typing.get_origin(tp) in (Mapping, dict):
         ok = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
@@ -279,7 +324,8 @@ def _from_env(name: str, var: str, text: str, tp: Any) -> Any:
         if tp is str:
             return text
         if typing.get_origin(tp) is tuple:
-            return tuple(part.strip() for part in text.split(",") if part.strip())
+            item = typing.get_args(tp)[0]
+            return tuple(item(part.strip()) for part in text.split(",") if part.strip())
     except ValueError:
         pass
     else:

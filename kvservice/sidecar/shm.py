@@ -23,6 +23,8 @@ import errno
 import fcntl
 import mmap
 import os
+import re
+import stat
 from types import TracebackType
 
 import structlog
@@ -34,14 +36,24 @@ from .._pool import torch_dtype
 log = structlog.get_logger("kvservice.sidecar.shm")
 
 SHM_DIR = "/dev/shm"
+#: a segment's name: one file right under SHM_DIR, never a path, never hidden
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
 class SegmentError(Exception):
     """The shared segment cannot be created or attached; the message says why."""
 
 
+def check_shm_name(name: str) -> str:
+    """``name`` if it names a file right under ``SHM_DIR``; ``ValueError`` otherwise."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"letters, digits, '.', '_', '-', starting with a letter or digit "
+                         f"(1..200, no '/'), got {name!r}"[:300])
+    return name
+
+
 def segment_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+    return os.path.join(SHM_DIR, check_shm_name(name))
 
 
 class Segment:
@@ -59,8 +71,10 @@ class Segment:
 
     # -- daemon side -----------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, layout: KVLayout) -> Segment:
-        """Create the segment (replacing a stale one); raises ``SegmentError``."""
+    def create(cls, name: str, layout: KVLayout, *, gid: int | None = None) -> Segment:
+        """Create the segment (replacing a stale one); raises ``SegmentError``.
+
+        Mode 0600, or 0660 and group ``gid`` when given (workers of other uids)."""
         path = segment_path(name)
         if not os.path.isdir(SHM_DIR):
             raise SegmentError(f"shared memory: {SHM_DIR} does not exist on this host")
@@ -77,6 +91,8 @@ class Segment:
             raise SegmentError(f"shared memory: {path} keeps reappearing; another daemon uses the name")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if gid is not None:
+                _share_with_group(fd, path, gid)
             _reserve(fd, path, layout.pool_bytes)
             seg = cls(name, layout, fd, owner=True)
         except BaseException:
@@ -91,14 +107,25 @@ class Segment:
 
     # -- worker side -----------------------------------------------------------------
     @classmethod
-    def attach(cls, name: str, layout: KVLayout) -> Segment:
-        path = segment_path(name)
+    def attach(cls, name: str, layout: KVLayout, *, owner_uid: int | None = None) -> Segment:
+        """Map the daemon's segment ``name``: a regular file (never a link), of the
+        pool's size, belonging to ``owner_uid`` when given (the daemon's uid)."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            path = segment_path(name)
+        except ValueError as exc:
+            raise SegmentError(f"shared memory: invalid segment name: {exc}") from exc
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise SegmentError(f"shared memory: cannot open {path}: {exc.strerror}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"shared memory: {path} is not a regular file")
+            if owner_uid is not None and st.st_uid != owner_uid:
+                raise SegmentError(f"shared memory: {path} belongs to uid {st.st_uid}, "
+                                   f"not to the sidecar's ({owner_uid})")
+            size = st.st_size
             if size != layout.pool_bytes:
                 raise SegmentError(f"shared memory: {path} has {size} bytes, the pool needs {layout.pool_bytes}")
             return cls(name, layout, fd, owner=False)
@@ -143,6 +170,14 @@ def _numel(layout: KVLayout) -> int:
     return n
 
 
+def _share_with_group(fd: int, path: str, gid: int) -> None:
+    try:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o660)
+    except OSError as exc:
+        raise SegmentError(f"shared memory: cannot give {path} to group {gid}: {exc.strerror}") from exc
+
+
 def _reserve(fd: int, path: str, nbytes: int) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
@@ -157,12 +192,16 @@ def _reserve(fd: int, path: str, nbytes: int) -> None:
 def _remove_if_stale(path: str) -> None:
     """Unlink ``path`` unless a live daemon holds its lock (then raise ``SegmentError``)."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return  # gone meanwhile: retry the create
     except OSError as exc:
         raise SegmentError(f"shared memory: {path} exists and cannot be opened: {exc.strerror}") from exc
     try:
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():  # never remove another user's file, even as root
+            raise SegmentError(f"shared memory: {path} exists and belongs to uid {owner}, not to this "
+                               f"user ({os.geteuid()}); remove it or choose another sidecar.shm_name")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

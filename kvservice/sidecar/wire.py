@@ -125,7 +125,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     shm_name: str
     layout: dict[str, Any]  # KVLayout fields, num_pages included
     max_frame_bytes: int
-    results_kept: int
+    results_kept: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
 
 
 class SendReply(msgspec.Struct, tag="sent", frozen=True):
@@ -194,7 +194,7 @@ def decode_server(body: bytes) -> ServerMessage:
     return decode_with(_server_decoder, body)
 
 
-def frame_stream(stream: anyio.abc.ByteStream, limit: int, decode: Callable[[bytes], M]) -> FramedStream[M]:
+def frame_stream(stream: anyio.abc.ByteStream, limit: int, decode: Callable[[bytes], M]) -> SocketFrames[M]:
     """A ``FramedStream`` speaking the worker protocol; ``decode`` picks the direction."""
     return SocketFrames(stream, limit, decode, encode)
 
@@ -234,6 +234,11 @@ class SocketFrames(FramedStream[M]):
         self._sock: socket.socket | None = (
             raw if isinstance(raw, socket.socket) and raw.family == socket.AF_UNIX
             and not raw.getblocking() else None)
+
+    def set_limit(self, max_frame_bytes: int) -> None:
+        """Frames received from now on may be this long (a small limit before the
+        handshake, the configured one after it)."""
+        self._limit = max_frame_bytes
 
     async def recv(self) -> M:
         buf = self._buf

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from kvservice.sidecar.local import LocalDaemon, short_tmpdir
+from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Hello, decode_server, encode
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "config"
@@ -144,3 +146,38 @@ async def metrics(address: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+# -- raw worker connections ----------------------------------------------------------------
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+async def read_to_end(stream: anyio.abc.ByteStream, timeout: float = 30.0) -> list[object]:
+    """Every frame the daemon sends until it closes the connection (within ``timeout``)."""
+    buf = b""
+    with anyio.fail_after(timeout):
+        try:
+            while True:
+                buf += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            pass
+    replies: list[object] = []
+    while len(buf) >= 4:
+        n = int.from_bytes(buf[:4], "big")
+        replies.append(decode_server(buf[4:4 + n]))
+        buf = buf[4 + n:]
+    return replies
+
+
+async def raw_exchange(path: str, payload: bytes, *, hello: bool = True, hang_up: bool = False) -> list[object]:
+    """Send ``payload`` (after a proper Hello unless told not to); return what came back until EOF."""
+    async with await anyio.connect_unix(path) as stream:
+        if hello:
+            await stream.send(encode(Hello(SIDECAR_PROTOCOL_VERSION, "raw")))
+        await stream.send(payload)
+        if hang_up:
+            return []
+        return await read_to_end(stream)

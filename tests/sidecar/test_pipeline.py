@@ -22,9 +22,9 @@ import torch
 
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
 from kvservice._peerproc import pattern
-from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, decode_server, encode
+from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, encode
 
-from .daemons import REPO, Sidecar, aget, metrics, short_tmpdir, sidecars, wait_bound
+from .daemons import REPO, Sidecar, aget, frame, metrics, raw_exchange, short_tmpdir, sidecars, wait_bound
 
 pytestmark = pytest.mark.nixl
 
@@ -200,52 +200,25 @@ async def test_a_cancelled_wait_is_withdrawn_in_the_daemon(pair: tuple[Sidecar, 
         assert (await dw.await_arrival("patient", timeout=30)).ok
 
 
-async def _raw_exchange(path: str, payload: bytes, *, hello: bool = True, hang_up: bool = False) -> list[object]:
-    """Send ``payload`` (after a proper Hello unless told not to); return what came back until EOF."""
-    replies: list[object] = []
-    async with await anyio.connect_unix(path) as stream:
-        if hello:
-            await stream.send(encode(Hello(SIDECAR_PROTOCOL_VERSION, "raw")))
-        await stream.send(payload)
-        if hang_up:
-            return replies
-        buf = b""
-        with anyio.fail_after(30):
-            try:
-                while True:
-                    buf += await stream.receive()
-            except (anyio.EndOfStream, anyio.BrokenResourceError):
-                pass
-    while len(buf) >= 4:
-        n = int.from_bytes(buf[:4], "big")
-        replies.append(decode_server(buf[4:4 + n]))
-        buf = buf[4 + n:]
-    return replies
-
-
-def _frame(body: bytes) -> bytes:
-    return len(body).to_bytes(4, "big") + body
-
-
 async def test_malformed_and_oversized_frames_never_hurt_the_daemon(pair: tuple[Sidecar, Sidecar]) -> None:
     prefill, _ = pair
     before = await metrics(prefill.http)
     cases = [
-        (_frame(b"\xc1 not msgpack"), True, "malformed frame"),
-        (_frame(msgspec.msgpack.encode({"type": "send", "call": 1, "request_id": "", "pages": []})), True,
+        (frame(b"\xc1 not msgpack"), True, "malformed frame"),
+        (frame(msgspec.msgpack.encode({"type": "send", "call": 1, "request_id": "", "pages": []})), True,
          "malformed frame"),
-        (_frame(msgspec.msgpack.encode({"type": "launch", "call": 1})), True, "malformed frame"),
+        (frame(msgspec.msgpack.encode({"type": "launch", "call": 1})), True, "malformed frame"),
         ((1 << 30).to_bytes(4, "big"), True, "exceeds the limit"),
         (encode(Status(1)), False, "expected hello"),
         (encode(Hello(SIDECAR_PROTOCOL_VERSION + 1, "future")), False, "protocol version"),
         (encode(Hello(SIDECAR_PROTOCOL_VERSION, "twice")), True, "hello after the handshake"),
     ]
     for payload, hello, message in cases:
-        replies = await _raw_exchange(prefill.socket, payload, hello=hello)
+        replies = await raw_exchange(prefill.socket, payload, hello=hello)
         errors = [r for r in replies if isinstance(r, Error)]
         assert errors and errors[-1].call == 0 and message in errors[-1].message, (payload[:40], replies)
     # a frame cut short, then the connection closed: nothing to answer, nothing broken
-    await _raw_exchange(prefill.socket, (100).to_bytes(4, "big") + b"short", hang_up=True)
+    await raw_exchange(prefill.socket, (100).to_bytes(4, "big") + b"short", hang_up=True)
     async with SidecarClient(prefill.socket) as pw:  # still serving
         assert (await pw.fetch_status())["roles"] == ["prefill"]
     assert prefill.proc is not None and prefill.proc.poll() is None

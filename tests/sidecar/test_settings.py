@@ -145,3 +145,92 @@ def test_check_config_and_serve_refuse_bad_config_with_one_line(tmp_path: Path) 
         assert len(lines) == 1 and "http.port: must be 0..65535, got -1" in lines[0], out.stderr
     out = _cli("serve", "--config", "config/prefill.toml", env={"KVSERVICE_SERVICE_PORT": "http"})
     assert out.returncode == 2 and "service.port (from KVSERVICE_SERVICE_PORT='http')" in out.stderr
+
+
+# -- trust settings ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def key(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.key"
+    path.write_text("ab" * 32 + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_key_file_from_the_file_or_either_variable(tmp_path: Path, key: Path) -> None:
+    conf = tmp_path / "keyed.toml"
+    conf.write_text(f'[service]\nhost = "0.0.0.0"\nadvertise_host = "10.0.0.7"\nauth_key_file = "{key}"\n')
+    assert load(conf, env={}).service.auth_key_file == str(key)
+    for var in ("KVSERVICE_AUTH_KEY_FILE", "KVSERVICE_SERVICE_AUTH_KEY_FILE"):
+        cfg = load(CONFIG / "prefill.toml", env={var: str(key), "KVSERVICE_SERVICE_HOST": "0.0.0.0",
+                                                  "KVSERVICE_SERVICE_ADVERTISE_HOST": "10.0.0.7"})
+        assert cfg.service.auth_key_file == str(key) and cfg.sources["service.auth_key_file"] == var
+        assert f"auth_key_file = \"{key}\"  # from {var}" in to_toml(cfg)
+    both = {"KVSERVICE_AUTH_KEY_FILE": str(key), "KVSERVICE_SERVICE_AUTH_KEY_FILE": str(key)}
+    assert load(CONFIG / "prefill.toml", env=both).service.auth_key_file == str(key)  # agreeing: fine
+    with pytest.raises(ConfigError, match=r"service\.auth_key_file: KVSERVICE_AUTH_KEY_FILE and "
+                                          r"KVSERVICE_SERVICE_AUTH_KEY_FILE disagree"):
+        load(CONFIG / "prefill.toml", env={**both, "KVSERVICE_SERVICE_AUTH_KEY_FILE": str(tmp_path / "other")})
+    cfg = load(CONFIG / "prefill.toml", env={"KVSERVICE_ALLOW_UNAUTHENTICATED": "yes",
+                                             "KVSERVICE_SERVICE_HOST": "0.0.0.0",
+                                             "KVSERVICE_SERVICE_ADVERTISE_HOST": "10.0.0.7"})
+    assert cfg.service.allow_unauthenticated is True and cfg.service.auth_key_file is None
+
+
+def test_a_bad_key_file_names_the_key_and_the_problem(tmp_path: Path, key: Path) -> None:
+    key.chmod(0o644)
+    conf = tmp_path / "loose.toml"
+    conf.write_text(f'[service]\nauth_key_file = "{key}"\n')
+    with pytest.raises(ConfigError) as info:
+        load(conf, env={})
+    assert str(info.value).startswith(f"service.auth_key_file: '{key}' is accessible by group or others")
+    with pytest.raises(ConfigError) as info:
+        load(CONFIG / "prefill.toml", env={"KVSERVICE_AUTH_KEY_FILE": str(tmp_path / "missing.key")})
+    assert str(info.value) == (f"service.auth_key_file (from KVSERVICE_AUTH_KEY_FILE='{tmp_path}/missing.key'): "
+                               f"cannot open '{tmp_path}/missing.key': No such file or directory")
+    with pytest.raises(ConfigError, match=r"service\.auth_key_file: required when host is '0\.0\.0\.0'"):
+        load(CONFIG / "prefill.toml", env={"KVSERVICE_SERVICE_HOST": "0.0.0.0",
+                                           "KVSERVICE_SERVICE_ADVERTISE_HOST": "10.0.0.7"})
+
+
+def test_check_config_reports_a_bad_key_file_in_one_line(tmp_path: Path, key: Path) -> None:
+    short = tmp_path / "short.key"
+    short.write_text("abc\n")
+    short.chmod(0o600)
+    out = _cli("check-config", "config/decode.toml", env={"KVSERVICE_AUTH_KEY_FILE": str(short)})
+    assert out.returncode == 2, out
+    assert out.stderr.splitlines() == [
+        f"kvservice check-config: service.auth_key_file (from KVSERVICE_AUTH_KEY_FILE='{short}'): '{short}' "
+        f"holds 3 bytes; a key has at least 32 (write one with: kvservice keygen {short})"]
+    out = _cli("check-config", "config/decode.toml", env={"KVSERVICE_AUTH_KEY_FILE": str(key)})
+    assert out.returncode == 0, out.stderr
+    assert f'auth_key_file = "{key}"  # from KVSERVICE_AUTH_KEY_FILE' in out.stdout
+    assert "ab" * 32 not in out.stdout  # the path is printed, never the key
+
+
+def test_allowed_uids_and_group(tmp_path: Path) -> None:
+    conf = tmp_path / "shared.toml"
+    conf.write_text('[sidecar]\nallowed_uids = [1001, 1002]\ngroup = "0"\n')
+    cfg = load(conf, env={})
+    assert cfg.sidecar.allowed_uids == (1001, 1002) and cfg.sidecar.gid == 0
+    assert load(conf, env={"KVSERVICE_SIDECAR_ALLOWED_UIDS": "7, 8"}).sidecar.allowed_uids == (7, 8)
+    assert load(CONFIG / "prefill.toml", env={}).sidecar.allowed_uids == ()
+    assert load(CONFIG / "prefill.toml", env={}).sidecar.gid is None
+    from kvservice.sidecar.settings import from_mapping
+
+    assert from_mapping(tomllib.loads(to_toml(cfg)), {}) == cfg
+    for toml, message in [
+        ('[sidecar]\nallowed_uids = ["root"]', "sidecar.allowed_uids: expected a list of integers, got ['root']"),
+        ("[sidecar]\nallowed_uids = [-1]", "sidecar.allowed_uids: each a uid 0..4294967294, got -1"),
+        ("[sidecar]\nallowed_uids = [true]", "sidecar.allowed_uids: expected a list of integers"),
+        ('[sidecar]\ngroup = "no-such-group-here"', "sidecar.group: no such group on this host: "
+                                                     "'no-such-group-here'"),
+    ]:
+        conf.write_text(toml)
+        with pytest.raises(ConfigError) as info:
+            load(conf, env={})
+        assert message in str(info.value)
+    with pytest.raises(ConfigError, match=r"sidecar.allowed_uids \(from KVSERVICE_SIDECAR_ALLOWED_UIDS='x'\): "
+                                          "expected a list of integers"):
+        load(CONFIG / "prefill.toml", env={"KVSERVICE_SIDECAR_ALLOWED_UIDS": "x"})

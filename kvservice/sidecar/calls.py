@@ -1,0 +1,160 @@
+"""The calls a worker makes, carried out against the ``TransferService``.
+
+Every call naming a request id first checks that the calling worker owns it
+(``owners.py``).  Each request a worker sends or expects gets a watcher task in
+the worker's connection group that pushes a ``Finished`` frame when it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from .._results import KVPoll, KVServiceError, ProtocolError, TransferResult, UnknownRequestError
+from .._service import TransferService
+from .connection import Connection
+from .owners import RECV, SEND, Key, Owners
+from .wire import (
+    Abort,
+    AwaitArrival,
+    AwaitCompletion,
+    Call,
+    Done,
+    Expect,
+    Finished,
+    Poll,
+    PollReply,
+    ResultReply,
+    Send,
+    SendReply,
+    ServerMessage,
+    Status,
+    StatusReply,
+    result_to_wire,
+)
+
+log = structlog.get_logger("kvservice.sidecar")
+
+Push = Callable[[Connection, ServerMessage], Awaitable[None]]
+
+
+class WorkerCalls:
+    """``execute(conn, call)`` for the server; ``draining`` refuses new requests."""
+
+    def __init__(self, svc: TransferService, roles: tuple[str, ...], owners: Owners, push: Push,
+                 status: Callable[[], dict[str, Any]]) -> None:
+        self.svc = svc
+        self.roles = roles
+        self.owners = owners
+        self.push = push
+        self.status = status
+        self.draining = False
+
+    async def execute(self, conn: Connection, msg: Call) -> ServerMessage:
+        svc, owners, me = self.svc, self.owners, conn.number
+        if isinstance(msg, Send):
+            self._check_open("prefill")
+            rid, key = msg.request_id, (SEND, msg.request_id)
+            owners.check(me, rid, (SEND,))
+            handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout)
+            result = handle.result
+            if owners.claim(me, key):  # this worker's first send of it
+                if result is None:
+                    conn.sending[rid] = handle
+                    self.watch(conn, key, handle.wait)
+                else:  # ended at once (a failure that sticks to the id)
+                    conn.sent.put(rid, handle)
+                    owners.ended(key)
+            return SendReply(msg.call, int(handle.poll()), result_to_wire(result) if result else None)
+        if isinstance(msg, AwaitCompletion):
+            owners.check(me, msg.request_id, (SEND,))
+            known = conn.handle(msg.request_id)
+            if known is None:
+                raise UnknownRequestError(f"unknown request {msg.request_id!r} (not sent on this connection)")
+            return ResultReply(msg.call, result_to_wire(await svc.await_completion(known, timeout=msg.timeout)))
+        if isinstance(msg, Expect):
+            self._check_open("decode")
+            rid, key = msg.request_id, (RECV, msg.request_id)
+            owners.check(me, rid, (RECV,))
+            new = owners.claim(me, key)  # before the await: a disconnect during expect() aborts it
+            try:
+                await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout)
+            except (ValueError, KVServiceError):
+                if new:
+                    owners.unclaim(key)  # nothing was registered (e.g. a duplicate id, a bad sender)
+                raise
+
+            async def arrival() -> TransferResult:
+                return await svc.await_arrival(rid)
+
+            self.watch(conn, key, arrival)
+            return Done(msg.call)
+        if isinstance(msg, AwaitArrival):
+            owners.check(me, msg.request_id, (RECV,))
+            return ResultReply(msg.call, result_to_wire(await svc.await_arrival(msg.request_id, msg.timeout)))
+        if isinstance(msg, Abort):
+            owners.check(me, msg.request_id, (SEND, RECV))
+            result = await svc.abort(msg.request_id)
+            return ResultReply(msg.call, result_to_wire(result) if result else None)
+        if isinstance(msg, Poll):
+            owners.check(me, msg.request_id, (msg.side,))
+            if msg.side == RECV:
+                return PollReply(msg.call, int(svc.poll_arrival(msg.request_id)))
+            known = conn.handle(msg.request_id)
+            if known is None:
+                raise UnknownRequestError(f"unknown request {msg.request_id!r} (not sent on this connection)")
+            return PollReply(msg.call, int(known.poll()))
+        if isinstance(msg, Status):
+            return StatusReply(msg.call, self.status())
+        raise ProtocolError(f"unexpected {type(msg).__name__}")  # pragma: no cover - schema forbids
+
+    def _check_open(self, role: str) -> None:
+        if role not in self.roles:
+            raise KVServiceError(f"this sidecar does not serve the {role} role (sidecar.roles = {list(self.roles)})")
+        if self.draining:
+            raise KVServiceError("sidecar is shutting down")
+
+    def watch(self, conn: Connection, key: Key, wait: Callable[[], Awaitable[TransferResult]]) -> None:
+        assert conn.tg is not None
+        conn.watching += 1
+        side, rid = key
+
+        async def watcher() -> None:
+            try:
+                result = await wait()
+                self.owners.ended(key)
+                if side == SEND and (handle := conn.sending.pop(rid, None)) is not None:
+                    conn.sent.put(rid, handle)
+                await self.push(conn, Finished(side, result_to_wire(result)))
+            finally:
+                conn.watching -= 1
+                if not conn.watching:
+                    conn.idle.set()
+
+        conn.tg.start_soon(watcher)
+
+    async def abort_owned(self, conn: Connection) -> int:
+        """Abort what a departed worker started and that has not ended."""
+        live = sorted({rid for side, rid in self.owners.disconnected(conn.number) if self._live(conn, side, rid)})
+        n = 0
+        for rid in live:
+            try:
+                await self.svc.abort(rid)
+            except KVServiceError:  # UnknownRequestError included: it ended meanwhile
+                continue
+            n += 1
+            log.warning("sidecar.request_aborted", request_id=rid, conn=conn.number, pid=conn.pid,
+                        why="worker disconnected")
+        return n
+
+    def _live(self, conn: Connection, side: str, rid: str) -> bool:
+        if side == SEND:
+            handle = conn.sending.get(rid)
+            return handle is not None and handle.result is None
+        try:
+            return self.svc.poll_arrival(rid) not in (KVPoll.Success, KVPoll.Failed)
+        except UnknownRequestError:
+            return False
+
