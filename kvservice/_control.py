@@ -138,11 +138,10 @@ class ControlPlane:
     async def _serve(self, listener: anyio.abc.SocketListener) -> None:
         with self._listen_scope:
             async with listener:
-                await accept_loop(listener, self._accept, self._tg, on_error=self._accept_failed)
+                await accept_loop(listener, self._accept, self._tg, self._accept_failed, name="control")
 
-    def _accept_failed(self, exc: OSError) -> None:
-        self._stats.refuse("accept_error")
-        log.warning("peer.accept_failed", error=repr(exc))
+    def _accept_failed(self, kind: str, exc: BaseException) -> None:
+        self._stats.refuse(kind)  # accept_loop has logged it
 
     def stop_listening(self) -> None:
         self._listen_scope.cancel()

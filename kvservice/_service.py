@@ -381,7 +381,9 @@ class TransferService:
         """Wait until every page of ``request_id`` has landed, or it failed.
 
         A ``timeout`` that passes first fails the request with ``TIMEOUT`` and
-        tells the sender to stop.
+        tells the sender to stop.  A failed result does not free the pages: a
+        WRITE already posted may still land in them.  Reuse them only once
+        ``await_settled`` says so (``result.settled``); a success is settled.
         """
         req = self._recvs.get(request_id)
         if req is None:
@@ -451,7 +453,11 @@ class TransferService:
     async def abort(self, request_id: str) -> TransferResult | None:
         """Abandon ``request_id`` here and tell the peer.  Returns its result
         (``ABORTED``, or how it had already ended); ``None`` when only a
-        not-yet-sent expect was dropped."""
+        not-yet-sent expect was dropped.
+
+        On the receiving side the pages are **not** free when this returns: the
+        sender's WRITE may still be landing.  Reuse them after ``await_settled``
+        (whose result may also say the abort lost the race: every page landed)."""
         sreq = self._sends.get(request_id)
         rreq = self._recvs.get(request_id)
         early = self._early.pop(request_id) if sreq is None and rreq is None else None

@@ -20,6 +20,7 @@ from .wire import (
     Abort,
     AwaitArrival,
     AwaitCompletion,
+    AwaitSettled,
     Call,
     Done,
     Expect,
@@ -94,6 +95,9 @@ class WorkerCalls:
         if isinstance(msg, AwaitArrival):
             owners.check(me, msg.request_id, (RECV,))
             return ResultReply(msg.call, result_to_wire(await svc.await_arrival(msg.request_id, msg.timeout)))
+        if isinstance(msg, AwaitSettled):
+            owners.check(me, msg.request_id, (SEND, RECV))
+            return ResultReply(msg.call, result_to_wire(await svc.await_settled(msg.request_id, msg.timeout)))
         if isinstance(msg, Abort):
             owners.check(me, msg.request_id, (SEND, RECV))
             result = await svc.abort(msg.request_id)

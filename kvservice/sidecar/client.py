@@ -67,6 +67,7 @@ from .wire import (
     Abort,
     AwaitArrival,
     AwaitCompletion,
+    AwaitSettled,
     Bye,
     Call,
     Cancel,
@@ -272,6 +273,14 @@ class SidecarClient:
         _, reply = await self._request_call(
             "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout))
         assert isinstance(reply, Done)
+
+    async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult:
+        """``TransferService.await_settled`` through the sidecar: the result once nothing of
+        ``request_id`` can land any more (its pages may be reused), or as it stands when
+        ``timeout`` passes (``settled`` still False)."""
+        reply = await self._call(lambda n: AwaitSettled(n, request_id, timeout))
+        assert isinstance(reply, ResultReply) and reply.result is not None
+        return result_from_wire(reply.result)
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed."""

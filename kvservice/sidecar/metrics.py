@@ -80,6 +80,9 @@ def render(svc: TransferService, server: SidecarServer | None, ops: OpsServer | 
              "Successful sends, from the first send() to completion", buckets)
     w.family("kvservice_peers_connected", "gauge", "Peer services with a live control link",
              [("", {}, len(snap["peers"]))])
+    w.family("kvservice_unsettled_pages", "gauge",
+             "Pages of failed requests a sender may still write into (not reusable yet)",
+             [("", {}, snap["unsettled_pages"])])
     w.family("kvservice_event_loop_lag_seconds", "gauge", "How late the event loop wakes a 10 ms sleeper",
              [("", {"quantile": "0.99"}, stats.lag_quantile(0.99)), ("", {"quantile": "1"}, stats.max_lag_s)])
     w.family("kvservice_stale_notifications_total", "counter", "NIXL notifications matching no live request",

@@ -8,7 +8,7 @@ length above the limit is refused before the body is read.
 Conversation::
 
     worker -> Hello                       sidecar -> Welcome | Error (then closes)
-    worker -> Send | Expect | AwaitCompletion | AwaitArrival | Abort | Poll | Status | Cancel
+    worker -> Send | Expect | AwaitCompletion | AwaitArrival | AwaitSettled | Abort | Poll | Status | Cancel
     sidecar -> the call's reply (same ``call`` number) or Error
     sidecar -> Finished     whenever a request this worker sent or expected ends
     sidecar -> Bye          when it shuts down (after the last Finished)
@@ -74,6 +74,14 @@ class AwaitArrival(msgspec.Struct, tag="await_arrival", frozen=True, forbid_unkn
     timeout: Timeout = None
 
 
+class AwaitSettled(msgspec.Struct, tag="await_settled", frozen=True, forbid_unknown_fields=True):
+    """``TransferService.await_settled``: the result once nothing of the request can land."""
+
+    call: CallId
+    request_id: RequestId
+    timeout: Timeout = None
+
+
 class Abort(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
     call: CallId
     request_id: RequestId
@@ -95,7 +103,7 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=Tr
     call: CallId
 
 
-Call = Send | AwaitCompletion | Expect | AwaitArrival | Abort | Poll | Status | Cancel
+Call = Send | AwaitCompletion | Expect | AwaitArrival | AwaitSettled | Abort | Poll | Status | Cancel
 ClientMessage = Hello | Call
 
 
@@ -114,6 +122,7 @@ class WireResult(msgspec.Struct, array_like=True, frozen=True):
     created_at: float
     started_at: float | None
     finished_at: float
+    settled: bool = False
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -284,7 +293,7 @@ def result_to_wire(r: TransferResult) -> WireResult:
         error_type=type(r.error).__name__ if r.error is not None else None,
         error_message=str(r.error) if r.error is not None else None,
         message=r.message, bytes=r.bytes, pages=r.pages, created_at=r.created_at,
-        started_at=r.started_at, finished_at=r.finished_at,
+        started_at=r.started_at, finished_at=r.finished_at, settled=r.settled,
     )
 
 
@@ -302,5 +311,5 @@ def result_from_wire(w: WireResult) -> TransferResult:
         request_id=w.request_id, status=TransferStatus(w.status),
         reason=FailureReason(w.reason) if w.reason else None, error=error, message=w.message,
         bytes=w.bytes, pages=w.pages, created_at=w.created_at, started_at=w.started_at,
-        finished_at=w.finished_at,
+        finished_at=w.finished_at, settled=w.settled,
     )

@@ -104,9 +104,18 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     assert again.result is not None and again.result.reason is FailureReason.ABORTED
     far = await decode.await_arrival(rid, timeout=30)
     assert far.reason is FailureReason.ABORTED and "aborted" in far.message
+    # ... and both sides settle: the sender's handles released, its fence landed here
+    here_settled = await prefill.await_settled(rid, timeout=30)
+    there_settled = await decode.await_settled(rid, timeout=30)
+    assert here_settled.settled and there_settled.settled, (here_settled, there_settled)
+    assert there_settled.reason is FailureReason.ABORTED
+    with pytest.raises(UnknownRequestError):
+        await decode.await_settled(f"{tag}-never", timeout=1)
 
     # 5. status() speaks the same keys
-    assert {"outcomes", "sending", "receiving", "peers"} <= prefill.status().keys()
+    assert {"outcomes", "sending", "receiving", "peers", "unsettled_pages"} <= prefill.status().keys()
+    snap = await decode.fetch_status() if isinstance(decode, SidecarClient) else decode.status()
+    assert snap["unsettled_pages"] == 0, snap
 
 
 @pytest.mark.parametrize("mode", ["in-process", "sidecar"])
