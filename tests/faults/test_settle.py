@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVLayout, TransferService
-from kvservice._peerproc import pattern
+from kvservice._peerproc import PeerProcess, pattern
 from kvservice._pool import torch_dtype
 from tests.helpers import config, eventually, peer_config, peers
 
@@ -66,18 +66,23 @@ async def test_abort_then_reuse_after_settle_keeps_the_reused_pages(delay_ms: in
         assert decode.status()["unsettled_pages"] == 0
 
 
+async def send_then_stop(prefill: PeerProcess, decode: TransferService, rid: str) -> None:
+    """``rid`` expected with a short arrival deadline, sent, and its sender SIGSTOPped mid-copy."""
+    await prefill.command(op="fill", rid=rid, pages=PAGES)
+    await prefill.event("filled", rid)
+    await decode.expect(rid, PAGES, sender=prefill.address, timeout=1.5)
+    await prefill.command(op="send", rid=rid, pages=PAGES, last=True)
+    await prefill.event("sent", rid)
+    prefill.signal(signal.SIGSTOP)
+
+
 async def test_a_stalled_sender_holds_the_pages_until_it_is_killed() -> None:
     """Receiver TIMEOUT against a SIGSTOPped sender: not settled (the sender's WRITE
     could resume), counted in unsettled pages; settled once the sender is SIGKILLed."""
     cfg = peer_config(LAYOUT, ucx_env=TCP)
     svc_cfg = config(LAYOUT, ucx_env=TCP, heartbeat_interval_s=0.2, peer_timeout_s=1.0)
     async with peers(cfg, env=TCP) as (prefill,), TransferService(svc_cfg) as decode:
-        await prefill.command(op="fill", rid="stall", pages=PAGES)
-        await prefill.event("filled", "stall")
-        await decode.expect("stall", PAGES, sender=prefill.address, timeout=1.5)
-        await prefill.command(op="send", rid="stall", pages=PAGES, last=True)
-        await prefill.event("sent", "stall")
-        prefill.signal(signal.SIGSTOP)
+        await send_then_stop(prefill, decode, "stall")
         try:
             result = await decode.await_arrival("stall", timeout=5)
             assert result.reason in (FailureReason.TIMEOUT, FailureReason.PEER_LOST), result
@@ -100,12 +105,7 @@ async def test_a_stalled_sender_that_resumes_stays_unsettled_until_it_exits() ->
     cfg = peer_config(LAYOUT, ucx_env=TCP, heartbeat_interval_s=0.2, peer_timeout_s=1.0)
     svc_cfg = config(LAYOUT, ucx_env=TCP, heartbeat_interval_s=0.2, peer_timeout_s=1.0)
     async with peers(cfg, env=TCP) as (prefill,), TransferService(svc_cfg) as decode:
-        await prefill.command(op="fill", rid="resume", pages=PAGES)
-        await prefill.event("filled", "resume")
-        await decode.expect("resume", PAGES, sender=prefill.address, timeout=1.5)
-        await prefill.command(op="send", rid="resume", pages=PAGES, last=True)
-        await prefill.event("sent", "resume")
-        prefill.signal(signal.SIGSTOP)
+        await send_then_stop(prefill, decode, "resume")
         try:
             await decode.await_arrival("resume", timeout=5)
             await eventually(lambda: decode.status()["peers"] == [], timeout=5)  # link declared lost
