@@ -18,7 +18,7 @@ class Service:
         self.stats = Stats()
 
     def status(self) -> dict[str, Any]:
-        return {"sending": 0, "receiving": 0, "live_nixl_handles": 0, "peers": []}
+        return {"sending": 0, "receiving": 0, "live_nixl_handles": 0, "peers": [], "unsettled_pages": 7}
 
 
 def test_refusals_of_every_part_are_exported_by_where_and_kind() -> None:
@@ -41,3 +41,4 @@ def test_refusals_of_every_part_are_exported_by_where_and_kind() -> None:
     assert samples["kvservice_sidecar_frames_rejected_total"] == "3"  # hello_invalid + frame
     assert text.count("# TYPE kvservice_refused_total counter") == 1
     assert samples["kvservice_up"] == "1"
+    assert samples["kvservice_unsettled_pages"] == "7"
