@@ -14,6 +14,7 @@ per line on stdin, writes one event per line on stdout::
                                                            <- {"event": "expecting", ...}
                                                            <- {"event": "arrived", "verified": true, ...}
     -> {"op": "verify", "rid": "r1", "pages": [5, 6]}        <- {"event": "verified", "ok": true, ...}
+    -> {"op": "await_settled", "rid": "r1", "timeout": 10}  <- {"event": "settled", "settled": true, ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
 
 Payloads are a deterministic pattern per request id (``pattern``), so the
@@ -30,7 +31,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import anyio.abc
@@ -100,6 +101,14 @@ async def _child(config_json: str) -> None:
                     lambda: bool(torch.equal(svc.kv.pages(pages), pattern(layout, rid, len(pages)))))
             await emit(result_event("arrived", result, verified=verified))
 
+        async def wait_settled(rid: str, base: dict[str, Any], timeout: float | None) -> None:
+            try:
+                result = await svc.await_settled(rid, timeout=timeout)
+            except KeyError as exc:  # unknown request id
+                await emit({"event": "error", **base, "type": type(exc).__name__, "message": str(exc)})
+                return
+            await emit(result_event("settled", result, id=base["id"], settled=result.settled))
+
         stdin = anyio.wrap_file(sys.stdin)
         while True:
             line = await stdin.readline()
@@ -125,6 +134,8 @@ async def _child(config_json: str) -> None:
                 elif op == "abort":
                     result = await svc.abort(rid)
                     await emit({"event": "aborted", **base, "status": result.status.value if result else None})
+                elif op == "await_settled":  # in the background: may wait long
+                    tg.start_soon(wait_settled, rid, base, cmd.get("timeout"))
                 elif op == "verify":  # do ``pages`` hold ``rid``'s pattern (still, or now)?
                     ok = await anyio.to_thread.run_sync(holds, svc.kv, rid, cmd["pages"])
                     await emit({"event": "verified", **base, "ok": ok})
@@ -168,13 +179,15 @@ class PeerProcess:
     async def start(
         cls, tg: anyio.abc.TaskGroup, config: dict[str, Any] | None = None, *,
         env: dict[str, str] | None = None, ready_timeout: float = 30.0, prefix: Sequence[str] = (),
+        stderr: int | IO[Any] | None = None,
     ) -> PeerProcess:
         """Start a child service.  ``prefix`` goes before the Python command line: a
         launcher that must ``exec`` it (so ``pid`` is the service's own), e.g.
-        ``("ip", "netns", "exec", NAME)`` to run the child in a network namespace."""
+        ``("ip", "netns", "exec", NAME)`` to run the child in a network namespace.
+        ``stderr``: where the child's log goes (default: this process's stderr)."""
         cmd = [*prefix, sys.executable, "-m", "kvservice._peerproc", json.dumps(config or {})]
         proc = await anyio.open_process(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             env={**os.environ, **(env or {})},
         )
         send, recv = anyio.create_memory_object_stream[dict[str, Any]](1000)
@@ -183,6 +196,12 @@ class PeerProcess:
         ready = await peer.wait_for(lambda e: e["event"] == "ready", timeout=ready_timeout)
         peer.address, peer.agent = ready["address"], ready["agent"]
         return peer
+
+    @property
+    def events(self) -> MemoryObjectReceiveStream[dict[str, Any]]:
+        """Every event, in order, for one reader that routes them itself (not
+        together with ``wait_for``/``event``, which keep a backlog of their own)."""
+        return self._events
 
     async def command(self, **cmd: Any) -> None:
         assert self.proc.stdin is not None

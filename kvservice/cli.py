@@ -47,6 +47,12 @@ def _check_config(argv: Sequence[str]) -> int:
     return check_config_main(argv)
 
 
+def _soak(argv: Sequence[str]) -> int:
+    from .soak import main
+
+    return main(argv)
+
+
 def _keygen(argv: Sequence[str]) -> int:
     from .keygen import main
 
@@ -58,6 +64,8 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "check-config": ("validate a sidecar config file and print the effective config", _check_config),
     "demo": ("two services, a few dozen verified requests, a decode crash and restart", _demo),
     "keygen": ("write a new cluster key file: kvservice keygen PATH [--force]", _keygen),
+    "soak": ("prefill and decodes as processes, N requests, random kills/stops/aborts; counters must stay 0",
+             _soak),
     "serve": ("run the sidecar daemon: kvservice serve --config config/prefill.toml", _serve),
 }
 

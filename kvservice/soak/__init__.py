@@ -1,0 +1,67 @@
+"""``kvservice soak``: many requests between real processes, faults at random, and
+counters that must stay zero.
+
+One prefill and ``--decodes`` decode services run as child processes
+(``kvservice._peerproc``).  ``--transfers`` requests of random sizes and chunking
+(``--seed``) go from the prefill to a random decode, while the soak SIGKILLs
+and restarts decodes, SIGSTOPs/SIGCONTs them, aborts requests from either side
+and gives some requests deadlines too short to meet.  Every success is verified
+byte for byte on the receiver; every failure on a live receiver is awaited with
+``await_settled`` and its pages then hold a canary that must survive until they
+are reused or the soak ends.  See docs/soak.md.
+
+Exit status 0 when ``false_success``, ``hung``, ``leaked_handles``,
+``writes_after_settle`` and ``crashes`` are all 0, 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from .._runtime import configure_logging, run
+from ._run import Options, soak
+from ._summary import MUST_BE_ZERO, Summary, dumps, exit_code, problems, table
+
+__all__ = ["MUST_BE_ZERO", "Options", "Summary", "exit_code", "main", "problems", "soak"]
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(prog="kvservice soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transfers", type=int, default=10_000, help="requests to move (default 10000)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds sizes, chunking, faults (default 0)")
+    parser.add_argument("--decodes", type=int, default=2, help="decode processes (default 2, at least 2)")
+    parser.add_argument("--concurrency", type=int, default=6, help="requests in flight at once (default 6)")
+    parser.add_argument("--max-pages", type=int, default=32, help="largest request, in 16 KiB pages (default 32)")
+    parser.add_argument("--fault-interval", type=float, default=1.0,
+                        help="mean seconds between process faults; 0 for none (default 1.0)")
+    parser.add_argument("--json", type=Path, help="write the summary's counters here")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    args = parser.parse_args(list(argv))
+    if args.transfers < 1 or args.decodes < 2 or args.concurrency < 1 or not 1 <= args.max_pages <= 128:
+        parser.error("need --transfers >= 1, --decodes >= 2, --concurrency >= 1, 1 <= --max-pages <= 128")
+    opts = Options(transfers=args.transfers, seed=args.seed, decodes=args.decodes, concurrency=args.concurrency,
+                   max_pages=args.max_pages, fault_interval_s=args.fault_interval, progress=not args.quiet)
+    configure_logging("error")
+    # The children log what the soak provokes (lost peers, aborts): into files, read on failure.
+    env = [("KVSERVICE_LOG_LEVEL", "error"), ("NIXL_LOG_LEVEL", "FATAL")]
+    logdir = Path(tempfile.mkdtemp(prefix=f"kvservice-soak-{os.getpid()}-"))
+    with open(logdir / "children.log", "w") as log:
+        summary = run(soak, opts, log, env)
+    data = summary.as_json()
+    print(table(summary))
+    bad = problems(data)
+    for note in summary.notes:
+        print(f"note: {note}")
+    if args.json is not None:
+        args.json.write_text(dumps(summary) + "\n")
+    if bad:
+        print(f"soak FAILED: {', '.join(bad)}; the children's log is in {logdir}")
+    else:
+        print("soak: every counter that must be zero is zero")
+        shutil.rmtree(logdir, ignore_errors=True)
+    return exit_code(data)

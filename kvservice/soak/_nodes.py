@@ -1,0 +1,139 @@
+"""One kvservice child process as the soak sees it: its events routed to whoever
+waits for them, its free pages, its canaries, and whether the soak killed it."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import anyio
+import anyio.abc
+
+from .._peerproc import PeerProcess
+
+Key = str | tuple[str, str]  # a command's id, or (event, request id) for events without one
+_ids = itertools.count()
+
+
+@dataclass
+class _Slot:
+    ready: anyio.Event = field(default_factory=anyio.Event)
+    event: dict[str, Any] | None = None
+
+
+class Node:
+    """A ``_peerproc`` child.  Events are kept only for keys someone registered
+    (``expect``) before the event could come, so nothing piles up over a long soak."""
+
+    def __init__(self, name: str, proc: PeerProcess, num_pages: int) -> None:
+        self.name = name
+        self.proc = proc
+        self.address = proc.address
+        self.free: list[int] = list(range(num_pages))
+        self.canaries: dict[str, list[int]] = {}  # tag -> pages holding that tag's pattern
+        self.killed = False  # by the soak: its exit is not a crash
+        self.stopping = False  # asked to exit at the end
+        self.stopped = False  # SIGSTOPped now
+        self.faults_seen = 0  # SIGSTOP and SIGCONT so far: requests that saw one may end on both sides differently
+        self.dead = anyio.Event()
+        self.returncode: int | None = None
+        self.stray_errors: list[dict[str, Any]] = []
+        self._slots: dict[Key, _Slot] = {}
+
+    @classmethod
+    async def start(cls, tg: anyio.abc.TaskGroup, name: str, config: dict[str, Any], num_pages: int,
+                    env: dict[str, str], log: IO[Any]) -> Node:
+        proc = await PeerProcess.start(tg, config, env=env, stderr=log)
+        node = cls(name, proc, num_pages)
+        tg.start_soon(node._route)
+        return node
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead.is_set() and not self.killed
+
+    @property
+    def crashed(self) -> bool:
+        """Exited without the soak killing it, or failed its own clean exit."""
+        if not self.dead.is_set() or self.killed:
+            return False
+        return not self.stopping or self.returncode not in (0, None)
+
+    async def _route(self) -> None:
+        try:
+            async for ev in self.proc.events:
+                key: Key = ev["id"] if ev.get("id") is not None else (ev["event"], str(ev.get("rid")))
+                slot = self._slots.get(key)
+                if slot is not None and not slot.ready.is_set():
+                    slot.event = ev
+                    slot.ready.set()
+                elif ev["event"] == "error":
+                    self.stray_errors.append(ev)
+        except anyio.ClosedResourceError:  # stop() closed the stream
+            pass
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                self.returncode = await self.proc.proc.wait()
+            self.dead.set()
+            for slot in self._slots.values():
+                slot.ready.set()
+
+    def expect(self, key: Key) -> None:
+        """Keep the event for ``key`` when it comes."""
+        if not self.dead.is_set():
+            self._slots[key] = _Slot()
+
+    async def wait(self, key: Key, timeout: float) -> dict[str, Any] | None:
+        """The event for ``key``; None if it did not come within ``timeout`` or the process died."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        try:
+            with anyio.move_on_after(timeout):
+                await slot.ready.wait()
+            return slot.event
+        finally:
+            self._slots.pop(key, None)
+
+    def forget(self, key: Key) -> None:
+        self._slots.pop(key, None)
+
+    async def send(self, **cmd: Any) -> bool:
+        """Write a command; False if the process is gone."""
+        if self.dead.is_set():
+            return False
+        try:
+            await self.proc.command(**cmd)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return False
+        return True
+
+    async def call(self, wait_s: float, /, **cmd: Any) -> dict[str, Any] | None:
+        """Run a command that answers with its id; its answer within ``wait_s``, or None."""
+        cid = f"{self.name}-{next(_ids)}"
+        self.expect(cid)
+        if not await self.send(id=cid, **cmd):
+            self.forget(cid)
+            return None
+        return await self.wait(cid, wait_s)
+
+    def signal(self, sig: signal.Signals) -> None:
+        try:
+            self.proc.signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.killed = True
+        self.signal(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        """Ask it to exit cleanly (SIGKILL after a while); its exit status tells whether it did."""
+        self.stopping = True
+        self.signal(signal.SIGCONT)
+        with anyio.CancelScope(shield=True):
+            await self.proc.stop(timeout=10)
+            with anyio.move_on_after(5):
+                await self.dead.wait()

@@ -1,0 +1,409 @@
+"""The soak itself: one prefill and some decodes (real processes), many requests,
+faults at random, and the accounting that says whether any promise broke."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from .._layout import KVLayout
+from ._nodes import Node
+from ._summary import Summary
+
+# 16 KiB pages (2 layers x K/V x 4 KiB planes), 512 per process: small enough that
+# 2 shared cores move ~1000 requests in a couple of minutes, faults included.
+LAYOUT = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=512)
+UCX_ENV = {"UCX_NET_DEVICES": "lo"}
+BOOTSTRAP_S, TRANSFER_S, ARRIVAL_S = 3.0, 5.0, 8.0  # the services' own deadlines
+STOP_MAX_S = 2.5  # longest SIGSTOP; longer than peer_timeout_s, so some stops lose the link
+BOUND_S = 10.0  # past a request's own deadline (and any stop): no end by then is a hang
+CALL_S = BOUND_S + STOP_MAX_S  # an answer to a command
+SETTLE_S = 15.0  # a failed request with a live, running sender must settle within this
+TAKE_S = 30.0  # waiting for free pages
+LATE_WRITE_WAIT_S = 1.0  # before the final canary check: long past any WRITE on the wire
+FAULT_KINDS = ("none", "abort_recv", "abort_send", "recv_deadline", "send_deadline")
+FAULT_P = (0.8, 0.05, 0.05, 0.05, 0.05)
+ABORTS_OR_DEADLINES = frozenset(FAULT_KINDS[1:])
+
+
+def child_config() -> dict[str, Any]:
+    lay = LAYOUT
+    return {
+        "layout": {"layers": lay.layers, "page_tokens": lay.page_tokens, "kv_heads": lay.kv_heads,
+                   "head_dim": lay.head_dim, "dtype": lay.dtype, "num_pages": lay.num_pages},
+        "ucx_env": UCX_ENV, "drain_grace_s": 1.0, "bootstrap_timeout_s": BOOTSTRAP_S,
+        "transfer_timeout_s": TRANSFER_S, "arrival_timeout_s": ARRIVAL_S, "connect_timeout_s": 2.0,
+        "heartbeat_interval_s": 0.2, "peer_timeout_s": 1.5,
+    }
+
+
+@dataclass(frozen=True)
+class Options:
+    transfers: int = 10_000
+    seed: int = 0
+    decodes: int = 2
+    concurrency: int = 6
+    max_pages: int = 32
+    fault_interval_s: float = 1.0  # mean time between process faults (SIGKILL+restart, SIGSTOP/SIGCONT)
+    progress: bool = True
+
+
+class Soak:
+    def __init__(self, opts: Options, tg: anyio.abc.TaskGroup, log: IO[Any], env: dict[str, str]) -> None:
+        self.opts = opts
+        self.tg = tg
+        self.log = log
+        self.env = env
+        self.rng = np.random.default_rng([opts.seed, 1 << 20])  # the fault schedule
+        self.s = Summary()
+        self.prefill: Node | None = None
+        self.decodes: list[Node] = []
+        self.nodes: list[Node] = []  # every process started, for the crash count
+        self.next = 0
+        self.done = 0
+        self.settling = 0  # failed requests waiting for await_settled now
+        self.unsettled_pages = 0  # at the last status poll, all processes together
+        self.finished = anyio.Event()
+
+    async def _start(self, name: str) -> Node:
+        node = await Node.start(self.tg, name, child_config(), LAYOUT.num_pages, self.env, self.log)
+        self.nodes.append(node)
+        return node
+
+    # -- the run ------------------------------------------------------------------------
+    async def run(self) -> Summary:
+        t0 = time.monotonic()
+        self.prefill = await self._start("prefill")
+        for k in range(self.opts.decodes):
+            self.decodes.append(await self._start(f"decode{k}"))
+        async with anyio.create_task_group() as side:
+            side.start_soon(self._progress)
+            side.start_soon(self._faults)
+            async with anyio.create_task_group() as workers:
+                for _ in range(self.opts.concurrency):
+                    workers.start_soon(self._worker)
+            self.finished.set()
+        await self._finish()
+        self.s.seconds = time.monotonic() - t0
+        return self.s
+
+    async def _worker(self) -> None:
+        while self.next < self.opts.transfers and self.prefill is not None and not self.prefill.dead.is_set():
+            i = self.next
+            self.next += 1
+            await self._request(i)
+            self.done += 1
+
+    # -- one request ----------------------------------------------------------------------
+    async def _request(self, i: int) -> None:
+        s, prefill = self.s, self.prefill
+        assert prefill is not None
+        rng = np.random.default_rng([self.opts.seed, i])
+        rid = f"soak-{self.opts.seed}-{i}"
+        npages = int(rng.integers(1, self.opts.max_pages + 1))
+        chunks = int(rng.integers(1, min(4, npages) + 1))
+        fault = str(rng.choice(FAULT_KINDS, p=FAULT_P))
+        expect_first = bool(rng.random() < 0.7)
+        s.transfers += 1
+        decode = await self._pick_decode(rng)
+        src = await self._take(prefill, npages, rng)
+        dst = await self._take(decode, npages, rng) if decode is not None else None
+        if decode is None or src is None or dst is None:
+            s.hung += 1
+            s.note(f"{rid}: no decode or no free pages within {TAKE_S}s")
+            return
+        filled = await prefill.call(CALL_S, op="fill", rid=rid, pages=src)
+        if filled is None:  # the prefill is gone: counted as a crash
+            s.failed_by_reason["PREFILL_GONE"] += 1
+            return
+        if fault != "none":
+            s.faults[fault] += 1
+        stops_before = decode.faults_seen
+        prefill.expect(("completed", rid))
+        decode.expect(("arrived", rid))
+        recv_timeout = float(rng.uniform(0.005, 0.3)) if fault == "recv_deadline" else ARRIVAL_S
+        send_timeout = float(rng.uniform(0.002, 0.2)) if fault == "send_deadline" else None
+        bounds = np.linspace(0, npages, chunks + 1).astype(int)
+
+        async def do_send() -> None:
+            for k in range(chunks):
+                last = k == chunks - 1
+                await prefill.send(op="send", rid=rid, pages=src[bounds[k]:bounds[k + 1]], last=last,
+                                   timeout=send_timeout if last else None)
+
+        async def do_expect() -> dict[str, Any] | None:
+            return await decode.call(CALL_S, op="expect", rid=rid, pages=dst, sender=prefill.address,
+                                     timeout=recv_timeout)
+
+        # The two sides in either order, a gap between them; a deadline fault makes the
+        # gap straddle the deadline, an abort lands between the sides or just after both.
+        gap = float(rng.uniform(0, 0.02)) if not expect_first else 0.0
+        if fault == "recv_deadline":
+            expect_first, gap = True, float(rng.uniform(0, 2 * recv_timeout))
+        elif fault == "send_deadline":
+            expect_first, gap = False, float(rng.uniform(0, 2 * (send_timeout or 0.0)))
+        abort_between = fault in ("abort_recv", "abort_send") and bool(rng.random() < 0.4)
+        aborter = decode if fault == "abort_recv" else prefill
+        expecting: dict[str, Any] | None = None
+        for step in ("first", "second"):
+            if (step == "first") == expect_first:
+                expecting = await do_expect()
+            else:
+                await do_send()
+            if step == "first":
+                if abort_between:
+                    await aborter.call(CALL_S, op="abort", rid=rid)
+                await anyio.sleep(gap)
+        if fault in ("abort_recv", "abort_send") and not abort_between:
+            await anyio.sleep(float(rng.uniform(0, 0.005)))
+            await aborter.call(CALL_S, op="abort", rid=rid)
+        expected = expecting is not None and expecting["event"] == "expecting"
+        if expecting is not None and not expected:
+            s.note(f"{rid}: expect refused: {expecting}")
+
+        sent = await prefill.wait(("completed", rid), BOOTSTRAP_S + TRANSFER_S + CALL_S)
+        arrived = await decode.wait(("arrived", rid), ARRIVAL_S + CALL_S) if expected else None
+        if not expected:
+            decode.forget(("arrived", rid))
+        if sent is not None:
+            prefill.free.extend(src)  # a sender's result comes once its handles are released
+        elif not prefill.dead.is_set():
+            s.hung += 1
+            s.note(f"{rid}: the sender reported no end within its deadline + {CALL_S}s")
+        if expected and arrived is None and not decode.dead.is_set() and not decode.killed:
+            s.hung += 1
+            s.note(f"{rid}: the receiver reported no end within its deadline + {CALL_S}s")
+            return
+        faulted = fault in ABORTS_OR_DEADLINES or decode.faults_seen != stops_before or decode.killed
+        if arrived is None:  # expect refused, or the receiver died (its pages with it)
+            if not expected and not decode.dead.is_set():
+                decode.free.extend(dst)
+            if sent is not None and sent["status"] != "SUCCESS":
+                s.failed_by_reason[sent["reason"]] += 1
+            elif sent is not None or decode.killed:
+                s.failed_by_reason["RECEIVER_KILLED"] += 1
+            return
+        if arrived["status"] == "SUCCESS":
+            if sent is not None and sent["status"] != "SUCCESS":
+                side = f"recv SUCCESS, send {sent['reason']} ({fault})"
+                s.disagreements[side] += 1
+                if not faulted:
+                    s.false_success += 1
+                    s.note(f"{rid}: {side}, and no abort, deadline or fault touched it")
+            if arrived["verified"]:
+                s.succeeded_verified += 1
+                decode.free.extend(dst)
+            else:
+                s.false_success += 1
+                s.note(f"{rid}: SUCCESS but the bytes on the receiver differ")
+            return
+        await self._settle(rid, decode, dst, arrived, sent)
+
+    async def _settle(self, rid: str, decode: Node, dst: list[int], arrived: dict[str, Any],
+                      sent: dict[str, Any] | None) -> None:
+        """A receiver's failure: wait until it settles, then guard its pages with a canary."""
+        s = self.s
+        self.settling += 1
+        try:
+            st = await decode.call(SETTLE_S + CALL_S, op="await_settled", rid=rid, timeout=SETTLE_S)
+        finally:
+            self.settling -= 1
+        if st is None or decode.dead.is_set():
+            if not decode.dead.is_set():
+                s.hung += 1
+                s.note(f"{rid}: await_settled did not answer")
+            s.failed_by_reason[arrived["reason"]] += 1
+            return
+        if st["event"] != "settled" or not st["settled"]:
+            # the sender (the prefill, never stopped here) lives: it must have settled
+            s.hung += 1
+            s.note(f"{rid}: not settled {SETTLE_S}s after failing {arrived['reason']} (sender said {sent}): {st}")
+            s.failed_by_reason[arrived["reason"]] += 1
+            return
+        if st["status"] == "SUCCESS":  # the abort lost the race with the last chunk: every page landed
+            v = await decode.call(CALL_S, op="verify", rid=rid, pages=dst)
+            if v is not None and v.get("ok"):
+                s.succeeded_verified += 1
+                s.settled_to_success += 1
+                decode.free.extend(dst)
+            elif v is not None:
+                s.false_success += 1
+                s.note(f"{rid}: settled as SUCCESS but the bytes differ")
+            return
+        s.failed_by_reason[arrived["reason"]] += 1
+        if sent is not None and sent["status"] == "SUCCESS":
+            s.disagreements[f"recv {arrived['reason']} settled FAILED, send SUCCESS"] += 1
+        tag = f"canary-{rid}"
+        filled = await decode.call(CALL_S, op="fill", rid=tag, pages=dst)
+        if filled is not None and filled["event"] == "filled":
+            decode.canaries[tag] = dst
+
+    # -- pages and canaries ---------------------------------------------------------------
+    async def _take(self, node: Node, n: int, rng: np.random.Generator) -> list[int] | None:
+        """``n`` free pages of ``node`` (contiguous or scattered); canaries are checked
+        before their pages are reused."""
+        deadline = time.monotonic() + TAKE_S
+        while not node.dead.is_set():
+            if node.canaries and (len(node.free) < n or rng.random() < 0.25):
+                tags = sorted(node.canaries)
+                tag = tags[int(rng.integers(len(tags)))]
+                pages = node.canaries.pop(tag)
+                await self._check_canary(node, tag, pages)
+                node.free.extend(pages)
+                continue
+            if len(node.free) >= n:
+                node.free.sort()
+                if rng.random() < 0.5:
+                    for k in range(len(node.free) - n + 1):
+                        if node.free[k + n - 1] - node.free[k] == n - 1:
+                            run = node.free[k:k + n]
+                            del node.free[k:k + n]
+                            return run
+                picked = sorted(rng.choice(len(node.free), size=n, replace=False).tolist(), reverse=True)
+                return [node.free.pop(k) for k in picked]
+            if time.monotonic() > deadline:
+                return None
+            await anyio.sleep(0.01)
+        return None
+
+    async def _check_canary(self, node: Node, tag: str, pages: list[int]) -> None:
+        v = await node.call(CALL_S, op="verify", rid=tag, pages=pages)
+        if v is None:
+            return  # the process died: its pages with it
+        if v["event"] == "verified" and v["ok"]:
+            self.s.canaries_checked += 1
+        else:
+            self.s.writes_after_settle += 1
+            self.s.note(f"{node.name}: canary {tag} on pages {pages} overwritten after settle: {v}")
+
+    async def _pick_decode(self, rng: np.random.Generator) -> Node | None:
+        deadline = time.monotonic() + TAKE_S
+        while time.monotonic() < deadline:
+            running = [d for d in self.decodes if d.alive and not d.stopped] or [d for d in self.decodes if d.alive]
+            if running:
+                return running[int(rng.integers(len(running)))]
+            await anyio.sleep(0.05)  # all restarting
+        return None
+
+    # -- process faults -------------------------------------------------------------------
+    async def _faults(self) -> None:
+        """SIGKILL (then restart) or SIGSTOP/SIGCONT a random decode, while one other runs on."""
+        if self.opts.fault_interval_s <= 0:
+            return
+        async with anyio.create_task_group() as tg:
+            with anyio.move_on_after(0.3):
+                await self.finished.wait()
+            while not self.finished.is_set():
+                running = [k for k, d in enumerate(self.decodes) if d.alive and not d.stopped]
+                if len(running) < 2:  # one is stopped or restarting: fault again once it is back
+                    with anyio.move_on_after(0.05):
+                        await self.finished.wait()
+                    continue
+                k = running[int(self.rng.integers(len(running)))]
+                if self.rng.random() < 0.5:
+                    tg.start_soon(self._kill_and_restart, k)
+                else:
+                    tg.start_soon(self._stop_and_cont, self.decodes[k], float(self.rng.uniform(0.1, STOP_MAX_S)))
+                with anyio.move_on_after(float(self.rng.exponential(self.opts.fault_interval_s))):
+                    await self.finished.wait()
+
+    async def _kill_and_restart(self, k: int) -> None:
+        node = self.decodes[k]
+        node.kill()
+        self.s.faults["sigkill"] += 1
+        with anyio.move_on_after(10):
+            await node.dead.wait()
+        self.decodes[k] = await self._start(node.name)
+        self.s.faults["restart"] += 1
+
+    async def _stop_and_cont(self, node: Node, seconds: float) -> None:
+        node.stopped = True
+        node.faults_seen += 1
+        node.signal(signal.SIGSTOP)
+        self.s.faults["sigstop"] += 1
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            node.signal(signal.SIGCONT)
+            node.stopped = False
+            node.faults_seen += 1
+
+    # -- watching -------------------------------------------------------------------------
+    def _running(self) -> list[Node]:
+        return [n for n in [self.prefill, *self.decodes] if n is not None and n.alive and not n.stopped]
+
+    async def _poll_status(self) -> list[tuple[Node, dict[str, Any]]]:
+        got: list[tuple[Node, dict[str, Any]]] = []
+
+        async def one(node: Node) -> None:
+            st = await node.call(1.0, op="status")
+            if st is not None and st["event"] == "status":
+                got.append((node, st))
+
+        async with anyio.create_task_group() as tg:
+            for node in self._running():
+                tg.start_soon(one, node)
+        if got:
+            self.unsettled_pages = sum(int(st["unsettled_pages"]) for _, st in got)
+            self.s.unsettled_pages_max = max(self.s.unsettled_pages_max, self.unsettled_pages)
+        return got
+
+    async def _progress(self) -> None:
+        while not self.finished.is_set():
+            with anyio.move_on_after(1.0):
+                await self.finished.wait()
+            await self._poll_status()
+            if self.opts.progress:
+                s = self.s
+                print(f"soak {self.done}/{self.opts.transfers} ok={s.succeeded_verified} "
+                      f"failed={sum(s.failed_by_reason.values())} settling={self.settling} "
+                      f"unsettled_pages={self.unsettled_pages} faults={sum(s.faults.values())} "
+                      f"hung={s.hung} false_success={s.false_success} late_writes={s.writes_after_settle}",
+                      file=sys.stderr, flush=True)
+
+    async def _finish(self) -> None:
+        """Final canary check, handles and loop lag of the survivors, clean exits."""
+        s = self.s
+        await anyio.sleep(LATE_WRITE_WAIT_S)
+        for node in [d for d in self.decodes if d.alive]:
+            for tag, pages in sorted(node.canaries.items()):
+                await self._check_canary(node, tag, pages)
+            node.canaries.clear()
+        survivors = self._running()
+        with anyio.move_on_after(5):
+            while True:
+                got = await self._poll_status()
+                if all(st["live_nixl_handles"] == 0 for _, st in got):
+                    break
+                await anyio.sleep(0.1)
+        s.leaked_handles = sum(int(st["live_nixl_handles"]) for _, st in got)
+        if s.leaked_handles:
+            s.note(f"live NIXL handles at the end: {[(n.name, st['live_nixl_handles']) for n, st in got]}")
+        if len(got) < len(survivors):
+            s.note("a surviving process did not answer status at the end")
+        lags = {n.name: float(st["loop_lag_max_s"]) * 1000 for n, st in got}
+        s.max_loop_lag_ms = max(lags.values(), default=0.0)
+        s.prefill_loop_lag_ms = lags.get("prefill", 0.0)
+        for node in survivors:
+            await node.stop()
+        s.crashes = sum(n.crashed for n in self.nodes)
+        for n in self.nodes:
+            if n.crashed:
+                s.note(f"{n.name} (pid {n.proc.pid}) exited with {n.returncode} without being killed")
+            for err in n.stray_errors[:5]:
+                s.note(f"{n.name} reported an error: {err}")
+
+
+async def soak(opts: Options, log: IO[Any], env: Sequence[tuple[str, str]] = ()) -> Summary:
+    async with anyio.create_task_group() as tg:
+        summary = await Soak(opts, tg, log, dict(env)).run()
+        tg.cancel_scope.cancel()
+    return summary

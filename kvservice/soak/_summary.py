@@ -1,0 +1,80 @@
+"""The soak's counters, the verdict on them, and how they are printed."""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+#: counters that must stay 0; any other value fails the soak (exit status 1)
+MUST_BE_ZERO = ("false_success", "hung", "leaked_handles", "writes_after_settle", "crashes")
+
+
+@dataclass
+class Summary:
+    transfers: int = 0  # requests that ran (each ends in exactly one bucket below, or in hung)
+    succeeded_verified: int = 0
+    failed_by_reason: collections.Counter[str] = field(default_factory=collections.Counter)
+    false_success: int = 0
+    hung: int = 0
+    leaked_handles: int = 0
+    writes_after_settle: int = 0
+    crashes: int = 0
+    max_loop_lag_ms: float = 0.0
+    unsettled_pages_max: int = 0
+    faults: collections.Counter[str] = field(default_factory=collections.Counter)
+    # not in the JSON: context for the table and for whoever reads a failure
+    canaries_checked: int = 0
+    settled_to_success: int = 0  # receiver failed, settled as SUCCESS (lost the abort race), bytes verified
+    disagreements: collections.Counter[str] = field(default_factory=collections.Counter)
+    prefill_loop_lag_ms: float = 0.0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "transfers": self.transfers, "succeeded_verified": self.succeeded_verified,
+            "failed_by_reason": dict(sorted(self.failed_by_reason.items())),
+            "false_success": self.false_success, "hung": self.hung, "leaked_handles": self.leaked_handles,
+            "writes_after_settle": self.writes_after_settle, "crashes": self.crashes,
+            "max_loop_lag_ms": round(self.max_loop_lag_ms, 3), "unsettled_pages_max": self.unsettled_pages_max,
+            "faults": dict(sorted(self.faults.items())),
+        }
+
+    def note(self, text: str) -> None:
+        """Say why a must-be-zero counter moved (the first few are printed)."""
+        if len(self.notes) < 50:
+            self.notes.append(text)
+
+
+def problems(summary: dict[str, Any]) -> list[str]:
+    """The counters of ``summary`` (its JSON form) that break the soak's promise."""
+    return [f"{key} = {summary[key]}" for key in MUST_BE_ZERO if summary.get(key, 0) != 0]
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    return 1 if problems(summary) else 0
+
+
+def table(s: Summary) -> str:
+    rows: list[tuple[str, str]] = [
+        ("transfers", str(s.transfers)),
+        ("succeeded, verified", f"{s.succeeded_verified} (of them settled to SUCCESS after a failure: "
+                                f"{s.settled_to_success})"),
+        ("failed by reason", ", ".join(f"{k}={v}" for k, v in sorted(s.failed_by_reason.items())) or "-"),
+        ("faults injected", ", ".join(f"{k}={v}" for k, v in sorted(s.faults.items())) or "-"),
+        ("canaries checked", str(s.canaries_checked)),
+        ("both sides differ", ", ".join(f"{k}={v}" for k, v in sorted(s.disagreements.items())) or "-"),
+        ("unsettled pages, max", str(s.unsettled_pages_max)),
+        ("loop lag max (ms)", f"{s.max_loop_lag_ms:.1f} (prefill, never stopped: {s.prefill_loop_lag_ms:.1f})"),
+        ("seconds", f"{s.seconds:.1f}"),
+    ]
+    rows += [(key, str(getattr(s, key))) for key in MUST_BE_ZERO]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def dumps(s: Summary) -> str:
+    return json.dumps(s.as_json(), indent=2)
