@@ -19,4 +19,8 @@ if [ "$rc" -eq 5 ]; then
     rc=1
 fi
 [ "$rc" -ne 0 ] && fail=1
+# The chaos soak with real processes: kills, stops, restarts, aborts, deadlines; its five
+# must-be-zero counters decide its exit code (docs/soak.md).
+echo "== soak"
+.venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
 exit "$fail"
