@@ -25,7 +25,7 @@ from ._control import ControlPlane
 from ._deadlines import Deadlines
 from ._door import DoorError
 from ._layout import KVLayout
-from ._protocol import FENCE, Abort, Expect, Failed, Message, Settled, decode_notif, text
+from ._protocol import FENCE, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from ._settle import Settlement
@@ -65,6 +65,8 @@ class ServiceCore:
         # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
         self._dropped: Recent[str, FailureReason] = Recent(results_kept)
         self._settlement = Settlement(self._recvs_done, self._sends_done)
+        # Failed sends whose receiver's Outcome is awaited (see _fail)
+        self._outcomes: dict[str, SendRequest] = {}
         self._idle = anyio.Event()
 
     def _check_capacity(self) -> None:
@@ -146,6 +148,11 @@ class ServiceCore:
         if not from_peer and target is not None:  # first: a Settled the finish may send follows it
             if isinstance(req, SendRequest):
                 self._send_to(target, Failed(req.request_id, reason.value, message))
+                if req.chunks_posted and req.peer == target:
+                    # Its last WRITE may have landed, and the receiver succeeded, before it
+                    # hears this: its Outcome decides how the request ended (both sides agree).
+                    req.outcome_due = time.monotonic()
+                    self._outcomes[req.request_id] = req
             else:
                 self._send_to(target, Abort(req.request_id, reason.value, message))
         self._finish(req, make_result(req, TransferStatus.FAILED, reason=reason, error=error,
@@ -205,6 +212,8 @@ class ServiceCore:
             self.stats.refuse("unknown_expect_expired")
             self._refuse_expect(agent, rid, FailureReason.TIMEOUT,
                                 f"no send() for this request within {self.config.unknown_expect_ttl_s}s")
+        if self._outcomes:
+            self._outcomes_lost(None, now)
         live = len(self._sends) + len(self._recvs)
         self._deadlines.compact(itertools.chain(self._sends.values(), self._recvs.values()), live)
 
@@ -223,6 +232,10 @@ class ServiceCore:
             rreq = self._recvs.get(msg.request_id)
             if rreq is not None and rreq.peer == agent:
                 self._fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True)
+            done = self._recvs_done.get(msg.request_id)
+            self._send_to(agent, Outcome(msg.request_id, ok=done is not None and done.ok))
+        elif isinstance(msg, Outcome):
+            self._on_outcome(agent, msg)
         elif isinstance(msg, Settled):
             self._settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
 
@@ -296,6 +309,7 @@ class ServiceCore:
             self._fail(rreq, reason, what, error=cause, from_peer=True)
         for rid in self._early.drop_peer(agent):
             self._dropped.put(rid, reason)
+        self._outcomes_lost(agent, time.monotonic())
         if self._watchdog is not None:
             self._watchdog.forget_fences(agent)  # its unloading releases them
         if gone or self._closing:  # its process is gone / ours is leaving (our pool with it)
@@ -342,7 +356,7 @@ class ServiceCore:
         if result is None or result.ok or result.settled:
             return
         req.result = self._settlement.settled_send(result)
-        req.done.set()
+        self._maybe_done(req)
         if req.peer is None:
             return
         # A released handle's bytes may still be on the wire (a TCP stream, a queue
@@ -358,6 +372,40 @@ class ServiceCore:
 
     def released_by_door(self, xids: list[int]) -> None:
         self.stats.forced_releases += len(xids)
+
+    # -- a sender's failure against the receiver's outcome ---------------------------------
+    def _maybe_done(self, req: SendRequest) -> None:
+        """A failed send is done (its waiters wake) once settled and, if it told the
+        receiver, once the receiver's Outcome (or its loss, or a timeout) has come."""
+        if req.result is not None and req.result.settled and req.outcome_due is None:
+            req.done.set()
+
+    def _on_outcome(self, agent: str, msg: Outcome) -> None:
+        req = self._outcomes.get(msg.request_id)
+        if req is None or req.peer != agent:
+            return
+        del self._outcomes[msg.request_id]
+        req.outcome_due = None
+        if msg.ok and req.result is not None and not req.result.ok:
+            was = req.result.reason.value if req.result.reason else "the failure"
+            log.info("transfer.outcome_success", request_id=req.request_id, peer=agent, was=was)
+            req.result = dataclasses.replace(
+                req.result, status=TransferStatus.SUCCESS, reason=None, error=None,
+                message=f"the receiver had every page before {was} took effect",
+                bytes=req.pages_queued * self._page_bytes, pages=req.pages_queued)
+            self._sends_done.put(req.request_id, req.result)
+        self._maybe_done(req)
+
+    def _outcomes_lost(self, agent: str | None, now: float) -> None:
+        """No Outcome will come: from ``agent`` (its link is gone), or any older than
+        ``peer_timeout_s`` (when ``agent`` is None).  Their failures stand."""
+        bound = self.config.peer_timeout_s
+        for rid, req in list(self._outcomes.items()):
+            due = req.outcome_due
+            if (agent is not None and req.peer == agent) or (agent is None and due is not None and now - due > bound):
+                del self._outcomes[rid]
+                req.outcome_due = None
+                self._maybe_done(req)
 
 
 

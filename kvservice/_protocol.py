@@ -11,7 +11,7 @@ Conversation (see ``_trust.handshake`` for the proofs)::
     dialer   -> Proof(proof)                      small; from here on every frame has a MAC
     dialer   -> Join(metadata, pool)              read only after the proof checked out
     acceptor -> Join(metadata, pool) | Reject
-    either   -> Expect / Abort / Failed / Settled / Ping / Bye   for the life of the link
+    either   -> Expect / Abort / Failed / Settled / Outcome / Ping / Bye   for the life of the link
 
 Every field is bounded by the struct types below (lengths, integer ranges), so a
 malformed frame fails decoding before any value is used; ``_trust.checks`` does
@@ -116,6 +116,14 @@ class Settled(msgspec.Struct, tag="settled", frozen=True):
     ok: bool = False
 
 
+class Outcome(msgspec.Struct, tag="outcome", frozen=True):
+    """Receiver -> sender, in answer to its ``Failed``: ``ok`` when every page had
+    arrived here first (the sender's give-up lost the race; its result becomes SUCCESS)."""
+
+    request_id: RequestId
+    ok: bool = False
+
+
 class Ping(msgspec.Struct, tag="ping", frozen=True):
     pass
 
@@ -126,7 +134,7 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: _Text = ""
 
 
-Message = Hello | Proof | Join | Reject | Expect | Abort | Failed | Settled | Ping | Bye
+Message = Hello | Proof | Join | Reject | Expect | Abort | Failed | Settled | Outcome | Ping | Bye
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

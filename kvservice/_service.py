@@ -416,8 +416,10 @@ class TransferService(ServiceCore):
         not-yet-sent expect was dropped.
 
         On the receiving side the pages are **not** free when this returns: the
-        sender's WRITE may still be landing.  Reuse them after ``await_settled``
-        (whose result may also say the abort lost the race: every page landed)."""
+        sender's WRITE may still be landing.  Reuse them after ``await_settled``.
+        Either side's abort can lose the race with the last chunk: then the
+        settled result (``await_settled``; on the sender also ``await_completion``)
+        is the SUCCESS both sides agree on, not the ``ABORTED`` returned here."""
         sreq = self._sends.get(request_id)
         rreq = self._recvs.get(request_id)
         early = self._early.pop(request_id) if sreq is None and rreq is None else None

@@ -1,0 +1,65 @@
+"""Both sides agree on how a request ended when a sender's give-up (abort, deadline)
+races its last chunk: the receiver answers the sender's ``Failed`` with its
+``Outcome``, and the sender's settled result follows it."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvservice import FailureReason, TransferStatus
+from kvservice._protocol import ChunkNotif, encode_notif
+from tests.helpers import eventually
+
+from .fake_door import FakeFabric
+from .harness import GUARD_S, door_of, fill, two_services
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["last-chunk-landed", "not-landed"])
+async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(landed: bool) -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            txd, rxd = door_of(fabric, tx), door_of(fabric, rx)
+            txd.hang()  # the WRITE stays in flight on the sender
+            fill(tx, "race", [1])
+            await rx.expect("race", [9], sender=tx.address)
+            handle = await tx.send("race", [1], last=True)
+            await eventually(lambda: txd.live_xfers() == 1, GUARD_S)
+            if landed:  # the receiver already saw the last chunk's notification
+                rxd.inject_notif(tx.agent_name, encode_notif(ChunkNotif("race", 0, 1)))
+                assert (await rx.await_arrival("race", timeout=GUARD_S)).ok
+            aborted = await tx.abort("race")
+            assert aborted is not None and aborted.reason is FailureReason.ABORTED  # as it stands now
+            txd.complete_immediately()
+            await eventually(lambda: txd.finish_hung() >= 1 or txd.live_xfers() == 0, GUARD_S)
+            sent = await tx.await_completion(handle)
+            got = await rx.await_settled("race", timeout=GUARD_S)
+            assert sent.settled and got.settled, (sent, got)
+            if landed:
+                assert sent.status is TransferStatus.SUCCESS and "receiver had every page" in sent.message, sent
+                assert got.ok
+                assert (await tx.await_settled("race")).ok
+            else:
+                assert sent.reason is FailureReason.ABORTED and got.reason is FailureReason.ABORTED, (sent, got)
+    fabric.assert_clean()
+
+
+async def test_without_an_outcome_the_failure_stands_after_the_peer_timeout() -> None:
+    """A receiver that never answers (its link silent) does not hold the sender's
+    result for ever: it stands once the link is lost."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            txd = door_of(fabric, tx)
+            txd.hang()
+            fill(tx, "mute", [1])
+            await rx.expect("mute", [9], sender=tx.address)
+            handle = await tx.send("mute", [1], last=True)
+            await eventually(lambda: txd.live_xfers() == 1, GUARD_S)
+            assert rx._control is not None
+            rx._control.drop_peer(tx.agent_name, ConnectionResetError("test: the receiver goes away"))
+            await tx.abort("mute")
+            sent = await tx.await_completion(handle)
+            assert sent.status is TransferStatus.FAILED and sent.settled, sent
+    fabric.assert_clean()
