@@ -295,6 +295,14 @@ class TransferService(ServiceCore):
         ``await_arrival``).  If this process dies before the Expect is written,
         the sender never hears of the request and its ``send`` ends ``TIMEOUT``
         at its bootstrap deadline.
+
+        Why there is no delivery receipt: the link is one TCP stream, so a queued
+        Expect is delivered in order unless the link dies first, and then the
+        request fails here (``PEER_LOST``) and the sender fails whatever it bound
+        to this service; a receipt would add a frame per request to say what the
+        link's loss already says.  ``poll_arrival`` moves on from
+        ``WaitingForInput`` when the first chunk lands; a sender that refuses the
+        Expect answers ``Failed`` (with its reason) at once.
         """
         self._check_open()
         check_request_id(request_id)
