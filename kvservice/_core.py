@@ -353,11 +353,12 @@ class ServiceCore:
         """Watchdog: the door released every handle of ``req``.  A failure is settled
         now: its caller may reuse the source pages, and the receiver is told."""
         result = req.result
-        if result is None or result.ok or result.settled:
+        if result is None or result.settled:
             return
+        # A failure, or one the receiver's Outcome has already turned into SUCCESS.
         req.result = self._settlement.settled_send(result)
         self._maybe_done(req)
-        if req.peer is None:
+        if req.peer is None or req.result.ok:  # the receiver has every page: nothing to fence
             return
         # A released handle's bytes may still be on the wire (a TCP stream, a queue
         # pair): the receiver settles on the fence's notification, which NIXL sends only

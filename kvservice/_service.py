@@ -24,7 +24,7 @@ from ._control import ControlPlane, LocalPeer
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
-from ._protocol import Abort, Expect, Join
+from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
     RecvRequest,
     SendRequest,
@@ -435,6 +435,7 @@ class TransferService(ServiceCore):
             peer, _ = early
             self._dropped.put(request_id, FailureReason.ABORTED)
             self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
+            self._send_to(peer, Settled(request_id))  # nothing of it was ever posted
             return None
         if sreq is not None:
             self._fail(sreq, FailureReason.ABORTED, "aborted locally")

@@ -407,6 +407,7 @@ class FakeDoor:
             return XferState.DONE
 
     def release(self, xfer: XferId) -> bool:
+        self._gate("release")
         self._enter()
         with self._lock:
             if xfer in self._live:

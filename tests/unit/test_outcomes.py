@@ -4,6 +4,8 @@ races its last chunk: the receiver answers the sender's ``Failed`` with its
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 
@@ -15,8 +17,12 @@ from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, two_services
 
 
+@pytest.mark.parametrize("outcome_first", [False, True], ids=["release-first", "outcome-first"])
 @pytest.mark.parametrize("landed", [True, False], ids=["last-chunk-landed", "not-landed"])
-async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(landed: bool) -> None:
+async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(landed: bool, outcome_first: bool) -> None:
+    """``outcome_first``: the receiver's Outcome comes back while the sender's door is still
+    releasing the handle (held here): the request must still end once released (a
+    soak found it hanging: the upgraded SUCCESS was never settled)."""
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
@@ -29,8 +35,15 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
             if landed:  # the receiver already saw the last chunk's notification
                 rxd.inject_notif(tx.agent_name, encode_notif(ChunkNotif("race", 0, 1)))
                 assert (await rx.await_arrival("race", timeout=GUARD_S)).ok
+            gate = threading.Event()
+            if outcome_first:
+                txd.gates["release"] = gate
             aborted = await tx.abort("race")
             assert aborted is not None and aborted.reason is FailureReason.ABORTED  # as it stands now
+            if outcome_first:
+                await anyio.to_thread.run_sync(txd.arrived["release"].wait, GUARD_S)
+                await eventually(lambda: "race" not in tx._outcomes, GUARD_S)  # the Outcome is in
+                gate.set()
             txd.complete_immediately()
             await eventually(lambda: txd.finish_hung() >= 1 or txd.live_xfers() == 0, GUARD_S)
             sent = await tx.await_completion(handle)

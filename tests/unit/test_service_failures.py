@@ -322,6 +322,8 @@ async def test_sender_abort_of_an_expect_not_yet_sent() -> None:
             await eventually(lambda: "ae" in tx._early, GUARD_S)
             assert await tx.abort("ae") is None
             assert (await rx.await_arrival("ae")).reason is FailureReason.ABORTED
+            # nothing of it was ever posted: the receiver's pages are settled (found by the soak)
+            assert (await rx.await_settled("ae", timeout=GUARD_S)).settled
             h = await tx.send("ae", [1], last=True)  # fails at once: the expect was dropped
             assert h.result is not None and h.result.reason is FailureReason.ABORTED
     assert door_of(fabric, tx).post_count() == 0
