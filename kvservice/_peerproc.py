@@ -23,6 +23,7 @@ receiver verifies every byte without the sender shipping a checksum.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -242,6 +243,35 @@ class PeerProcess:
         return self.proc.returncode
 
 
+_json = json.JSONDecoder()
+
+
+def _events_in(line: str) -> list[dict[str, Any]]:
+    """The JSON objects in one line of a child's stdout.  Something else in the child
+    (a native library) may write to the same descriptor, so text that is not an event
+    is skipped (and counted in ``stray_output``) rather than ending the parent."""
+    events: list[dict[str, Any]] = []
+    i = 0
+    while i < len(line):
+        start = line.find("{", i)
+        if start < 0:
+            break
+        try:
+            obj, i = _json.raw_decode(line, start)
+        except json.JSONDecodeError:
+            i = start + 1
+            continue
+        if isinstance(obj, dict) and "event" in obj:
+            events.append(obj)
+    if line.strip() and not events:
+        stray_output.append(line[:200])
+    return events
+
+
+#: lines of children's stdout that held no event (the last few)
+stray_output: collections.deque[str] = collections.deque(maxlen=20)
+
+
 async def _pump(proc: anyio.abc.Process, send: anyio.abc.ObjectSendStream[dict[str, Any]]) -> None:
     assert proc.stdout is not None
     buf = b""
@@ -251,8 +281,7 @@ async def _pump(proc: anyio.abc.Process, send: anyio.abc.ObjectSendStream[dict[s
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        ev = json.loads(line)
+                    for ev in _events_in(line.decode(errors="replace")):
                         ev["_t"] = time.monotonic()
                         await send.send(ev)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):

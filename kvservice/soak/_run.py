@@ -15,6 +15,7 @@ import anyio.abc
 import numpy as np
 
 from .._layout import KVLayout
+from .._peerproc import stray_output
 from ._nodes import Node
 from ._summary import Summary
 
@@ -373,6 +374,8 @@ class Soak:
         """Final canary check, handles and loop lag of the survivors, clean exits."""
         s = self.s
         await anyio.sleep(LATE_WRITE_WAIT_S)
+        for line in stray_output:
+            s.note(f"a child printed a line that is no event (skipped): {line!r}")
         for node in [d for d in self.decodes if d.alive]:
             for tag, pages in sorted(node.canaries.items()):
                 await self._check_canary(node, tag, pages)
