@@ -42,7 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from ._config import ServiceConfig
 from ._layout import KVLayout
 from ._pool import KVPool, torch_dtype
-from ._results import TransferResult
+from ._results import KVServiceError, TransferResult
 
 # -- the payload pattern -------------------------------------------------------------
 
@@ -75,9 +75,11 @@ def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, 
 async def _child(config_json: str) -> None:
     from ._runtime import freeze_startup_objects
     from ._service import TransferService
+    from .sidecar import SidecarClient
 
     raw = json.loads(config_json)
     layout = KVLayout(**raw.pop("layout", {}))
+    sidecar = raw.pop("sidecar", None)  # a daemon's socket: drive it instead of an own service
     config = ServiceConfig(layout=layout, **raw)
     out_lock = anyio.Lock()
 
@@ -86,7 +88,8 @@ async def _child(config_json: str) -> None:
             sys.stdout.write(json.dumps(obj) + "\n")
             sys.stdout.flush()
 
-    async with TransferService(config) as svc, anyio.create_task_group() as tg:
+    engine: TransferService | SidecarClient = SidecarClient(sidecar) if sidecar else TransferService(config)
+    async with engine as svc, anyio.create_task_group() as tg:
         freeze_startup_objects()
         await emit({"event": "ready", "address": svc.address, "agent": svc.agent_name, "pid": os.getpid()})
 
@@ -144,12 +147,13 @@ async def _child(config_json: str) -> None:
                     ok = bool((svc.kv.pages(cmd["pages"]) == 0).all())
                     await emit({"event": "untouched", **base, "ok": ok})
                 elif op == "status":
-                    await emit({"event": "status", **base, **svc.status()})
+                    st = await svc.fetch_status() if isinstance(svc, SidecarClient) else svc.status()
+                    await emit({"event": "status", **base, **st})
                 elif op == "exit":
                     break
                 else:
                     await emit({"event": "error", **base, "message": f"unknown op {op!r}"})
-            except (ValueError, KeyError) as exc:
+            except (ValueError, KeyError, KVServiceError) as exc:  # a lost sidecar raises KVServiceError
                 await emit({"event": "error", **base, "type": type(exc).__name__, "message": str(exc)})
         tg.cancel_scope.cancel()
     await emit({"event": "exited"})

@@ -39,13 +39,18 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--max-pages", type=int, default=32, help="largest request, in 16 KiB pages (default 32)")
     parser.add_argument("--fault-interval", type=float, default=1.0,
                         help="mean seconds between process faults; 0 for none (default 1.0)")
+    parser.add_argument("--sidecar-decodes", type=int, default=1,
+                        help="of the decodes, how many run as a kvservice serve daemon driven by a worker (default 1)")
     parser.add_argument("--json", type=Path, help="write the summary's counters here")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     args = parser.parse_args(list(argv))
-    if args.transfers < 1 or args.decodes < 2 or args.concurrency < 1 or not 1 <= args.max_pages <= 128:
-        parser.error("need --transfers >= 1, --decodes >= 2, --concurrency >= 1, 1 <= --max-pages <= 128")
+    if (args.transfers < 1 or args.decodes < 2 or args.concurrency < 1 or not 1 <= args.max_pages <= 128
+            or not 0 <= args.sidecar_decodes <= args.decodes):
+        parser.error("need --transfers >= 1, --decodes >= 2, --concurrency >= 1, 1 <= --max-pages <= 128, "
+                     "0 <= --sidecar-decodes <= --decodes")
     opts = Options(transfers=args.transfers, seed=args.seed, decodes=args.decodes, concurrency=args.concurrency,
-                   max_pages=args.max_pages, fault_interval_s=args.fault_interval, progress=not args.quiet)
+                   max_pages=args.max_pages, fault_interval_s=args.fault_interval, progress=not args.quiet,
+                   sidecar_decodes=args.sidecar_decodes)
     configure_logging("error")
     # The children log what the soak provokes (lost peers, aborts): into files, read on failure.
     env = [("KVSERVICE_LOG_LEVEL", "error"), ("NIXL_LOG_LEVEL", "FATAL")]

@@ -1,5 +1,9 @@
 """One kvservice child process as the soak sees it: its events routed to whoever
-waits for them, its free pages, its canaries, and whether the soak killed it."""
+waits for them, its free pages, its canaries, and whether the soak killed it.
+
+A sidecar node is two processes: a ``kvservice serve`` daemon (it owns the NIXL
+agent, so SIGSTOP goes to it) and the ``_peerproc`` worker that drives it through
+``SidecarClient``; SIGKILL and restart take both, as a host crash would."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import anyio
 import anyio.abc
 
 from .._peerproc import PeerProcess
+from ..sidecar.local import LocalDaemon
 
 Key = str | tuple[str, str]  # a command's id, or (event, request id) for events without one
 _ids = itertools.count()
@@ -27,9 +32,10 @@ class Node:
     """A ``_peerproc`` child.  Events are kept only for keys someone registered
     (``expect``) before the event could come, so nothing piles up over a long soak."""
 
-    def __init__(self, name: str, proc: PeerProcess, num_pages: int) -> None:
+    def __init__(self, name: str, proc: PeerProcess, num_pages: int, daemon: LocalDaemon | None = None) -> None:
         self.name = name
         self.proc = proc
+        self.daemon = daemon
         self.address = proc.address
         self.free: list[int] = list(range(num_pages))
         self.canaries: dict[str, list[int]] = {}  # tag -> pages holding that tag's pattern
@@ -44,9 +50,18 @@ class Node:
 
     @classmethod
     async def start(cls, tg: anyio.abc.TaskGroup, name: str, config: dict[str, Any], num_pages: int,
-                    env: dict[str, str], log: IO[Any]) -> Node:
-        proc = await PeerProcess.start(tg, config, env=env, stderr=log)
-        node = cls(name, proc, num_pages)
+                    env: dict[str, str], log: IO[Any], daemon: LocalDaemon | None = None) -> Node:
+        """With ``daemon`` (not started yet): start it, then a worker driving it."""
+        if daemon is not None:
+            await anyio.to_thread.run_sync(daemon.start)
+            config = {"layout": config["layout"], "sidecar": daemon.socket}
+        try:
+            proc = await PeerProcess.start(tg, config, env=env, stderr=log)
+        except BaseException:
+            if daemon is not None:
+                await anyio.to_thread.run_sync(daemon.kill)
+            raise
+        node = cls(name, proc, num_pages, daemon)
         tg.start_soon(node._route)
         return node
 
@@ -56,8 +71,14 @@ class Node:
 
     @property
     def crashed(self) -> bool:
-        """Exited without the soak killing it, or failed its own clean exit."""
-        if not self.dead.is_set() or self.killed:
+        """Exited without the soak killing it, or failed its own clean exit (its daemon too)."""
+        if self.killed:
+            return False
+        if self.daemon is not None and self.daemon.proc is not None:
+            code = self.daemon.proc.poll()
+            if code is not None and (not self.stopping or code != 0):
+                return True
+        if not self.dead.is_set():
             return False
         return not self.stopping or self.returncode not in (0, None)
 
@@ -120,14 +141,31 @@ class Node:
         return await self.wait(cid, wait_s)
 
     def signal(self, sig: signal.Signals) -> None:
+        """To the process owning the NIXL agent (a sidecar node's daemon)."""
         try:
-            self.proc.signal(sig)
+            if self.daemon is not None:
+                self.daemon.signal(sig)
+            else:
+                self.proc.signal(sig)
         except ProcessLookupError:
             pass
+
+    async def reap(self) -> None:
+        """After a kill: wait for a sidecar node's daemon and remove the names it left."""
+        if self.daemon is not None and self.daemon.proc is not None:
+            daemon = self.daemon
+            with anyio.move_on_after(10):
+                await anyio.to_thread.run_sync(daemon.wait)
+            daemon.cleanup_names()
 
     def kill(self) -> None:
         self.killed = True
         self.signal(signal.SIGKILL)
+        if self.daemon is not None:
+            try:
+                self.proc.signal(signal.SIGKILL)  # the worker goes with its host
+            except ProcessLookupError:
+                pass
 
     async def stop(self) -> None:
         """Ask it to exit cleanly (SIGKILL after a while); its exit status tells whether it did."""
@@ -137,3 +175,5 @@ class Node:
             await self.proc.stop(timeout=10)
             with anyio.move_on_after(5):
                 await self.dead.wait()
+            if self.daemon is not None:
+                await anyio.to_thread.run_sync(self.daemon.stop)

@@ -3,6 +3,7 @@ faults at random, and the accounting that says whether any promise broke."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ import numpy as np
 
 from .._layout import KVLayout
 from .._peerproc import stray_output
+from ..sidecar.local import LocalDaemon, short_tmpdir
 from ._nodes import Node
 from ._summary import Summary
 
@@ -35,6 +37,16 @@ FAULT_P = (0.8, 0.05, 0.05, 0.05, 0.05)
 ABORTS_OR_DEADLINES = frozenset(FAULT_KINDS[1:])
 
 
+def daemon_settings() -> dict[str, str]:
+    """A sidecar decode's daemon: the same service settings as ``child_config``."""
+    return {
+        **UCX_ENV, "KVSERVICE_SERVICE_DRAIN_GRACE_S": "1.0", "KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_S),
+        "KVSERVICE_SERVICE_TRANSFER_TIMEOUT_S": str(TRANSFER_S), "KVSERVICE_SERVICE_ARRIVAL_TIMEOUT_S": str(ARRIVAL_S),
+        "KVSERVICE_SERVICE_CONNECT_TIMEOUT_S": "2.0", "KVSERVICE_SERVICE_HEARTBEAT_INTERVAL_S": "0.2",
+        "KVSERVICE_SERVICE_PEER_TIMEOUT_S": "1.5", "KVSERVICE_LOG_LEVEL": "warning",
+    }
+
+
 def child_config() -> dict[str, Any]:
     lay = LAYOUT
     return {
@@ -51,6 +63,7 @@ class Options:
     transfers: int = 10_000
     seed: int = 0
     decodes: int = 2
+    sidecar_decodes: int = 1  # of the decodes, how many run as a sidecar daemon and a worker
     concurrency: int = 6
     max_pages: int = 32
     fault_interval_s: float = 1.0  # mean time between process faults (SIGKILL+restart, SIGSTOP/SIGCONT)
@@ -73,11 +86,24 @@ class Soak:
         self.settling = 0  # failed requests waiting for await_settled now
         self.unsettled_pages = 0  # at the last status poll, all processes together
         self.finished = anyio.Event()
+        self.workdir = short_tmpdir("kvs-soak-")  # sidecar sockets
+        self.generation = 0
 
     async def _start(self, name: str) -> Node:
-        node = await Node.start(self.tg, name, child_config(), LAYOUT.num_pages, self.env, self.log)
+        daemon = None
+        if name in self.sidecar_names:
+            self.generation += 1
+            lay = child_config()["layout"]
+            daemon = LocalDaemon("decode", self.workdir, name=f"{name}-{self.generation}", layout=lay,
+                                 env=daemon_settings(), stderr=self.log)
+        node = await Node.start(self.tg, name, child_config(), LAYOUT.num_pages, self.env, self.log, daemon)
         self.nodes.append(node)
         return node
+
+    @property
+    def sidecar_names(self) -> set[str]:
+        n = self.opts.decodes
+        return {f"decode{k}" for k in range(max(0, n - self.opts.sidecar_decodes), n)}
 
     # -- the run ------------------------------------------------------------------------
     async def run(self) -> Summary:
@@ -322,6 +348,7 @@ class Soak:
         self.s.faults["sigkill"] += 1
         with anyio.move_on_after(10):
             await node.dead.wait()
+        await node.reap()
         self.decodes[k] = await self._start(node.name)
         self.s.faults["restart"] += 1
 
@@ -407,6 +434,10 @@ class Soak:
 
 async def soak(opts: Options, log: IO[Any], env: Sequence[tuple[str, str]] = ()) -> Summary:
     async with anyio.create_task_group() as tg:
-        summary = await Soak(opts, tg, log, dict(env)).run()
+        run = Soak(opts, tg, log, dict(env))
+        try:
+            summary = await run.run()
+        finally:
+            shutil.rmtree(run.workdir, ignore_errors=True)
         tg.cancel_scope.cancel()
     return summary
