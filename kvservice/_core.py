@@ -399,8 +399,10 @@ class ServiceCore:
 
     def _outcomes_lost(self, agent: str | None, now: float) -> None:
         """No Outcome will come: from ``agent`` (its link is gone), or any older than
-        ``peer_timeout_s`` (when ``agent`` is None).  Their failures stand."""
-        bound = self.config.peer_timeout_s
+        ``heartbeat_interval_s`` (when ``agent`` is None): a live receiver answers in one
+        round trip, and a hung one must not hold the sender's result until its link is
+        declared lost.  Their failures stand."""
+        bound = self.config.heartbeat_interval_s
         for rid, req in list(self._outcomes.items()):
             due = req.outcome_due
             if (agent is not None and req.peer == agent) or (agent is None and due is not None and now - due > bound):

@@ -116,12 +116,16 @@ async def test_receiver_hung_times_out_and_releases_the_handle() -> None:
             assert result.reason is FailureReason.TIMEOUT, result
             assert result.error is None and "deadline" in result.message
             assert any(e["event"] == "transfer.failed" and e["reason"] == "TIMEOUT" for e in logs)
-            await eventually(lambda: svc.status()["live_nixl_handles"] == 0)
+            # the request's handle is released; what may stay live is the settle fence posted
+            # after it, a one-page WRITE waiting for the stopped receiver (README "Settled")
+            await eventually(lambda: svc.status()["live_nixl_handles"] <= 1)
+            assert result.settled
         finally:
             victim.signal(signal.SIGCONT)
         # the receiver wakes up, learns the sender gave up, and nothing crashes on either side
         arrived = await victim.event("arrived", "hung", timeout=15)
         assert arrived["status"] == "FAILED" and arrived["reason"] == "TIMEOUT"
+        await eventually(lambda: svc.status()["live_nixl_handles"] == 0)  # the fence landed too
         await victim.command(op="expect", rid="after", pages=[1], sender=svc.address)
         await victim.event("expecting", "after")
         after = await svc.await_completion(await svc.send("after", [2], last=True), timeout=15)
