@@ -298,10 +298,10 @@ class ServiceCore:
             self._dropped.put(rid, reason)
         if self._watchdog is not None:
             self._watchdog.forget_fences(agent)  # its unloading releases them
-        if gone or self._closing:  # its process is gone / ours is leaving (our pool with it)
+        if gone:  # its process is gone (ours leaving settles all once our agent is gone: __aexit__)
             if self._settlement.settle_agent(agent):
                 log.info("transfer.settled_by_loss", peer=address, agent=agent,
-                         why="NIXL reports its endpoint disconnected" if gone else "this service is leaving")
+                         why="NIXL reports its endpoint disconnected")
         elif self._settlement.held_by(agent) and self._tg is not None and not self._closing:
             self._tg.start_soon(self._settle_by_probing, agent, address)
 

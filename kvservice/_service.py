@@ -24,7 +24,7 @@ from ._control import ControlPlane, LocalPeer, Transport
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
-from ._protocol import Abort, Expect, Join
+from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
     RecvRequest,
     SendRequest,
@@ -172,6 +172,9 @@ class TransferService(ServiceCore):
             await self._tg.__aexit__(exc_type, exc, tb)
         finally:
             self._close_door()
+            # Our NIXL agent (and its registration of the pool) is gone: nothing can land in
+            # the pool any more, whatever a lost or hung sender still held.
+            self._settlement.settle_all()
             log.info("service.stopped", address=self.address)
         return False
 
@@ -430,6 +433,7 @@ class TransferService(ServiceCore):
             peer, _ = early
             self._dropped.put(request_id, FailureReason.ABORTED)
             self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
+            self._send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
             return None
         if sreq is not None:
             self._fail(sreq, FailureReason.ABORTED, "aborted locally")
