@@ -54,6 +54,10 @@ def _stalled(door: FakeDoor) -> bool:
     return door._mode is Mode.HANG or any(x.checks_left is None for x in door._live.values())
 
 
+async def _no_lag_monitor(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    task_status.started()
+
+
 class SimFailure(AssertionError):
     pass
 
@@ -67,12 +71,79 @@ def sim_config(host: str) -> ServiceConfig:
     )
 
 
+@dataclass(eq=False)
+class _Zombie:
+    """A released WRITE that keeps copying (NIXL's release does not stop one under way)."""
+
+    xfer: Any
+    table: npt.NDArray[np.uint64]  # the peer's descriptor table when it was posted
+    endpoint: int  # which load of the peer (a later load is a new endpoint)
+
+
 class SimDoor(FakeDoor):
-    """A ``FakeDoor`` that reports every byte copy to the world before making it."""
+    """A ``FakeDoor`` that reports every byte copy to the world before making it, and
+    models what the real door cannot prevent: a WRITE released while under way may still
+    land later (a *zombie*), until a later notification on the same endpoint (NIXL
+    flushes the endpoint before delivering one) or the end of this process."""
 
     def __init__(self, fabric: SimFabric, agent_name: str) -> None:
         super().__init__(fabric, agent_name)
         self._sim = fabric.world
+        self.zombies: list[_Zombie] = []
+        self.endpoints: collections.Counter[str] = collections.Counter()
+
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
+        super().add_peer(name, metadata, table)
+        self.endpoints[name] += 1
+
+    def release(self, xfer: Any) -> bool:
+        live = self._live.get(xfer)
+        if live is not None:
+            self._maybe_zombie(live)
+        return super().release(xfer)
+
+    def remove_peer(self, name: str) -> list[Any]:
+        for live in [x for x in self._live.values() if x.peer == name]:
+            self._maybe_zombie(live)
+        return super().remove_peer(name)
+
+    def _maybe_zombie(self, xfer: Any) -> None:
+        table = self._peers.get(xfer.peer)
+        if table is not None and self._sim.zombies and self._sim.rng.random() < 0.5:
+            self.zombies.append(_Zombie(xfer, table, self.endpoints[xfer.peer]))
+            self._sim.log(f"zombie {self.agent_name} xfer {xfer.xid}")
+
+    def _land(self, z: _Zombie) -> None:
+        target = self._fabric.lookup(z.xfer.peer)
+        if target is None or target._pool is None or self._pool is None or self._closed:
+            return  # the receiver's agent (its registration) is gone, or ours
+        self._sim.on_write(self.agent_name, z.xfer.peer, z.xfer.notif, z.xfer.remote_idx, zombie=True)
+        src, dst = self._pool, target._pool
+        for li, ri in zip(z.xfer.local_idx.tolist(), z.xfer.remote_idx.tolist(), strict=True):
+            s_off = int(src.table[li, 0]) - src.base
+            d_off = int(z.table[ri, 0]) - dst.base
+            n = int(src.table[li, 1])
+            dst.data[d_off : d_off + n] = src.data[s_off : s_off + n]
+
+    def _flush(self, peer: str) -> None:
+        """A notification to ``peer`` is about to be delivered: every earlier WRITE on
+        this endpoint lands first."""
+        keep = []
+        for z in self.zombies:
+            if z.xfer.peer == peer and z.endpoint == self.endpoints[peer]:
+                self._land(z)
+            else:
+                keep.append(z)
+        self.zombies = keep
+
+    def notifs(self) -> Any:
+        if self.zombies and self._sim.rng.random() < 0.3:
+            self._land(self.zombies.pop(0))  # one lands, some time later
+        return super().notifs()
+
+    def close(self) -> None:
+        self.zombies.clear()  # the process is gone: its WRITEs with it
+        super().close()
 
     def post(self, peer: str, local_idx: Any, remote_idx: Any, notif: bytes) -> Any:
         if self._post_errors:
@@ -88,6 +159,7 @@ class SimDoor(FakeDoor):
     def _complete(self, xfer: Any) -> None:
         target = self._fabric.lookup(xfer.peer)
         if target is not None and target._pool is not None:
+            self._flush(xfer.peer)
             self._sim.on_write(self.agent_name, xfer.peer, xfer.notif, xfer.remote_idx)
         super()._complete(xfer)
 
@@ -178,6 +250,8 @@ class World:
         #: the receiver holds the pages until the sender exits; see test_sim.KNOWN)
         self.fences_lost: set[str] = set()
         self.tolerate_lost_fences = True
+        #: released WRITEs may land later (SimDoor)
+        self.zombies = True
         self._tg: anyio.abc.TaskGroup | None = None
         self._rid = 0
 
@@ -263,14 +337,15 @@ class World:
             self.log(f"fence of {n.request_id} fails ({op})")
             self.fences_lost.add(n.request_id)
 
-    def on_write(self, src: str, dst: str, notif: bytes, remote_idx: npt.NDArray[np.int32]) -> None:
+    def on_write(self, src: str, dst: str, notif: bytes, remote_idx: npt.NDArray[np.int32], *,
+                 zombie: bool = False) -> None:
         n = decode_notif(notif)
         pages = sorted(set((remote_idx % NUM_PAGES).tolist()))
         if n is None:
             self.violation(f"a WRITE from {src} to {dst} without a request's notification")
             return
         rid = n.request_id
-        self.log(f"write {src}->{dst} {rid} chunk={n.chunk} pages={pages}")
+        self.log(f"write {src}->{dst} {rid} chunk={n.chunk} pages={pages}{' (zombie)' if zombie else ''}")
         settled = self.settled_at.get((dst, rid))
         if settled is not None:
             self.violation(f"WRITE of {rid} (chunk {n.chunk}) from {src} landed in {dst} pages {pages} "
@@ -297,6 +372,7 @@ class World:
         svc = TransferService(sim_config(ROLES[role]), door_factory=self.fabric.factory,
                               thread_factory=lambda: thread, transport=self.net.transport(agent))
         svc.agent_name = agent  # deterministic names, for the trace
+        svc.stats.monitor_loop_lag = _no_lag_monitor  # type: ignore[method-assign]  # no loop lag in virtual time
         proc = Proc(role, inc, svc, thread)
         self._instrument(proc)
         self.procs[role] = proc
@@ -647,7 +723,7 @@ class World:
                 proc.door.complete_immediately()
                 proc.door._post_errors.clear()
                 proc.door._check_errors.clear()
-        await anyio.sleep(4.0)  # every deadline passes
+        await anyio.sleep(2.5)  # every deadline passes (the longest is 2 s)
         self.check_settled_undisturbed()
         self.check()
         for role in sorted(self.procs):
@@ -706,6 +782,8 @@ def run_seed(seed: int, steps: int = 40, *, world_hook: Callable[[World], None] 
         world_hook(world)
     loop = VirtualLoop()
     world.loop = loop
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: torch's thread pool only costs here
     try:
         with patched_clock(), _quiet_logs(world):
             loop.run_until_complete(world.main())
@@ -718,6 +796,7 @@ def run_seed(seed: int, steps: int = 40, *, world_hook: Callable[[World], None] 
         raise SimFailure(f"seed {seed}: the simulation raised {exc!r} at step {world.step}\n"
                          f"replay: pytest tests/sim --seed {seed}") from exc
     finally:
+        torch.set_num_threads(threads)
         _close(loop)
     return world
 
