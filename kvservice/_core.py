@@ -107,8 +107,9 @@ class ServiceCore:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
 
     def _finish(self, req: SendRequest | RecvRequest, result: TransferResult) -> None:
-        if isinstance(req, RecvRequest) and not result.ok and req.peer is None:
-            result = dataclasses.replace(result, settled=True)  # no sender ever had these pages
+        if isinstance(req, RecvRequest) and not result.ok and (req.peer is None or req.fenced):
+            # no sender ever had these pages, or its fence has landed already
+            result = dataclasses.replace(result, settled=True)
         req.result = result
         if isinstance(req, SendRequest):
             self._sends.pop(req.request_id, None)
@@ -177,7 +178,10 @@ class ServiceCore:
             for raw in messages:
                 n = decode_notif(raw)
                 if n is not None and n.chunk == FENCE:
-                    self._settlement.settle_recv(n.request_id, agent)
+                    if not self._settlement.settle_recv(n.request_id, agent):
+                        live = self._recvs.get(n.request_id)
+                        if live is not None and live.peer == agent:
+                            live.fenced = True  # its Failed is still on the control link: settled then
                     continue
                 req = self._recvs.get(n.request_id) if n else None
                 if n is None or req is None or req.peer != agent:
