@@ -26,12 +26,16 @@ REGRESSIONS: dict[tuple[int, bool], str] = {
                  "for ever (await_settled never returned)",
     (180, False): "a receiver shutting down settled its requests when the sender's Bye arrived, while "
                   "its NIXL agent was still registered: the sender's fence WRITE landed after",
+    (2764, False): "the sender's settle fence overtook its Failed (NIXL is faster than the control link): "
+                   "the receiver ignored the fence of a request still live there and then held the pages "
+                   "until the sender exited",
     (83, True): "the simulation's own: it forged a notification from a request's bound sender "
                 "(impossible in NIXL) and the receiver took it as the last chunk",
 }
 #: seeds that show known, unfixed problems (the xfail tests below)
 KNOWN_FENCE_LOSS = (290, 39)
 KNOWN_PREMATURE_SETTLED = (390,)
+KNOWN_REFUSED_WHILE_ALIVE = (3327,)
 #: the sweep: CALM seeds one action per step, BURST seeds up to four (``--sim-seeds N``
 #: or KVSERVICE_SIM_SEEDS=N for N in all, three quarters calm)
 SWEEP = 2000
@@ -125,6 +129,20 @@ def test_known_premature_settled(replay_seed: int | None) -> None:
         world.tolerate_premature_settled = False
 
     run_seed(KNOWN_PREMATURE_SETTLED[0], STEPS, world_hook=strict)
+
+
+@pytest.mark.xfail(raises=SimFailure, strict=True, reason=(
+    "known: a receiver whose link to a sender was lost (not proven gone) settles when the sender's "
+    "address refuses connections, but a sender shutting down stops listening first and goes on "
+    "draining (drain_grace_s) with its NIXL agent alive: a released WRITE of its lands after"))
+def test_known_refused_while_alive(replay_seed: int | None) -> None:
+    if replay_seed is not None:
+        pytest.skip("--seed replays one seed")
+
+    def strict(world: World) -> None:
+        world.tolerate_refused_while_alive = False
+
+    run_seed(KNOWN_REFUSED_WHILE_ALIVE[0], STEPS, world_hook=strict)
 
 
 def test_checker_catches_a_double_finish() -> None:

@@ -261,6 +261,11 @@ class World:
         self.posted: set[str] = set()
         self.premature_settled: set[str] = set()
         self.tolerate_premature_settled = True
+        #: senders whose receivers settled because their address refused connections while
+        #: their process still lived (a graceful shutdown stops listening first; see
+        #: test_sim.KNOWN_REFUSED_WHILE_ALIVE)
+        self.refused_while_alive: set[str] = set()
+        self.tolerate_refused_while_alive = True
         #: released WRITEs may land later (SimDoor)
         self.zombies = True
         self._tg: anyio.abc.TaskGroup | None = None
@@ -373,6 +378,8 @@ class World:
         settled = self.settled_at.get((dst, rid))
         if settled is not None and self.tolerate_premature_settled and rid in self.premature_settled:
             self.log(f"known: {rid} written after a premature Settled")
+        elif settled is not None and self.tolerate_refused_while_alive and src in self.refused_while_alive:
+            self.log(f"known: {rid} written after its receiver settled on a refused dial")
         elif settled is not None:
             self.violation(f"WRITE of {rid} (chunk {n.chunk}) from {src} landed in {dst} pages {pages} "
                            f"after the request settled there at t={settled:.6f}")
@@ -383,6 +390,11 @@ class World:
             self.violation(f"WRITE of {rid} from {src} into {dst} pages {pages}, outside its pages {r.dst}")
 
     def _capture_log(self, logger: Any, method: str, event: dict[str, Any]) -> Any:
+        if event.get("event") == "transfer.settled_by_loss" and "refuses" in str(event.get("why")):
+            agent = str(event.get("agent"))
+            if self.fabric.lookup(agent) is not None:  # its NIXL agent (its process) still lives
+                self.log(f"settled-by-refusal while {agent} lives")
+                self.refused_while_alive.add(agent)
         if method in ("error", "critical", "exception") or event.get("exc_info"):
             self.violation(f"kvservice logged an error: {event}")
         self.log(f"log {event.get('event')}")
