@@ -33,7 +33,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from ._accept import accept_loop
+from ._accept import Acceptor, accept_loop
 from ._addresses import join_address, literal_canonical, resolve_canonical, split_address
 from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
@@ -75,6 +75,35 @@ class PeerEvents(Protocol):
     def released_by_door(self, xids: list[int]) -> None: ...
 
 
+class ByteListener(Acceptor[anyio.abc.ByteStream], Protocol):
+    """A listener of the control plane (anyio's ``SocketListener`` is one)."""
+
+    async def aclose(self) -> None: ...
+
+
+class Transport(Protocol):
+    """How the control plane reaches the network: TCP by default; the simulation
+    (tests/sim) injects an in-memory one."""
+
+    async def listen(self, host: str, port: int) -> tuple[int, list[ByteListener]]:
+        """Listen on ``host:port``; the port bound and the listeners (one per address)."""
+
+    async def connect(self, host: str, port: int) -> anyio.abc.ByteStream: ...
+
+
+class TcpTransport:
+    async def listen(self, host: str, port: int) -> tuple[int, list[ByteListener]]:
+        multi = await anyio.create_tcp_listener(local_host=host, local_port=port)
+        listeners: list[ByteListener] = []
+        for listener in multi.listeners:
+            assert isinstance(listener, anyio.abc.SocketListener)  # what create_tcp_listener makes
+            listeners.append(listener)
+        return multi.extra(anyio.abc.SocketAttribute.local_port), listeners
+
+    async def connect(self, host: str, port: int) -> anyio.abc.ByteStream:
+        return await anyio.connect_tcp(host, port)
+
+
 @dataclass(frozen=True)
 class LocalPeer:
     """This service as peers see it."""
@@ -104,9 +133,10 @@ class _Dial:
 class ControlPlane:
     def __init__(
         self, config: ServiceConfig, thread: DoorThread, door: Door, events: PeerEvents, local: LocalPeer,
-        stats: Stats, tg: anyio.abc.TaskGroup,
+        stats: Stats, tg: anyio.abc.TaskGroup, transport: Transport | None = None,
     ) -> None:
         self._cfg = config
+        self._transport = transport or TcpTransport()
         self._thread = thread
         self._door = door
         self._events = events
@@ -127,18 +157,19 @@ class ControlPlane:
     # -- listening ---------------------------------------------------------------
     async def listen(self) -> str:
         cfg = self._cfg
-        multi = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port)
-        port = multi.extra(anyio.abc.SocketAttribute.local_port)
+        port, listeners = await self._transport.listen(cfg.host, cfg.port)
         self.address = join_address(cfg.advertise_host or cfg.host, port)
-        for listener in multi.listeners:
-            assert isinstance(listener, anyio.abc.SocketListener)  # what create_tcp_listener makes
+        for listener in listeners:
             self._tg.start_soon(self._serve, listener)
         return self.address
 
-    async def _serve(self, listener: anyio.abc.SocketListener) -> None:
+    async def _serve(self, listener: ByteListener) -> None:
         with self._listen_scope:
-            async with listener:
+            try:
                 await accept_loop(listener, self._accept, self._tg, self._accept_failed, name="control")
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await listener.aclose()
 
     def _accept_failed(self, kind: str, exc: BaseException) -> None:
         self._stats.refuse(kind)  # accept_loop has logged it
@@ -146,7 +177,7 @@ class ControlPlane:
     def stop_listening(self) -> None:
         self._listen_scope.cancel()
 
-    async def _accept(self, stream: anyio.abc.SocketStream) -> None:
+    async def _accept(self, stream: anyio.abc.ByteStream) -> None:
         if self._handshaking >= self._cfg.max_handshakes:
             self._stats.refuse("handshake_limit")
             log.warning("peer.refused", side="accept", kind="handshake_limit", limit=self._cfg.max_handshakes)
@@ -259,7 +290,7 @@ class ControlPlane:
         host, port = split_address(address)
         with anyio.fail_after(self._cfg.connect_timeout_s):
             try:
-                stream = await anyio.connect_tcp(host, port)
+                stream = await self._transport.connect(host, port)
             except OSError as exc:
                 # anyio reports "all attempts failed"; its cause says whether one was refused
                 refused = isinstance(exc, ConnectionRefusedError) or isinstance(exc.__cause__, ConnectionRefusedError)

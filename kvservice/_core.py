@@ -109,8 +109,9 @@ class ServiceCore:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
 
     def _finish(self, req: SendRequest | RecvRequest, result: TransferResult) -> None:
-        if isinstance(req, RecvRequest) and not result.ok and req.peer is None:
-            result = dataclasses.replace(result, settled=True)  # no sender ever had these pages
+        if isinstance(req, RecvRequest) and not result.ok and (req.peer is None or req.fenced):
+            # no sender ever had these pages, or its fence has landed already
+            result = dataclasses.replace(result, settled=True)
         req.result = result
         if isinstance(req, SendRequest):
             self._sends.pop(req.request_id, None)
@@ -184,7 +185,10 @@ class ServiceCore:
             for raw in messages:
                 n = decode_notif(raw)
                 if n is not None and n.chunk == FENCE:
-                    self._settlement.settle_recv(n.request_id, agent)
+                    if not self._settlement.settle_recv(n.request_id, agent):
+                        live = self._recvs.get(n.request_id)
+                        if live is not None and live.peer == agent:
+                            live.fenced = True  # its Failed is still on the control link: settled then
                     continue
                 req = self._recvs.get(n.request_id) if n else None
                 if n is None or req is None or req.peer != agent:
@@ -312,10 +316,10 @@ class ServiceCore:
         self._outcomes_lost(agent, time.monotonic())
         if self._watchdog is not None:
             self._watchdog.forget_fences(agent)  # its unloading releases them
-        if gone or self._closing:  # its process is gone / ours is leaving (our pool with it)
+        if gone:  # its process is gone (ours leaving settles all once our agent is gone: __aexit__)
             if self._settlement.settle_agent(agent):
                 log.info("transfer.settled_by_loss", peer=address, agent=agent,
-                         why="NIXL reports its endpoint disconnected" if gone else "this service is leaving")
+                         why="NIXL reports its endpoint disconnected")
         elif self._settlement.held_by(agent) and self._tg is not None and not self._closing:
             self._tg.start_soon(self._settle_by_probing, agent, address)
 

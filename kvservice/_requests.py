@@ -106,6 +106,8 @@ class RecvRequest(_Request):
     pages: PageIndex | None = None
     chunks_seen: int = 0
     total_chunks: int | None = None
+    #: the sender's settle fence arrived before its failure did (the control link is slower)
+    fenced: bool = False
 
     def due_at(self) -> float:
         return self.deadline

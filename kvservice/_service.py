@@ -20,7 +20,7 @@ import structlog
 
 from ._addresses import split_address
 from ._config import ServiceConfig
-from ._control import ControlPlane, LocalPeer
+from ._control import ControlPlane, LocalPeer, Transport
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
@@ -68,6 +68,7 @@ class TransferService(ServiceCore):
     def __init__(
         self, config: ServiceConfig | None = None, *, pool: Any = None,
         door_factory: DoorFactory | None = None,
+        thread_factory: Callable[[], DoorThread] = DoorThread, transport: Transport | None = None,
     ) -> None:
         self.config = config or ServiceConfig()
         self.layout = self.config.layout
@@ -76,6 +77,8 @@ class TransferService(ServiceCore):
         self._kv: KVPool | None = None
         self.agent_name = f"{self.config.agent_prefix}-{uuid.uuid4().hex[:12]}"
         self._door_factory = door_factory or _nixl_door
+        self._thread_factory = thread_factory  # the simulation (tests/sim) runs door calls inline
+        self._transport = transport  # None: TCP; the simulation's is in memory
         self._thread: DoorThread | None = None
         self._door: Door | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -112,15 +115,16 @@ class TransferService(ServiceCore):
     async def _start(self) -> None:
         assert self._tg is not None
         cfg = self.config
-        self._thread = DoorThread()
-        # Allocating (and touching) a multi-GB pool takes seconds: not on the loop.
-        self._kv = await anyio.to_thread.run_sync(KVPool, self.layout, self._pool_tensor)
+        self._thread = self._thread_factory()
+        # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
+        # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
+        self._kv = await self._thread.call(KVPool, self.layout, self._pool_tensor)
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         await self._thread.call(self._door.register_pool, self.kv.tensor, self.kv.descriptor_table())
         metadata = await self._thread.call(self._door.metadata)
         key = None
         if cfg.auth_key_file is not None:
-            key = await anyio.to_thread.run_sync(load_key, cfg.auth_key_file)
+            key = await self._thread.call(load_key, cfg.auth_key_file)
         elif not cfg.loopback_only:
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port can peer with it")
@@ -134,7 +138,8 @@ class TransferService(ServiceCore):
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
             max_post_bytes=cfg.max_post_bytes_per_tick,
         )
-        self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg)
+        self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
+                                     self._transport)
         self.address = await self._control.listen()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
@@ -167,6 +172,9 @@ class TransferService(ServiceCore):
             await self._tg.__aexit__(exc_type, exc, tb)
         finally:
             self._close_door()
+            # Our NIXL agent (and its registration of the pool) is gone: nothing can land in
+            # the pool any more, whatever a lost or hung sender still held.
+            self._settlement.settle_all()
             log.info("service.stopped", address=self.address)
         return False
 
@@ -435,7 +443,7 @@ class TransferService(ServiceCore):
             peer, _ = early
             self._dropped.put(request_id, FailureReason.ABORTED)
             self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
-            self._send_to(peer, Settled(request_id))  # nothing of it was ever posted
+            self._send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
             return None
         if sreq is not None:
             self._fail(sreq, FailureReason.ABORTED, "aborted locally")

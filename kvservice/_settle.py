@@ -90,6 +90,10 @@ class Settlement:
             self.settle_recv(rid)
         return len(rids)
 
+    def settle_all(self) -> int:
+        """Settle everything held (this service is leaving and its NIXL agent is gone)."""
+        return sum(self.settle_agent(agent) for agent in sorted({h.agent for h in self._held.values()}))
+
     # -- sending side ---------------------------------------------------------------------
     def settled_send(self, result: TransferResult) -> TransferResult:
         """The sender's failed ``result``, now that the door released every handle of it."""

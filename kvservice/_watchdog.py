@@ -56,7 +56,7 @@ class Watchdog:
         self, thread: DoorThread, door: Door, layout: KVLayout, owner: Owner, *,
         poll_interval: float, idle_interval: float, max_posts: int, max_checks: int,
         max_post_bytes: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._thread = thread
         self._door = door
@@ -68,7 +68,7 @@ class Watchdog:
         self._max_posts = max_posts
         self._max_post_bytes = max_post_bytes
         self._max_checks = max_checks
-        self._clock = clock
+        self._clock = clock or time.monotonic  # looked up now, so the simulation's patched clock applies
         self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []

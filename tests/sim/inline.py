@@ -1,0 +1,121 @@
+"""``InlineDoorThread``: ``DoorThread``'s interface, running every door call on the loop.
+
+Calls run at once, in the order they are made (the real thread runs them in
+queue order), and the caller then yields once, as it would waiting for the
+thread.  A watchdog tick that asks to *linger* does its work at once; if it
+has nothing to report it stays pending for its linger time (virtual) and then
+polls once more, or ends early when ``interrupt`` is set, as the real tick
+does when the loop has new work.
+
+``kill()`` is the SIGKILL of the process that owns it: from then on every call
+raises ``CancelledError`` where it stands, so the dead service's code stops
+instead of driving a closed door.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvservice._door import Door, TickOutcome, TickPlan, XferId, _check, run_tick
+
+T = TypeVar("T")
+
+
+class _Interrupt:
+    def __init__(self, owner: InlineDoorThread) -> None:
+        self._owner = owner
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+        self._owner._end_linger()
+
+    def clear(self) -> None:
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        raise AssertionError("nothing waits on the inline interrupt")
+
+
+class _Linger:
+    def __init__(self, future: asyncio.Future[TickOutcome], door: Door, running: list[XferId],
+                 out: TickOutcome, timer: asyncio.TimerHandle | None) -> None:
+        self.future, self.door, self.running, self.out, self.timer = future, door, running, out, timer
+
+
+class InlineDoorThread:
+    thread_ident = None
+
+    def __init__(self) -> None:
+        self.interrupt = _Interrupt(self)
+        self._linger: _Linger | None = None
+        self.killed = False
+        self.calls = 0
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        self.interrupt.set()
+        return await self.call_lingering(fn, *args)
+
+    async def call_lingering(self, fn: Callable[..., T], *args: Any) -> T:
+        future = self.submit(fn, *args)
+        await asyncio.sleep(0)  # the hop to the thread and back
+        return await future
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if self.killed:
+            future.cancel()
+            return future
+        self.calls += 1
+        if fn is run_tick and args[1].linger > 0:
+            door, plan = args
+            assert isinstance(plan, TickPlan)
+            linger, plan.linger = plan.linger, 0.0
+            out = run_tick(door, plan)
+            if out.posted or out.checked or out.notifs:
+                future.set_result(out)
+                return future
+            self._end_linger()  # at most one tick lingers
+            self._linger = _Linger(future, door, list(plan.checks), out, None)
+            self._linger.timer = loop.call_later(linger, self._end_linger)
+            return future
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the real thread does
+            future.set_exception(exc)
+        return future
+
+    def _end_linger(self) -> None:
+        linger, self._linger = self._linger, None
+        if linger is None:
+            return
+        if linger.timer is not None:
+            linger.timer.cancel()
+        if self.killed:
+            linger.future.cancel()
+            return
+        # The tick polls once more (the real one polls every poll_interval until news).
+        _check(linger.door, linger.running, linger.out)
+        linger.out.notifs = linger.door.notifs()
+        linger.out.live = linger.door.live_xfers()
+        if not linger.future.done():
+            linger.future.set_result(linger.out)
+
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        self.interrupt.set()
+        if self.killed:
+            raise asyncio.CancelledError("the process was killed")
+        return fn(*args)
+
+    def shutdown(self) -> None:
+        self.interrupt.set()
+
+    def kill(self) -> None:
+        self.killed = True
+        self._end_linger()

@@ -1,0 +1,893 @@
+"""The simulated world: one prefill and two decodes (real ``TransferService``s, watchdogs
+and control planes) over a ``FakeFabric`` and an in-memory network, on one virtual-time
+loop, driven by one seeded scheduler that injects faults and checks invariants after
+every step.  ``run_seed(seed)`` is the whole thing; a violation raises ``SimFailure``
+naming the seed and the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+import numpy.typing as npt
+import structlog
+import torch
+
+from kvservice import ServiceConfig, TransferService
+from kvservice._door import DoorError
+from kvservice._peerproc import pattern
+from kvservice._protocol import FENCE, ChunkNotif, Settled, decode_notif, encode_notif
+from kvservice._requests import RecvRequest, SendRequest
+from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
+from tests.helpers import SMALL
+from tests.unit.fake_door import FakeDoor, FakeFabric, Mode
+
+from .inline import InlineDoorThread
+from .memnet import MemNet
+from .vtime import VirtualLoop, patched_clock
+
+PORT = 7000
+ROLES = {"p0": "10.0.0.1", "d1": "10.0.0.2", "d2": "10.0.0.3"}
+DECODES = ("d1", "d2")
+PREFILL = "p0"
+NUM_PAGES = SMALL.num_pages
+#: how long past its deadline a live request may linger before it counts as stuck
+DEADLINE_SLACK_S = 0.1
+#: how long an undisturbed failed receiver request may stay unsettled
+SETTLE_BOUND_S = 1.0
+#: what a step lets pass (virtual seconds) after its action
+STEP_DTS = (0.0, 0.0005, 0.002, 0.01, 0.03, 0.1, 0.3)
+#: reasons a NIXL post or check may fail with
+NIXL_REASONS = (FailureReason.REMOTE_DISCONNECT, FailureReason.BACKEND, FailureReason.CANCELLED)
+
+
+def _stalled(door: FakeDoor) -> bool:
+    """Whether ``door`` is hung (transfers stay in flight until ``finish_hung``)."""
+    return door._mode is Mode.HANG or any(x.checks_left is None for x in door._live.values())
+
+
+async def _no_lag_monitor(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    task_status.started()
+
+
+class SimFailure(AssertionError):
+    pass
+
+
+def sim_config(host: str) -> ServiceConfig:
+    return ServiceConfig(
+        layout=SMALL, host=host, port=PORT, allow_unauthenticated=True,
+        bootstrap_timeout_s=1.0, transfer_timeout_s=1.0, arrival_timeout_s=1.5,
+        connect_timeout_s=0.3, heartbeat_interval_s=0.1, peer_timeout_s=0.35,
+        idle_poll_interval_s=0.05, drain_grace_s=0.2, unknown_expect_ttl_s=1.0,
+    )
+
+
+@dataclass(eq=False)
+class _Zombie:
+    """A released WRITE that keeps copying (NIXL's release does not stop one under way)."""
+
+    xfer: Any
+    table: npt.NDArray[np.uint64]  # the peer's descriptor table when it was posted
+    endpoint: int  # which load of the peer (a later load is a new endpoint)
+
+
+class SimDoor(FakeDoor):
+    """A ``FakeDoor`` that reports every byte copy to the world before making it, and
+    models what the real door cannot prevent: a WRITE released while under way may still
+    land later (a *zombie*), until a later notification on the same endpoint (NIXL
+    flushes the endpoint before delivering one) or the end of this process."""
+
+    def __init__(self, fabric: SimFabric, agent_name: str) -> None:
+        super().__init__(fabric, agent_name)
+        self._sim = fabric.world
+        self.zombies: list[_Zombie] = []
+        self.endpoints: collections.Counter[str] = collections.Counter()
+
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
+        super().add_peer(name, metadata, table)
+        self.endpoints[name] += 1
+
+    def release(self, xfer: Any) -> bool:
+        live = self._live.get(xfer)
+        if live is not None:
+            self._maybe_zombie(live)
+        return super().release(xfer)
+
+    def remove_peer(self, name: str) -> list[Any]:
+        for live in [x for x in self._live.values() if x.peer == name]:
+            self._maybe_zombie(live)
+        return super().remove_peer(name)
+
+    def _maybe_zombie(self, xfer: Any) -> None:
+        table = self._peers.get(xfer.peer)
+        if table is not None and self._sim.zombies and self._sim.rng.random() < 0.5:
+            self.zombies.append(_Zombie(xfer, table, self.endpoints[xfer.peer]))
+            self._sim.log(f"zombie {self.agent_name} xfer {xfer.xid}")
+
+    def _land(self, z: _Zombie) -> None:
+        target = self._fabric.lookup(z.xfer.peer)
+        if target is None or target._pool is None or self._pool is None or self._closed:
+            return  # the receiver's agent (its registration) is gone, or ours
+        self._sim.on_write(self.agent_name, z.xfer.peer, z.xfer.notif, z.xfer.remote_idx, zombie=True)
+        src, dst = self._pool, target._pool
+        for li, ri in zip(z.xfer.local_idx.tolist(), z.xfer.remote_idx.tolist(), strict=True):
+            s_off = int(src.table[li, 0]) - src.base
+            d_off = int(z.table[ri, 0]) - dst.base
+            n = int(src.table[li, 1])
+            dst.data[d_off : d_off + n] = src.data[s_off : s_off + n]
+
+    def _flush(self, peer: str) -> None:
+        """A notification to ``peer`` is about to be delivered: every earlier WRITE on
+        this endpoint lands first."""
+        keep = []
+        for z in self.zombies:
+            if z.xfer.peer == peer and z.endpoint == self.endpoints[peer]:
+                self._land(z)
+            else:
+                keep.append(z)
+        self.zombies = keep
+
+    def notifs(self) -> Any:
+        if self.zombies and self._sim.rng.random() < 0.3:
+            self._land(self.zombies.pop(0))  # one lands, some time later
+        return super().notifs()
+
+    def close(self) -> None:
+        self.zombies.clear()  # the process is gone: its WRITEs with it
+        super().close()
+
+    def post(self, peer: str, local_idx: Any, remote_idx: Any, notif: bytes) -> Any:
+        if self._post_errors:
+            self._sim.on_door_error(self.agent_name, notif, "post")
+        got = super().post(peer, local_idx, remote_idx, notif)
+        n = decode_notif(notif)
+        if n is not None and n.chunk != FENCE:
+            self._sim.posted.add(n.request_id)  # a WRITE of it exists
+        return got
+
+    def check(self, xfer: Any) -> Any:
+        live = self._live.get(xfer)
+        if live is not None and self._check_errors:
+            self._sim.on_door_error(self.agent_name, live.notif, "check")
+        return super().check(xfer)
+
+    def _complete(self, xfer: Any) -> None:
+        target = self._fabric.lookup(xfer.peer)
+        if target is not None and target._pool is not None:
+            self._flush(xfer.peer)
+            self._sim.on_write(self.agent_name, xfer.peer, xfer.notif, xfer.remote_idx)
+        super()._complete(xfer)
+
+
+class SimFabric(FakeFabric):
+    def __init__(self, world: World) -> None:
+        super().__init__()
+        self.world = world
+
+    def factory(self, agent_name: str, config: ServiceConfig) -> FakeDoor:
+        door = SimDoor(self, agent_name)
+        with self.lock:
+            if agent_name in self._doors:
+                raise ValueError(f"agent {agent_name!r} exists already")
+            self._doors[agent_name] = door
+            self.created.append(door)
+        return door
+
+
+@dataclass(eq=False)
+class Proc:
+    """One incarnation of a service process."""
+
+    role: str
+    inc: int
+    svc: TransferService
+    thread: InlineDoorThread
+    free: list[int] = field(default_factory=lambda: list(range(NUM_PAGES)))
+    state: str = "starting"  # starting, up, stopping, down, crashed, failed
+    crashed: bool = False
+    resumed_at: float = 0.0  # when its hung NIXL last resumed (finish_hung)
+    stop: anyio.Event = field(default_factory=anyio.Event)
+    tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def agent(self) -> str:
+        return self.svc.agent_name
+
+    @property
+    def address(self) -> str:
+        return f"{ROLES[self.role]}:{PORT}"
+
+    @property
+    def door(self) -> FakeDoor | None:
+        door = self.svc._door
+        assert door is None or isinstance(door, FakeDoor)
+        return door
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("up", "stopping")
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    npages: int
+    chunks: list[int]
+    sender: Proc | None
+    receiver: Proc | None
+    src: list[int]
+    dst: list[int]
+    pinned: bool
+    #: a link or process fault touched its sender and receiver while it ran: the two may
+    #: end disagreeing (the receiver cannot learn the sender's outcome; see the report)
+    disturbed: bool = False
+
+
+class World:
+    def __init__(self, seed: int, steps: int, burst: bool = False) -> None:
+        self.seed = seed
+        self.steps = steps
+        #: several actions per step, no time between them (more in flight when faults hit)
+        self.burst = burst
+        self.rng = random.Random(seed)
+        self.loop: VirtualLoop | None = None
+        self.trace: list[str] = []
+        self.violations: list[str] = []
+        self.fabric = SimFabric(self)
+        self.net = MemNet()
+        self.procs: dict[str, Proc] = {}
+        self.all_procs: list[Proc] = []
+        self.incarnations: collections.Counter[str] = collections.Counter()
+        self.reqs: dict[str, Req] = {}
+        self.finishes: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.settled_at: dict[tuple[str, str], float] = {}
+        #: receiver requests that failed unsettled: (receiver agent, rid) -> (request, when)
+        self.unsettled: dict[tuple[str, str], tuple[Req, float]] = {}
+        self.step = -1
+        #: requests whose settle fence a NIXL error ate (kvservice does not post another:
+        #: the receiver holds the pages until the sender exits; see test_sim.KNOWN)
+        self.fences_lost: set[str] = set()
+        self.tolerate_lost_fences = True
+        #: requests a post returned a handle for, and those whose sender said Settled(ok=False)
+        #: although it had posted (see test_sim.KNOWN_PREMATURE_SETTLED)
+        self.posted: set[str] = set()
+        self.premature_settled: set[str] = set()
+        self.tolerate_premature_settled = True
+        #: senders whose receivers settled because their address refused connections while
+        #: their process still lived (a graceful shutdown stops listening first; see
+        #: test_sim.KNOWN_REFUSED_WHILE_ALIVE)
+        self.refused_while_alive: set[str] = set()
+        self.tolerate_refused_while_alive = True
+        self.tolerate_shutdown_recheck = True
+        self._known_seen: set[tuple[str, str]] = set()
+        #: released WRITEs may land later (SimDoor)
+        self.zombies = True
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._rid = 0
+
+    # -- bookkeeping ------------------------------------------------------------------
+    @property
+    def replay(self) -> str:
+        return f"pytest tests/sim --seed {self.seed}" + (" --burst" if self.burst else "")
+
+    @property
+    def now(self) -> float:
+        assert self.loop is not None
+        return self.loop.clock.now
+
+    def log(self, what: str) -> None:
+        self.trace.append(f"{self.now:.6f} {what}")
+
+    def violation(self, what: str) -> None:
+        self.violations.append(f"step {self.step} t={self.now:.6f}: {what}")
+        self.log(f"VIOLATION {what}")
+
+    def disturb(self, *agents: str) -> None:
+        """A fault hit ``agents`` (or the link between two): mark the requests they carry."""
+        for r in self.reqs.values():
+            ends = {p.agent for p in (r.sender, r.receiver) if p is not None}
+            if ends & set(agents):
+                r.disturbed = True
+
+    # -- instrumentation ---------------------------------------------------------------
+    def _instrument(self, proc: Proc) -> None:
+        svc = proc.svc
+        finish = svc._finish
+        settlement = svc._settlement
+        settle_recv = settlement.settle_recv
+
+        def hooked_finish(req: SendRequest | RecvRequest, result: TransferResult) -> None:
+            finish(req, result)
+            self.on_finish(proc, req)
+
+        def hooked_settle(request_id: str, agent: str | None = None, *, sender_ok: bool = False) -> bool:
+            done = settle_recv(request_id, agent, sender_ok=sender_ok)
+            if done:
+                self.settled_at.setdefault((proc.agent, request_id), self.now)
+                self.log(f"settle {proc.agent} {request_id} ok={sender_ok}")
+            return done
+
+        on_peer_lost = svc.on_peer_lost
+
+        def hooked_peer_lost(agent: str, *args: Any) -> None:
+            self.log(f"peer lost {proc.agent}: {agent} graceful={args[2]} gone={args[3]}")
+            self.disturb(proc.agent, agent)
+            on_peer_lost(agent, *args)
+
+        send_to = svc._send_to
+
+        def hooked_send_to(agent: str, msg: Any) -> None:
+            if isinstance(msg, Settled) and not msg.ok and msg.request_id in self.posted:
+                self.log(f"settled-after-post {proc.agent}->{agent} {msg.request_id}")
+                self.premature_settled.add(msg.request_id)
+            send_to(agent, msg)
+
+        svc._send_to = hooked_send_to  # type: ignore[method-assign]
+        svc.on_peer_lost = hooked_peer_lost  # type: ignore[method-assign]
+        svc._finish = hooked_finish  # type: ignore[method-assign]
+        settlement.settle_recv = hooked_settle  # type: ignore[method-assign]
+
+    def on_finish(self, proc: Proc, req: SendRequest | RecvRequest) -> None:
+        result = req.result
+        assert result is not None
+        side = "send" if isinstance(req, SendRequest) else "recv"
+        rid = req.request_id
+        key = (proc.agent, side, rid)
+        self.finishes[key] += 1
+        reason = result.reason.value if result.reason else ""
+        self.log(f"finish {proc.agent} {side} {rid} {result.status.value} {reason}")
+        if self.finishes[key] > 1:
+            self.violation(f"{rid} ended {self.finishes[key]} times on {proc.agent} ({side})")
+        if isinstance(req, RecvRequest):
+            if result.ok:
+                assert req.pages is not None
+                pages = req.pages.tolist()
+                if not torch.equal(proc.svc.kv.pages(pages), pattern(SMALL, rid, len(pages))):
+                    self.violation(f"{rid} SUCCESS on {proc.agent} but its pages {pages} do not hold its bytes")
+            if result.settled:
+                self.settled_at.setdefault((proc.agent, rid), self.now)
+            elif rid in self.reqs:
+                self.unsettled[(proc.agent, rid)] = (self.reqs[rid], self.now)
+        elif result.ok:
+            if not (req.last and req.dest is not None and req.pages_queued == req.dest.size
+                    and req.chunks_done == req.chunks_posted and not req.pending and not req.inflight):
+                self.violation(f"{rid} SUCCESS on sender {proc.agent} with chunks missing "
+                               f"({req.chunks_done}/{req.chunks_posted} done, {len(req.pending)} pending)")
+
+    def on_door_error(self, agent: str, notif: bytes, op: str) -> None:
+        n = decode_notif(notif)
+        if n is not None and n.chunk == FENCE:
+            self.log(f"fence of {n.request_id} fails ({op})")
+            self.fences_lost.add(n.request_id)
+
+    def on_write(self, src: str, dst: str, notif: bytes, remote_idx: npt.NDArray[np.int32], *,
+                 zombie: bool = False) -> None:
+        n = decode_notif(notif)
+        pages = sorted(set((remote_idx % NUM_PAGES).tolist()))
+        if n is None:
+            self.violation(f"a WRITE from {src} to {dst} without a request's notification")
+            return
+        rid = n.request_id
+        self.log(f"write {src}->{dst} {rid} chunk={n.chunk} pages={pages}{' (zombie)' if zombie else ''}")
+        settled = self.settled_at.get((dst, rid))
+        if settled is not None and self.tolerate_premature_settled and rid in self.premature_settled:
+            self.log(f"known: {rid} written after a premature Settled")
+        elif settled is not None and self.tolerate_refused_while_alive and src in self.refused_while_alive:
+            self.log(f"known: {rid} written after its receiver settled on a refused dial")
+        elif settled is not None:
+            self.violation(f"WRITE of {rid} (chunk {n.chunk}) from {src} landed in {dst} pages {pages} "
+                           f"after the request settled there at t={settled:.6f}")
+        r = self.reqs.get(rid)
+        if r is None or r.receiver is None or r.receiver.agent != dst:
+            self.violation(f"WRITE of {rid} from {src} into {dst}, which is not its receiver")
+        elif not set(pages) <= set(r.dst):
+            self.violation(f"WRITE of {rid} from {src} into {dst} pages {pages}, outside its pages {r.dst}")
+
+    def _capture_log(self, logger: Any, method: str, event: dict[str, Any]) -> Any:
+        if event.get("event") == "transfer.settled_by_loss" and "refuses" in str(event.get("why")):
+            agent = str(event.get("agent"))
+            if self.fabric.lookup(agent) is not None:  # its NIXL agent (its process) still lives
+                self.log(f"settled-by-refusal while {agent} lives")
+                self.refused_while_alive.add(agent)
+        if method in ("error", "critical", "exception") or event.get("exc_info"):
+            self.violation(f"kvservice logged an error: {event}")
+        self.log(f"log {event.get('event')}")
+        raise structlog.DropEvent
+
+    # -- processes ---------------------------------------------------------------------
+    async def start_proc(self, role: str) -> Proc:
+        assert self._tg is not None
+        self.incarnations[role] += 1
+        inc = self.incarnations[role]
+        agent = f"{role}-i{inc}"
+        thread = InlineDoorThread()
+        svc = TransferService(sim_config(ROLES[role]), door_factory=self.fabric.factory,
+                              thread_factory=lambda: thread, transport=self.net.transport(agent))
+        svc.agent_name = agent  # deterministic names, for the trace
+        svc.stats.monitor_loop_lag = _no_lag_monitor  # type: ignore[method-assign]  # no loop lag in virtual time
+        proc = Proc(role, inc, svc, thread)
+        self._instrument(proc)
+        self.procs[role] = proc
+        self.all_procs.append(proc)
+        self.log(f"start {agent}")
+        await self._tg.start(self._host, proc)
+        return proc
+
+    async def _host(self, proc: Proc, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        svc = proc.svc
+        async with anyio.create_task_group() as tg:
+            proc.tg = tg
+            try:
+                await svc.__aenter__()
+            except Exception as exc:  # noqa: BLE001 - reported as a violation
+                self.violation(f"{proc.agent} failed to start: {exc!r}")
+                proc.state = "failed"
+                task_status.started()
+                return
+            proc.state = "up"
+            task_status.started()
+            cancelled: BaseException | None = None
+            try:
+                await proc.stop.wait()
+            except BaseException as exc:  # noqa: BLE001 - the service's own group cancelled (a crash)
+                cancelled = exc
+            assert svc._tg is not None
+            if proc.crashed or cancelled is not None:
+                if not proc.crashed and not (self._tg and self._tg.cancel_scope.cancel_called):
+                    self.violation(f"{proc.agent}'s task group ended by itself: {cancelled!r}")
+                svc._tg.cancel_scope.cancel()
+                info = (type(cancelled), cancelled, cancelled.__traceback__) if cancelled else (None, None, None)
+                try:
+                    swallowed = await svc._tg.__aexit__(*info)
+                except BaseException as exc:  # noqa: BLE001
+                    if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                        self.violation(f"{proc.agent} crashed with {exc!r}")
+                    swallowed = True
+                if cancelled is not None and not swallowed:
+                    raise cancelled
+            else:
+                try:
+                    await svc.__aexit__(None, None, None)
+                except Exception as exc:  # noqa: BLE001
+                    self.violation(f"{proc.agent} shutdown raised {exc!r}")
+            tg.cancel_scope.cancel()
+        if proc.state != "crashed":
+            proc.state = "down"
+        self.log(f"down {proc.agent}")
+
+    def crash(self, proc: Proc) -> None:
+        """SIGKILL: the door closes (NIXL releases everything, the agent leaves the fabric),
+        the kernel closes the sockets, and the process's code never runs again."""
+        self.log(f"crash {proc.agent}")
+        self.disturb(proc.agent)
+        proc.crashed = True
+        proc.state = "crashed"
+        proc.thread.kill()
+        if proc.door is not None:
+            proc.door.close()
+        self.net.kill(proc.agent)
+        proc.stop.set()
+        if proc.tg is not None:
+            proc.tg.cancel_scope.cancel()
+
+    def shutdown(self, proc: Proc) -> None:
+        self.log(f"shutdown {proc.agent}")
+        self.disturb(proc.agent)
+        proc.state = "stopping"
+        proc.stop.set()
+
+    # -- engine ------------------------------------------------------------------------
+    def new_request(self) -> None:
+        p = self.procs[PREFILL]
+        ups = [self.procs[d] for d in DECODES if self.procs[d].state == "up"]
+        sender = p if p.state == "up" else None
+        receiver = self.rng.choice(ups) if ups else None
+        shape = self.rng.random()
+        if shape < 0.05:
+            receiver = None  # nobody expects it: bootstrap timeout
+        elif shape < 0.1:
+            sender = None  # nobody sends it: the early expect expires, the arrival times out
+        if sender is None and receiver is None:
+            return
+        npages = self.rng.randint(1, 8)
+        if (sender and len(sender.free) < npages) or (receiver and len(receiver.free) < npages):
+            return
+        self._rid += 1
+        rid = f"r{self._rid}"
+        src = self._take(sender, npages)
+        dst = self._take(receiver, npages)
+        cuts = sorted(self.rng.sample(range(1, npages), self.rng.randint(0, min(2, npages - 1))))
+        chunks = [b - a for a, b in zip([0, *cuts], [*cuts, npages], strict=True)]
+        r = Req(rid, npages, chunks, sender, receiver, src, dst, pinned=self.rng.random() < 0.3)
+        self.reqs[rid] = r
+        self.log(f"request {rid} {npages}p chunks={chunks} {sender and sender.agent}->{receiver and receiver.agent}")
+        first = self.rng.random() < 0.5
+        delay = self.rng.choice((0.0, 0.0, 0.001, 0.01, 0.2))
+        if sender is not None and sender.tg is not None:
+            sender.tg.start_soon(self._sender, r, 0.0 if first else delay)
+        if receiver is not None and receiver.tg is not None:
+            receiver.tg.start_soon(self._receiver, r, delay if first else 0.0)
+
+    def _take(self, proc: Proc | None, n: int) -> list[int]:
+        if proc is None:
+            return []
+        pages = sorted(self.rng.sample(proc.free, n))
+        for page in pages:
+            proc.free.remove(page)
+        return pages
+
+    async def _sender(self, r: Req, delay: float) -> None:
+        proc = r.sender
+        assert proc is not None
+        svc = proc.svc
+        await anyio.sleep(delay)
+        svc.kv.write(r.src, pattern(SMALL, r.rid, r.npages))
+        handle = None
+        off = 0
+        try:
+            for i, n in enumerate(r.chunks):
+                if i:
+                    await anyio.sleep(self.rng.choice((0.0, 0.001, 0.02)))
+                receiver = r.receiver.address if r.pinned and r.receiver is not None and i == 0 else None
+                handle = await svc.send(r.rid, r.src[off:off + n], last=i == len(r.chunks) - 1, receiver=receiver)
+                off += n
+        except KVServiceError as exc:
+            self.log(f"send {r.rid} refused: {exc}")
+        if handle is not None:
+            result = await svc.await_completion(handle)
+            if not result.ok and not result.settled:
+                self.violation(f"await_completion({r.rid}) returned {result.reason} unsettled")
+        proc.free.extend(r.src)
+
+    async def _receiver(self, r: Req, delay: float) -> None:
+        proc = r.receiver
+        assert proc is not None
+        svc = proc.svc
+        await anyio.sleep(delay)
+        try:
+            await svc.expect(r.rid, r.dst, sender=f"{ROLES[PREFILL]}:{PORT}")
+        except KVServiceError as exc:
+            self.log(f"expect {r.rid} refused: {exc}")
+            if r.rid not in svc._recvs and r.rid not in svc._recvs_done:
+                proc.free.extend(r.dst)
+                return
+        await svc.await_arrival(r.rid)
+        result = await svc.await_settled(r.rid)
+        if not result.settled:
+            self.violation(f"await_settled({r.rid}) returned unsettled")
+        proc.free.extend(r.dst)
+
+    # -- the scheduler -----------------------------------------------------------------
+    async def act(self) -> None:
+        rng = self.rng
+        roll = rng.random()
+        up = [p for p in self.procs.values() if p.state == "up"]
+        if roll < 0.40:
+            self.new_request()
+        elif roll < 0.50:
+            await self._abort()
+        elif roll < 0.55:
+            dt = rng.choice((0.4, 1.0, 2.0))
+            self.log(f"pass {dt}")
+            await anyio.sleep(dt)
+        elif roll < 0.70:
+            self._door_fault()
+        elif roll < 0.75:
+            self._link_fault()
+        elif roll < 0.79 and up:
+            self.crash(rng.choice(up))
+        elif roll < 0.82 and up:
+            self.shutdown(rng.choice(up))
+        elif roll < 0.90:
+            down = [role for role, p in self.procs.items() if p.state in ("down", "crashed")]
+            if down:
+                await self.start_proc(rng.choice(sorted(down)))
+        else:
+            self._late_notif()
+
+    async def _abort(self) -> None:
+        live = [r for r in self.reqs.values() if (r.sender and r.sender.state == "up")
+                or (r.receiver and r.receiver.state == "up")]
+        if not live:
+            return
+        r = self.rng.choice(live[-8:])
+        procs = [p for p in (r.sender, r.receiver) if p is not None and p.state == "up"]
+        proc = self.rng.choice(procs)
+        self.log(f"abort {r.rid} on {proc.agent}")
+        with contextlib.suppress(UnknownRequestError, KVServiceError):
+            await proc.svc.abort(r.rid)
+
+    def _door_fault(self) -> None:
+        rng = self.rng
+        procs = [p for p in self.procs.values() if p.state == "up" and p.door is not None]
+        if not procs:
+            return
+        proc = self.procs[PREFILL] if self.procs[PREFILL] in procs and rng.random() < 0.8 else rng.choice(procs)
+        door = proc.door
+        assert door is not None
+        kind = rng.randrange(6)
+        reason = rng.choice(NIXL_REASONS)
+        if reason is FailureReason.REMOTE_DISCONNECT and kind in (0, 1):
+            self.disturb(proc.agent)  # the service drops the peer's link
+        if kind == 0:
+            door.fail_next_post(reason, RuntimeError("injected post failure"))
+            self.log(f"fault {proc.agent} next post fails {reason.value}")
+        elif kind == 1:
+            door.fail_next_check(reason, RuntimeError("injected check failure"))
+            self.log(f"fault {proc.agent} next check fails {reason.value}")
+        elif kind == 2:
+            door.hang()
+            self.log(f"fault {proc.agent} hangs")
+        elif kind == 3:
+            n = door.finish_hung()
+            proc.resumed_at = self.now  # the bound on settling runs from here
+            door.complete_immediately()
+            self.log(f"fault {proc.agent} finishes {n} hung")
+        elif kind == 4:
+            checks = rng.randint(1, 4)
+            door.complete_after(checks)
+            self.log(f"fault {proc.agent} completes after {checks} checks")
+        else:
+            door.complete_immediately()
+            self.log(f"fault {proc.agent} completes immediately")
+
+    def _link_fault(self) -> None:
+        conns = self.net.live_conns()
+        if not conns:
+            return
+        conn = self.rng.choice(conns)
+        self.disturb(conn.client, conn.server)
+        if self.rng.random() < 0.5:
+            self.log(f"cut conn {conn.number} {conn.client}<->{conn.server}")
+            conn.cut()
+        else:
+            self.log(f"silence conn {conn.number} {conn.client}<->{conn.server}")
+            conn.silence()
+
+    def _late_notif(self) -> None:
+        rng = self.rng
+        receivers = [self.procs[d] for d in DECODES if self.procs[d].state == "up" and self.procs[d].door]
+        old = [p.agent for p in self.all_procs if p.role == PREFILL and p is not self.procs[PREFILL]]
+        if not receivers or not self.reqs:
+            return
+        proc = rng.choice(receivers)
+        r = rng.choice(list(self.reqs.values())[-8:])
+        sender = rng.choice(old) if old else "stranger-agent"
+        kind = rng.randrange(3)
+        if kind == 0:
+            msg = encode_notif(ChunkNotif(r.rid, 0, len(r.chunks)))
+        elif kind == 1:
+            msg = encode_notif(ChunkNotif(r.rid, FENCE, FENCE))
+        else:
+            msg = b"kv1\xff garbage"
+        live = proc.svc._recvs.get(r.rid)
+        if (live is not None and live.peer == sender) or (proc.svc._settlement._held.get(r.rid, None) is not None \
+                and proc.svc._settlement._held[r.rid].agent == sender):
+            # NIXL delivers a notification from the bound sender only after its WRITE: a
+            # forged one from that agent is outside the model (the data plane is not
+            # authenticated, README Security)
+            return
+        self.log(f"inject notif {sender}->{proc.agent} {r.rid} kind={kind}")
+        door = proc.door
+        assert door is not None
+        door.inject_notif(sender, msg)
+
+    # -- invariants --------------------------------------------------------------------
+    def check(self) -> None:
+        now = self.now
+        for proc in self.procs.values():
+            if not proc.running:
+                continue
+            svc = proc.svc
+            for req in [*svc._sends.values(), *svc._recvs.values()]:
+                if now > req.due_at() + DEADLINE_SLACK_S:
+                    self.violation(f"{req.request_id} on {proc.agent} still live {now - req.due_at():.3f}s "
+                                   "past its deadline")
+        for key, (r, since) in list(self.unsettled.items()):
+            if key in self.settled_at or r.disturbed or self._fence_excused(r):
+                del self.unsettled[key]
+            elif r.sender is not None and r.sender.door is not None and _stalled(r.sender.door):
+                self.unsettled[key] = (r, now)  # a stalled NIXL settles nothing: the bound runs from its resumption
+            elif now - max(since, r.sender.resumed_at if r.sender else 0.0) > SETTLE_BOUND_S:
+                del self.unsettled[key]
+                self.violation(f"{key[1]} failed on {key[0]} at t={since:.6f} and is not settled "
+                               f"{SETTLE_BOUND_S}s later, though no link or process fault touched it")
+        problems = self._door_violations()
+        if problems:
+            self.violation(f"door violations: {problems}")
+        if self.violations:
+            raise SimFailure(self.failure_message())
+
+    def _door_violations(self) -> list[str]:
+        """The doors' violations, less the known one (``tolerate_shutdown_recheck``): while a
+        service shuts down, ``Watchdog.tick()`` plans a second tick while ``run()``'s may be
+        in flight, so both check a handle and the second finds it released (the real door
+        answers GONE from its table; the fake counts it)."""
+        problems = []
+        agents = {p.agent: p for p in self.all_procs}
+        with self.fabric.lock:
+            for door in self.fabric.created:
+                proc = agents.get(door.agent_name)
+                for v in door.violations:
+                    known = (self.tolerate_shutdown_recheck and v.startswith("check(") and "after release" in v
+                             and proc is not None and proc.state in ("stopping", "down"))
+                    if known:
+                        if (door.agent_name, v) not in self._known_seen:
+                            self._known_seen.add((door.agent_name, v))
+                            self.log(f"known: {door.agent_name} {v} while shutting down")
+                    else:
+                        problems.append(f"{door.agent_name}: {v}")
+        return problems
+
+    def failure_message(self) -> str:
+        tail = "\n  ".join(self.trace[-60:])
+        return (f"seed {self.seed}: {self.violations[0]}\n(all: {self.violations})\n"
+                f"replay: {self.replay}\nlast trace lines:\n  {tail}")
+
+    def check_settled_undisturbed(self) -> None:
+        """Settling is prompt when nothing went wrong with the link or the processes: a
+        failed receiver request whose sender stayed linked settles without waiting for
+        the sender to exit (by fence, or by ``Settled``)."""
+        for r in self.reqs.values():
+            if r.disturbed or r.receiver is None or not r.receiver.running or self._fence_excused(r):
+                continue
+            result = r.receiver.svc._recvs_done.get(r.rid)
+            if result is not None and not result.settled:
+                self.violation(f"{r.rid} failed on {r.receiver.agent} ({result.reason}) and never settled, "
+                               "though no link or process fault touched it")
+
+    def _fence_excused(self, r: Req) -> bool:
+        return self.tolerate_lost_fences and r.rid in self.fences_lost
+
+    def check_end(self) -> None:
+        for proc in self.all_procs:
+            if proc.crashed:
+                continue
+            svc = proc.svc
+            if svc._sends or svc._recvs:
+                self.violation(f"{proc.agent} ended with live requests {list(svc._sends)} {list(svc._recvs)}")
+            for side, done in (("send", svc._sends_done), ("recv", svc._recvs_done)):
+                for rid in list(done._d):
+                    result = done.get(rid)
+                    assert result is not None
+                    if self.finishes[(proc.agent, side, rid)] != 1:
+                        self.violation(f"{rid} ({side}) on {proc.agent} ended "
+                                       f"{self.finishes[(proc.agent, side, rid)]} times")
+                    if not result.settled:
+                        self.violation(f"{rid} ({side}) on {proc.agent} never settled: {result}")
+            if svc._settlement.unsettled_pages:
+                self.violation(f"{proc.agent}: {svc._settlement.unsettled_pages} unsettled pages at the end")
+        for r in self.reqs.values():
+            if r.sender is None or r.receiver is None or r.disturbed:
+                continue
+            s = r.sender.svc._sends_done.get(r.rid)
+            d = r.receiver.svc._recvs_done.get(r.rid)
+            if s is None or d is None:
+                continue
+            if s.ok != d.ok:
+                self.violation(f"{r.rid}: sender {s.status.value} {s.reason}, receiver {d.status.value} {d.reason}"
+                               " after both settled")
+        problems = self._door_violations()
+        for door in self.fabric.created:
+            if door.live_xfers():
+                problems.append(f"{door.agent_name}: {door.live_xfers()} live handles at the end")
+            for xid in door.posted_ids():
+                if door.release_counts[xid] != 1:
+                    problems.append(f"{door.agent_name}: xfer {xid} released {door.release_counts[xid]} times")
+        if problems:
+            self.violation(f"doors not clean at the end: {problems}")
+        if self.violations:
+            raise SimFailure(self.failure_message())
+
+    # -- the run -----------------------------------------------------------------------
+    async def quiesce(self) -> None:
+        self.step = self.steps
+        self.log("quiesce")
+        for proc in self.procs.values():
+            if proc.running and proc.door is not None:
+                proc.door.finish_hung()
+                proc.door.complete_immediately()
+                proc.door._post_errors.clear()
+                proc.door._check_errors.clear()
+        await anyio.sleep(2.5)  # every deadline passes (the longest is 2 s)
+        self.check_settled_undisturbed()
+        self.check()
+        for role in sorted(self.procs):
+            proc = self.procs[role]
+            if proc.state == "up":
+                self.shutdown(proc)
+        with anyio.move_on_after(30.0):
+            while any(p.state in ("up", "stopping", "starting") for p in self.all_procs):  # noqa: ASYNC110
+                await anyio.sleep(0.1)
+        stuck = [p.agent for p in self.all_procs if p.state in ("up", "stopping", "starting")]
+        if stuck:
+            self.violation(f"shutdown hung: {stuck}")
+        await anyio.sleep(6.0)  # probes and settle-by-loss run out
+        self.check()
+
+    async def main(self) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for role in sorted(ROLES):
+                await self.start_proc(role)
+            for step in range(self.steps):
+                self.step = step
+                for _ in range(self.rng.choice((1, 2, 4)) if self.burst else 1):
+                    await self.act()
+                await anyio.sleep(self.rng.choice(STEP_DTS))
+                self.check()
+            await self.quiesce()
+            self.check_end()
+            tg.cancel_scope.cancel()
+
+
+@contextlib.contextmanager
+def _quiet_logs(world: World) -> Iterator[None]:
+    saved = structlog.get_config()
+    structlog.configure(processors=[world._capture_log], cache_logger_on_first_use=False)
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+def _first_sim_failure(exc: BaseException) -> SimFailure | None:
+    if isinstance(exc, SimFailure):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _first_sim_failure(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def run_seed(seed: int, steps: int = 40, *, burst: bool = False,
+             world_hook: Callable[[World], None] | None = None) -> World:
+    """Run one seed; raise ``SimFailure`` (with the seed, the step and the trace) on a violation."""
+    world = World(seed, steps, burst)
+    if world_hook is not None:
+        world_hook(world)
+    loop = VirtualLoop()
+    world.loop = loop
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: torch's thread pool only costs here
+    try:
+        with patched_clock(), _quiet_logs(world):
+            loop.run_until_complete(world.main())
+    except BaseException as exc:
+        found = _first_sim_failure(exc)
+        if found is not None:
+            raise found from None
+        if world.violations:
+            raise SimFailure(world.failure_message()) from exc
+        raise SimFailure(f"seed {seed}: the simulation raised {exc!r} at step {world.step}\n"
+                         f"replay: {world.replay}") from exc
+    finally:
+        torch.set_num_threads(threads)
+        _close(loop)
+    return world
+
+
+def _close(loop: VirtualLoop) -> None:
+    try:
+        pending = [t for t in __import__("asyncio").all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(__import__("asyncio").gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+
+
+__all__ = ["DoorError", "SimFailure", "World", "run_seed"]
