@@ -150,7 +150,6 @@ class ControlPlane:
         self._table_lock = anyio.Lock()  # loading and dropping peers
         self._generations = itertools.count(1)
         self._handshaking = 0
-        self._listen_scope = anyio.CancelScope()
         self._closing = False
         self.address = ""
 
@@ -164,18 +163,19 @@ class ControlPlane:
         return self.address
 
     async def _serve(self, listener: ByteListener) -> None:
-        with self._listen_scope:
-            try:
-                await accept_loop(listener, self._accept, self._tg, self._accept_failed, name="control")
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await listener.aclose()
+        """Until the service's task group ends (the port stays open while it drains)."""
+        try:
+            await accept_loop(listener, self._accept, self._tg, self._accept_failed, name="control")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
 
     def _accept_failed(self, kind: str, exc: BaseException) -> None:
         self._stats.refuse(kind)  # accept_loop has logged it
 
-    def stop_listening(self) -> None:
-        self._listen_scope.cancel()
+    def refuse_new_peers(self) -> None:
+        """Shutting down: handshakes from now on get ``Reject("shutting_down")``."""
+        self._closing = True
 
     async def _accept(self, stream: anyio.abc.ByteStream) -> None:
         if self._handshaking >= self._cfg.max_handshakes:
@@ -186,6 +186,11 @@ class ControlPlane:
             return
         self._handshaking += 1
         framed = ControlStream(stream, self._cfg.max_frame_bytes)
+        if self._closing:
+            self._handshaking -= 1
+            await _try_send(framed, Reject("this service is shutting down", "shutting_down"))
+            await framed.aclose()
+            return
         try:
             with anyio.fail_after(self._cfg.connect_timeout_s):
                 peer = await self._handshake_as_acceptor(framed)

@@ -36,6 +36,8 @@ log = structlog.get_logger("kvservice")
 
 #: longest wait between two dials that try to settle a lost sender's requests
 PROBE_MAX_S = 5.0
+#: settle fences posted for one request before giving up (each failed one is a NIXL error)
+FENCE_TRIES = 3
 
 
 class ServiceCore:
@@ -297,8 +299,8 @@ class ServiceCore:
                     self._early.pop(rid)
                     self._dropped.put(rid, why)
                 self._send_to(agent, Settled(rid))
-            elif done.settled:
-                self._send_to(agent, Settled(rid, ok=done.ok))
+            elif done.ok:  # completed: every WRITE landed (a failure settles by its fence, or
+                self._send_to(agent, Settled(rid, ok=True))  # said Settled if nothing was posted)
         rreq = self._recvs.get(rid)
         if rreq is not None and rreq.peer == agent:
             self._fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
@@ -370,10 +372,26 @@ class ServiceCore:
         assert self._watchdog is not None and self._control is not None
         if not req.posted:
             self._send_to(req.peer, Settled(req.request_id))
-        elif self._control.generation_of(req.peer) == req.link_generation:
+        else:
+            self._fence(req)
+
+    def _fence(self, req: SendRequest) -> None:
+        """Post ``req``'s settle fence, on the link it was bound on only: a fence on a
+        newer link (endpoint) proves nothing about the old one, whose receiver settles
+        when this process is gone."""
+        assert self._watchdog is not None and self._control is not None and req.peer is not None
+        if self._control.generation_of(req.peer) == req.link_generation and req.fences < FENCE_TRIES:
+            req.fences += 1
             self._watchdog.fence(req)
-        # else: its link (and endpoint) is gone: a fence on a newer one proves nothing
-        # about the old; the receiver settles when this process is gone
+
+    def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
+        """Watchdog: a fence did not land.  Post another on the same link (a transient
+        NIXL error); once the link is gone or after ``FENCE_TRIES``, the receiver settles
+        by this process's end."""
+        log.warning("transfer.fence_failed", request_id=req.request_id, peer=req.peer, tries=req.fences,
+                    error=repr(err.original) if err is not None else "handle released")
+        if req.peer is not None:
+            self._fence(req)
 
     def released_by_door(self, xids: list[int]) -> None:
         self.stats.forced_releases += len(xids)

@@ -66,6 +66,7 @@ class SendRequest(_Request):
     timeout: float | None = None  # the caller's send(timeout=), counted from the bind
     fence_src: int | None = None  # a source page of the first chunk (for the settle fence)
     posted: bool = False  # some post of it returned a handle: a WRITE may exist
+    fences: int = 0  # settle fences posted
     outcome_due: float | None = None  # told the receiver Failed: since when its Outcome is awaited
     link_generation: int | None = None  # of the link to ``peer`` when it was bound
     bytes_done: int = 0

@@ -154,7 +154,10 @@ class TransferService(ServiceCore):
         self._closing = True
         grace = self.config.drain_grace_s if exc is None else 0.0
         with anyio.CancelScope(shield=True):
-            self._control.stop_listening()
+            # New peers are refused (Reject "shutting_down") but the port stays open while
+            # our NIXL agent lives: a peer that finds it refusing connections may take us
+            # for gone (what it holds of ours settles then).
+            self._control.refuse_new_peers()
             with anyio.move_on_after(grace):
                 while self._sends or self._recvs:
                     self._idle = anyio.Event()
@@ -164,8 +167,8 @@ class TransferService(ServiceCore):
             for rreq in list(self._recvs.values()):
                 self._fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival")
             if self._watchdog is not None:
-                # The last releases, before the Bye: a peer takes our Bye as "settled".
-                await self._watchdog.tick()
+                await self._watchdog.stop()
+                await self._watchdog.tick()  # the last releases (and what they settle), before the Bye
             await self._control.close_all(timeout=1.0)
             self._tg.cancel_scope.cancel()
         try:

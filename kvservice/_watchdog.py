@@ -46,6 +46,8 @@ class Owner(Protocol):
     def chunk_failed(self, req: SendRequest, err: DoorError) -> None: ...
     def released(self, req: SendRequest) -> None:
         """``req`` has ended and the door has released every handle of it."""
+    def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
+        """The settle fence of ``req`` did not land (NIXL error, or its handle went)."""
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
     def check_deadlines(self, now: float) -> None: ...
     def busy(self) -> bool: ...
@@ -76,6 +78,8 @@ class Watchdog:
         self._fences: list[PostOp] = []  # settle fences to post next tick
         self._cursor = 0
         self._wake = anyio.Event()
+        self._stopping = False
+        self._stopped = anyio.Event()
         #: the tick queued on the door thread and not yet digested, if any
         self._ahead: asyncio.Future[TickOutcome] | None = None
         self.ticks = 0
@@ -160,13 +164,28 @@ class Watchdog:
     # -- the task -------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        try:
+            await self._run()
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """End ``run`` after the tick in flight is digested (so that ``tick`` then runs
+        alone: two ticks in flight could check one handle twice)."""
+        self._stopping = True
+        self.wake()
+        await self._stopped.wait()
+
+    async def _run(self) -> None:
         next_scan = 0.0
-        while True:
+        while not self._stopping:
             if self._ahead is None:
                 if not (self._ready or self._releases or self._inflight or self._owner.busy()):
                     self._wake = anyio.Event()
                     with anyio.move_on_after(self._idle):
                         await self._wake.wait()
+                    if self._stopping:
+                        return
                 if self._ahead is None:
                     self._ahead = self._submit(linger=True)
             ahead = self._ahead
@@ -176,6 +195,8 @@ class Watchdog:
                 if self._ahead is ahead:
                     self._ahead = None
             self._digest(outcome)
+            if self._stopping:
+                return
             now = self._clock()
             if now >= next_scan:
                 self._owner.check_deadlines(now)
@@ -217,6 +238,8 @@ class Watchdog:
             if npages == FENCE:  # tracked only so its handle is checked until done
                 if isinstance(got, int) and state is XferState.PROC:
                     self._inflight[got] = (req, FENCE)
+                elif isinstance(got, DoorError):
+                    self._owner.fence_failed(req, got)
                 continue
             req.posting -= 1
             if not isinstance(got, DoorError):
@@ -241,6 +264,8 @@ class Watchdog:
                 continue
             req, npages = entry
             if npages == FENCE:
+                if state_or_err is not XferState.DONE:  # an error, or released behind our back
+                    self._owner.fence_failed(req, state_or_err if isinstance(state_or_err, DoorError) else None)
                 continue
             req.inflight.discard(xid)
             if isinstance(state_or_err, DoorError):

@@ -29,14 +29,18 @@ REGRESSIONS: dict[tuple[int, bool], str] = {
     (2764, False): "the sender's settle fence overtook its Failed (NIXL is faster than the control link): "
                    "the receiver ignored the fence of a request still live there and then held the pages "
                    "until the sender exited",
+    (390, False): "a sender answered a receiver's Abort of a failed request that had posted WRITEs with "
+                  "Settled(ok=False) before its fence landed: the receiver settled, a WRITE landed after",
+    (3327, False): "a sender shutting down stopped listening, then drained with its NIXL agent alive: a "
+                   "receiver took the refused dial for its exit and settled early (now: Reject while draining)",
+    (1459, True): "at shutdown Watchdog.tick() ran while run()'s tick was in flight: one handle checked "
+                  "after its release (now run() stops first)",
+    (290, False): "a NIXL error on a settle fence's WRITE was dropped and no other fence followed: the "
+                  "receiver held the pages until the sender exited (now up to FENCE_TRIES fences)",
+    (39, False): "the same as 290, the error on the fence's check",
     (83, True): "the simulation's own: it forged a notification from a request's bound sender "
                 "(impossible in NIXL) and the receiver took it as the last chunk",
 }
-#: seeds that show known, unfixed problems (the xfail tests below)
-KNOWN_FENCE_LOSS = (290, 39)
-KNOWN_PREMATURE_SETTLED = (390,)
-KNOWN_REFUSED_WHILE_ALIVE = (3327,)
-KNOWN_SHUTDOWN_RECHECK = (1459,)  # burst profile
 #: the sweep: CALM seeds one action per step, BURST seeds up to four (``--sim-seeds N``
 #: or KVSERVICE_SIM_SEEDS=N for N in all, three quarters calm)
 SWEEP = 2000
@@ -103,61 +107,6 @@ def test_same_seed_same_trace(replay_seed: int | None) -> None:
         again = run_seed(seed, STEPS, burst=burst).trace
         assert first == again, f"seed {seed}: the trace differs between two runs"
         assert any(" write " in line for line in first), "the simulation moved no bytes"
-
-
-@pytest.mark.xfail(raises=SimFailure, strict=True, reason=(
-    "known: a NIXL error on the settle fence's WRITE (post or check) is dropped by the watchdog "
-    "and no other fence follows, so the receiver holds the pages until the sender exits"))
-def test_known_fence_loss(replay_seed: int | None) -> None:
-    if replay_seed is not None:
-        pytest.skip("--seed replays one seed")
-
-    def strict(world: World) -> None:
-        world.tolerate_lost_fences = False
-
-    run_seed(KNOWN_FENCE_LOSS[0], STEPS, world_hook=strict)
-
-
-@pytest.mark.xfail(raises=SimFailure, strict=True, reason=(
-    "known: a sender whose failed request had posted WRITEs answers a receiver's Abort with "
-    "Settled(ok=False) once its handles are released, before its fence (which flushes those "
-    "released WRITEs) has landed: the receiver settles, and the fence (or a released WRITE) lands after"))
-def test_known_premature_settled(replay_seed: int | None) -> None:
-    if replay_seed is not None:
-        pytest.skip("--seed replays one seed")
-
-    def strict(world: World) -> None:
-        world.tolerate_premature_settled = False
-
-    run_seed(KNOWN_PREMATURE_SETTLED[0], STEPS, world_hook=strict)
-
-
-@pytest.mark.xfail(raises=SimFailure, strict=True, reason=(
-    "known: a receiver whose link to a sender was lost (not proven gone) settles when the sender's "
-    "address refuses connections, but a sender shutting down stops listening first and goes on "
-    "draining (drain_grace_s) with its NIXL agent alive: a released WRITE of its lands after"))
-def test_known_refused_while_alive(replay_seed: int | None) -> None:
-    if replay_seed is not None:
-        pytest.skip("--seed replays one seed")
-
-    def strict(world: World) -> None:
-        world.tolerate_refused_while_alive = False
-
-    run_seed(KNOWN_REFUSED_WHILE_ALIVE[0], STEPS, world_hook=strict)
-
-
-@pytest.mark.xfail(raises=SimFailure, strict=True, reason=(
-    "known: while a service shuts down, Watchdog.tick() runs a tick while run()'s may still be in "
-    "flight; both check the same handle and the second finds it released (the real door answers "
-    "GONE from its table, so this is harmless there; the fake door counts it)"))
-def test_known_shutdown_recheck(replay_seed: int | None) -> None:
-    if replay_seed is not None:
-        pytest.skip("--seed replays one seed")
-
-    def strict(world: World) -> None:
-        world.tolerate_shutdown_recheck = False
-
-    run_seed(KNOWN_SHUTDOWN_RECHECK[0], STEPS, burst=True, world_hook=strict)
 
 
 def test_checker_catches_a_double_finish() -> None:

@@ -22,6 +22,7 @@ import structlog
 import torch
 
 from kvservice import ServiceConfig, TransferService
+from kvservice._core import FENCE_TRIES
 from kvservice._door import DoorError
 from kvservice._peerproc import pattern
 from kvservice._protocol import FENCE, ChunkNotif, Settled, decode_notif, encode_notif
@@ -253,22 +254,11 @@ class World:
         #: receiver requests that failed unsettled: (receiver agent, rid) -> (request, when)
         self.unsettled: dict[tuple[str, str], tuple[Req, float]] = {}
         self.step = -1
-        #: requests whose settle fence a NIXL error ate (kvservice does not post another:
-        #: the receiver holds the pages until the sender exits; see test_sim.KNOWN)
-        self.fences_lost: set[str] = set()
-        self.tolerate_lost_fences = True
-        #: requests a post returned a handle for, and those whose sender said Settled(ok=False)
-        #: although it had posted (see test_sim.KNOWN_PREMATURE_SETTLED)
+        #: settle fences a NIXL error ate, by request: after FENCE_TRIES of them kvservice
+        #: posts no other, and the receiver holds the pages until the sender exits
+        self.fence_failures: collections.Counter[str] = collections.Counter()
+        #: requests a post returned a handle for (a Settled(ok=False) for one is logged)
         self.posted: set[str] = set()
-        self.premature_settled: set[str] = set()
-        self.tolerate_premature_settled = True
-        #: senders whose receivers settled because their address refused connections while
-        #: their process still lived (a graceful shutdown stops listening first; see
-        #: test_sim.KNOWN_REFUSED_WHILE_ALIVE)
-        self.refused_while_alive: set[str] = set()
-        self.tolerate_refused_while_alive = True
-        self.tolerate_shutdown_recheck = True
-        self._known_seen: set[tuple[str, str]] = set()
         #: released WRITEs may land later (SimDoor)
         self.zombies = True
         self._tg: anyio.abc.TaskGroup | None = None
@@ -328,7 +318,6 @@ class World:
         def hooked_send_to(agent: str, msg: Any) -> None:
             if isinstance(msg, Settled) and not msg.ok and msg.request_id in self.posted:
                 self.log(f"settled-after-post {proc.agent}->{agent} {msg.request_id}")
-                self.premature_settled.add(msg.request_id)
             send_to(agent, msg)
 
         svc._send_to = hooked_send_to  # type: ignore[method-assign]
@@ -367,7 +356,7 @@ class World:
         n = decode_notif(notif)
         if n is not None and n.chunk == FENCE:
             self.log(f"fence of {n.request_id} fails ({op})")
-            self.fences_lost.add(n.request_id)
+            self.fence_failures[n.request_id] += 1
 
     def on_write(self, src: str, dst: str, notif: bytes, remote_idx: npt.NDArray[np.int32], *,
                  zombie: bool = False) -> None:
@@ -379,11 +368,7 @@ class World:
         rid = n.request_id
         self.log(f"write {src}->{dst} {rid} chunk={n.chunk} pages={pages}{' (zombie)' if zombie else ''}")
         settled = self.settled_at.get((dst, rid))
-        if settled is not None and self.tolerate_premature_settled and rid in self.premature_settled:
-            self.log(f"known: {rid} written after a premature Settled")
-        elif settled is not None and self.tolerate_refused_while_alive and src in self.refused_while_alive:
-            self.log(f"known: {rid} written after its receiver settled on a refused dial")
-        elif settled is not None:
+        if settled is not None:
             self.violation(f"WRITE of {rid} (chunk {n.chunk}) from {src} landed in {dst} pages {pages} "
                            f"after the request settled there at t={settled:.6f}")
         r = self.reqs.get(rid)
@@ -397,7 +382,6 @@ class World:
             agent = str(event.get("agent"))
             if self.fabric.lookup(agent) is not None:  # its NIXL agent (its process) still lives
                 self.log(f"settled-by-refusal while {agent} lives")
-                self.refused_while_alive.add(agent)
         if method in ("error", "critical", "exception") or event.get("exc_info"):
             self.violation(f"kvservice logged an error: {event}")
         self.log(f"log {event.get('event')}")
@@ -708,25 +692,9 @@ class World:
             raise SimFailure(self.failure_message())
 
     def _door_violations(self) -> list[str]:
-        """The doors' violations, less the known one (``tolerate_shutdown_recheck``): while a
-        service shuts down, ``Watchdog.tick()`` plans a second tick while ``run()``'s may be
-        in flight, so both check a handle and the second finds it released (the real door
-        answers GONE from its table; the fake counts it)."""
-        problems = []
-        agents = {p.agent: p for p in self.all_procs}
+        """Every fake door's violations (a check or release after release, ...)."""
         with self.fabric.lock:
-            for door in self.fabric.created:
-                proc = agents.get(door.agent_name)
-                for v in door.violations:
-                    known = (self.tolerate_shutdown_recheck and v.startswith("check(") and "after release" in v
-                             and proc is not None and proc.state in ("stopping", "down"))
-                    if known:
-                        if (door.agent_name, v) not in self._known_seen:
-                            self._known_seen.add((door.agent_name, v))
-                            self.log(f"known: {door.agent_name} {v} while shutting down")
-                    else:
-                        problems.append(f"{door.agent_name}: {v}")
-        return problems
+            return [f"{door.agent_name}: {v}" for door in self.fabric.created for v in door.violations]
 
     def failure_message(self) -> str:
         tail = "\n  ".join(self.trace[-60:])
@@ -746,7 +714,7 @@ class World:
                                "though no link or process fault touched it")
 
     def _fence_excused(self, r: Req) -> bool:
-        return self.tolerate_lost_fences and r.rid in self.fences_lost
+        return self.fence_failures[r.rid] >= FENCE_TRIES
 
     def check_end(self) -> None:
         for proc in self.all_procs:
