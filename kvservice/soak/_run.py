@@ -142,7 +142,14 @@ class Soak:
         s.transfers += 1
         decode = await self._pick_decode(rng)
         src = await self._take(prefill, npages, rng)
-        dst = await self._take(decode, npages, rng) if decode is not None else None
+        dst = None
+        for _ in range(8):  # the chosen decode may be killed (by the soak) while we wait for its pages
+            if decode is None:
+                break
+            dst = await self._take(decode, npages, rng)
+            if dst is not None or not decode.dead.is_set():
+                break
+            decode = await self._pick_decode(rng)
         if decode is None or src is None or dst is None:
             s.hung += 1
             s.note(f"{rid}: no decode or no free pages within {TAKE_S}s")
