@@ -170,18 +170,11 @@ class SimDoor(FakeDoor):
 
 
 class SimFabric(FakeFabric):
+    door_class = SimDoor  # type: ignore[assignment]  # SimDoor takes a SimFabric
+
     def __init__(self, world: World) -> None:
         super().__init__()
         self.world = world
-
-    def factory(self, agent_name: str, config: ServiceConfig) -> FakeDoor:
-        door = SimDoor(self, agent_name)
-        with self.lock:
-            if agent_name in self._doors:
-                raise ValueError(f"agent {agent_name!r} exists already")
-            self._doors[agent_name] = door
-            self.created.append(door)
-        return door
 
 
 @dataclass(eq=False)

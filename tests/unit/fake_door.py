@@ -93,6 +93,9 @@ def _byte_view(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
 class FakeFabric:
     """The shared "network" of fake doors in one process."""
 
+    #: what ``factory`` makes (a subclass of ``FakeDoor`` in the simulation)
+    door_class: type[FakeDoor]
+
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._doors: dict[str, FakeDoor] = {}
@@ -100,7 +103,7 @@ class FakeFabric:
 
     def factory(self, agent_name: str, config: ServiceConfig) -> FakeDoor:
         """``TransferService(door_factory=fabric.factory)``; runs on the door thread."""
-        door = FakeDoor(self, agent_name)
+        door = self.door_class(self, agent_name)
         with self.lock:
             if agent_name in self._doors:
                 raise ValueError(f"agent {agent_name!r} exists already")
@@ -462,3 +465,5 @@ class FakeDoor:
     def closed(self) -> bool:
         return self._closed
 
+
+FakeFabric.door_class = FakeDoor
