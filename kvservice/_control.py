@@ -33,12 +33,12 @@ import anyio
 import anyio.abc
 import structlog
 
-from ._accept import Acceptor, accept_loop
+from ._accept import accept_loop
 from ._addresses import join_address, literal_canonical, resolve_canonical, split_address
 from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
 from ._layout import KVLayout
-from ._peers import CONNECTION_ERRORS, ControlStream, PeerLink
+from ._peers import CONNECTION_ERRORS, ControlStream, PeerLink, recv_join_or_reject, try_send
 from ._protocol import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -48,11 +48,11 @@ from ._protocol import (
     Message,
     Proof,
     Reject,
-    decode_body,
     text,
 )
 from ._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from ._stats import Stats
+from ._transport import ByteListener, TcpTransport, Transport
 from ._trust import checks
 from ._trust.handshake import ACCEPTOR, DIALER, NONCE_BYTES, FrameMac, new_nonce, prove, transcript, verify
 
@@ -73,35 +73,6 @@ class PeerEvents(Protocol):
                      gone: bool) -> None: ...
     def on_peer_linked(self, agent: str) -> None: ...
     def released_by_door(self, xids: list[int]) -> None: ...
-
-
-class ByteListener(Acceptor[anyio.abc.ByteStream], Protocol):
-    """A listener of the control plane (anyio's ``SocketListener`` is one)."""
-
-    async def aclose(self) -> None: ...
-
-
-class Transport(Protocol):
-    """How the control plane reaches the network: TCP by default; the simulation
-    (tests/sim) injects an in-memory one."""
-
-    async def listen(self, host: str, port: int) -> tuple[int, list[ByteListener]]:
-        """Listen on ``host:port``; the port bound and the listeners (one per address)."""
-
-    async def connect(self, host: str, port: int) -> anyio.abc.ByteStream: ...
-
-
-class TcpTransport:
-    async def listen(self, host: str, port: int) -> tuple[int, list[ByteListener]]:
-        multi = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        listeners: list[ByteListener] = []
-        for listener in multi.listeners:
-            assert isinstance(listener, anyio.abc.SocketListener)  # what create_tcp_listener makes
-            listeners.append(listener)
-        return multi.extra(anyio.abc.SocketAttribute.local_port), listeners
-
-    async def connect(self, host: str, port: int) -> anyio.abc.ByteStream:
-        return await anyio.connect_tcp(host, port)
 
 
 @dataclass(frozen=True)
@@ -188,7 +159,7 @@ class ControlPlane:
         framed = ControlStream(stream, self._cfg.max_frame_bytes)
         if self._closing:
             self._handshaking -= 1
-            await _try_send(framed, Reject("this service is shutting down", "shutting_down"))
+            await try_send(framed, Reject("this service is shutting down", "shutting_down"))
             await framed.aclose()
             return
         try:
@@ -314,13 +285,13 @@ class ControlPlane:
                 script = transcript((local.agent, self.address, nonce), (reply.agent, reply.address, reply.nonce))
                 why = verify(local.key, ACCEPTOR, script, reply.proof)
                 if why is not None:
-                    await _try_send(framed, Reject(why, "auth"))
+                    await try_send(framed, Reject(why, "auth"))
                     raise AuthenticationError(f"{address}: {why}")
                 await framed.send(Proof(prove(local.key, DIALER, script)))
                 if local.key is not None:
                     framed.mac = FrameMac(local.key, script, DIALER)
                 await framed.send(local.join)
-                join = await _recv_join_or_reject(framed)
+                join = await recv_join_or_reject(framed)
                 if isinstance(join, Reject):
                     raise _rejected_by(address, join)
                 if not isinstance(join, Join):
@@ -414,15 +385,15 @@ class ControlPlane:
     async def _handshake_failed(self, side: str, framed: ControlStream, exc: Exception) -> None:
         if isinstance(exc, ProtocolError):
             kind = exc.kind
-            await _try_send(framed, Reject(text(str(exc)), kind))
+            await try_send(framed, Reject(text(str(exc)), kind))
         elif isinstance(exc, TimeoutError):
             kind = "handshake_timeout"
         elif isinstance(exc, FrameError):
             kind = "frame"
-            await _try_send(framed, Reject(text(str(exc)), kind))
+            await try_send(framed, Reject(text(str(exc)), kind))
         elif isinstance(exc, DoorError):
             kind = "nixl_refused"
-            await _try_send(framed, Reject(text(f"cannot load this agent into NIXL: {exc}"), kind))
+            await try_send(framed, Reject(text(f"cannot load this agent into NIXL: {exc}"), kind))
         elif isinstance(exc, CONNECTION_ERRORS):
             kind = "handshake_incomplete"
         else:
@@ -529,30 +500,3 @@ def _endpoint_gone(door: Door, agent: str) -> bool:
 def _rejected_by(address: str, reject: Reject) -> ProtocolError:
     message = f"{address} refused us: {reject.message}"
     return AuthenticationError(message) if reject.kind == "auth" else ProtocolError(message, reject.kind or "rejected")
-
-
-async def _recv_join_or_reject(framed: ControlStream) -> Message:
-    """The acceptor's answer to our proof: a sealed Join, or a Reject, which is
-    unsealed when the acceptor refused the proof itself (it has no session key)."""
-    body = await framed.recv_body()
-    if framed.mac is None:
-        return decode_body(body)
-    opened = framed.mac.open(body)
-    if opened is not None:
-        return decode_body(opened)
-    try:
-        msg = decode_body(body)
-    except FrameError:
-        msg = None
-    if isinstance(msg, Reject):
-        return msg
-    raise FrameError("frame failed authentication (forged, altered or replayed)")
-
-
-async def _try_send(framed: ControlStream, msg: Message) -> None:
-    """Best effort: a refusal must not wait on, or fail because of, the peer."""
-    with anyio.move_on_after(1.0):
-        try:
-            await framed.send(msg)
-        except CONNECTION_ERRORS:
-            pass

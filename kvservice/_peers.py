@@ -25,6 +25,7 @@ from ._protocol import (
     FrameError,
     Message,
     Ping,
+    Reject,
     decode_body,
     encode_body,
     encode_frame,
@@ -274,3 +275,30 @@ class PeerLink:
                 self._scope.cancel()
                 return
             self.send(Ping())
+
+
+async def recv_join_or_reject(framed: ControlStream) -> Message:
+    """The acceptor's answer to our proof: a sealed Join, or a Reject, which is
+    unsealed when the acceptor refused the proof itself (it has no session key)."""
+    body = await framed.recv_body()
+    if framed.mac is None:
+        return decode_body(body)
+    opened = framed.mac.open(body)
+    if opened is not None:
+        return decode_body(opened)
+    try:
+        msg = decode_body(body)
+    except FrameError:
+        msg = None
+    if isinstance(msg, Reject):
+        return msg
+    raise FrameError("frame failed authentication (forged, altered or replayed)")
+
+
+async def try_send(framed: ControlStream, msg: Message) -> None:
+    """Best effort: a refusal must not wait on, or fail because of, the peer."""
+    with anyio.move_on_after(1.0):
+        try:
+            await framed.send(msg)
+        except CONNECTION_ERRORS:
+            pass

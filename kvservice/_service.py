@@ -20,7 +20,7 @@ import structlog
 
 from ._addresses import split_address
 from ._config import ServiceConfig
-from ._control import ControlPlane, LocalPeer, Transport
+from ._control import ControlPlane, LocalPeer
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._pool import KVPool
@@ -41,6 +41,7 @@ from ._results import (
     UnknownRequestError,
 )
 from ._stats import Stats
+from ._transport import Transport
 from ._trust.keys import load_key
 from ._watchdog import Watchdog
 
