@@ -118,6 +118,9 @@ async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concur
                 clients.start_soon(client, name="bench-client")
                 await anyio.lowlevel.checkpoint()
     end = time.monotonic()
+    # A run shorter than one tick would have no lag sample: let the ticker's sleep begun
+    # during the run end first (after ``end``, so throughput is not affected).
+    await anyio.sleep(2 * TICK_S)
     lags = ticker.stop()
     return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags,
             "gc_max_s": max(ticker.gc_pauses, default=0.0), "ok": len(lat), "failed": failed[:5],
