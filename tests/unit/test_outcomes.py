@@ -44,9 +44,13 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
                 await anyio.to_thread.run_sync(txd.arrived["release"].wait, GUARD_S)
                 await eventually(lambda: "race" not in tx._outcomes, GUARD_S)  # the Outcome is in
                 gate.set()
+            # The sender's result: once its (hung) handle is released and the Outcome is in.
+            # Only then let the fake finish what still hangs, the settle fence: finishing the
+            # request's own WRITE before its release would be a third race (it lands, the
+            # receiver succeeds, and both agree on SUCCESS).
+            sent = await tx.await_completion(handle)
             txd.complete_immediately()
             await eventually(lambda: txd.finish_hung() >= 1 or txd.live_xfers() == 0, GUARD_S)
-            sent = await tx.await_completion(handle)
             got = await rx.await_settled("race", timeout=GUARD_S)
             assert sent.settled and got.settled, (sent, got)
             if landed:
