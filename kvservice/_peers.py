@@ -18,7 +18,6 @@ import anyio.abc
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ._addresses import split_address
 from ._protocol import (
     HEADER_BYTES,
     Bye,
@@ -34,7 +33,7 @@ from ._protocol import (
 )
 from ._trust.handshake import FrameMac
 
-__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink", "split_address"]
+__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink"]
 
 log = structlog.get_logger("kvservice.peers")
 

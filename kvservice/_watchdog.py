@@ -122,19 +122,14 @@ class Watchdog:
         if (not req.posted or req.fence_src is None or req.dest is None or req.peer is None
                 or req.remote_layout is None):
             return False
-        self.fence_page(req, req.peer, req.remote_layout, req.fence_src, int(req.dest[0]))
-        return True
-
-    def fence_page(self, req: SendRequest, peer: str, remote: KVLayout, src_page: int, dst_page: int) -> None:
-        """Post a fence WRITE of our page ``src_page`` into ``peer``'s ``dst_page`` for
-        ``req`` (its notification: ``FENCE``)."""
-        local = self._layout.descriptor_indices(self._layout.check_pages([src_page]))
         self._fences.append(PostOp(
-            key=(req, FENCE), peer=peer, local_idx=local,
-            remote_idx=remote.descriptor_indices(remote.check_pages([dst_page])),
+            key=(req, FENCE), peer=req.peer,
+            local_idx=self._layout.descriptor_indices(self._layout.check_pages([req.fence_src])),
+            remote_idx=req.remote_layout.descriptor_indices(req.dest[:1]),
             notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE)),
         ))
         self.wake()
+        return True
 
     def forget_fences(self, peer: str) -> None:
         """``peer`` is about to be unloaded (which releases its handles): stop checking

@@ -44,8 +44,9 @@ import anyio
 import anyio.abc
 import numpy.typing as npt
 
+from .._addresses import split_address
 from .._layout import KVLayout
-from .._peers import CONNECTION_ERRORS, FramedStream, split_address
+from .._peers import CONNECTION_ERRORS, FramedStream
 from .._pool import KVPool
 from .._protocol import FrameError
 from .._requests import Recent, check_request_id
