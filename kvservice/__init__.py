@@ -6,8 +6,6 @@ and the original error, never an exception that takes the caller down.
 """
 
 from ._config import ServiceConfig
-from ._layout import KVLayout
-from ._pool import KVPool
 from ._requests import TransferHandle
 from ._results import (
     AuthenticationError,
@@ -25,6 +23,10 @@ from ._results import (
 )
 from ._runtime import freeze_startup_objects
 from ._service import TransferService
+from ._tp import TensorParallel
+from .memory import KVMemory
+from .memory._layout import KVLayout
+from .memory._pool import KVPool
 from .sidecar import SidecarClient
 
 __version__ = "0.1.0"
@@ -34,6 +36,7 @@ __all__ = [
     "ConfigError",
     "FailureReason",
     "KVLayout",
+    "KVMemory",
     "KVPoll",
     "KVPool",
     "KVServiceError",
@@ -42,6 +45,7 @@ __all__ = [
     "ProtocolError",
     "ServiceConfig",
     "SidecarClient",
+    "TensorParallel",
     "TransferFailed",
     "TransferHandle",
     "TransferResult",

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._addresses import is_loopback_host, is_unspecified_host
-from ._layout import KVLayout
 from ._results import ConfigError
 from ._trust.keys import load_key
+from .memory._layout import KVLayout
 
 __all__ = ["LOOPS", "ConfigError", "ServiceConfig"]
 
@@ -58,6 +58,8 @@ class ServiceConfig:
     #: ``async with`` exit waits this long for in-flight work before failing it
     drain_grace_s: float = 5.0
     max_frame_bytes: int = 4 * 1024 * 1024
+    #: a request's ``send(payload=)``, travelling in its last chunk's NIXL notification
+    max_payload_bytes: int = 16 * 1024
     #: finished requests remembered (for late ``await_*`` calls and sticky failures)
     results_kept: int = 10_000
     agent_prefix: str = "kvservice"
@@ -92,7 +94,7 @@ class ServiceConfig:
             "bootstrap_timeout_s", "transfer_timeout_s", "arrival_timeout_s",
             "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
             "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
-            "max_checks_per_tick", "max_frame_bytes", "results_kept",
+            "max_checks_per_tick", "max_frame_bytes", "max_payload_bytes", "results_kept",
             "max_handshakes", "max_peers", "max_outbox_bytes", "max_unknown_expects",
             "unknown_expect_ttl_s", "max_live_requests",
         )

@@ -37,7 +37,6 @@ from ._accept import accept_loop
 from ._addresses import join_address, literal_canonical, resolve_canonical, split_address
 from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
-from ._layout import KVLayout
 from ._peers import CONNECTION_ERRORS, ControlStream, PeerLink, recv_join_or_reject, try_send
 from ._protocol import (
     PREAUTH_FRAME_BYTES,
@@ -55,6 +54,8 @@ from ._stats import Stats
 from ._transport import ByteListener, TcpTransport, Transport
 from ._trust import checks
 from ._trust.handshake import ACCEPTOR, DIALER, NONCE_BYTES, FrameMac, new_nonce, prove, transcript, verify
+from .memory._pairing import PeerKV
+from .memory._regions import KVMemory
 
 log = structlog.get_logger("kvservice.control")
 
@@ -80,8 +81,8 @@ class LocalPeer:
     """This service as peers see it."""
 
     agent: str
-    layout: KVLayout
-    join: Join  # our NIXL metadata and pool, sent to authenticated peers only
+    memory: KVMemory
+    join: Join  # our NIXL metadata and KV memory, sent to authenticated peers only
     key: bytes | None  # the cluster's shared key; None: unauthenticated (loopback)
 
 
@@ -89,7 +90,7 @@ class LocalPeer:
 class Peer:
     agent: str
     address: str  # as it advertises itself
-    layout: KVLayout  # its pool
+    kv: PeerKV  # its KV memory, paired with ours
     link: PeerLink
     canonicals: set[str] = field(default_factory=set)  # canonical addresses that name it
 
@@ -325,9 +326,10 @@ class ControlPlane:
 
     async def _admit(self, framed: ControlStream, hello: Hello, join: Join, dialled: str | None = None) -> Peer:
         """Check an authenticated peer's pool, load it into NIXL and link it (raises ``ProtocolError``)."""
-        layout, why = checks.check_pool(self._local.layout, join.layout, join.num_pages, join.base_addr)
-        if layout is None:
-            raise ProtocolError(why or "invalid pool", "incompatible")
+        memory, why = checks.check_memory(self._local.memory, join.memory)
+        if memory is None:
+            raise ProtocolError(why or "invalid KV memory", "incompatible")
+        kv = PeerKV.of(self._local.memory, memory)
         try:
             canon = await self.canonical(hello.address)
         except (OSError, ValueError) as exc:
@@ -358,14 +360,14 @@ class ControlPlane:
                 await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
                                         gone=True)  # a new incarnation holds its address
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
-                await self._thread.call(_load, self._door, agent, join, layout)  # DoorError: refused
+                await self._thread.call(_load, self._door, agent, join, kv)  # DoorError: refused
             link = PeerLink(
                 framed, agent=agent, address=hello.address, generation=next(self._generations),
                 on_message=self._on_message, on_lost=self._on_lost, on_refused=self._stats.refuse,
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, layout, link, {canon} | ({dialled} if dialled else set()))
+            peer = Peer(agent, hello.address, kv, link, {canon} | ({dialled} if dialled else set()))
             self._peers[agent] = peer
             for c in peer.canonicals:
                 self._by_addr[c] = agent
@@ -454,9 +456,9 @@ class ControlPlane:
         peer = self._peers.get(agent)
         return peer.link.generation if peer is not None else None
 
-    def remote_layout(self, agent: str) -> KVLayout | None:
+    def peer_kv(self, agent: str) -> PeerKV | None:
         peer = self._peers.get(agent)
-        return peer.layout if peer is not None else None
+        return peer.kv if peer is not None else None
 
     def drop_peer(self, agent: str, cause: BaseException) -> None:
         """Close the link to ``agent``; its loss is then handled as any other."""
@@ -479,9 +481,10 @@ class ControlPlane:
                 tg.start_soon(peer.link.flush_and_close, timeout)
 
 
-def _load(door: Door, agent: str, join: Join, layout: KVLayout) -> None:
-    """On the door thread: the peer's descriptor table, then its NIXL agent."""
-    door.add_peer(agent, join.metadata, layout.descriptor_table(join.base_addr, join.device_id))
+def _load(door: Door, agent: str, join: Join, kv: PeerKV) -> None:
+    """On the door thread: the descriptor tables of the pair, then the peer's NIXL agent."""
+    remote, local = kv.tables()
+    door.add_peer(agent, join.metadata, remote, None if local is None else (kv.local_key, local))
 
 
 #: the notification that asks NIXL whether a peer's endpoint is still there

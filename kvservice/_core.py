@@ -24,7 +24,6 @@ from ._config import ServiceConfig
 from ._control import ControlPlane
 from ._deadlines import Deadlines
 from ._door import DoorError
-from ._layout import KVLayout
 from ._protocol import FENCE, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
@@ -45,9 +44,7 @@ class ServiceCore:
     creates the state (``_init_state``) and the collaborators."""
 
     config: ServiceConfig
-    layout: KVLayout
     stats: Stats
-    _page_bytes: int
     _tg: anyio.abc.TaskGroup | None
     _watchdog: Watchdog | None
     _control: ControlPlane | None
@@ -97,13 +94,16 @@ class ServiceCore:
                        f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)
             return
         assert self._control is not None
-        remote = self._control.remote_layout(peer)
-        if remote is None:  # the peer is gone (its loss fails what was bound to it)
+        kv = self._control.peer_kv(peer)
+        if kv is None:  # the peer is gone (its loss fails what was bound to it)
             self._fail(req, FailureReason.PEER_LOST, "receiver lost before the request was bound", peer=peer)
+            return
+        if kv.out is None:  # e.g. tensor-parallel ranks that hold none of each other's KV heads
+            self._fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer)
             return
         req.peer = peer
         req.link_generation = self._control.generation_of(peer)
-        req.remote_layout = remote
+        req.kv = kv
         req.dest = pages
         req.deadline = time.monotonic() + (req.timeout or self.config.transfer_timeout_s)
         self._deadlines.push(req)  # due_at() is now the transfer deadline
@@ -166,9 +166,9 @@ class ServiceCore:
             self._control.send_to(agent, msg)
 
     # -- watchdog callbacks (Owner) ---------------------------------------------------
-    def chunk_done(self, req: SendRequest, npages: int) -> None:
+    def chunk_done(self, req: SendRequest, nbytes: int) -> None:
         req.chunks_done += 1
-        req.bytes_done += npages * self._page_bytes
+        req.bytes_done += nbytes
         if req.complete and req.result is None:
             self._finish(req, make_result(req, TransferStatus.SUCCESS, nbytes=req.bytes_done,
                                           pages=req.pages_queued))
@@ -199,11 +199,23 @@ class ServiceCore:
                 req.chunks_seen += 1
                 if n.total:
                     req.total_chunks = n.total
+                    if n.payload is not None and len(n.payload) > self.config.max_payload_bytes:
+                        self.stats.refuse("payload_limit")
+                        self._fail(req, FailureReason.INCOMPATIBLE, (
+                            f"payload of {len(n.payload)} bytes exceeds max_payload_bytes "
+                            f"({self.config.max_payload_bytes})"))
+                        continue
+                    req.payload = n.payload
                 if req.total_chunks is not None and req.chunks_seen >= req.total_chunks:
-                    assert req.pages is not None
-                    self._finish(req, make_result(
-                        req, TransferStatus.SUCCESS, nbytes=self.layout.bytes_for(req.pages.size),
-                        pages=int(req.pages.size)))
+                    self._arrived(req, agent)
+
+    def _arrived(self, req: RecvRequest, agent: str) -> None:
+        assert req.pages is not None and self._control is not None
+        kv = self._control.peer_kv(agent)
+        npages = int(req.pages.size)
+        self._finish(req, make_result(
+            req, TransferStatus.SUCCESS, nbytes=npages * (kv.inbound_page_bytes if kv else 0), pages=npages,
+            payload=req.payload))
 
     def check_deadlines(self, now: float) -> None:
         for req in self._deadlines.pop_due(now):
@@ -256,11 +268,11 @@ class ServiceCore:
     def _on_expect(self, agent: str, msg: Expect) -> None:
         assert self._control is not None
         rid = msg.request_id
-        remote = self._control.remote_layout(agent)
-        if remote is None:
+        kv = self._control.peer_kv(agent)
+        if kv is None:
             return  # its link is being dropped
         try:
-            pages = remote.check_pages(msg.pages)
+            pages = kv.memory.check_pages(msg.pages)
         except ValueError as exc:
             self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, str(exc))
             return
@@ -415,7 +427,8 @@ class ServiceCore:
             req.result = dataclasses.replace(
                 req.result, status=TransferStatus.SUCCESS, reason=None, error=None,
                 message=f"the receiver had every page before {was} took effect",
-                bytes=req.pages_queued * self._page_bytes, pages=req.pages_queued)
+                bytes=req.pages_queued * (req.kv.out.page_bytes if req.kv and req.kv.out else 0),
+                pages=req.pages_queued)
             self._sends_done.put(req.request_id, req.result)
         self._maybe_done(req)
 

@@ -25,7 +25,7 @@ import enum
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -36,6 +36,10 @@ from ._results import FailureReason
 
 XferId = int
 T = TypeVar("T")
+#: memory to register: (address, bytes, device id)
+Segment = tuple[int, int, int]
+#: a local descriptor table for some peers, and the key it is shared under
+LocalTable = tuple[Hashable, npt.NDArray[np.uint64]]
 
 
 class XferState(enum.Enum):
@@ -65,11 +69,15 @@ class Door(Protocol):
         """The agent name inside a peer's metadata, or None if unreadable.  Pure:
         the one door method that may run on any thread (it touches no agent)."""
 
-    def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
-        """Register the KV pool and prepare its descriptor table as the local side."""
+    def register(self, segments: Sequence[Segment], mem_type: str, table: npt.NDArray[np.uint64]) -> None:
+        """Register the KV memory's segments (``mem_type`` DRAM or VRAM) and prepare
+        ``table`` (every page of every region) as the local side of transfers."""
 
-    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
-        """Load a peer agent (replacing one of that name) and prepare its pool table."""
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64],
+                 local: LocalTable | None = None) -> None:
+        """Load a peer agent (replacing one of that name) and prepare its descriptor
+        table; transfers to it use ``local`` as their local side (prepared once per key,
+        shared by the peers with that key) or, when None, the table of ``register``."""
 
     def remove_peer(self, name: str) -> list[XferId]:
         """Release every handle to ``name``, then unload it.  Returns the released ids."""

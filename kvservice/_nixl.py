@@ -19,14 +19,14 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
-from ._door import DoorError, XferId, XferState
+from ._door import DoorError, LocalTable, Segment, XferId, XferState
 from ._results import FailureReason, NixlUnavailable
 
 log = structlog.get_logger("kvservice.nixl")
@@ -163,8 +163,9 @@ class NixlDoor:
         self._owner = threading.get_ident()
         self._reg: Any = None
         self._mem_type = "DRAM"
-        self._local: Any = None  # prepped local dlist
-        self._peers: dict[str, Any] = {}  # name -> prepped remote dlist
+        self._local: Any = None  # prepped local dlist (every page of every region)
+        self._locals: dict[Hashable, Any] = {}  # key -> prepped local dlist for some peers
+        self._peers: dict[str, tuple[Any, Any]] = {}  # name -> (prepped remote dlist, local dlist)
         self._xfers: dict[XferId, tuple[Any, str]] = {}  # id -> (nixl handle, peer)
         self._next_id = 1
         self._closed = False
@@ -181,13 +182,26 @@ class NixlDoor:
     def metadata_agent(self, metadata: bytes) -> str | None:
         return metadata_agent(metadata)
 
-    def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
+    def register(self, segments: Sequence[Segment], mem_type: str, table: npt.NDArray[np.uint64]) -> None:
         self._check_thread()
-        self._mem_type = "VRAM" if getattr(tensor, "is_cuda", False) else "DRAM"
-        self._reg = self._agent.register_memory(tensor)
-        self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem_type)
+        self._mem_type = mem_type
+        try:
+            self._reg = self._agent.register_memory([(a, n, d, "") for a, n, d in segments], mem_type)
+            self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type)
+        except NIXL_ERRORS as exc:
+            raise DoorError(classify(exc), exc, "register_memory") from exc
 
-    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
+    def _local_for(self, local: LocalTable | None) -> Any:
+        if local is None:
+            return self._local
+        key, table = local
+        dlist = self._locals.get(key)
+        if dlist is None:
+            dlist = self._locals[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self._mem_type)
+        return dlist
+
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64],
+                 local: LocalTable | None = None) -> None:
         self._check_thread()
         inside = metadata_agent(metadata)
         if inside != name:
@@ -213,7 +227,7 @@ class NixlDoor:
                 "add_remote_agent",
             )
         try:
-            self._peers[name] = self._agent.prep_xfer_dlist(name, table, self._mem_type)
+            self._peers[name] = (self._agent.prep_xfer_dlist(name, table, self._mem_type), self._local_for(local))
             # Pay the connection set-up (15-20 ms) now rather than on the first request.
             self._agent.make_connection(name)
         except NIXL_ERRORS as exc:
@@ -225,9 +239,9 @@ class NixlDoor:
         released = [xid for xid, (_, peer) in self._xfers.items() if peer == name]
         for xid in released:
             self.release(xid)
-        dlist = self._peers.pop(name, None)
-        if dlist is not None:
-            dlist.release()
+        entry = self._peers.pop(name, None)
+        if entry is not None:
+            entry[0].release()
             try:
                 self._agent.remove_remote_agent(name)
             except NIXL_ERRORS as exc:
@@ -240,14 +254,13 @@ class NixlDoor:
         notif: bytes,
     ) -> tuple[XferId, XferState]:
         self._check_thread()
-        remote = self._peers.get(peer)
-        if remote is None:
+        entry = self._peers.get(peer)
+        if entry is None:
             err = KeyError(f"peer {peer!r} not loaded")
             raise DoorError(FailureReason.PEER_LOST, err, "make_prepped_xfer")
+        remote, local = entry
         try:
-            handle = self._agent.make_prepped_xfer(
-                "WRITE", self._local, local_idx, remote, remote_idx, notif
-            )
+            handle = self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx, notif)
         except NIXL_ERRORS as exc:
             raise DoorError(classify(exc), exc, "make_prepped_xfer") from exc
         xid = self._next_id
@@ -320,6 +333,9 @@ class NixlDoor:
             self.release(xid)
         for name in list(self._peers):
             self.remove_peer(name)
+        for dlist in self._locals.values():
+            dlist.release()
+        self._locals.clear()
         if self._local is not None:
             self._local.release()
             self._local = None

@@ -17,8 +17,15 @@ per line on stdin, writes one event per line on stdout::
     -> {"op": "await_settled", "rid": "r1", "timeout": 10}  <- {"event": "settled", "settled": true, ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
 
-Payloads are a deterministic pattern per request id (``pattern``), so the
+Pages hold a deterministic pattern per request id (``pattern``), so the
 receiver verifies every byte without the sender shipping a checksum.
+
+With ``"engine": {...}`` in its config (a ``memory.synthetic.EngineSpec``) the
+child moves engine-shaped tensors (``memory=``) instead of its own pool; ``fill``
+and ``verify`` then take ``"pattern"`` (the request id whose pattern to use, default
+``rid``; tensor-parallel sub-requests share their request's) and ``"layers"``
+(``[lo, hi]``), ``send`` takes ``"layers"`` and ``"payload"`` (text), and
+``arrived`` reports the payload and leaves verification to ``verify``.
 """
 
 from __future__ import annotations
@@ -40,9 +47,10 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._config import ServiceConfig
-from ._layout import KVLayout
-from ._pool import KVPool, torch_dtype
 from ._results import KVServiceError, TransferResult
+from .memory._layout import KVLayout
+from .memory._pool import KVPool, torch_dtype
+from .memory.synthetic import EngineSpec, SyntheticKV
 
 # -- the payload pattern -------------------------------------------------------------
 
@@ -80,6 +88,8 @@ async def _child(config_json: str) -> None:
     raw = json.loads(config_json)
     layout = KVLayout(**raw.pop("layout", {}))
     sidecar = raw.pop("sidecar", None)  # a daemon's socket: drive it instead of an own service
+    spec = raw.pop("engine", None)
+    synthetic = SyntheticKV(EngineSpec(**spec)) if spec is not None else None
     config = ServiceConfig(layout=layout, **raw)
     out_lock = anyio.Lock()
 
@@ -88,7 +98,9 @@ async def _child(config_json: str) -> None:
             sys.stdout.write(json.dumps(obj) + "\n")
             sys.stdout.flush()
 
-    engine: TransferService | SidecarClient = SidecarClient(sidecar) if sidecar else TransferService(config)
+    engine: TransferService | SidecarClient = (
+        SidecarClient(sidecar) if sidecar
+        else TransferService(config, memory=synthetic.memory if synthetic else None))
     async with engine as svc, anyio.create_task_group() as tg:
         freeze_startup_objects()
         await emit({"event": "ready", "address": svc.address, "agent": svc.agent_name, "pid": os.getpid()})
@@ -100,10 +112,11 @@ async def _child(config_json: str) -> None:
         async def wait_arrival(rid: str, pages: list[int], timeout: float | None) -> None:
             result = await svc.await_arrival(rid, timeout=timeout)
             verified = None
-            if result.ok:  # CPU work: off the event loop
+            if result.ok and synthetic is None:  # CPU work: off the event loop
                 verified = await anyio.to_thread.run_sync(
                     lambda: bool(torch.equal(svc.kv.pages(pages), pattern(layout, rid, len(pages)))))
-            await emit(result_event("arrived", result, verified=verified))
+            payload = result.payload.decode(errors="replace") if result.payload is not None else None
+            await emit(result_event("arrived", result, verified=verified, payload=payload))
 
         async def wait_settled(rid: str, base: dict[str, Any], timeout: float | None) -> None:
             try:
@@ -122,12 +135,20 @@ async def _child(config_json: str) -> None:
             op, rid = cmd.get("op"), cmd.get("rid")
             base = {"id": cmd.get("id"), "rid": rid}
             try:
-                if op == "fill":
+                layers = range(*cmd["layers"]) if cmd.get("layers") else None
+                if synthetic is not None and op in ("fill", "verify", "untouched"):
+                    await emit(await anyio.to_thread.run_sync(_synthetic_op, synthetic, op, cmd, layers, base))
+                elif op == "fill":
                     data = await anyio.to_thread.run_sync(pattern, layout, rid, len(cmd["pages"]))
                     await anyio.to_thread.run_sync(svc.kv.write, cmd["pages"], data)
                     await emit({"event": "filled", **base})
                 elif op == "send":
-                    handle = await svc.send(rid, cmd["pages"], last=cmd.get("last", True))
+                    extra: dict[str, Any] = {}
+                    if layers is not None:
+                        extra["layers"] = layers
+                    if cmd.get("payload") is not None:
+                        extra["payload"] = cmd["payload"].encode()
+                    handle = await svc.send(rid, cmd["pages"], last=cmd.get("last", True), **extra)
                     await emit({"event": "sent", **base, "poll": handle.poll().name})
                     if cmd.get("last", True):
                         tg.start_soon(wait_sent, handle, cmd.get("timeout"))
@@ -157,6 +178,17 @@ async def _child(config_json: str) -> None:
                 await emit({"event": "error", **base, "type": type(exc).__name__, "message": str(exc)})
         tg.cancel_scope.cancel()
     await emit({"event": "exited"})
+
+
+def _synthetic_op(kv: SyntheticKV, op: str, cmd: dict[str, Any], layers: range | None,
+                  base: dict[str, Any]) -> dict[str, Any]:
+    if op == "untouched":
+        return {"event": "untouched", **base, "ok": kv.untouched(cmd["pages"])}
+    key = cmd.get("pattern") or cmd["rid"]
+    if op == "fill":
+        kv.fill(key, cmd["pages"], layers)
+        return {"event": "filled", **base}
+    return {"event": "verified", **base, "ok": kv.holds(key, cmd["pages"], layers)}
 
 
 def main() -> None:

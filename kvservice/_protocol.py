@@ -30,7 +30,8 @@ import msgspec
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION = 2
+#: 3: Join describes the KV memory as regions (``MemoryWire``); ChunkNotif carries a payload
+PROTOCOL_VERSION = 3
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 #: the largest frame read before the peer has proved the key (Hello, Proof, Reject)
@@ -45,8 +46,11 @@ _Proof = Annotated[bytes, msgspec.Meta(max_length=32)]
 MAX_TEXT = 4096
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 _Reason = Annotated[str, msgspec.Meta(max_length=64)]
-_LayoutKey = Annotated[str, msgspec.Meta(max_length=32)]
-_LayoutValue = str | Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+_U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack: < 2**64
+_Small = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+_Name = Annotated[str, msgspec.Meta(max_length=16)]
+#: regions a Join may describe (a layer has at most two: K and V)
+MAX_REGIONS = 4096
 
 
 def text(s: str) -> str:
@@ -70,14 +74,36 @@ class Proof(msgspec.Struct, tag="proof", frozen=True):
     proof: _Proof
 
 
+class RegionWire(msgspec.Struct, array_like=True, frozen=True):
+    """One ``memory.Region`` (checked again, with context, by ``_trust.checks``)."""
+
+    addr: _U64
+    page_stride: _U64
+    layer: _Small
+    kind: _Name
+    dtype: _Name
+    tokens: _Small
+    heads: _Small
+    head_dim: _Small
+    order: _Name
+    device_id: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+
+
+class MemoryWire(msgspec.Struct, frozen=True):
+    """A ``memory.KVMemory`` as a peer sees it: where and how its pages lie."""
+
+    num_pages: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    regions: Annotated[list[RegionWire], msgspec.Meta(min_length=1, max_length=MAX_REGIONS)]
+    mem_type: _Name = "DRAM"
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
+
+
 class Join(msgspec.Struct, tag="join", frozen=True):
-    """What a peer needs to write into our pool; sent only to an authenticated peer."""
+    """What a peer needs to write into our KV memory; sent only to an authenticated peer."""
 
     metadata: Annotated[bytes, msgspec.Meta(min_length=1)]  # NIXL agent metadata
-    layout: Annotated[dict[_LayoutKey, _LayoutValue], msgspec.Meta(max_length=16)]  # KVLayout.wire_shape()
-    num_pages: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
-    base_addr: Annotated[int, msgspec.Meta(ge=1)]  # the pool's first byte (msgpack: < 2**64)
-    device_id: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    memory: MemoryWire
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -146,6 +172,9 @@ class ChunkNotif(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     chunk: int  # FENCE: the settle fence, not a chunk
     total: int  # number of chunks of the request when this is the last one, else 0
+    #: the request's payload (``send(payload=)``), on its last chunk only: it arrives
+    #: with the notification that completes the request
+    payload: bytes | None = None
 
 
 #: ``ChunkNotif.chunk`` of the fence WRITE a sender posts after releasing a failed

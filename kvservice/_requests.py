@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import Generic, NoReturn, Protocol, TypeVar
 
 from ._door import XferId
-from ._layout import KVLayout, PageIndex
 from ._results import (
     FailureReason,
     KVPoll,
     TransferResult,
     TransferStatus,
 )
+from .memory._layout import PageIndex
+from .memory._pairing import PeerKV
 
 
 class DoneEvent(Protocol):
@@ -45,17 +46,36 @@ class _Request:
         return self.result is not None
 
 
+@dataclass(slots=True)
+class Chunk:
+    """Pages ``src`` of layers ``lo:hi``, going to the request's destination pages
+    from position ``pos`` on."""
+
+    src: PageIndex
+    pos: int
+    lo: int
+    hi: int
+
+
 @dataclass(eq=False, slots=True)
 class SendRequest(_Request):
-    """Sender side.  Chunks queue in ``pending`` until the destination is known."""
+    """Sender side.  Chunks queue in ``pending`` until the destination is known.
+
+    Positions: each layer has a cursor, the number of the request's pages sent for
+    it so far; a chunk of layers ``lo:hi`` goes to the positions from their (equal)
+    cursor on, so every (page, layer) is sent exactly once.  While every layer's
+    cursor is the same (the common case: whole pages), ``cursors`` is None and
+    ``pages_queued`` is that cursor."""
 
     bootstrap_deadline: float = 0.0
     receiver: str | None = None  # canonical address the request is pinned to (send(receiver=))
     peer: str | None = None  # destination agent, once the receiver's Expect arrived
-    remote_layout: KVLayout | None = None
+    kv: PeerKV | None = None  # the receiver's memory, paired with ours
     dest: PageIndex | None = None
-    pending: deque[PageIndex] = field(default_factory=deque)
-    pages_queued: int = 0  # all pages the engine handed us so far
+    pending: deque[Chunk] = field(default_factory=deque)
+    pages_queued: int = 0  # positions the engine has sent some layer of (the largest cursor)
+    cursors: list[int] | None = None  # per layer, when they differ (layer-wise sends)
+    payload: bytes | None = None  # delivered with the last chunk
     offset: int = 0  # destination pages already assigned to posted chunks
     chunks_posted: int = 0
     chunks_done: int = 0
@@ -64,7 +84,7 @@ class SendRequest(_Request):
     posting: int = 0  # chunks on the door thread, outcome not back yet
     releasing: int = 0  # handles queued for release, not confirmed by the door yet
     timeout: float | None = None  # the caller's send(timeout=), counted from the bind
-    fence_src: int | None = None  # a source page of the first chunk (for the settle fence)
+    fence_src: Chunk | None = None  # one page of one layer of the first chunk (the settle fence)
     posted: bool = False  # some post of it returned a handle: a WRITE may exist
     fences: int = 0  # settle fences posted
     outcome_due: float | None = None  # told the receiver Failed: since when its Outcome is awaited
@@ -109,6 +129,7 @@ class RecvRequest(_Request):
     total_chunks: int | None = None
     #: the sender's settle fence arrived before its failure did (the control link is slower)
     fenced: bool = False
+    payload: bytes | None = None  # the sender's, from the last chunk's notification
 
     def due_at(self) -> float:
         return self.deadline
@@ -121,14 +142,36 @@ class RecvRequest(_Request):
         return KVPoll.Transferring if self.chunks_seen else KVPoll.WaitingForInput
 
 
+def place(pages_queued: int, cursors: list[int] | None, npages: int, lo: int, hi: int,
+          layers: int) -> tuple[int, list[int] | None, int]:
+    """Where a request's next ``npages`` pages of layers ``lo:hi`` go (``SendRequest``'s
+    positions): their position, the cursors after them (None: all equal) and the largest
+    cursor.  Raises ``ValueError`` when those layers have been sent up to different pages."""
+    if cursors is None:
+        if lo == 0 and hi == layers:
+            return pages_queued, None, pages_queued + npages
+        cursors = [pages_queued] * layers
+    else:
+        cursors = list(cursors)
+    pos = cursors[lo]
+    if any(c != pos for c in cursors[lo:hi]):
+        raise ValueError(f"layers {lo}..{hi - 1} have been sent up to different pages "
+                         f"({cursors[lo:hi]}); send them in separate calls")
+    for layer in range(lo, hi):
+        cursors[layer] += npages
+    top = max(cursors)
+    return pos, (None if min(cursors) == top else cursors), top
+
+
 def make_result(
     req: _Request, status: TransferStatus, *, reason: FailureReason | None = None,
     error: BaseException | None = None, message: str = "", nbytes: int = 0, pages: int = 0,
+    payload: bytes | None = None,
 ) -> TransferResult:
     return TransferResult(
         request_id=req.request_id, status=status, reason=reason, error=error, message=message,
         bytes=nbytes, pages=pages, created_at=req.created, started_at=req.started_at,
-        finished_at=time.monotonic(), settled=status is TransferStatus.SUCCESS,
+        finished_at=time.monotonic(), settled=status is TransferStatus.SUCCESS, payload=payload,
     )
 
 

@@ -7,6 +7,7 @@ error.  Programming errors (bad arguments, unknown requests) raise at once.
 
 from __future__ import annotations
 
+import builtins
 import enum
 from dataclasses import dataclass
 
@@ -114,7 +115,10 @@ class TransferResult:
     finished_at: float = 0.0
     #: no WRITE of this request can land any more: on the receiver its pages may be
     #: reused (see ``TransferService.await_settled``); on the sender its source pages
+    #: may be overwritten
     settled: bool = False
+    #: on the receiver of a successful request, the sender's ``send(payload=)``
+    payload: builtins.bytes | None = None
 
     @property
     def ok(self) -> bool:

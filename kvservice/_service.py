@@ -23,16 +23,18 @@ from ._config import ServiceConfig
 from ._control import ControlPlane, LocalPeer
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
-from ._pool import KVPool
 from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
+    Chunk,
     RecvRequest,
     SendRequest,
     TransferHandle,
     check_request_id,
     make_result,
+    place,
 )
 from ._results import (
+    ConfigError,
     FailureReason,
     KVPoll,
     KVServiceError,
@@ -44,6 +46,8 @@ from ._stats import Stats
 from ._transport import Transport
 from ._trust.keys import load_key
 from ._watchdog import Watchdog
+from .memory._pool import KVPool
+from .memory._regions import KVMemory, memory_to_wire, regions_table
 
 log = structlog.get_logger("kvservice")
 
@@ -67,13 +71,21 @@ class TransferService(ServiceCore):
     """
 
     def __init__(
-        self, config: ServiceConfig | None = None, *, pool: Any = None,
+        self, config: ServiceConfig | None = None, *, pool: Any = None, memory: KVMemory | None = None,
         door_factory: DoorFactory | None = None,
         thread_factory: Callable[[], DoorThread] = DoorThread, transport: Transport | None = None,
     ) -> None:
+        """``memory``: the engine's own KV (``kvservice.memory``: ``sglang_mha``,
+        ``vllm_blocks``, ``mla``, ...), registered as it is.  Without it the service
+        allocates its own pool shaped by ``config.layout`` (``pool``: a tensor of that
+        shape to use instead), available as ``kv``."""
         self.config = config or ServiceConfig()
+        if memory is not None and pool is not None:
+            raise ConfigError("memory= and pool= are exclusive: memory describes the engine's KV itself")
+        if memory is not None and not isinstance(memory, KVMemory):
+            raise ConfigError(f"memory: expected a kvservice.memory.KVMemory, got {type(memory).__name__}")
         self.layout = self.config.layout
-        self._page_bytes = self.layout.page_bytes
+        self._memory = memory
         self._pool_tensor = pool
         self._kv: KVPool | None = None
         self.agent_name = f"{self.config.agent_prefix}-{uuid.uuid4().hex[:12]}"
@@ -92,10 +104,20 @@ class TransferService(ServiceCore):
 
     @property
     def kv(self) -> KVPool:
-        """The registered KV pool (available once the service has started)."""
+        """The service's own KV pool (once the service has started; not with ``memory=``)."""
         if self._kv is None:
+            if self._memory is not None:
+                raise KVServiceError("this service moves the engine's memory (memory=); it has no pool of its own")
             raise KVServiceError("the KV pool exists once the service has started ('async with')")
         return self._kv
+
+    @property
+    def memory(self) -> KVMemory:
+        """The KV memory this service registers and moves pages of (once started, or
+        from the start when given as ``memory=``)."""
+        if self._memory is None:
+            raise KVServiceError("the KV memory exists once the service has started ('async with')")
+        return self._memory
 
     # -- lifetime ---------------------------------------------------------------
     async def __aenter__(self) -> TransferService:
@@ -119,9 +141,13 @@ class TransferService(ServiceCore):
         self._thread = self._thread_factory()
         # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
         # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
-        self._kv = await self._thread.call(KVPool, self.layout, self._pool_tensor)
+        if self._memory is None:
+            self._kv = await self._thread.call(KVPool, self.layout, self._pool_tensor)
+            self._memory = self._kv.memory
+        memory = self._memory
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
-        await self._thread.call(self._door.register_pool, self.kv.tensor, self.kv.descriptor_table())
+        table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
+        await self._thread.call(self._door.register, memory.segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
         key = None
         if cfg.auth_key_file is not None:
@@ -129,12 +155,9 @@ class TransferService(ServiceCore):
         elif not cfg.loopback_only:
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port can peer with it")
-        kv = self.kv
-        local = LocalPeer(self.agent_name, self.layout, Join(
-            metadata=metadata, layout=dict(self.layout.wire_shape()), num_pages=self.layout.num_pages,
-            base_addr=kv.base_addr, device_id=kv.device_id), key)
+        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key)
         self._watchdog = Watchdog(
-            self._thread, self._door, self.layout, self,
+            self._thread, self._door, memory, self,
             poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
             max_post_bytes=cfg.max_post_bytes_per_tick,
@@ -145,7 +168,7 @@ class TransferService(ServiceCore):
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         log.info("service.started", address=self.address, agent=self.agent_name,
-                 pool_bytes=self.layout.pool_bytes, authenticated=key is not None)
+                 kv_bytes=memory.nbytes, regions=len(memory.regions), authenticated=key is not None)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -197,7 +220,8 @@ class TransferService(ServiceCore):
 
     # -- sending side -------------------------------------------------------------
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
-                   timeout: float | None = None, receiver: str | None = None) -> TransferHandle:
+                   timeout: float | None = None, receiver: str | None = None,
+                   layers: range | None = None, payload: bytes | None = None) -> TransferHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver; never waits for the copy.
 
         ``timeout`` (seconds, default ``transfer_timeout_s``) bounds the whole
@@ -205,10 +229,28 @@ class TransferService(ServiceCore):
         ("host:port", on the first chunk) pins the request to that decode: an
         Expect for it from any other peer is refused (``REFUSED`` there) and
         counted.  Without it the first Expect for the id binds it.
+
+        ``layers`` (a ``range``; default all) sends only those layers of the pages,
+        so a prefill can send each layer as its forward pass produces it.  Each
+        layer keeps its own position in the request: a call's pages go to the
+        receiver's pages from that position on, so every (page, layer) is sent
+        exactly once; the call with ``last=True`` must leave every layer at the
+        receiver's page count.  ``payload`` (with ``last=True``; at most
+        ``max_payload_bytes``) reaches the receiver's result with its success.
         """
         self._check_open()
         check_request_id(request_id)
-        src = self.layout.check_pages(pages)
+        memory = self.memory
+        src = memory.check_pages(pages)
+        lo, hi = memory.check_layers(layers)
+        if payload is not None:
+            if not isinstance(payload, bytes):
+                raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
+            if not last:
+                raise ValueError("payload goes with the last chunk (last=True)")
+            if len(payload) > self.config.max_payload_bytes:
+                raise ValueError(f"payload of {len(payload)} bytes exceeds max_payload_bytes "
+                                 f"({self.config.max_payload_bytes})")
         req = self._sends.get(request_id)
         pinned: str | None = None
         if receiver is not None:
@@ -225,7 +267,14 @@ class TransferService(ServiceCore):
                 return TransferHandle(SendRequest.ended(done))  # sticky failure: not posted
         elif req.last:
             raise ValueError(f"request {request_id!r}: send after last=True")
-        queued = (req.pages_queued if req else 0) + int(src.size)
+        try:
+            pos, cursors, queued = place(req.pages_queued if req else 0, req.cursors if req else None,
+                                         int(src.size), lo, hi, memory.layers)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
+        if last and cursors is not None:
+            raise ValueError(f"request {request_id!r}: the last chunk leaves layers at different pages "
+                             f"({cursors}); every layer must reach the same page count")
         dest = req.dest if req else None
         if dest is None and req is None:
             dest = self._early.pages_of(request_id)
@@ -238,9 +287,11 @@ class TransferService(ServiceCore):
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
             req = self._new_send(request_id, timeout, pinned)
-        req.pending.append(src)
+        req.pending.append(Chunk(src, pos, lo, hi))
         req.pages_queued = queued
+        req.cursors = cursors
         req.last = last
+        req.payload = payload
         if timeout is not None:
             req.timeout = timeout
             if req.peer is not None:  # bound: from now; else the bind starts it
@@ -318,7 +369,7 @@ class TransferService(ServiceCore):
         """
         self._check_open()
         check_request_id(request_id)
-        dst = self.layout.check_pages(pages)
+        dst = self.memory.check_pages(pages)
         if request_id in self._recvs or request_id in self._recvs_done:
             raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
         assert self._control is not None

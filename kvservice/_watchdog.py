@@ -29,10 +29,10 @@ import anyio.abc
 import anyio.lowlevel
 
 from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
-from ._layout import KVLayout
 from ._protocol import FENCE, ChunkNotif, encode_notif
-from ._requests import SendRequest
+from ._requests import Chunk, SendRequest
 from ._results import FailureReason
+from .memory._regions import KVMemory
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop
@@ -42,7 +42,7 @@ LINGER_S = DEADLINE_SCAN_S
 class Owner(Protocol):
     """What the watchdog calls back into (the service)."""
 
-    def chunk_done(self, req: SendRequest, npages: int) -> None: ...
+    def chunk_done(self, req: SendRequest, nbytes: int) -> None: ...
     def chunk_failed(self, req: SendRequest, err: DoorError) -> None: ...
     def released(self, req: SendRequest) -> None:
         """``req`` has ended and the door has released every handle of it."""
@@ -55,15 +55,14 @@ class Owner(Protocol):
 
 class Watchdog:
     def __init__(
-        self, thread: DoorThread, door: Door, layout: KVLayout, owner: Owner, *,
+        self, thread: DoorThread, door: Door, memory: KVMemory, owner: Owner, *,
         poll_interval: float, idle_interval: float, max_posts: int, max_checks: int,
         max_post_bytes: int,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._thread = thread
         self._door = door
-        self._layout = layout
-        self._page_bytes = layout.page_bytes  # a property chain: read once, not per post
+        self._layer_page_bytes = memory.page_bytes // memory.layers  # read once, not per post
         self._owner = owner
         self._poll = poll_interval
         self._idle = idle_interval
@@ -119,13 +118,14 @@ class Watchdog:
         NIXL delivers a WRITE's notification after flushing the endpoint, so its arrival
         tells the receiver that every earlier WRITE to it has landed.  False when ``req``
         never posted anything (nothing to fence)."""
-        if (not req.posted or req.fence_src is None or req.dest is None or req.peer is None
-                or req.remote_layout is None):
+        fence = req.fence_src
+        if (not req.posted or fence is None or req.dest is None or req.peer is None
+                or req.kv is None or req.kv.indexer is None):
             return False
+        local_idx, remote_idx = req.kv.indexer.indices(
+            fence.src, req.dest[fence.pos : fence.pos + 1], fence.lo, fence.hi)
         self._fences.append(PostOp(
-            key=(req, FENCE), peer=req.peer,
-            local_idx=self._layout.descriptor_indices(self._layout.check_pages([req.fence_src])),
-            remote_idx=req.remote_layout.descriptor_indices(req.dest[:1]),
+            key=(req, FENCE), peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
             notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE)),
         ))
         self.wake()
@@ -229,8 +229,8 @@ class Watchdog:
                 owner.releasing -= 1
                 self._settle_if_released(owner)
         for key, got, state in outcome.posted:
-            req, npages = key
-            if npages == FENCE:  # tracked only so its handle is checked until done
+            req, nbytes = key
+            if nbytes == FENCE:  # tracked only so its handle is checked until done
                 if isinstance(got, int) and state is XferState.PROC:
                     self._inflight[got] = (req, FENCE)
                 elif isinstance(got, DoorError):
@@ -245,9 +245,9 @@ class Watchdog:
                 if state is XferState.PROC:  # failed or aborted while posting
                     self._release(req, got)
             elif state is XferState.DONE:
-                self._owner.chunk_done(req, npages)
+                self._owner.chunk_done(req, nbytes)
             else:
-                self._inflight[got] = (req, npages)
+                self._inflight[got] = (req, nbytes)
                 req.inflight.add(got)
             if req.finished:
                 self._settle_if_released(req)
@@ -257,8 +257,8 @@ class Watchdog:
             entry = self._inflight.pop(xid, None)
             if entry is None:  # released in the meantime
                 continue
-            req, npages = entry
-            if npages == FENCE:
+            req, nbytes = entry
+            if nbytes == FENCE:
                 if state_or_err is not XferState.DONE:  # an error, or released behind our back
                     self._owner.fence_failed(req, state_or_err if isinstance(state_or_err, DoorError) else None)
                 continue
@@ -266,7 +266,7 @@ class Watchdog:
             if isinstance(state_or_err, DoorError):
                 self._owner.chunk_failed(req, state_or_err)
             elif state_or_err is XferState.DONE:
-                self._owner.chunk_done(req, npages)
+                self._owner.chunk_done(req, nbytes)
             else:  # GONE: the handle was released behind our back; its WRITE is not done
                 self._owner.chunk_failed(req, DoorError(
                     FailureReason.BACKEND, RuntimeError(f"transfer handle {xid} released outside the watchdog"),
@@ -285,7 +285,8 @@ class Watchdog:
                 break
             req = self._ready[rid]
             while req.pending and budget > 0 and byte_budget > 0:
-                byte_budget -= int(req.pending[0].size) * self._page_bytes
+                head = req.pending[0]
+                byte_budget -= int(head.src.size) * (head.hi - head.lo) * self._layer_page_bytes
                 plan.posts.append(self._post_op(req))
                 budget -= 1
             if not req.pending:
@@ -300,22 +301,24 @@ class Watchdog:
         return plan
 
     def _post_op(self, req: SendRequest) -> PostOp:
-        assert req.dest is not None and req.peer is not None and req.remote_layout is not None
-        src = req.pending.popleft()
+        kv = req.kv
+        assert req.dest is not None and req.peer is not None and kv is not None and kv.indexer is not None
+        assert kv.out is not None
+        chunk = req.pending.popleft()
+        src = chunk.src
         if req.fence_src is None:
-            req.fence_src = int(src[0])
-        dst = req.dest[req.offset : req.offset + src.size]
-        req.offset += src.size
-        chunk = req.chunks_posted
+            req.fence_src = Chunk(src[:1], chunk.pos, chunk.lo, chunk.lo + 1)
+        dst = req.dest[chunk.pos : chunk.pos + src.size]
+        local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)
+        number = req.chunks_posted
         req.chunks_posted += 1
         req.posting += 1
         if req.started_at is None:
             req.started_at = self._clock()
-        total = req.chunks_posted if (req.last and not req.pending) else 0
+        last = req.last and not req.pending
+        total = req.chunks_posted if last else 0
         return PostOp(
-            key=(req, int(src.size)),
-            peer=req.peer,
-            local_idx=self._layout.descriptor_indices(src),
-            remote_idx=req.remote_layout.descriptor_indices(dst),
-            notif=encode_notif(ChunkNotif(req.request_id, chunk, total)),
+            key=(req, int(src.size) * kv.out.layer_bytes(chunk.hi - chunk.lo)),
+            peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
+            notif=encode_notif(ChunkNotif(req.request_id, number, total, req.payload if last else None)),
         )

@@ -30,11 +30,11 @@ import anyio
 import numpy as np
 
 from ._config import ServiceConfig
-from ._layout import KVLayout
 from ._peerproc import PeerProcess, pattern
 from ._results import TransferResult
 from ._runtime import configure_logging, freeze_startup_objects, run
 from ._service import TransferService
+from .memory._layout import KVLayout
 
 DEMO_LAYOUT = KVLayout(layers=8, page_tokens=16, kv_heads=4, head_dim=128, dtype="bfloat16", num_pages=1024)
 UCX_ENV = {"UCX_NET_DEVICES": "lo"}

@@ -8,16 +8,39 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 
 from kvservice import KVLayout, ServiceConfig
 from kvservice._peerproc import PeerProcess
+from kvservice.memory import KVPool
+from kvservice.memory._regions import regions_table
+from kvservice.memory.engines import pool_regions
 
 LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 SMALL = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=64)
+
+
+def register_pool(door: Any, pool: KVPool) -> None:
+    """Register ``pool`` with a door the way a service does (every page of every region)."""
+    m = pool.memory
+    door.register(m.segments, m.mem_type, regions_table(m.regions, m.num_pages))
+
+
+def pool_table(layout: KVLayout, base: int) -> npt.NDArray[np.uint64]:
+    """The descriptor table of a pool of ``layout`` at ``base`` (what its service prepares)."""
+    return regions_table(pool_regions(layout, base), layout.num_pages)
+
+
+def plane_indices(layout: KVLayout, pages: Sequence[int] | npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+    """Descriptor indices of ``pages`` in a pool's table, written out independently of the
+    service's code: entry ``plane * num_pages + page``, plane-major (plane = layer * 2 + K/V)."""
+    planes = np.arange(2 * layout.layers, dtype=np.int32)[:, None] * layout.num_pages
+    return (planes + np.asarray(pages, dtype=np.int32)[None, :]).ravel()
 
 
 def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:

@@ -30,6 +30,9 @@ from kvservice._protocol import (
     frame,
 )
 from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac, new_nonce, prove, transcript, verify
+from kvservice.memory import KVLayout
+from kvservice.memory.engines import pool_regions
+from tests.helpers import SMALL
 
 WAIT_S = 10.0  # hang guard for every wait here
 
@@ -148,19 +151,38 @@ async def authenticate(
     return raw
 
 
-def join_for(agent: str, metadata: bytes | None = None, **overrides: Any) -> dict[str, Any]:
+REGION_FIELDS = ("addr", "page_stride", "layer", "kind", "dtype", "tokens", "heads", "head_dim", "order",
+                 "device_id")
+
+
+def wire_memory(layout: KVLayout = SMALL, base: int = 1 << 40, regions: int | None = None,
+                region: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """A Join's ``memory`` for a pool of ``layout`` at ``base``, as a dict (so tests can put
+    any value in any field): ``region`` overrides fields of every region, ``regions`` cuts
+    or repeats the list to that many, ``fields`` the memory's own fields."""
+    rows = []
+    for r in pool_regions(layout, base):
+        row = {"addr": r.addr, "page_stride": r.page_stride, "layer": r.layer, "kind": r.kind, "dtype": r.dtype,
+               "tokens": r.tokens, "heads": r.heads, "head_dim": r.head_dim, "order": r.order,
+               "device_id": r.device_id}
+        row.update(region or {})
+        rows.append([row[k] for k in REGION_FIELDS])
+    if regions is not None:
+        rows = (rows * (regions // len(rows) + 1))[:regions]
+    memory: dict[str, Any] = {"num_pages": layout.num_pages, "regions": rows, "mem_type": "DRAM",
+                              "tp_size": 1, "tp_rank": 0}
+    memory.update(fields)
+    return memory
+
+
+def join_for(agent: str, metadata: bytes | None = None, memory: dict[str, Any] | None = None) -> dict[str, Any]:
     """A Join as a dict (so tests can put any value in any field)."""
-    fields: dict[str, Any] = {
-        "type": "join", "metadata": metadata if metadata is not None else fake_metadata(agent),
-        "layout": {"layers": 2, "page_tokens": 16, "kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"},
-        "num_pages": 64, "base_addr": 1 << 40, "device_id": 0,
-    }
-    fields.update(overrides)
-    return fields
+    return {"type": "join", "metadata": metadata if metadata is not None else fake_metadata(agent),
+            "memory": memory if memory is not None else wire_memory()}
 
 
 def is_reject(msg: Message | None, kind: str | None = None) -> bool:
     return isinstance(msg, Reject) and (kind is None or msg.kind == kind)
 
 
-__all__ = ["Join", "Raw", "authenticate", "dial", "fake_metadata", "is_reject", "join_for"]
+__all__ = ["Join", "Raw", "authenticate", "dial", "fake_metadata", "is_reject", "join_for", "wire_memory"]

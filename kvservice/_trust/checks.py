@@ -11,14 +11,15 @@ from __future__ import annotations
 import re
 
 from .._addresses import is_unspecified_host, split_address
-from .._layout import KVLayout
+from .._protocol import MemoryWire
+from ..memory._pairing import compare
+from ..memory._regions import KVMemory, memory_from_wire
 
 #: agent names: what ``ServiceConfig.agent_prefix`` plus a uuid produce, with room to spare
 AGENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: a peer's descriptor table (one entry per page-plane) is built here and handed to
 #: NIXL: bound it, or one Hello could make this process allocate gigabytes
 MAX_REMOTE_DESCRIPTORS = 1 << 24
-_ADDRESS_SPACE = 1 << 64
 
 
 def check_agent(agent: str, own: str) -> str | None:
@@ -39,20 +40,17 @@ def check_address(address: str) -> str | None:
     return None
 
 
-def check_pool(
-    own: KVLayout, layout: dict[str, str | int], num_pages: int, base_addr: int,
-) -> tuple[KVLayout | None, str | None]:
-    """The peer's layout if its pool description is usable and compatible with ``own``."""
+def check_memory(own: KVMemory, wire: MemoryWire) -> tuple[KVMemory | None, str | None]:
+    """The peer's KV memory if its description is usable and compatible with ``own``
+    (the same model: layers, regions, heads, dtype, page shape; see ``memory._pairing``)."""
+    if wire.regions and len(wire.regions) * wire.num_pages > MAX_REMOTE_DESCRIPTORS:
+        return None, (f"{len(wire.regions)} regions x {wire.num_pages} pages exceeds "
+                      f"{MAX_REMOTE_DESCRIPTORS} descriptors")
     try:
-        theirs = KVLayout(num_pages=num_pages, **layout)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        return None, f"invalid layout: {exc}"
-    why = own.compatible_with(theirs)
+        theirs = memory_from_wire(wire)
+    except ValueError as exc:
+        return None, f"invalid KV memory: {exc}"
+    why = compare(own, theirs)
     if why is not None:
         return None, f"incompatible KV layout: {why}"
-    if theirs.planes * theirs.num_pages > MAX_REMOTE_DESCRIPTORS:
-        return None, (f"pool of {theirs.num_pages} pages x {theirs.planes} planes exceeds "
-                      f"{MAX_REMOTE_DESCRIPTORS} descriptors")
-    if base_addr + theirs.pool_bytes > _ADDRESS_SPACE:
-        return None, f"pool at {base_addr:#x} of {theirs.pool_bytes} bytes overflows the address space"
     return theirs, None

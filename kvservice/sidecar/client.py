@@ -45,9 +45,7 @@ import anyio.abc
 import numpy.typing as npt
 
 from .._addresses import split_address
-from .._layout import KVLayout
 from .._peers import CONNECTION_ERRORS, FramedStream
-from .._pool import KVPool
 from .._protocol import FrameError
 from .._requests import Recent, check_request_id
 from .._results import (
@@ -60,6 +58,8 @@ from .._results import (
     UnknownRequestError,
 )
 from .._trust.peercred import PeerCred
+from ..memory._layout import KVLayout
+from ..memory._pool import KVPool
 from .dial import handshake, map_pool
 from .handle import CallSlot, RequestState, SidecarHandle
 from .owners import NotOwnerError

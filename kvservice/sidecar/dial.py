@@ -17,11 +17,11 @@ from collections.abc import Collection
 import anyio
 import anyio.abc
 
-from .._layout import KVLayout
 from .._peers import CONNECTION_ERRORS, FramedStream
 from .._protocol import FrameError
 from .._results import KVServiceError
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
+from ..memory._layout import KVLayout
 from .shm import Segment, SegmentError, check_shm_name
 from .wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, ServerMessage, Welcome, decode_server, frame_stream
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._config import LOOPS, ConfigError, ServiceConfig
-from .._layout import KVLayout
+from ..memory._layout import KVLayout
 from .shm import check_shm_name
 
 ENV_PREFIX = "KVSERVICE_"

@@ -30,8 +30,8 @@ from types import TracebackType
 import structlog
 import torch
 
-from .._layout import KVLayout
-from .._pool import torch_dtype
+from ..memory._layout import KVLayout
+from ..memory._pool import torch_dtype
 
 log = structlog.get_logger("kvservice.sidecar.shm")
 

@@ -15,8 +15,8 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from .._layout import KVLayout
 from .._peerproc import stray_output
+from ..memory._layout import KVLayout
 from ..sidecar.local import LocalDaemon, short_tmpdir
 from ._nodes import Node
 from ._summary import Summary

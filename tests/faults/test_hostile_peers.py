@@ -24,12 +24,13 @@ from kvservice import FailureReason, ServiceConfig, TransferService
 from kvservice._door import DoorThread
 from kvservice._nixl import NixlDoor
 from kvservice._peerproc import PeerProcess, pattern
-from kvservice._pool import KVPool
-from kvservice._protocol import Expect, Hello, Join, Ping, Proof, frame
+from kvservice._protocol import MAX_REGIONS, Expect, Hello, Join, Ping, Proof, frame
 from kvservice._trust.handshake import DIALER, prove
 from kvservice._trust.keys import generate_key, load_key
-from tests.helpers import LOOPBACK_UCX, SMALL, config, peer_config, peers
-from tests.hostile import Raw, authenticate, dial, is_reject, join_for
+from kvservice.memory import KVLayout
+from kvservice.memory._pool import KVPool
+from tests.helpers import LOOPBACK_UCX, SMALL, config, peer_config, peers, register_pool
+from tests.hostile import Raw, authenticate, dial, is_reject, join_for, wire_memory
 
 pytestmark = pytest.mark.nixl
 
@@ -137,19 +138,25 @@ async def test_join_fields_out_of_range_are_refused_before_use() -> None:
             await answered(raw, kind)
 
         cases: list[tuple[str, dict[str, Any]]] = [
-            ("frame", {"base_addr": -1}),  # the Hello that used to end the service
-            ("frame", {"base_addr": 0}),
-            ("frame", {"num_pages": 0}),
-            ("frame", {"num_pages": -5}),
-            ("frame", {"device_id": 70000}),
+            ("frame", {"memory": wire_memory(region={"addr": -1})}),  # the Hello that used to end the service
+            ("frame", {"memory": wire_memory(num_pages=0)}),
+            ("frame", {"memory": wire_memory(num_pages=-5)}),
+            ("frame", {"memory": wire_memory(region={"device_id": 70000})}),
+            ("frame", {"memory": wire_memory(regions=0)}),
+            ("frame", {"memory": wire_memory(regions=MAX_REGIONS + 1)}),
+            ("frame", {"memory": wire_memory(region={"kind": "k" * 17})}),
+            ("frame", {"memory": wire_memory(tp_size=0)}),
+            ("frame", {"memory": {"num_pages": 64}}),
             ("frame", {"metadata": b""}),
-            ("frame", {"layout": {str(i): i for i in range(17)}}),
-            ("incompatible", {"num_pages": (1 << 31) - 1}),  # a descriptor table of gigabytes
-            ("incompatible", {"base_addr": (1 << 64) - 4096}),  # the pool wraps the address space
-            ("incompatible", {"layout": {"layers": 3}}),
-            ("incompatible", {"layout": {"layers": 2, "dtype": "float32", "page_tokens": 16, "kv_heads": 2,
-                                         "head_dim": 64}}),
-            ("incompatible", {"layout": {"bogus": 1}}),
+            ("incompatible", {"memory": wire_memory(region={"addr": 0})}),
+            ("incompatible", {"memory": wire_memory(num_pages=(1 << 31) - 1)}),  # a descriptor table of gigabytes
+            ("incompatible", {"memory": wire_memory(region={"addr": (1 << 64) - 4096})}),  # wraps the address space
+            ("incompatible", {"memory": wire_memory(region={"page_stride": 1})}),  # pages overlap
+            ("incompatible", {"memory": wire_memory(KVLayout(**{**SMALL.wire_shape(), "layers": 3}))}),
+            ("incompatible", {"memory": wire_memory(region={"dtype": "float32"})}),
+            ("incompatible", {"memory": wire_memory(region={"kind": "bogus"})}),
+            ("incompatible", {"memory": wire_memory(region={"layer": 0})}),  # regions out of order
+            ("incompatible", {"memory": wire_memory(tp_size=2, tp_rank=5)}),
             ("metadata_mismatch", {"metadata": b"not nixl at all"}),
         ]
         for kind, fields in cases:
@@ -312,14 +319,14 @@ async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
     door = await thread.call(functools.partial(NixlDoor, "kv-silent", progress_thread=False, ucx_env=LOOPBACK_UCX))
     pool = await thread.call(KVPool, SMALL)
     try:
-        await thread.call(door.register_pool, pool.tensor, pool.descriptor_table())
+        await thread.call(register_pool, door, pool)
         metadata = await thread.call(door.metadata)
         cfg = hostile_config(max_outbox_bytes=256 * 1024)
         async with peers(peer_config()) as (decode,), TransferService(cfg) as svc:
             await legit_transfer(svc, decode)
             raw = await authenticate(svc.address, key=None, agent="kv-silent", my_address="127.0.0.1:3",
                                      rcvbuf=4096)
-            await raw.send(join_for("kv-silent", metadata=metadata, base_addr=pool.base_addr))
+            await raw.send(join_for("kv-silent", metadata=metadata, memory=wire_memory(base=pool.base_addr)))
             assert isinstance(await raw.recv(), Join)  # the service's Join; from here on it never reads
             before = refused(svc, "outbox_overflow")
             with anyio.move_on_after(20):

@@ -30,9 +30,10 @@ from kvservice._addresses import split_address
 from kvservice._door import DoorThread
 from kvservice._nixl import NixlDoor
 from kvservice._peerproc import pattern
-from kvservice._pool import KVPool
 from kvservice._protocol import PROTOCOL_VERSION, frame
-from tests.helpers import LOOPBACK_UCX, SMALL, config
+from kvservice.memory._pool import KVPool
+from tests.helpers import LOOPBACK_UCX, SMALL, config, register_pool
+from tests.hostile import REGION_FIELDS, wire_memory
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -84,7 +85,7 @@ def target() -> Iterator[Target]:
     door = thread.call_sync(functools.partial(NixlDoor, ROGUE, progress_thread=False, ucx_env=LOOPBACK_UCX))
     pool = thread.call_sync(KVPool, SMALL)
     try:
-        thread.call_sync(door.register_pool, pool.tensor, pool.descriptor_table())
+        thread.call_sync(register_pool, door, pool)
         metadata = thread.call_sync(door.metadata)
         with (
             start_blocking_portal() as portal,
@@ -152,13 +153,23 @@ def test_random_hellos(target: Target, header: int | None, fields: dict[str, Any
     target.legit_transfer()
 
 
+any_int = st.integers(min_value=-(2**63), max_value=2**64 - 1)
+region_row = st.lists(any_int | st.sampled_from(["k", "v", "latent", "NHD", "HND", "bfloat16"]) | any_value,
+                      min_size=0, max_size=11)
+memory_fields = st.fixed_dictionaries({}, optional={
+    "num_pages": any_int | any_value,
+    "regions": st.lists(region_row, max_size=6) | any_value,
+    "mem_type": st.sampled_from(["DRAM", "VRAM", "FILE"]) | any_value,
+    "tp_size": any_int | any_value,
+    "tp_rank": any_int | any_value,
+})
+#: a valid pool description with one region field replaced
+one_field_off = st.builds(
+    lambda key, value: wire_memory(region={key: value}),
+    st.sampled_from(REGION_FIELDS), any_int | st.text(max_size=8) | any_value)
 join_fields = st.fixed_dictionaries({}, optional={
     "metadata": st.binary(max_size=64) | st.just(b"fake") | any_value,
-    "layout": st.dictionaries(st.text(max_size=12), st.integers(min_value=-5, max_value=2**31) | st.text(max_size=10),
-                              max_size=7) | any_value,
-    "num_pages": st.integers(min_value=-(2**63), max_value=2**63 - 1) | any_value,
-    "base_addr": st.integers(min_value=-(2**63), max_value=2**64 - 1) | any_value,
-    "device_id": st.integers(min_value=-(2**31), max_value=2**31) | any_value,
+    "memory": memory_fields | one_field_off | any_value,
 })
 
 
@@ -199,8 +210,7 @@ def test_valid_messages_at_the_wrong_time(target: Target, sequence: list[bytes])
     """A linked peer (a real NIXL agent) that then sends anything in any order; and
     the same sequences before any handshake."""
     exchange(target.address, sequence)  # before a Hello
-    join = msg(type="join", metadata=target.rogue_metadata, layout=dict(SMALL.wire_shape()),
-               num_pages=SMALL.num_pages, base_addr=target.rogue_base)
+    join = msg(type="join", metadata=target.rogue_metadata, memory=wire_memory(base=target.rogue_base))
     hello = [msg(type="hello", version=PROTOCOL_VERSION, agent=ROGUE, address="127.0.0.1:8", nonce=b"n" * 32),
              msg(type="proof", proof=b""), join]
     exchange(target.address, [*hello, *sequence])

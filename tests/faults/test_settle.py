@@ -20,7 +20,7 @@ import torch
 
 from kvservice import FailureReason, KVLayout, TransferService
 from kvservice._peerproc import PeerProcess, pattern
-from kvservice._pool import torch_dtype
+from kvservice.memory._pool import torch_dtype
 from tests.helpers import config, eventually, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

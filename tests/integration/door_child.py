@@ -10,14 +10,14 @@ import sys
 import time
 
 from kvservice._nixl import NixlDoor
-from kvservice._pool import KVPool
-from tests.helpers import LOOPBACK_UCX, SMALL
+from kvservice.memory._pool import KVPool
+from tests.helpers import LOOPBACK_UCX, SMALL, register_pool
 
 
 def main() -> None:
     door = NixlDoor("door-child", progress_thread=False, ucx_env=LOOPBACK_UCX)
     pool = KVPool(SMALL)
-    door.register_pool(pool.tensor, pool.descriptor_table())
+    register_pool(door, pool)
     sys.stdout.write(json.dumps({"metadata": door.metadata().hex(), "base": pool.base_addr}) + "\n")
     sys.stdout.flush()
     # Drive NIXL progress (this agent runs without a progress thread) until the

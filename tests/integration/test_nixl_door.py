@@ -18,8 +18,8 @@ import pytest
 from kvservice import FailureReason
 from kvservice._door import DoorError, XferState
 from kvservice._nixl import NixlDoor
-from kvservice._pool import KVPool
-from tests.helpers import LOOPBACK_UCX, SMALL
+from kvservice.memory._pool import KVPool
+from tests.helpers import LOOPBACK_UCX, SMALL, plane_indices, pool_table, register_pool
 
 pytestmark = pytest.mark.nixl
 
@@ -31,7 +31,7 @@ def _start_child() -> tuple[subprocess.Popen[str], bytes, np.ndarray]:
     )
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
-    return proc, bytes.fromhex(info["metadata"]), SMALL.descriptor_table(info["base"])
+    return proc, bytes.fromhex(info["metadata"]), pool_table(SMALL, info["base"])
 
 
 def _wait_done(door: NixlDoor, xid: int, state: XferState) -> XferState:
@@ -53,7 +53,7 @@ def _reap(proc: subprocess.Popen[str]) -> None:
 def door() -> NixlDoor:
     d = NixlDoor("door-test", progress_thread=True, ucx_env=LOOPBACK_UCX)
     pool = KVPool(SMALL)
-    d.register_pool(pool.tensor, pool.descriptor_table())
+    register_pool(d, pool)
     d._test_pool = pool  # type: ignore[attr-defined]  # keep the registered tensor alive
     yield d
     d.close()
@@ -63,7 +63,7 @@ def test_post_to_dead_peer_raises_remote_disconnect_and_leaves_nothing(door: Nix
     proc, metadata, table = _start_child()
     try:
         door.add_peer("door-child", metadata, table)
-        idx = SMALL.descriptor_indices(SMALL.check_pages([1, 2, 3]))
+        idx = plane_indices(SMALL, SMALL.check_pages([1, 2, 3]))
         xid, state = door.post("door-child", idx, idx, b"")
         assert _wait_done(door, xid, state) is XferState.DONE
         assert door.check(xid) is XferState.GONE  # released on DONE; answered from the table
@@ -82,7 +82,7 @@ def test_post_to_dead_peer_raises_remote_disconnect_and_leaves_nothing(door: Nix
 
 
 def test_restarted_peer_is_reloaded_under_the_same_name(door: NixlDoor) -> None:
-    idx = SMALL.descriptor_indices(SMALL.check_pages([5]))
+    idx = plane_indices(SMALL, SMALL.check_pages([5]))
     for _ in range(2):
         proc, metadata, table = _start_child()
         try:
@@ -98,7 +98,7 @@ def test_restarted_peer_is_reloaded_under_the_same_name(door: NixlDoor) -> None:
 def test_garbage_metadata_is_a_door_error(door: NixlDoor) -> None:
     assert door.metadata_agent(b"not nixl metadata") is None
     with pytest.raises(DoorError) as info:
-        door.add_peer("nobody", b"not nixl metadata", SMALL.descriptor_table(0))
+        door.add_peer("nobody", b"not nixl metadata", pool_table(SMALL, 1 << 20))
     assert info.value.reason is FailureReason.INCOMPATIBLE
     assert door.remove_peer("nobody") == []
 
@@ -114,7 +114,7 @@ def test_metadata_naming_another_agent_is_refused_before_loading(door: NixlDoor)
             door.add_peer("impostor", metadata, table)
         assert info.value.reason is FailureReason.INCOMPATIBLE
         door.add_peer("door-child", metadata, table)  # the genuine claim loads
-        idx = SMALL.descriptor_indices(SMALL.check_pages([7]))
+        idx = plane_indices(SMALL, SMALL.check_pages([7]))
         xid, state = door.post("door-child", idx, idx, b"")
         assert _wait_done(door, xid, state) is XferState.DONE
         with pytest.raises(DoorError):  # and a second impostor does not unload it

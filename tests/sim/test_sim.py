@@ -159,7 +159,8 @@ def test_checker_catches_wrong_bytes() -> None:
             original(src, dst, notif, remote_idx, **kw)
             door = world.fabric.lookup(src)
             assert door is not None and door._pool is not None
-            door._pool.data[:] = 7  # the copy that follows carries garbage
+            for data in door._pool.data:
+                data[:] = 7  # the copy that follows carries garbage
 
         world.on_write = write  # type: ignore[method-assign]
 

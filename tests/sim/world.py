@@ -23,13 +23,13 @@ import torch
 
 from kvservice import ServiceConfig, TransferService
 from kvservice._core import FENCE_TRIES
-from kvservice._door import DoorError
+from kvservice._door import DoorError, LocalTable
 from kvservice._peerproc import pattern
 from kvservice._protocol import FENCE, ChunkNotif, Settled, decode_notif, encode_notif
 from kvservice._requests import RecvRequest, SendRequest
 from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
 from tests.helpers import SMALL
-from tests.unit.fake_door import FakeDoor, FakeFabric, Mode
+from tests.unit.fake_door import FakeDoor, FakeFabric, Mode, copy
 
 from .inline import InlineDoorThread
 from .memnet import MemNet
@@ -76,8 +76,7 @@ def sim_config(host: str) -> ServiceConfig:
 class _Zombie:
     """A released WRITE that keeps copying (NIXL's release does not stop one under way)."""
 
-    xfer: Any
-    table: npt.NDArray[np.uint64]  # the peer's descriptor table when it was posted
+    xfer: Any  # its descriptor tables are the ones of when it was posted
     endpoint: int  # which load of the peer (a later load is a new endpoint)
 
 
@@ -93,8 +92,9 @@ class SimDoor(FakeDoor):
         self.zombies: list[_Zombie] = []
         self.endpoints: collections.Counter[str] = collections.Counter()
 
-    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
-        super().add_peer(name, metadata, table)
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64],
+                 local: LocalTable | None = None) -> None:
+        super().add_peer(name, metadata, table, local)
         self.endpoints[name] += 1
 
     def release(self, xfer: Any) -> bool:
@@ -109,9 +109,8 @@ class SimDoor(FakeDoor):
         return super().remove_peer(name)
 
     def _maybe_zombie(self, xfer: Any) -> None:
-        table = self._peers.get(xfer.peer)
-        if table is not None and self._sim.zombies and self._sim.rng.random() < 0.5:
-            self.zombies.append(_Zombie(xfer, table, self.endpoints[xfer.peer]))
+        if xfer.peer in self._peers and self._sim.zombies and self._sim.rng.random() < 0.5:
+            self.zombies.append(_Zombie(xfer, self.endpoints[xfer.peer]))
             self._sim.log(f"zombie {self.agent_name} xfer {xfer.xid}")
 
     def _land(self, z: _Zombie) -> None:
@@ -119,12 +118,7 @@ class SimDoor(FakeDoor):
         if target is None or target._pool is None or self._pool is None or self._closed:
             return  # the receiver's agent (its registration) is gone, or ours
         self._sim.on_write(self.agent_name, z.xfer.peer, z.xfer.notif, z.xfer.remote_idx, zombie=True)
-        src, dst = self._pool, target._pool
-        for li, ri in zip(z.xfer.local_idx.tolist(), z.xfer.remote_idx.tolist(), strict=True):
-            s_off = int(src.table[li, 0]) - src.base
-            d_off = int(z.table[ri, 0]) - dst.base
-            n = int(src.table[li, 1])
-            dst.data[d_off : d_off + n] = src.data[s_off : s_off + n]
+        copy(*z.xfer.tables, z.xfer.local_idx.tolist(), z.xfer.remote_idx.tolist())
 
     def _flush(self, peer: str) -> None:
         """A notification to ``peer`` is about to be delivered: every earlier WRITE on

@@ -1,8 +1,9 @@
 """A scripted, in-process fake of the ``Door`` protocol, for unit tests of the layers above NIXL.
 
 Several ``FakeDoor``s share one ``FakeFabric``: a ``post`` from door A copies
-the page-plane bytes named by the descriptor tables (A's own table from
-``register_pool``, B's from ``add_peer``) out of A's registered tensor into B's,
+the bytes named by the descriptor tables (A's own table from ``register``, or
+the one ``add_peer`` gave for B; B's from ``add_peer``) out of A's registered
+memory into B's (one address space: a ``memmove``),
 then appends the notification to B's inbox, which B's ``notifs()`` drains.  So
 a unit test sees real bytes land in the right pages, and a wrong descriptor
 computed by the service shows up as wrong bytes or a recorded violation.
@@ -30,19 +31,18 @@ released id is a violation, which proves the service never even tries it.
 from __future__ import annotations
 
 import collections
+import ctypes
 import enum
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from kvservice._config import ServiceConfig
-from kvservice._door import DoorError, XferId, XferState
+from kvservice._door import DoorError, LocalTable, XferId, XferState
 from kvservice._results import FailureReason
 
 
@@ -73,21 +73,27 @@ class _Xfer:
     remote_idx: npt.NDArray[np.int32]
     notif: bytes
     checks_left: int | None  # None: hung
+    tables: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]  # (local, remote) when posted
 
 
 @dataclass(slots=True)
 class _Pool:
-    base: int
-    nbytes: int
-    data: npt.NDArray[np.uint8]  # shares memory with the registered tensor
+    """What ``register`` registered: the segments (address, bytes, device) and the table."""
+
+    segments: list[tuple[int, int, int]]
     table: npt.NDArray[np.uint64]
 
+    @property
+    def data(self) -> list[npt.NDArray[np.uint8]]:
+        """Each segment's bytes (sharing memory with the registered tensors)."""
+        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(a)) for a, n, _ in self.segments]
 
-def _byte_view(tensor: torch.Tensor) -> npt.NDArray[np.uint8]:
-    if not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError("the fake door needs a contiguous CPU tensor")
-    view: npt.NDArray[np.uint8] = tensor.reshape(-1).view(torch.uint8).numpy()
-    return view
+
+def copy(src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64], local_idx: Iterable[int],
+         remote_idx: Iterable[int]) -> None:
+    """Copy each paired descriptor's bytes (one address space, as every fake door shares)."""
+    for li, ri in zip(local_idx, remote_idx, strict=True):
+        ctypes.memmove(int(dst[ri, 0]), int(src[li, 0]), int(src[li, 1]))
 
 
 class FakeFabric:
@@ -157,6 +163,7 @@ class FakeDoor:
         self._lock = fabric.lock
         self._pool: _Pool | None = None
         self._peers: dict[str, npt.NDArray[np.uint64]] = {}
+        self._locals: dict[str, npt.NDArray[np.uint64]] = {}  # peers with a local table of their own
         self._live: dict[XferId, _Xfer] = {}
         self._inbox: dict[str, list[bytes]] = collections.defaultdict(list)
         self._next_id = 1
@@ -265,21 +272,25 @@ class FakeDoor:
         prefix = b"fake-md:"
         return metadata[len(prefix):].decode(errors="replace") if metadata.startswith(prefix) else None
 
-    def register_pool(self, tensor: Any, table: npt.NDArray[np.uint64]) -> None:
+    def register(self, segments: Sequence[tuple[int, int, int]], mem_type: str,
+                 table: npt.NDArray[np.uint64]) -> None:
         self._enter()
-        data = _byte_view(tensor)
-        base = int(tensor.data_ptr())
-        self._check_table(table, base, data.size, "register_pool")
+        if mem_type != "DRAM":
+            raise ValueError(f"the fake door moves CPU memory only, got {mem_type}")
+        pool = _Pool(list(segments), table)
+        self._check_table(table, pool, "register")
         with self._lock:
-            self._pool = _Pool(base, int(data.size), data, table)
+            self._pool = pool
 
-    def _check_table(self, table: npt.NDArray[np.uint64], base: int, nbytes: int, op: str) -> None:
+    def _check_table(self, table: npt.NDArray[np.uint64], pool: _Pool, op: str) -> None:
         if table.ndim != 2 or table.shape[1] != 3 or table.dtype != np.uint64:
             raise ValueError(f"{op}: table must be N x 3 uint64, got {table.shape} {table.dtype}")
-        lo = int(table[:, 0].min())
-        hi = int((table[:, 0] + table[:, 1]).max())
-        if lo < base or hi > base + nbytes:
-            raise ValueError(f"{op}: table spans {lo:#x}..{hi:#x}, pool is {base:#x}+{nbytes}")
+        inside = np.zeros(len(table), dtype=bool)
+        for base, nbytes, _ in pool.segments:
+            inside |= (table[:, 0] >= base) & (table[:, 0] + table[:, 1] <= base + nbytes)
+        if not inside.all():
+            bad = table[~inside][0]
+            raise ValueError(f"{op}: descriptor {int(bad[0]):#x}+{int(bad[1])} lies outside the registered memory")
 
     def _gate(self, op: str) -> None:
         gate = self.gates.get(op)
@@ -288,7 +299,8 @@ class FakeDoor:
             if not gate.wait(10.0):
                 self.violations.append(f"{op}: gate never opened")
 
-    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> None:
+    def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64],
+                 local: LocalTable | None = None) -> None:
         self._enter()
         self._gate("add_peer")
         with self._lock:
@@ -303,9 +315,16 @@ class FakeDoor:
         if target is None or target._pool is None:
             raise DoorError(FailureReason.BACKEND, ConnectionRefusedError(f"no agent {name!r}"),
                             "add_remote_agent")
-        self._check_table(table, target._pool.base, target._pool.nbytes, "add_peer")
+        self._check_table(table, target._pool, "add_peer")
+        if local is not None:
+            assert self._pool is not None
+            self._check_table(local[1], self._pool, "add_peer (local)")
         with self._lock:
             self._peers[name] = table
+            if local is not None:
+                self._locals[name] = local[1]
+            else:
+                self._locals.pop(name, None)
             self.peers_added.append(name)
 
     def remove_peer(self, name: str) -> list[XferId]:
@@ -342,12 +361,17 @@ class FakeDoor:
             self._next_id += 1
             record.xid = xid
             checks = None if self._mode is Mode.HANG else self._after
-            xfer = _Xfer(xid, peer, record.local_idx, record.remote_idx, notif, checks)
+            xfer = _Xfer(xid, peer, record.local_idx, record.remote_idx, notif, checks,
+                         (self._local_table(peer), self._peers[peer]))
             self._live[xid] = xfer
             if self._mode is Mode.IMMEDIATE:
                 self._complete(xfer)  # releases, as the real door does on DONE
                 return xid, XferState.DONE
             return xid, XferState.PROC
+
+    def _local_table(self, peer: str) -> npt.NDArray[np.uint64]:
+        assert self._pool is not None
+        return self._locals.get(peer, self._pool.table)
 
     def _validate(self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32]) -> None:
         assert self._pool is not None
@@ -356,11 +380,11 @@ class FakeDoor:
             problem = f"index dtypes {local_idx.dtype}/{remote_idx.dtype}, want int32"
         elif local_idx.ndim != 1 or local_idx.shape != remote_idx.shape or local_idx.size == 0:
             problem = f"index shapes {local_idx.shape}/{remote_idx.shape}"
-        elif local_idx.min() < 0 or local_idx.max() >= len(self._pool.table):
+        elif local_idx.min() < 0 or local_idx.max() >= len(self._local_table(peer)):
             problem = "local index out of the local table"
         elif remote_idx.min() < 0 or remote_idx.max() >= len(self._peers[peer]):
             problem = "remote index out of the peer's table"
-        elif not np.array_equal(self._pool.table[local_idx, 1], self._peers[peer][remote_idx, 1]):
+        elif not np.array_equal(self._local_table(peer)[local_idx, 1], self._peers[peer][remote_idx, 1]):
             problem = "paired descriptors differ in length"
         if problem is not None:
             self.violations.append(f"post(to {peer}): {problem}")
@@ -374,13 +398,7 @@ class FakeDoor:
             self._release_live(xfer.xid)
             raise DoorError(FailureReason.REMOTE_DISCONNECT,
                             ConnectionResetError(f"{xfer.peer} is gone"), "check_xfer_state")
-        src, dst = self._pool, target._pool
-        rtable = self._peers[xfer.peer]
-        for li, ri in zip(xfer.local_idx.tolist(), xfer.remote_idx.tolist(), strict=True):
-            s_off = int(src.table[li, 0]) - src.base
-            d_off = int(rtable[ri, 0]) - dst.base
-            n = int(src.table[li, 1])
-            dst.data[d_off : d_off + n] = src.data[s_off : s_off + n]
+        copy(*xfer.tables, xfer.local_idx.tolist(), xfer.remote_idx.tolist())
         target._inbox[self.agent_name].append(xfer.notif)
         self._release_live(xfer.xid)
 

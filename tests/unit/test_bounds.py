@@ -7,8 +7,8 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, Overloaded
-from kvservice._layout import KVLayout
 from kvservice._requests import EarlyExpects
+from kvservice.memory._layout import KVLayout
 from tests.helpers import eventually
 
 from .fake_door import FakeFabric

@@ -11,7 +11,7 @@ from kvservice import KVPool
 from kvservice._door import DoorError, PostOp, TickPlan, XferState, run_tick
 from kvservice._protocol import ChunkNotif, encode_notif
 from kvservice._results import FailureReason
-from tests.helpers import SMALL
+from tests.helpers import SMALL, plane_indices, pool_table, register_pool
 
 from .fake_door import FakeDoor, FakeFabric
 from .harness import unit_config
@@ -21,14 +21,14 @@ def pair() -> tuple[FakeFabric, FakeDoor, FakeDoor, KVPool, KVPool]:
     fabric = FakeFabric()
     a, b = fabric.factory("a", unit_config()), fabric.factory("b", unit_config())
     pa, pb = KVPool(SMALL), KVPool(SMALL)
-    a.register_pool(pa.tensor, pa.descriptor_table())
-    b.register_pool(pb.tensor, pb.descriptor_table())
-    a.add_peer("b", b.metadata(), pb.descriptor_table())
+    register_pool(a, pa)
+    register_pool(b, pb)
+    a.add_peer("b", b.metadata(), pool_table(SMALL, pb.base_addr))
     return fabric, a, b, pa, pb
 
 
 def indices(pages: list[int]) -> npt.NDArray[np.int32]:
-    return SMALL.descriptor_indices(np.array(pages, dtype=np.int32))
+    return plane_indices(SMALL, np.array(pages, dtype=np.int32))
 
 
 def test_post_copies_the_page_planes_and_delivers_the_notif() -> None:
@@ -130,7 +130,7 @@ def test_remove_peer_and_close_release_what_is_live() -> None:
 
 def test_run_tick_batches_posts_checks_and_notifs() -> None:
     fabric, a, b, pa, _ = pair()
-    b.add_peer("a", a.metadata(), pa.descriptor_table())
+    b.add_peer("a", a.metadata(), pool_table(SMALL, pa.base_addr))
     b.complete_after(1)
     notif = encode_notif(ChunkNotif("r", 0, 1))
     out = run_tick(b, TickPlan(posts=[PostOp("k", "a", indices([1]), indices([2]), notif)]))

@@ -1,4 +1,4 @@
-"""KVLayout: validation, descriptor tables and indices, page checks."""
+"""KVLayout: validation, its pool's descriptor table and indices, page checks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from kvservice import KVLayout, KVPool
+from kvservice.memory import KVMemory
+from kvservice.memory._pairing import Indexer, Pair, pair
+from kvservice.memory._regions import regions_table
+from kvservice.memory.engines import pool_regions
 
 L = KVLayout(layers=3, page_tokens=4, kv_heads=2, head_dim=8, dtype="float16", num_pages=10)
 
@@ -54,8 +58,8 @@ def test_compatible_with_ignores_num_pages_and_names_differences() -> None:
     assert "head_dim: 8 here, 16 there" in why and "dtype: 'float16' here, 'bfloat16' there" in why
 
 
-def test_descriptor_table_addresses() -> None:
-    table = L.descriptor_table(base_addr=0x10000, device_id=3)
+def test_pool_table_addresses() -> None:
+    table = regions_table(pool_regions(L, 0x10000, device_id=3), L.num_pages)
     assert table.shape == (L.planes * L.num_pages, 3) and table.dtype == np.uint64
     assert table[0].tolist() == [0x10000, L.plane_bytes, 3]
     assert table[1, 0] == 0x10000 + L.plane_bytes
@@ -64,17 +68,20 @@ def test_descriptor_table_addresses() -> None:
     assert set(table[:, 2].tolist()) == {3}
 
 
-def test_descriptor_table_points_at_each_page_plane_of_a_real_pool() -> None:
+def test_pool_table_points_at_each_page_plane_of_a_real_pool() -> None:
     pool = KVPool(L)
-    table = pool.descriptor_table()
-    idx = L.descriptor_indices(np.array([0, 7, 9], dtype=np.int32))
+    m = pool.memory
+    table = regions_table(m.regions, m.num_pages)
+    li, _ = Indexer(whole(m, m)).indices(np.array([0, 7, 9], dtype=np.int32), np.zeros(3, dtype=np.int32), 0, L.layers)
     planes = [(layer, kv) for layer in range(L.layers) for kv in (0, 1)]
     expected = [pool.tensor[layer, kv, page].data_ptr() for layer, kv in planes for page in (0, 7, 9)]
-    assert table[idx, 0].tolist() == expected
+    assert table[li, 0].tolist() == expected
 
 
-def test_descriptor_indices_are_plane_major() -> None:
-    idx = L.descriptor_indices(np.array([5, 6, 2], dtype=np.int32))
+def test_indices_are_plane_major() -> None:
+    m = KVPool(L).memory
+    idx, _ = Indexer(whole(m, m)).indices(np.array([5, 6, 2], dtype=np.int32), np.zeros(3, dtype=np.int32),
+                                          0, L.layers)
     assert idx.dtype == np.int32
     expected = [plane * L.num_pages + page for plane in range(L.planes) for page in (5, 6, 2)]
     assert idx.tolist() == expected
@@ -83,15 +90,21 @@ def test_descriptor_indices_are_plane_major() -> None:
     assert (per_plane[:, 1] - per_plane[:, 0] == 1).all()
 
 
-def test_descriptor_indices_pair_up_between_two_layouts() -> None:
+def test_indices_pair_up_between_two_pools() -> None:
     """Entry i of the local indices and entry i of the remote ones are the same plane."""
     remote = KVLayout(**{**L.wire_shape(), "num_pages": 40})
     src, dst = np.array([1, 2, 3], dtype=np.int32), np.array([30, 4, 39], dtype=np.int32)
-    li, ri = L.descriptor_indices(src), remote.descriptor_indices(dst)
+    li, ri = Indexer(whole(KVPool(L).memory, KVPool(remote).memory)).indices(src, dst, 0, L.layers)
     assert li.shape == ri.shape == (L.planes * 3,)
     assert (li // L.num_pages).tolist() == (ri // remote.num_pages).tolist()
     assert (li % L.num_pages).tolist() == np.tile(src, L.planes).tolist()
     assert (ri % remote.num_pages).tolist() == np.tile(dst, L.planes).tolist()
+
+
+def whole(a: KVMemory, b: KVMemory) -> Pair:
+    p = pair(a, b)
+    assert isinstance(p, Pair) and p.whole, p
+    return p
 
 
 def test_check_pages_accepts_lists_and_arrays() -> None:

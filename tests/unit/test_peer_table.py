@@ -63,7 +63,8 @@ async def test_drop_in_progress_then_the_same_agent_reconnects() -> None:
             new = linked(tx, rx.agent_name)
             assert new is not None and new is not old and new.generation > old.generation
             assert txd.loaded_peers() == [rx.agent_name]  # the fresh agent, not removed
-            assert tx._control.remote_layout(rx.agent_name) == rx.layout
+            kv = tx._control.peer_kv(rx.agent_name)
+            assert kv is not None and kv.memory.regions == rx.memory.regions
             await transfer(tx, rx, "again", [3], [30])
     fabric.assert_clean()
 

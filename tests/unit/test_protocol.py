@@ -23,9 +23,11 @@ from kvservice._protocol import (
     FrameError,
     Hello,
     Join,
+    MemoryWire,
     Message,
     Ping,
     Proof,
+    RegionWire,
     Reject,
     decode_body,
     decode_notif,
@@ -37,8 +39,9 @@ from kvservice._protocol import (
 MESSAGES: list[Message] = [
     Hello(version=PROTOCOL_VERSION, agent="kv-a", address="127.0.0.1:5000", nonce=b"n" * 32, proof=b"p" * 32),
     Proof(b"p" * 32),
-    Join(metadata=b"\x00md\xff", layout={"layers": 2, "dtype": "bfloat16"}, num_pages=64,
-         base_addr=2**63 + 4096, device_id=1),
+    Join(metadata=b"\x00md\xff", memory=MemoryWire(num_pages=64, tp_size=2, tp_rank=1, regions=[
+        RegionWire(2**63 + 4096, 4096, 0, "k", "bfloat16", 16, 2, 64, "NHD", 1),
+        RegionWire(2**64 - 4096, 4096, 0, "v", "bfloat16", 16, 2, 64, "HND", 0)])),
     Reject("no", "auth"),
     Expect("r1", [0, 5, 63]),
     Abort("r1", "ABORTED", "bye"),
@@ -62,6 +65,14 @@ def test_frame_length_refuses_oversize_before_reading_the_body() -> None:
         frame_length(struct.pack(">I", 1001), limit=1000)
 
 
+REGION = [4096, 4096, 0, "k", "bfloat16", 16, 2, 64, "NHD", 0]
+
+
+def join(memory: dict[str, object]) -> bytes:
+    return msgspec.msgpack.encode({"type": "join", "metadata": b"m",
+                                   "memory": {"num_pages": 1, "regions": [REGION], **memory}})
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -73,11 +84,18 @@ def test_frame_length_refuses_oversize_before_reading_the_body() -> None:
         msgspec.msgpack.encode({"type": "hello", "version": 1}),  # missing fields
         msgspec.msgpack.encode({"type": "hello", "version": 2, "agent": "a" * 129, "address": "h:1"}),
         msgspec.msgpack.encode({"type": "hello", "version": 2, "agent": "a", "address": "h:1", "nonce": b"n" * 33}),
-        msgspec.msgpack.encode({"type": "join", "metadata": b"m", "layout": {}, "num_pages": 0, "base_addr": 1}),
-        msgspec.msgpack.encode({"type": "join", "metadata": b"m", "layout": {}, "num_pages": 1, "base_addr": -1}),
-        msgspec.msgpack.encode({"type": "join", "metadata": b"m", "layout": {}, "num_pages": 1, "base_addr": 1,
-                                "device_id": 70000}),
-        msgspec.msgpack.encode({"type": "join", "metadata": b"", "layout": {}, "num_pages": 1, "base_addr": 1}),
+        join({"num_pages": 0}),
+        join({"num_pages": 1 << 31}),
+        join({"regions": []}),
+        join({"regions": [REGION] * 4097}),
+        join({"regions": [[-1, *REGION[1:]]]}),  # a negative address
+        join({"regions": [[*REGION[:-1], 70000]]}),  # device id
+        join({"regions": [REGION[:5]]}),  # fields missing
+        join({"regions": [[*REGION[:3], "k" * 17, *REGION[4:]]]}),  # a kind longer than any
+        join({"tp_size": 0}),
+        join({"tp_rank": 4096}),
+        msgspec.msgpack.encode({"type": "join", "metadata": b"", "memory": {"num_pages": 1, "regions": [REGION]}}),
+        msgspec.msgpack.encode({"type": "join", "metadata": b"m"}),  # no memory
         msgspec.msgpack.encode({"type": "failed", "request_id": "r", "reason": "x" * 65}),
         msgspec.msgpack.encode({"type": "abort", "request_id": "r", "reason": "ABORTED", "message": "m" * 5000}),
         msgspec.msgpack.encode([1, 2, 3]),

@@ -10,7 +10,7 @@ import torch
 
 from kvservice import KVPoll, TransferService, TransferStatus
 from kvservice._protocol import ChunkNotif, decode_notif, encode_notif
-from tests.helpers import SMALL, eventually
+from tests.helpers import SMALL, eventually, plane_indices
 
 from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, two_services, unit_config, untouched
@@ -83,8 +83,8 @@ async def test_chunked_send_posts_paired_descriptors_per_chunk() -> None:
     for i, (post, chunk) in enumerate(zip(posts, chunks, strict=True)):
         dest = np.array(dst[offset : offset + len(chunk)], dtype=np.int32)
         offset += len(chunk)
-        assert post.local_idx.tolist() == SMALL.descriptor_indices(np.array(chunk, dtype=np.int32)).tolist()
-        assert post.remote_idx.tolist() == SMALL.descriptor_indices(dest).tolist()
+        assert post.local_idx.tolist() == plane_indices(SMALL, np.array(chunk, dtype=np.int32)).tolist()
+        assert post.remote_idx.tolist() == plane_indices(SMALL, dest).tolist()
         assert decode_notif(post.notif) == ChunkNotif("c", i, 4 if i == 3 else 0)
         assert post.xid is not None and txd.check_counts[post.xid] == 3
     fabric.assert_clean()

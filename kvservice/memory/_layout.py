@@ -1,19 +1,14 @@
-"""The KV layout and the descriptor math over it.
+"""The shape of kvservice's own KV pool, and page-list validation.
 
 The pool is one tensor of shape ``(layers, 2, num_pages, page_elems)``: for each
 layer a K plane and a V plane, each an array of pages.  One page is therefore
-``2 * layers`` page-planes of ``plane_bytes`` each.  The descriptor list of a
-pool has one entry per page-plane, plane-major::
-
-    index(plane, page) = plane * num_pages + page,   plane = layer * 2 + (0 for K, 1 for V)
-
-so consecutive pages of one plane are adjacent in memory *and* in the list,
-which lets NIXL merge a run of pages into one descriptor per plane.
+``2 * layers`` page-planes of ``plane_bytes`` each; as regions (``_regions``) each
+plane is one region, so consecutive pages of one plane are adjacent in memory
+*and* in the descriptor list.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,66 +106,45 @@ class KVLayout:
 
     # -- pages and descriptors ----------------------------------------------------
     def check_pages(self, pages: Sequence[int] | npt.NDArray[Any]) -> PageIndex:
-        """Validate a page list and return it as int32.  Raises ``ValueError``.
-
-        Runs for every ``send``, ``expect`` and received Expect, so short page
-        lists (the common case) are checked with plain ints: numpy's ``unique``
-        and reductions cost ~10 us each on a handful of elements.
-        """
-        if isinstance(pages, list) and 0 < len(pages) <= _SHORT and all(type(p) is int for p in pages):
-            values: list[int] = pages
-        else:
-            arr = np.asarray(pages)
-            if arr.ndim != 1 or arr.size == 0:
-                raise ValueError("pages must be a non-empty 1-D sequence of page indices")
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"pages must be integers, got dtype {arr.dtype}")
-            if arr.size > _SHORT:
-                return self._check_page_array(arr)
-            values = arr.tolist()
-        lo, hi = min(values), max(values)
-        if lo < 0 or hi >= self.num_pages:
-            raise ValueError(f"pages out of range: {lo}..{hi}, pool has {self.num_pages} pages")
-        if len(set(values)) != len(values):
-            raise ValueError("pages must not repeat within a request")
-        return np.array(values, dtype=np.int32)
-
-    def _check_page_array(self, arr: npt.NDArray[Any]) -> PageIndex:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self.num_pages:
-            raise ValueError(f"pages out of range: {lo}..{hi}, pool has {self.num_pages} pages")
-        out = arr.astype(np.int32, copy=False)
-        ordered = np.sort(out)
-        if bool((ordered[1:] == ordered[:-1]).any()):
-            raise ValueError("pages must not repeat within a request")
-        return out
-
-    def descriptor_table(self, base_addr: int, device_id: int = 0) -> npt.NDArray[np.uint64]:
-        """The pool's (num_planes * num_pages) x 3 descriptor table: address, length, device."""
-        n = self.planes * self.num_pages
-        table = np.empty((n, 3), dtype=np.uint64)
-        table[:, 0] = base_addr + np.arange(n, dtype=np.uint64) * np.uint64(self.plane_bytes)
-        table[:, 1] = self.plane_bytes
-        table[:, 2] = device_id
-        return table
-
-    def descriptor_indices(self, pages: PageIndex) -> PageIndex:
-        """Indices into ``descriptor_table`` for ``pages``, plane-major.
-
-        The local and the remote index arrays of one transfer are built the same
-        way, so entry *i* of one pairs with entry *i* of the other.
-        """
-        return (_plane_offsets(self.planes, self.num_pages) + pages[None, :]).ravel()
+        """Validate a page list against this pool and return it as int32 (``check_pages``)."""
+        return check_pages(pages, self.num_pages)
 
     def bytes_for(self, npages: int) -> int:
         return npages * self.page_bytes
 
 
-@functools.lru_cache(maxsize=64)
-def _plane_offsets(planes: int, num_pages: int) -> PageIndex:
-    """``plane * num_pages`` for every plane, as a column (read-only: it is shared
-    by every call; computed once per pool shape, not once per post)."""
-    column = (np.arange(planes, dtype=np.int32) * np.int32(num_pages))[:, None]
-    column.flags.writeable = False
-    return column
+def check_pages(pages: Sequence[int] | npt.NDArray[Any], num_pages: int) -> PageIndex:
+    """Validate a page list and return it as int32.  Raises ``ValueError``.
 
+    Runs for every ``send``, ``expect`` and received Expect, so short page
+    lists (the common case) are checked with plain ints: numpy's ``unique``
+    and reductions cost ~10 us each on a handful of elements.
+    """
+    if isinstance(pages, list) and 0 < len(pages) <= _SHORT and all(type(p) is int for p in pages):
+        values: list[int] = pages
+    else:
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError("pages must be a non-empty 1-D sequence of page indices")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"pages must be integers, got dtype {arr.dtype}")
+        if arr.size > _SHORT:
+            return _check_page_array(arr, num_pages)
+        values = arr.tolist()
+    lo, hi = min(values), max(values)
+    if lo < 0 or hi >= num_pages:
+        raise ValueError(f"pages out of range: {lo}..{hi}, pool has {num_pages} pages")
+    if len(set(values)) != len(values):
+        raise ValueError("pages must not repeat within a request")
+    return np.array(values, dtype=np.int32)
+
+
+def _check_page_array(arr: npt.NDArray[Any], num_pages: int) -> PageIndex:
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num_pages:
+        raise ValueError(f"pages out of range: {lo}..{hi}, pool has {num_pages} pages")
+    out = arr.astype(np.int32, copy=False)
+    ordered = np.sort(out)
+    if bool((ordered[1:] == ordered[:-1]).any()):
+        raise ValueError("pages must not repeat within a request")
+    return out

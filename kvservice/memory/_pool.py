@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ._layout import KVLayout
+from ._regions import KVMemory
+from .engines import pool_memory
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -43,8 +46,10 @@ class KVPool:
     def device_id(self) -> int:
         return max(self.tensor.get_device(), 0)
 
-    def descriptor_table(self) -> np.ndarray:
-        return self.layout.descriptor_table(self.base_addr, self.device_id)
+    @functools.cached_property
+    def memory(self) -> KVMemory:
+        """The pool as regions: what a service registers and peers see."""
+        return pool_memory(self.layout, self.tensor)
 
     def pages(self, pages: Sequence[int] | np.ndarray) -> torch.Tensor:
         """A copy of ``pages`` across all planes: shape (layers, 2, len(pages), page_elems)."""

@@ -1,0 +1,233 @@
+"""Two services' KV memories paired for transfers from one (``src``) to the other.
+
+Both sides describe their regions (``KVMemory``); the pair decides, region by
+region, which bytes of a source page go to which bytes of a destination page:
+
+* same tensor-parallel split (or MLA, whose latent KV every rank holds whole):
+  the whole page, one descriptor per page per region;
+* different splits of the model's KV heads: the heads both ranks hold.  Head-major
+  pages (``HND``) keep a head range contiguous, so still one descriptor per page;
+  token-major pages (``NHD``) hold it as one run per token, so the pair uses
+  ``tokens`` descriptors per page per region on *both* sides (entry *i* of the
+  source list always pairs with entry *i* of the destination list).  No staging
+  copy: NIXL moves the runs directly (the benchmark's TP cases measure the cost).
+
+A pair's descriptor tables are region-major, then page, then run::
+
+    index(region, page, run) = (region * num_pages + page) * runs + run
+
+so a request's index arrays are one broadcast add, and a run of adjacent pages
+of one region stays adjacent in the list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ._layout import PageIndex
+from ._regions import KVMemory, Region, regions_table
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """Bytes of each page of one region that a pair moves: ``runs`` runs of
+    ``run_bytes``, the first at ``offset`` into the page, ``run_stride`` apart."""
+
+    offset: int
+    runs: int
+    run_stride: int
+    run_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.runs * self.run_bytes
+
+
+def head_range(memory: KVMemory) -> tuple[int, int]:
+    """The model's KV heads (global indices) this rank's regions hold."""
+    if memory.latent:
+        return 0, 1
+    heads = memory.regions[0].heads
+    return memory.tp_rank * heads, (memory.tp_rank + 1) * heads
+
+
+def _view(region: Region, lo: int, hi: int, runs: int) -> View:
+    """Heads ``lo:hi`` (local indices) of ``region``'s page, as ``runs`` runs."""
+    head = region.head_dim * region.itemsize
+    if region.order == "HND":
+        return View(lo * region.tokens * head, 1, 0, (hi - lo) * region.tokens * head)
+    if runs == 1:  # whole page
+        return View(0, 1, 0, region.page_bytes)
+    return View(lo * head, runs, region.heads * head, (hi - lo) * head)
+
+
+def compare(src: KVMemory, dst: KVMemory) -> str | None:
+    """Why pages cannot move between the two memories at all, naming the region; None if they can."""
+    if src.layers != dst.layers:
+        return f"layers: {src.layers} here, {dst.layers} there"
+    if src.per_layer != dst.per_layer or src.latent != dst.latent:
+        return (f"regions per layer: {[r.kind for r in src.regions[:src.per_layer]]} here, "
+                f"{[r.kind for r in dst.regions[:dst.per_layer]]} there")
+    if src.region_heads() != dst.region_heads():
+        return (f"model KV heads: {src.region_heads()} here ({src.regions[0].heads} x tp {src.tp_size}), "
+                f"{dst.region_heads()} there ({dst.regions[0].heads} x tp {dst.tp_size})")
+    for i, (a, b) in enumerate(zip(src.regions, dst.regions, strict=True)):
+        for attr in ("dtype", "tokens", "head_dim", "order"):
+            if getattr(a, attr) != getattr(b, attr):
+                return f"region {i} ({a.name}): {attr} {getattr(a, attr)!r} here, {getattr(b, attr)!r} there"
+        if src.tp_size == dst.tp_size and a.page_bytes != b.page_bytes:
+            return f"region {i} ({a.name}): {a.page_bytes} bytes per page here, {b.page_bytes} there"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """How pages move from ``src`` (this service, sending) to ``dst`` (a peer)."""
+
+    src: KVMemory
+    dst: KVMemory
+    src_views: tuple[View, ...]
+    dst_views: tuple[View, ...]
+    runs: int
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes moved per page across every layer."""
+        return sum(v.nbytes for v in self.src_views)
+
+    def layer_bytes(self, layers: int) -> int:
+        """Bytes moved per page for ``layers`` layers."""
+        return self.page_bytes * layers // self.src.layers
+
+    @property
+    def whole(self) -> bool:
+        """The source side moves whole pages: its plain regions table serves."""
+        return self.runs == 1 and all(v.nbytes == r.page_bytes for v, r in zip(
+            self.src_views, self.src.regions, strict=True))
+
+    def src_table(self) -> npt.NDArray[np.uint64]:
+        return views_table(self.src.regions, self.src_views, self.src.num_pages)
+
+    def dst_table(self) -> npt.NDArray[np.uint64]:
+        return views_table(self.dst.regions, self.dst_views, self.dst.num_pages)
+
+    def columns(self) -> tuple[PageIndex, PageIndex]:
+        """Per region, the index of its first entry in the source / destination table,
+        as read-only columns (``Indexer`` adds pages to them)."""
+        src = (np.arange(len(self.src.regions), dtype=np.int64) * self.src.num_pages * self.runs)
+        dst = (np.arange(len(self.dst.regions), dtype=np.int64) * self.dst.num_pages * self.runs)
+        return _column(src), _column(dst)
+
+
+def _column(values: npt.NDArray[np.int64]) -> PageIndex:
+    column = values.astype(np.int32)[:, None]
+    column.flags.writeable = False
+    return column
+
+
+def pair(src: KVMemory, dst: KVMemory) -> Pair | str:
+    """The pair from ``src`` to ``dst``, or why there is none (incompatible, or the two
+    ranks share no KV heads)."""
+    why = compare(src, dst)
+    if why is not None:
+        return why
+    if src.latent:
+        # Latent KV is whole on every rank: one source rank serves each destination rank.
+        if src.tp_rank != dst.tp_rank * src.tp_size // dst.tp_size:
+            return (f"MLA: destination rank {dst.tp_rank} of {dst.tp_size} is served by source rank "
+                    f"{dst.tp_rank * src.tp_size // dst.tp_size}, not {src.tp_rank}")
+        lo_s, hi_s, lo_d, hi_d = 0, 1, 0, 1
+    else:
+        (a, b), (c, d) = head_range(src), head_range(dst)
+        lo, hi = max(a, c), min(b, d)
+        if lo >= hi:
+            return (f"source rank {src.tp_rank} of {src.tp_size} holds KV heads {a}..{b - 1}, destination "
+                    f"rank {dst.tp_rank} of {dst.tp_size} holds {c}..{d - 1}: none in common")
+        lo_s, hi_s, lo_d, hi_d = lo - a, hi - a, lo - c, hi - c
+    first_s, first_d = src.regions[0], dst.regions[0]
+    sliced = (hi_s - lo_s) != first_s.heads or (hi_d - lo_d) != first_d.heads
+    runs = first_s.tokens if sliced and first_s.order == "NHD" else 1
+    src_views = tuple(_view(r, lo_s, hi_s, runs) for r in src.regions)
+    dst_views = tuple(_view(r, lo_d, hi_d, runs) for r in dst.regions)
+    if len(src.regions) * src.num_pages * runs > np.iinfo(np.int32).max or \
+            len(dst.regions) * dst.num_pages * runs > np.iinfo(np.int32).max:
+        return "descriptor indices of this pair overflow int32"
+    return Pair(src, dst, src_views, dst_views, runs)
+
+
+def views_table(regions: tuple[Region, ...], views: tuple[View, ...], num_pages: int) -> npt.NDArray[np.uint64]:
+    """The descriptor table of ``views`` over ``regions`` (address, length, device id)."""
+    runs = views[0].runs
+    n = num_pages * runs
+    table = np.empty((len(regions) * n, 3), dtype=np.uint64)
+    pages = np.repeat(np.arange(num_pages, dtype=np.uint64), runs)
+    run = np.tile(np.arange(runs, dtype=np.uint64), num_pages)
+    for i, (region, view) in enumerate(zip(regions, views, strict=True)):
+        rows = table[i * n : (i + 1) * n]
+        rows[:, 0] = (np.uint64(region.addr + view.offset) + pages * np.uint64(region.page_stride)
+                      + run * np.uint64(view.run_stride))
+        rows[:, 1] = view.run_bytes
+        rows[:, 2] = region.device_id
+    return table
+
+
+class Indexer:
+    """Index arrays of a pair's transfers: the hot path of every post."""
+
+    __slots__ = ("_dst", "_per_layer", "_run", "_runs", "_src")
+
+    def __init__(self, p: Pair) -> None:
+        self._src, self._dst = p.columns()
+        self._per_layer = p.src.per_layer
+        self._runs = p.runs
+        run = np.arange(p.runs, dtype=np.int32)[None, None, :]
+        run.flags.writeable = False
+        self._run = run
+
+    def indices(self, src_pages: PageIndex, dst_pages: PageIndex, lo: int, hi: int) -> tuple[PageIndex, PageIndex]:
+        """Source and destination index arrays for pages ``src_pages`` -> ``dst_pages`` of
+        layers ``lo:hi``: entry *i* of one pairs with entry *i* of the other."""
+        a, b = lo * self._per_layer, hi * self._per_layer
+        if self._runs == 1:
+            return ((self._src[a:b] + src_pages[None, :]).ravel(),
+                    (self._dst[a:b] + dst_pages[None, :]).ravel())
+        runs = self._runs
+        return ((self._src[a:b, :, None] + (src_pages * runs)[None, :, None] + self._run).ravel(),
+                (self._dst[a:b, :, None] + (dst_pages * runs)[None, :, None] + self._run).ravel())
+
+
+@dataclass(frozen=True, slots=True)
+class PeerKV:
+    """A linked peer's KV memory and what it means for transfers with it."""
+
+    memory: KVMemory
+    #: pages we send it move by this pair; None when our ranks share no KV (``why``)
+    out: Pair | None
+    why: str | None
+    indexer: Indexer | None
+    #: bytes per page (all layers) a request it sends us moves
+    inbound_page_bytes: int
+
+    @classmethod
+    def of(cls, local: KVMemory, remote: KVMemory) -> PeerKV:
+        out = pair(local, remote)
+        back = pair(remote, local)
+        inbound = back.page_bytes if isinstance(back, Pair) else 0
+        if isinstance(out, Pair):
+            return cls(remote, out, None, Indexer(out), inbound)
+        return cls(remote, None, out, None, inbound)
+
+    def tables(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64] | None]:
+        """The peer's descriptor table, and ours for this peer when it is not the plain one
+        (built on the door thread: a large pool's tables take milliseconds)."""
+        if self.out is None:  # nothing will be posted to it: its plain table (for NIXL's sake)
+            return regions_table(self.memory.regions, self.memory.num_pages), None
+        return self.out.dst_table(), None if self.out.whole else self.out.src_table()
+
+    @property
+    def local_key(self) -> tuple[View, ...] | None:
+        """Identifies our table for this peer among peers (None: the plain one)."""
+        return None if self.out is None or self.out.whole else self.out.src_views
