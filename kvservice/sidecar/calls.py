@@ -59,7 +59,9 @@ class WorkerCalls:
             self._check_open("prefill")
             rid, key = msg.request_id, (SEND, msg.request_id)
             owners.check(me, rid, (SEND,))
-            handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout)
+            layers = range(*msg.layers) if msg.layers is not None else None
+            handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout, layers=layers,
+                                    payload=msg.payload)
             result = handle.result
             if owners.claim(me, key):  # this worker's first send of it
                 if result is None:

@@ -234,12 +234,16 @@ class SidecarClient:
         return req, reply
 
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
-                   timeout: float | None = None) -> SidecarHandle:
+                   timeout: float | None = None, layers: range | None = None,
+                   payload: bytes | None = None) -> SidecarHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver (see ``TransferService.send``)."""
         check_request_id(request_id)
         idx = self.layout.check_pages(pages).tolist()
+        if layers is not None and (not isinstance(layers, range) or layers.step != 1):
+            raise ValueError(f"layers must be a non-empty range with step 1, got {layers!r}")
+        span = (layers.start, layers.stop) if layers is not None else None
         req, reply = await self._request_call(
-            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout))
+            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout, span, payload))
         assert isinstance(reply, SendReply)
         if reply.result is not None:
             self._finish(req, result_from_wire(reply.result))

@@ -19,6 +19,7 @@ overlap; ``Cancel`` withdraws one (the worker's caller was cancelled).
 
 from __future__ import annotations
 
+import builtins
 import socket
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
@@ -38,6 +39,10 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 CallId = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
 Pages = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(min_length=1)]
 Timeout = float | None  # as in-process: a timeout already past fails the request at once
+_Layer = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Layers = tuple[_Layer, _Layer]
+#: the service checks it against its max_payload_bytes; this only bounds the frame
+Payload = Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
 
 
 # -- worker -> sidecar -------------------------------------------------------------------
@@ -52,6 +57,8 @@ class Send(msgspec.Struct, tag="send", frozen=True, forbid_unknown_fields=True):
     pages: Pages
     last: bool = False
     timeout: Timeout = None
+    layers: Layers | None = None  # [lo, hi): send(layers=range(lo, hi))
+    payload: Payload | None = None
 
 
 class AwaitCompletion(msgspec.Struct, tag="await_completion", frozen=True, forbid_unknown_fields=True):
@@ -123,6 +130,7 @@ class WireResult(msgspec.Struct, array_like=True, frozen=True):
     started_at: float | None
     finished_at: float
     settled: bool = False
+    payload: builtins.bytes | None = None
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True):
@@ -293,7 +301,7 @@ def result_to_wire(r: TransferResult) -> WireResult:
         error_type=type(r.error).__name__ if r.error is not None else None,
         error_message=str(r.error) if r.error is not None else None,
         message=r.message, bytes=r.bytes, pages=r.pages, created_at=r.created_at,
-        started_at=r.started_at, finished_at=r.finished_at, settled=r.settled,
+        started_at=r.started_at, finished_at=r.finished_at, settled=r.settled, payload=r.payload,
     )
 
 
@@ -311,5 +319,5 @@ def result_from_wire(w: WireResult) -> TransferResult:
         request_id=w.request_id, status=TransferStatus(w.status),
         reason=FailureReason(w.reason) if w.reason else None, error=error, message=w.message,
         bytes=w.bytes, pages=w.pages, created_at=w.created_at, started_at=w.started_at,
-        finished_at=w.finished_at, settled=w.settled,
+        finished_at=w.finished_at, settled=w.settled, payload=w.payload,
     )

@@ -112,7 +112,22 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     with pytest.raises(UnknownRequestError):
         await decode.await_settled(f"{tag}-never", timeout=1)
 
-    # 5. status() speaks the same keys
+    # 5. layer by layer, with a payload that arrives with the success; the same errors
+    rid, src, dst = f"{tag}-layers", [8, 9], [30, 31]
+    prefill.kv.write(src, pattern(layout, rid, 2))
+    await decode.expect(rid, dst, sender=prefill.address)
+    with pytest.raises(ValueError, match="payload goes with the last chunk"):
+        await prefill.send(rid, src, layers=range(0, 1), payload=b"early")
+    await prefill.send(rid, src, layers=range(0, 1))
+    with pytest.raises(ValueError, match="sent up to different pages"):
+        await prefill.send(rid, src, last=True)
+    layered = await prefill.send(rid, src, layers=range(1, layout.layers), last=True, payload=b"tok=42")
+    assert (await prefill.await_completion(layered, timeout=30)).ok
+    arrived = await decode.await_arrival(rid, timeout=30)
+    assert arrived.ok and arrived.payload == b"tok=42" and arrived.bytes == 2 * layout.page_bytes
+    assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 2))
+
+    # 6. status() speaks the same keys
     assert {"outcomes", "sending", "receiving", "peers", "unsettled_pages"} <= prefill.status().keys()
     snap = await decode.fetch_status() if isinstance(decode, SidecarClient) else decode.status()
     assert snap["unsettled_pages"] == 0, snap
