@@ -16,13 +16,13 @@ from typing import Any
 import anyio
 import anyio.abc
 import numpy.typing as npt
-import structlog
 
 from ._addresses import split_address
 from ._config import ServiceConfig
 from ._control import ControlPlane, LocalPeer
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
+from ._log import get_logger
 from ._pool import KVPool
 from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
@@ -45,7 +45,7 @@ from ._transport import Transport
 from ._trust.keys import load_key
 from ._watchdog import Watchdog
 
-log = structlog.get_logger("kvservice")
+log = get_logger("kvservice")
 
 DoorFactory = Callable[[str, ServiceConfig], Door]
 Pages = Sequence[int] | npt.NDArray[Any]
@@ -54,7 +54,7 @@ Pages = Sequence[int] | npt.NDArray[Any]
 def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:
     from ._nixl import NixlDoor
 
-    return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_env)
+    return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_environment)
 
 
 class TransferService(ServiceCore):

@@ -31,9 +31,9 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import structlog
 
 from .._config import ConfigError
+from .._log import get_logger
 from .._results import NixlUnavailable
 from .._runtime import configure_logging, freeze_startup_objects, run
 from .._service import TransferService
@@ -44,7 +44,7 @@ from .server import SidecarServer
 from .settings import SidecarConfig, load, to_toml
 from .shm import Segment, SegmentError, segment_path
 
-log = structlog.get_logger("kvservice.sidecar")
+log = get_logger("kvservice.sidecar")
 
 #: a second signal during shutdown: exit now, skipping the drain
 EXIT_FORCED = 3
