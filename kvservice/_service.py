@@ -7,6 +7,7 @@ through the ``Door``, on the ``DoorThread``.  Peer links live in ``_control``.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from ._control import ControlPlane, LocalPeer
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
+from ._metrics import ServiceCollector
 from ._pool import KVPool
 from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
@@ -461,6 +463,12 @@ class TransferService(ServiceCore):
         req = sreq or rreq
         assert req is not None
         return req.result
+
+    @functools.cached_property
+    def metrics(self) -> ServiceCollector:
+        """This service's Prometheus metrics, read at each scrape (nothing on the transfer
+        path updates them): ``registry.register(svc.metrics)`` once (see ``_metrics``)."""
+        return ServiceCollector(self)
 
     def status(self) -> dict[str, Any]:
         """A snapshot for operators: counts, peers, loop lag."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+from prometheus_client import generate_latest
 
 from .._config import ConfigError
 from .._log import get_logger
@@ -63,6 +64,8 @@ class Daemon:
         self.ready = False
         self.http_address = ""
         self._socket_ino: int | None = None
+        self.metrics = metrics.registry(metrics.SidecarCollector(
+            lambda: self.svc, lambda: self.server, lambda: self.ops, lambda: self.ready))
 
     # -- the whole life -------------------------------------------------------------------
     async def run(self) -> int:
@@ -251,9 +254,7 @@ class Daemon:
         return 503, "text/plain; charset=utf-8", f"{state}\n"
 
     def _metrics(self) -> tuple[int, str, str]:
-        if self.svc is None:
-            return 200, metrics.CONTENT_TYPE, "# starting\nkvservice_up 0\n"
-        return 200, metrics.CONTENT_TYPE, metrics.render(self.svc, self.server, self.ops, ready=self.ready)
+        return 200, metrics.CONTENT_TYPE, generate_latest(self.metrics).decode()
 
 
 def _existing_socket(path: str) -> bool:
