@@ -60,30 +60,48 @@ class _Logger:
             self._stdlib, processors=_UNCONFIGURED_PROCESSORS, wrapper_class=structlog.stdlib.BoundLogger,
             cache_logger_on_first_use=True)
 
-    def _emit(self, level: int, method: str, event: str, kw: dict[str, Any]) -> Any:
+    # one method per level, spelled out: debug() runs per transfer, so no shared helper
+    def debug(self, event: str, **kw: Any) -> Any:
         if structlog.is_configured():
-            return getattr(self._configured, method)(event, **kw)
-        if self._stdlib.isEnabledFor(level):  # the common case, debug and info unconfigured: one check
-            return getattr(self._unconfigured, method)(event, **kw)
+            return self._configured.debug(event, **kw)
+        if self._stdlib.isEnabledFor(logging.DEBUG):  # unconfigured debug and info: this check only
+            return self._unconfigured.debug(event, **kw)
         return None
 
-    def debug(self, event: str, **kw: Any) -> Any:
-        return self._emit(logging.DEBUG, "debug", event, kw)
-
     def info(self, event: str, **kw: Any) -> Any:
-        return self._emit(logging.INFO, "info", event, kw)
+        if structlog.is_configured():
+            return self._configured.info(event, **kw)
+        if self._stdlib.isEnabledFor(logging.INFO):  # unconfigured debug and info: this check only
+            return self._unconfigured.info(event, **kw)
+        return None
 
     def warning(self, event: str, **kw: Any) -> Any:
-        return self._emit(logging.WARNING, "warning", event, kw)
+        if structlog.is_configured():
+            return self._configured.warning(event, **kw)
+        if self._stdlib.isEnabledFor(logging.WARNING):  # unconfigured debug and info: this check only
+            return self._unconfigured.warning(event, **kw)
+        return None
 
     def error(self, event: str, **kw: Any) -> Any:
-        return self._emit(logging.ERROR, "error", event, kw)
+        if structlog.is_configured():
+            return self._configured.error(event, **kw)
+        if self._stdlib.isEnabledFor(logging.ERROR):  # unconfigured debug and info: this check only
+            return self._unconfigured.error(event, **kw)
+        return None
 
     def exception(self, event: str, **kw: Any) -> Any:
-        return self._emit(logging.ERROR, "exception", event, kw)
+        if structlog.is_configured():
+            return self._configured.exception(event, **kw)
+        if self._stdlib.isEnabledFor(logging.ERROR):  # unconfigured debug and info: this check only
+            return self._unconfigured.exception(event, **kw)
+        return None
 
     def critical(self, event: str, **kw: Any) -> Any:
-        return self._emit(logging.CRITICAL, "critical", event, kw)
+        if structlog.is_configured():
+            return self._configured.critical(event, **kw)
+        if self._stdlib.isEnabledFor(logging.CRITICAL):  # unconfigured debug and info: this check only
+            return self._unconfigured.critical(event, **kw)
+        return None
 
 
 def get_logger(name: str) -> Any:
