@@ -26,10 +26,11 @@ from typing import Protocol, TypeVar, cast
 
 import anyio
 import anyio.abc
-import structlog
 from anyio.streams.stapled import MultiListener
 
-log = structlog.get_logger("kvservice.accept")
+from ._log import get_logger
+
+log = get_logger("kvservice.accept")
 
 BACKOFF_MIN_S = 0.01
 BACKOFF_MAX_S = 1.0

@@ -12,9 +12,16 @@ from ._results import ConfigError
 from ._trust.keys import load_key
 from .memory._layout import KVLayout
 
-__all__ = ["LOOPS", "ConfigError", "ServiceConfig"]
+__all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
 
 LOOPS = ("auto", "asyncio", "uvloop")
+
+#: UCX settings applied unless ``ucx_env`` or the process's environment sets them.  UCX
+#: writes its log lines (``UCX ERROR connect(...) failed`` when a peer dies) to stdout by
+#: default, which the application may use for itself (JSON lines, a pipe to a parent);
+#: on stderr they sit with the warnings Python writes there.  UCX's level stays its own
+#: default (``UCX_LOG_LEVEL=warn``).
+UCX_ENV_DEFAULTS: Mapping[str, str] = {"UCX_LOG_FILE": "stderr"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +41,8 @@ class ServiceConfig:
     #: NIXL progress thread.  Off is faster here (see README); the watchdog then
     #: drives progress by calling into NIXL every ``poll_interval_s``.
     progress_thread: bool = False
-    #: UCX environment applied (if not already set) before the agent is created
+    #: UCX environment applied (if not already set) before the agent is created, over
+    #: ``UCX_ENV_DEFAULTS`` (see ``ucx_environment``)
     ucx_env: Mapping[str, str] = field(default_factory=dict)
     #: a send waits at most this long for the receiver's ``expect``
     bootstrap_timeout_s: float = 30.0
@@ -135,6 +143,12 @@ class ServiceConfig:
                 f"auth_key_file: required when host is {self.host!r} (not loopback): without a key "
                 "anyone who reaches the port can take requests' KV; set auth_key_file "
                 "(kvservice keygen PATH), or allow_unauthenticated = true to accept that risk")
+
+    @property
+    def ucx_environment(self) -> dict[str, str]:
+        """What the agent starts with: ``ucx_env`` over ``UCX_ENV_DEFAULTS`` (a variable
+        already set in the process's environment wins over both)."""
+        return {**UCX_ENV_DEFAULTS, **self.ucx_env}
 
     @property
     def loopback_only(self) -> bool:

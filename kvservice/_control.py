@@ -31,12 +31,12 @@ from typing import Protocol
 
 import anyio
 import anyio.abc
-import structlog
 
 from ._accept import accept_loop
 from ._addresses import join_address, literal_canonical, resolve_canonical, split_address
 from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
+from ._log import get_logger
 from ._peers import CONNECTION_ERRORS, ControlStream, PeerLink, recv_join_or_reject, try_send
 from ._protocol import (
     PREAUTH_FRAME_BYTES,
@@ -57,7 +57,7 @@ from ._trust.handshake import ACCEPTOR, DIALER, NONCE_BYTES, FrameMac, new_nonce
 from .memory._pairing import PeerKV
 from .memory._regions import KVMemory
 
-log = structlog.get_logger("kvservice.control")
+log = get_logger("kvservice.control")
 
 #: refusals that mean "not allowed" rather than "cannot work together"
 _REFUSED_KINDS = frozenset({"auth", "agent_live", "address_live", "peer_limit", "handshake_limit"})

@@ -18,12 +18,12 @@ import anyio
 import anyio.abc
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from ._config import ServiceConfig
 from ._control import ControlPlane
 from ._deadlines import Deadlines
 from ._door import DoorError
+from ._log import get_logger
 from ._protocol import FENCE, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
@@ -31,7 +31,7 @@ from ._settle import Settlement
 from ._stats import Stats
 from ._watchdog import Watchdog
 
-log = structlog.get_logger("kvservice")
+log = get_logger("kvservice")
 
 #: longest wait between two dials that try to settle a lost sender's requests
 PROBE_MAX_S = 5.0

@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from ._door import DoorError, LocalTable, Segment, XferId, XferState
+from ._log import get_logger
 from ._results import FailureReason, NixlUnavailable
 
-log = structlog.get_logger("kvservice.nixl")
+log = get_logger("kvservice.nixl")
 
 try:
     from nixl import _bindings as _nb

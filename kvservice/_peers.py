@@ -15,9 +15,9 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
-import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from ._log import get_logger
 from ._protocol import (
     HEADER_BYTES,
     Bye,
@@ -35,7 +35,7 @@ from ._trust.handshake import FrameMac
 
 __all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink"]
 
-log = structlog.get_logger("kvservice.peers")
+log = get_logger("kvservice.peers")
 
 #: errors that mean "the connection is gone", as opposed to a protocol breach
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (

@@ -1,18 +1,19 @@
-"""Entry-point plumbing: event-loop choice and logging.  Library code never
-configures logging; only ``cli`` and the helper processes call these."""
+"""Entry-point plumbing: event-loop choice and logging (``configure_logging``, from
+``_log``).  Library code never configures logging; only ``cli`` and the helper
+processes call these."""
 
 from __future__ import annotations
 
 import gc
-import logging
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
-import structlog
 
 from ._config import LOOPS, ConfigError
+from ._log import configure_logging
+
+__all__ = ["configure_logging", "freeze_startup_objects", "run", "uvloop_available"]
 
 T = TypeVar("T")
 
@@ -47,23 +48,3 @@ def freeze_startup_objects() -> None:
     price is that garbage alive at this moment is kept for good (start-up leaves
     little)."""
     gc.freeze()
-
-
-def configure_logging(level: str = "info", json: bool | None = None, stream: Any = None) -> None:
-    """structlog: key=value console output on a terminal, JSON lines otherwise."""
-    stream = stream or sys.stderr
-    if json is None:
-        json = not stream.isatty()
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(stream),
-        cache_logger_on_first_use=True,
-    )

@@ -7,6 +7,7 @@ through the ``Door``, on the ``DoorThread``.  Peer links live in ``_control``.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -16,13 +17,14 @@ from typing import Any
 import anyio
 import anyio.abc
 import numpy.typing as npt
-import structlog
 
 from ._addresses import split_address
 from ._config import ServiceConfig
 from ._control import ControlPlane, LocalPeer
 from ._core import ServiceCore
 from ._door import Door, DoorError, DoorThread
+from ._log import get_logger
+from ._metrics import ServiceCollector
 from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
     Chunk,
@@ -49,7 +51,7 @@ from ._watchdog import Watchdog
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
 
-log = structlog.get_logger("kvservice")
+log = get_logger("kvservice")
 
 DoorFactory = Callable[[str, ServiceConfig], Door]
 Pages = Sequence[int] | npt.NDArray[Any]
@@ -58,7 +60,7 @@ Pages = Sequence[int] | npt.NDArray[Any]
 def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:
     from ._nixl import NixlDoor
 
-    return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_env)
+    return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_environment)
 
 
 class TransferService(ServiceCore):
@@ -512,6 +514,12 @@ class TransferService(ServiceCore):
         req = sreq or rreq
         assert req is not None
         return req.result
+
+    @functools.cached_property
+    def metrics(self) -> ServiceCollector:
+        """This service's Prometheus metrics, read at each scrape (nothing on the transfer
+        path updates them): ``registry.register(svc.metrics)`` once (see ``_metrics``)."""
+        return ServiceCollector(self)
 
     def status(self) -> dict[str, Any]:
         """A snapshot for operators: counts, peers, loop lag."""

@@ -80,6 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK if argv else EXIT_USAGE
     args = parser.parse_args(argv[:1])
     _, run = COMMANDS[args.command]
+    # The library logs nothing unless configured (see _log); a command is an application, so
+    # warnings and errors go to stderr from here on.  A subcommand with a level of its own
+    # (serve's [log], demo's --log-level, soak) configures again.
+    from ._log import configure_logging
+
+    configure_logging("warning")
     return run(argv[1:])
 
 

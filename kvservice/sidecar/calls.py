@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import structlog
-
+from .._log import get_logger
 from .._results import KVPoll, KVServiceError, ProtocolError, TransferResult, UnknownRequestError
 from .._service import TransferService
 from .connection import Connection
@@ -36,7 +35,7 @@ from .wire import (
     result_to_wire,
 )
 
-log = structlog.get_logger("kvservice.sidecar")
+log = get_logger("kvservice.sidecar")
 
 Push = Callable[[Connection, ServerMessage], Awaitable[None]]
 

@@ -31,9 +31,10 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import structlog
+from prometheus_client import generate_latest
 
 from .._config import ConfigError
+from .._log import get_logger
 from .._results import NixlUnavailable
 from .._runtime import configure_logging, freeze_startup_objects, run
 from .._service import TransferService
@@ -44,7 +45,7 @@ from .server import SidecarServer
 from .settings import SidecarConfig, load, to_toml
 from .shm import Segment, SegmentError, segment_path
 
-log = structlog.get_logger("kvservice.sidecar")
+log = get_logger("kvservice.sidecar")
 
 #: a second signal during shutdown: exit now, skipping the drain
 EXIT_FORCED = 3
@@ -63,6 +64,8 @@ class Daemon:
         self.ready = False
         self.http_address = ""
         self._socket_ino: int | None = None
+        self.metrics = metrics.registry(metrics.SidecarCollector(
+            lambda: self.svc, lambda: self.server, lambda: self.ops, lambda: self.ready))
 
     # -- the whole life -------------------------------------------------------------------
     async def run(self) -> int:
@@ -251,9 +254,7 @@ class Daemon:
         return 503, "text/plain; charset=utf-8", f"{state}\n"
 
     def _metrics(self) -> tuple[int, str, str]:
-        if self.svc is None:
-            return 200, metrics.CONTENT_TYPE, "# starting\nkvservice_up 0\n"
-        return 200, metrics.CONTENT_TYPE, metrics.render(self.svc, self.server, self.ops, ready=self.ready)
+        return 200, metrics.CONTENT_TYPE, generate_latest(self.metrics).decode()
 
 
 def _existing_socket(path: str) -> bool:

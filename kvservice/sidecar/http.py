@@ -19,14 +19,14 @@ from collections.abc import Callable
 
 import anyio
 import anyio.abc
-import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import MultiListener
 
 from .._accept import accept_loop
+from .._log import get_logger
 from .._peers import CONNECTION_ERRORS
 
-log = structlog.get_logger("kvservice.sidecar.http")
+log = get_logger("kvservice.sidecar.http")
 
 MAX_HEAD_BYTES = 8192
 HEAD_TIMEOUT_S = 5.0

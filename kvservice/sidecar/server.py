@@ -28,9 +28,9 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import structlog
 
 from .._accept import accept_loop
+from .._log import get_logger
 from .._peers import CONNECTION_ERRORS
 from .._protocol import FrameError
 from .._requests import Recent
@@ -58,7 +58,7 @@ from .wire import (
     frame_stream,
 )
 
-log = structlog.get_logger("kvservice.sidecar")
+log = get_logger("kvservice.sidecar")
 
 HELLO_TIMEOUT_S = 5.0
 #: the largest frame before the handshake: a Hello is a version and a name of 256 characters

@@ -1,10 +1,12 @@
 """The sidecar's configuration: one frozen ``SidecarConfig`` from a TOML file
 plus ``KVSERVICE_<SECTION>_<KEY>`` environment overrides.
 
-Sections map onto frozen dataclasses.  ``[service]`` and ``[layout]`` map onto
-the core's ``ServiceConfig`` and ``KVLayout``, whose own checks run unchanged;
-this module only checks types, names unknown keys, and prefixes each message
-with the key it concerns, so every error reads ``section.key: ...``::
+``msgspec`` decodes the file into typed sections: the types, ranges and allowed
+values are the annotations below (``Meta`` constraints, ``Literal`` choices), and
+``[service]`` and ``[layout]`` decode straight into the core's ``ServiceConfig``
+and ``KVLayout``, whose own checks run unchanged (one concept, one place).  This
+module turns msgspec's errors (``Expected `int` >= 0 - at `$.http.port```) into
+messages that name the key, the value and what is allowed::
 
     [sidecar]  roles, socket_path, shm_name, ...     -> DaemonSettings
     [http]     host, port                            -> HttpSettings
@@ -13,9 +15,10 @@ with the key it concerns, so every error reads ``section.key: ...``::
     [service.ucx_env]  UCX_* = "..."                 -> ServiceConfig.ucx_env
     [layout]   layers, page_tokens, ..., num_pages   -> KVLayout
 
-Environment variables ``KVSERVICE_<SECTION>_<KEY>`` (``KVSERVICE_HTTP_PORT=0``)
-win over the file.  A variable naming a known section but an unknown key is an
-error; variables of other sections are left alone (other tools share the prefix).
+TOML has no null: ``""`` stands for None in optional keys.  Environment variables
+``KVSERVICE_<SECTION>_<KEY>`` (``KVSERVICE_HTTP_PORT=0``) win over the file.  A
+variable naming a known section but an unknown key is an error; variables of
+other sections are left alone (other tools share the prefix).
 """
 
 from __future__ import annotations
@@ -24,19 +27,21 @@ import dataclasses
 import grp
 import json
 import os
-import tomllib
+import re
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from .._config import LOOPS, ConfigError, ServiceConfig
+import msgspec
+
+from .._config import ConfigError, ServiceConfig
 from ..memory._layout import KVLayout
 from .shm import check_shm_name
 
 ENV_PREFIX = "KVSERVICE_"
-ROLES = ("prefill", "decode")
+ROLES: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 #: sun_path is 108 bytes on Linux, including the terminating NUL
@@ -50,30 +55,36 @@ ENV_ALIASES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonSettings:
+def _allowed(text: str, **constraints: Any) -> msgspec.Meta:
+    """A constraint and how an error message states it."""
+    return msgspec.Meta(description=text, **constraints)
+
+
+class DaemonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[sidecar]``: what the daemon serves and where workers find it."""
 
     #: which halves of the API this daemon serves: "prefill" (send), "decode" (expect)
-    roles: tuple[str, ...] = ROLES
-    #: the workers' Unix socket (created mode 0600)
+    roles: Annotated[tuple[Literal["prefill", "decode"], ...],
+                     _allowed(f"must be a non-empty list of distinct {list(ROLES)}", min_length=1)] = ROLES
+    #: the workers' Unix socket (created mode 0600); at most MAX_SOCKET_PATH bytes
     socket_path: str = "/tmp/kvservice.sock"
     #: name of the shared KV pool segment, under /dev/shm
     shm_name: str = "kvservice"
-    max_clients: int = 64
+    max_clients: Annotated[int, _allowed("must be a positive int", gt=0)] = 64
     #: largest frame a worker may send
-    max_frame_bytes: int = 4 * 1024 * 1024
+    max_frame_bytes: Annotated[int, _allowed("must be >= 65536", ge=64 * 1024)] = 4 * 1024 * 1024
     #: where to write the ready line (JSON) once serving; "" for none
     ready_file: str | None = None
-    loop: str = "auto"
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     #: uids besides the daemon's own that may connect (SO_PEERCRED); root only if listed
-    allowed_uids: tuple[int, ...] = ()
+    allowed_uids: tuple[Annotated[int, _allowed(f"each a uid 0..{MAX_ID}", ge=0, le=MAX_ID)], ...] = ()
     #: group (name or gid) given read-write access to the socket and the segment
     #: (mode 0660 instead of 0600), so that workers of ``allowed_uids`` in it can use them
     group: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.roles or any(r not in ROLES for r in self.roles) or len(set(self.roles)) != len(self.roles):
+        # what a type cannot say: distinct roles, a length in bytes, a name on this host
+        if len(set(self.roles)) != len(self.roles):
             raise ConfigError(f"roles: must be a non-empty list of distinct {list(ROLES)}, got {list(self.roles)!r}")
         if not self.socket_path or len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
             raise ConfigError(f"socket_path: must be 1..{MAX_SOCKET_PATH} bytes, got {self.socket_path!r}")
@@ -81,15 +92,6 @@ class DaemonSettings:
             check_shm_name(self.shm_name)
         except ValueError as exc:
             raise ConfigError(f"shm_name: {exc}") from exc
-        if self.max_clients <= 0:
-            raise ConfigError(f"max_clients: must be a positive int, got {self.max_clients!r}")
-        if self.max_frame_bytes < 64 * 1024:
-            raise ConfigError(f"max_frame_bytes: must be >= 65536, got {self.max_frame_bytes!r}")
-        if self.loop not in LOOPS:
-            raise ConfigError(f"loop: must be one of {', '.join(LOOPS)}, got {self.loop!r}")
-        bad = [uid for uid in self.allowed_uids if isinstance(uid, bool) or not 0 <= uid <= MAX_ID]
-        if bad:
-            raise ConfigError(f"allowed_uids: each a uid 0..{MAX_ID}, got {bad[0]!r}")
         if self.group is not None:
             self.gid  # noqa: B018 - resolves it, raising ConfigError for an unknown group
 
@@ -108,34 +110,20 @@ class DaemonSettings:
             raise ConfigError(f"group: no such group on this host: {self.group!r}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class HttpSettings:
+class HttpSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``[http]``: /healthz, /readyz, /metrics."""
 
-    host: str = "127.0.0.1"
+    host: Annotated[str, _allowed("must not be empty", min_length=1)] = "127.0.0.1"
     #: 0 picks a free port (reported in the ready line)
-    port: int = 9400
-
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ConfigError("host: must not be empty")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port: must be 0..65535, got {self.port!r}")
+    port: Annotated[int, _allowed("must be 0..65535", ge=0, le=65535)] = 9400
 
 
-@dataclass(frozen=True, slots=True)
-class LogSettings:
-    """``[log]``: structlog output on stderr."""
+class LogSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``[log]``: the entry point's log output on stderr."""
 
-    level: str = "info"
+    level: Literal["debug", "info", "warning", "error"] = "info"
     #: auto: console on a terminal, JSON lines otherwise
-    format: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.level.lower() not in LOG_LEVELS:
-            raise ConfigError(f"level: must be one of {', '.join(LOG_LEVELS)}, got {self.level!r}")
-        if self.format not in LOG_FORMATS:
-            raise ConfigError(f"format: must be one of {', '.join(LOG_FORMATS)}, got {self.format!r}")
+    format: Literal["auto", "json", "console"] = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +142,16 @@ class SidecarConfig:
         return self.service.layout
 
 
-#: TOML section -> the dataclass it maps onto
+class _Sections(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The file as msgspec decodes it: ``[layout]`` is moved into ``service`` first."""
+
+    sidecar: DaemonSettings = msgspec.field(default_factory=DaemonSettings)
+    http: HttpSettings = msgspec.field(default_factory=HttpSettings)
+    log: LogSettings = msgspec.field(default_factory=LogSettings)
+    service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
+
+
+#: TOML section -> the type it maps onto
 SECTIONS: dict[str, type[Any]] = {
     "sidecar": DaemonSettings,
     "http": HttpSettings,
@@ -166,11 +163,41 @@ _NOT_KEYS = {"service": {"layout"}}  # set through another section
 
 
 def keys(section: str) -> dict[str, Any]:
-    """The keys of ``section`` and their types."""
+    """The keys of ``section`` and their types (``Annotated`` constraints stripped)."""
     cls = SECTIONS[section]
     hints = typing.get_type_hints(cls)
+    names = cls.__struct_fields__ if issubclass(cls, msgspec.Struct) else [f.name for f in dataclasses.fields(cls)]
     skip = _NOT_KEYS.get(section, set())
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in skip}
+    return {name: _bare(hints[name]) for name in names if name not in skip}
+
+
+def _bare(tp: Any) -> Any:
+    """``tp`` without ``Annotated`` metadata, at any depth."""
+    if typing.get_origin(tp) is Annotated:
+        return _bare(typing.get_args(tp)[0])
+    if typing.get_origin(tp) is tuple:
+        return tuple[_bare(typing.get_args(tp)[0]), ...]  # type: ignore[misc]
+    return tp
+
+
+def _meta(section: str, key: str) -> tuple[str | None, bool]:
+    """How the annotation of ``section.key`` states what is allowed (None: it does not say),
+    and whether that is said of each item of a list rather than of the whole value."""
+    tp = typing.get_type_hints(SECTIONS[section], include_extras=True).get(key)
+    of_items = False
+    while tp is not None:
+        if typing.get_origin(tp) is Annotated:
+            for extra in typing.get_args(tp)[1:]:
+                if isinstance(extra, msgspec.Meta) and extra.description:
+                    return extra.description, of_items
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) is Literal:
+            return "must be one of " + ", ".join(typing.get_args(tp)), of_items
+        elif typing.get_origin(tp) is tuple:
+            tp, of_items = typing.get_args(tp)[0], True
+        else:
+            break
+    return None, False
 
 
 # -- loading ---------------------------------------------------------------------------
@@ -182,26 +209,22 @@ def load(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = No
     if path is not None:
         try:
             with open(path, "rb") as f:
-                raw = tomllib.load(f)
+                raw = msgspec.toml.decode(f.read())
         except OSError as exc:
             raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
+        except msgspec.DecodeError as exc:
             raise ConfigError(f"{os.fspath(path)}: invalid TOML: {exc}") from exc
     return from_mapping(raw, os.environ if env is None else env)
 
 
 def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> SidecarConfig:
-    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    values: dict[str, Any] = {}
     for section, table in raw.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{section}: unknown section; allowed: {', '.join(SECTIONS)}")
-        if not isinstance(table, dict):
+        if section in SECTIONS and not isinstance(table, dict):
             raise ConfigError(f"{section}: must be a table ([{section}]), got {table!r}")
-        allowed = keys(section)
-        for key, value in table.items():
-            if key not in allowed:
-                raise ConfigError(f"{section}.{key}: unknown key; allowed: {', '.join(allowed)}")
-            values[section][key] = _coerce(f"{section}.{key}", value, allowed[key])
+        values[section] = dict(table) if isinstance(table, dict) else table
+    if "layout" in values.get("service", {}):
+        raise ConfigError(f"service.layout: unknown key; allowed: {', '.join(keys('service'))}")
     sources: dict[str, str] = {}
     for var, text in sorted((env or {}).items()):
         if not var.startswith(ENV_PREFIX):
@@ -217,34 +240,65 @@ def from_mapping(raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             raise ConfigError(f"{var}: {section}.{key!s} is not a key; allowed: {', '.join(allowed)}")
         name = f"{section}.{key}"
         value = _from_env(name, var, text, allowed[key])
-        if name in sources and values[section][key] != value:
+        table = values.setdefault(section, {})
+        if name in sources and table[key] != value:
             raise ConfigError(f"{name}: {sources[name]} and {var} disagree; set one of them")
-        values[section][key] = value
+        table[key] = value
         sources[name] = var
-    return SidecarConfig(
-        sidecar=_build("sidecar", values["sidecar"], sources, env),
-        http=_build("http", values["http"], sources, env),
-        log=_build("log", values["log"], sources, env),
-        service=_build("service", {**values["service"], "layout": _build("layout", values["layout"], sources, env)},
-                       sources, env),
-        sources=sources,
-    )
-
-
-def _build(section: str, values: dict[str, Any], sources: Mapping[str, str],
-           env: Mapping[str, str] | None) -> Any:
+    for section, table in values.items():
+        if section in SECTIONS:
+            for key, tp in keys(section).items():
+                if table.get(key) == "" and _optional(tp) is not None:
+                    table[key] = None  # TOML has no null
+    layout = values.pop("layout", {})
+    values["service"] = {**values.get("service", {}), "layout": layout}
     try:
-        return SECTIONS[section](**values)
-    except (ConfigError, ValueError) as exc:
-        msg = str(exc)
+        decoded = msgspec.convert(values, _Sections, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(str(exc), values, sources, env)) from exc
+    return SidecarConfig(sidecar=decoded.sidecar, http=decoded.http, log=decoded.log, service=decoded.service,
+                         sources=sources)
+
+
+_AT = re.compile(r" - at `\$(.*)`$")
+_TYPE_ERROR = re.compile(r"^Expected `[^`]+`, got `[^`]+`$")
+
+
+def _explain(message: str, values: Mapping[str, Any], sources: Mapping[str, str],
+             env: Mapping[str, str] | None) -> str:
+    """msgspec's ``Expected `int` >= 0 - at `$.http.port``` as ``http.port: must be 0..65535, got -1``."""
+    at = _AT.search(message)
+    path = re.findall(r"\.(\w+)", at.group(1)) if at else []
+    message = message[:at.start()] if at else message
+    if path[:2] == ["service", "layout"]:  # [layout] was decoded inside [service]
+        path = path[1:]
+    if not path:
+        unknown = re.match(r"Object contains unknown field `(.*)`", message)
+        return f"{unknown.group(1) if unknown else '?'}: unknown section; allowed: {', '.join(SECTIONS)}"
+    section = path[0]
+    table = values.get(section, {}) if section != "layout" else values["service"].get("layout", {})
+    unknown = re.match(r"Object contains unknown field `(.*)`", message)
+    if unknown:
+        return f"{section}.{unknown.group(1)}: unknown key; allowed: {', '.join(keys(section))}"
+    if len(path) == 1:  # raised by the section's own checks: "key: what is wrong"
         if section == "layout":  # KVLayout says "KVLayout.num_pages must ..."
-            msg = msg.replace("KVLayout.", "layout.").replace("KVLayout:", "layout:")
-            raise ConfigError(msg) from exc
-        key, sep, rest = msg.partition(": ")
+            return message.replace("KVLayout.", "layout.").replace("KVLayout:", "layout:")
+        key, sep, rest = message.partition(": ")
         var = sources.get(f"{section}.{key}") if sep else None
         if var is not None and env is not None:  # say which variable set the bad value
-            raise ConfigError(f"{section}.{key} (from {var}={env[var]!r}): {rest}") from exc
-        raise ConfigError(f"{section}.{msg}") from exc
+            return f"{section}.{key} (from {var}={env[var]!r}): {rest}"
+        return f"{section}.{message}"
+    key = path[1]
+    name, value = f"{section}.{key}", table.get(key)
+    item = re.match(rf"\.{key}\[(\d+)\]", at.group(1)[len(f".{path[0]}"):] if at else "")
+    shown = repr(value[int(item.group(1))]) if item and isinstance(value, list) else repr(value)
+    var = sources.get(name)
+    if var is not None and env is not None:
+        name = f"{name} (from {var}={env[var]!r})"
+    allowed, of_items = _meta(section, key)
+    if _TYPE_ERROR.match(message) or allowed is None:
+        return f"{name}: expected {_describe(keys(section)[key])}, got {value!r}"
+    return f"{name}: {allowed}, got {shown if of_items else repr(value)}"
 
 
 def _describe(tp: Any) -> str:
@@ -254,7 +308,7 @@ def _describe(tp: Any) -> str:
         return "an integer"
     if tp is float:
         return "a number"
-    if tp is str:
+    if tp is str or typing.get_origin(tp) is Literal:
         return "a string"
     origin = typing.get_origin(tp)
     if origin is tuple:
@@ -274,39 +328,12 @@ def _optional(tp: Any) -> Any:
     return None
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Check a TOML value against the key's type."""
-    inner = _optional(tp)
-    if inner is not None:
-        return None if value == "" else _coerce(name, value, inner)
-    ok = False
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif tp is str:
-        ok = isinstance(value, str)
-    elif typing.get_origin(tp) is tuple:
-        item = typing.get_args(tp)[0]
-        ok = isinstance(value, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in value)
-        value = tuple(value) if ok else value
-    elif typing.get_origin(tp) in (Mapping, dict):
-        ok = isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
-        value = dict(value) if ok else value
-    if not ok:
-        raise ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
-    return value
-
-
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
 def _from_env(name: str, var: str, text: str, tp: Any) -> Any:
-    """Parse an environment variable's text as the key's type."""
+    """Parse an environment variable's text as the key's type (checked with the file's values)."""
     inner = _optional(tp)
     if inner is not None:
         return None if text == "" else _from_env(name, var, text, inner)
@@ -321,11 +348,12 @@ def _from_env(name: str, var: str, text: str, tp: Any) -> Any:
             return int(text)
         if tp is float:
             return float(text)
-        if tp is str:
+        if tp is str or typing.get_origin(tp) is Literal:
             return text
         if typing.get_origin(tp) is tuple:
             item = typing.get_args(tp)[0]
-            return tuple(item(part.strip()) for part in text.split(",") if part.strip())
+            convert = int if item is int else str
+            return [convert(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError:
         pass
     else:

@@ -27,13 +27,13 @@ import re
 import stat
 from types import TracebackType
 
-import structlog
 import torch
 
+from .._log import get_logger
 from ..memory._layout import KVLayout
 from ..memory._pool import torch_dtype
 
-log = structlog.get_logger("kvservice.sidecar.shm")
+log = get_logger("kvservice.sidecar.shm")
 
 SHM_DIR = "/dev/shm"
 #: a segment's name: one file right under SHM_DIR, never a path, never hidden

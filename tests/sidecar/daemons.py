@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import uuid
@@ -136,16 +137,48 @@ async def wait_bound(client: Any, handle: Any, timeout: float = 30.0) -> None:
             await anyio.sleep(0.01)
 
 
-async def metrics(address: str) -> dict[str, float]:
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _canonical(key: str) -> str:
+    """'name{b="2",a="1"}' -> 'name{a="1",b="2"}': Prometheus ignores the order of labels,
+    and the exposition writes them sorted by name; tests may name them in any order."""
+    name, brace, rest = key.partition("{")
+    if not brace:
+        return key
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(_LABEL.findall(rest))) + "}"
+
+
+class Samples(dict[str, float]):
+    """``/metrics`` samples as {'name{labels}': value}, looked up in any label order."""
+
+    def __getitem__(self, key: str) -> float:
+        return super().__getitem__(_canonical(key))
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and super().__contains__(_canonical(key))
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(_canonical(key), default)
+
+
+def parse_metrics(text: str) -> Samples:
+    """Prometheus text, parsed by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = Samples()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+async def metrics(address: str) -> Samples:
     """``/metrics`` as {'name{labels}': value}."""
     status, body = await aget(address, "/metrics")
     assert status == 200, body
-    out: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return parse_metrics(body)
 
 
 # -- raw worker connections ----------------------------------------------------------------

@@ -264,3 +264,54 @@ async def test_client_without_a_daemon_fails_clearly() -> None:
         async with SidecarClient(os.path.join(workdir, "none.sock"), connect_timeout=5):
             pass
     os.rmdir(workdir)
+
+
+#: every family /metrics exported before prometheus_client, with its type and labels: a stable interface
+KVSERVICE_FAMILIES = {
+    "kvservice_up": ("gauge", set()),
+    "kvservice_transfers": ("counter", {"side", "status", "reason"}),
+    "kvservice_transfer_bytes": ("counter", {"side"}),
+    "kvservice_transfers_in_flight": ("gauge", {"side"}),
+    "kvservice_nixl_handles_live": ("gauge", set()),
+    "kvservice_transfer_duration_seconds": ("histogram", set()),
+    "kvservice_peers_connected": ("gauge", set()),
+    "kvservice_unsettled_pages": ("gauge", set()),
+    "kvservice_event_loop_lag_seconds": ("gauge", {"quantile"}),
+    "kvservice_stale_notifications": ("counter", set()),
+    "kvservice_sidecar_workers_connected": ("gauge", set()),
+    "kvservice_sidecar_connections": ("counter", set()),
+    "kvservice_sidecar_connections_refused": ("counter", set()),
+    "kvservice_sidecar_frames_rejected": ("counter", set()),
+    "kvservice_sidecar_disconnect_aborts": ("counter", set()),
+    "kvservice_sidecar_calls": ("counter", {"op"}),
+    "kvservice_refused": ("counter", {"where", "kind"}),
+}
+
+
+async def test_metrics_are_prometheus_text_with_the_process_collectors(pair: tuple[Sidecar, Sidecar]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prefill, _ = pair
+    async with SidecarClient(prefill.socket) as pw:
+        await pw.fetch_status()  # a call, so that calls_total has a sample
+    status, body = await aget(prefill.http, "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds", "process_open_fds",
+                 "process_start_time_seconds", "python_info"):
+        assert name in families, sorted(families)
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
+    for name, (kind, labels) in KVSERVICE_FAMILIES.items():
+        assert name in families, name
+        assert families[name].type == kind, (name, families[name].type)
+        for sample in families[name].samples:
+            assert set(sample.labels) - {"le"} == labels, (name, sample)
+    assert {f for f in families if f.startswith("kvservice_")} == set(KVSERVICE_FAMILIES)
+    assert families["kvservice_up"].samples[0].value == 1
+    calls = {s.labels["op"] for s in families["kvservice_sidecar_calls"].samples}
+    assert "status" in calls, calls
+    # and every one of them is in the operators' documentation
+    doc = (REPO / "docs" / "sidecar.md").read_text()
+    undocumented = [name for name, (kind, _) in KVSERVICE_FAMILIES.items()
+                    if f"`{name}{'_total' if kind == 'counter' else ''}`" not in doc]
+    assert not undocumented, undocumented

@@ -1,0 +1,124 @@
+"""A ``TransferService``'s Prometheus metrics, read when scraped.
+
+``ServiceCollector`` is a ``prometheus_client`` collector: nothing on the transfer
+path updates a metric; each scrape reads the counters the service keeps anyway
+(``svc.stats``, ``svc.status()``).  An engine registers it on its own registry and
+serves that however it serves metrics::
+
+    from prometheus_client import REGISTRY
+    REGISTRY.register(svc.metrics)          # once per service
+
+The sidecar (``kvservice serve``) exports the same families from its own registry,
+with its own beside them.  Names and labels are a stable interface, listed in
+docs/sidecar.md ("Operations").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ._results import FailureReason
+from ._stats import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from ._service import TransferService
+
+__all__ = ["ServiceCollector", "refused_family", "service_families", "service_refusals"]
+
+#: a scrape from another thread may meet a dict or deque the loop is changing; read again
+_READ_TRIES = 3
+
+
+def _snapshot(svc: TransferService) -> tuple[Any, dict[str, Any]]:
+    stats = svc.stats
+    return stats, {**svc.status(), "outcomes_by_key": dict(stats.outcomes), "bytes_by_side": dict(stats.bytes),
+                   "latency_buckets": list(stats.latency_buckets)}
+
+
+def _read(svc: TransferService) -> tuple[Any, dict[str, Any]]:
+    """The service's status and its counters, copied."""
+    for _ in range(_READ_TRIES - 1):
+        try:
+            return _snapshot(svc)
+        except RuntimeError:  # "changed size during iteration": the loop moved on meanwhile
+            continue
+    return _snapshot(svc)
+
+
+def service_families(svc: TransferService) -> list[Metric]:
+    """Every family of the transfer service except ``kvservice_refused_total`` (which the
+    sidecar extends with its own kinds): see ``refused_family``."""
+    stats, snap = _read(svc)
+    outcomes, nbytes = snap["outcomes_by_key"], snap["bytes_by_side"]
+    transfers = CounterMetricFamily(
+        "kvservice_transfers_total",
+        "Requests ended, by side (send: this sidecar sent; recv: it received), status and failure reason",
+        labels=["side", "status", "reason"])
+    for side in ("send", "recv"):
+        transfers.add_metric([side, "SUCCESS", ""], outcomes.get((side, "SUCCESS"), 0))
+        for reason in FailureReason:
+            transfers.add_metric([side, "FAILED", reason.value], outcomes.get((side, reason.value), 0))
+    moved = CounterMetricFamily("kvservice_transfer_bytes_total", "Bytes of successful transfers, by side",
+                                labels=["side"])
+    in_flight = GaugeMetricFamily("kvservice_transfers_in_flight", "Requests not yet ended, by side",
+                                  labels=["side"])
+    for side, key in (("send", "sending"), ("recv", "receiving")):
+        moved.add_metric([side], nbytes.get(side, 0))
+        in_flight.add_metric([side], snap[key])
+    cumulative, buckets = 0, []
+    for bound, count in zip(LATENCY_BUCKETS, snap["latency_buckets"], strict=False):
+        cumulative += count
+        buckets.append((repr(bound), cumulative))
+    buckets.append(("+Inf", stats.latency_count))
+    duration = HistogramMetricFamily("kvservice_transfer_duration_seconds",
+                                     "Successful sends, from the first send() to completion")
+    duration.add_metric([], buckets, stats.latency_sum)
+    lag = GaugeMetricFamily("kvservice_event_loop_lag_seconds", "How late the event loop wakes a 10 ms sleeper",
+                            labels=["quantile"])
+    lag.add_metric(["0.99"], snap["loop_lag_p99_s"])
+    lag.add_metric(["1"], snap["loop_lag_max_s"])
+    return [
+        transfers, moved, in_flight,
+        GaugeMetricFamily("kvservice_nixl_handles_live", "NIXL transfer handles not yet released",
+                          value=snap["live_nixl_handles"]),
+        duration,
+        GaugeMetricFamily("kvservice_peers_connected", "Peer services with a live control link",
+                          value=len(snap["peers"])),
+        GaugeMetricFamily("kvservice_unsettled_pages",
+                          "Pages of failed requests a sender may still write into (not reusable yet)",
+                          value=snap["unsettled_pages"]),
+        lag,
+        CounterMetricFamily("kvservice_stale_notifications_total", "NIXL notifications matching no live request",
+                            value=snap["stale_notifs"]),
+    ]
+
+
+def refused_family(samples: Iterable[tuple[str, str, int]]) -> CounterMetricFamily:
+    """``kvservice_refused_total{where, kind}`` from (where, kind, count) samples."""
+    family = CounterMetricFamily(
+        "kvservice_refused_total",
+        "What a peer (where=service), a worker (workers) or an HTTP client (http) tried and was refused, by kind",
+        labels=["where", "kind"])
+    for where, kind, count in samples:
+        family.add_metric([where, kind], count)
+    return family
+
+
+def service_refusals(svc: TransferService) -> list[tuple[str, str, int]]:
+    """The service's own refusals, as ``refused_family`` samples."""
+    return [("service", kind, n) for kind, n in sorted(dict(svc.stats.refused).items())]
+
+
+class ServiceCollector(Collector):
+    """The transfer service's families, read from ``svc`` at each scrape."""
+
+    def __init__(self, svc: TransferService) -> None:
+        self._svc = svc
+
+    def collect(self) -> Iterator[Metric]:
+        yield from service_families(self._svc)
+        yield refused_family(service_refusals(self._svc))
