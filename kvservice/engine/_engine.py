@@ -133,6 +133,8 @@ class KVTransferEngine:
         try:
             anyio.run(self._serve, backend="asyncio", backend_options={"use_uvloop": self._use_uvloop})
         except BaseException as exc:  # noqa: BLE001 - reported to start() or logged; the thread ends
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]  # the service's own start error, not our task group's wrapper
             if not self._ready.is_set():
                 self._error = exc
             else:

@@ -200,11 +200,22 @@ class _Transfer:
             if self._running:
                 return
             self._running = True
-        if not self._engine._spawn(self._drain):
+        if not self._spawn(self._drain):
             with self._lock:
                 self._ops.clear()
                 self._running = False
             self._shutdown()
+
+    def _spawn(self, fn: Op) -> bool:
+        """Run ``fn`` as a task of the engine; whatever it raises ends this request, never
+        the engine's loop."""
+        async def guarded(svc: TransferService) -> None:
+            try:
+                await fn(svc)
+            except Exception as exc:  # noqa: BLE001 - a request's failure, not the engine's
+                self._fail_call(exc)
+
+        return self._engine._spawn(guarded)
 
     async def _drain(self, svc: TransferService) -> None:
         """The runner (loop thread): perform the queued ops in order."""
@@ -268,13 +279,12 @@ class KVSender(_Transfer):
         self._check_usable("send")
         if self._last_sent:
             raise RuntimeError(f"send() after the last chunk of request {self.request_id!r}")
-        n = len(pages)
-        self._pages_sent += n
+        sent = self._pages_sent + len(pages)
+        if self._num_pages is not None and sent > self._num_pages:
+            raise ValueError(f"request {self.request_id!r}: {sent} pages sent, init() said {self._num_pages}")
         if last is None:
-            last = self._num_pages is not None and self._pages_sent >= self._num_pages
-        if self._num_pages is not None and self._pages_sent > self._num_pages:
-            raise ValueError(f"request {self.request_id!r}: {self._pages_sent} pages sent, init() said "
-                             f"{self._num_pages}")
+            last = self._num_pages is not None and sent >= self._num_pages
+        self._pages_sent = sent
         self._last_sent = last
         if self._result is not None:
             return  # ended (failed or aborted): sticky, nothing more is posted
@@ -299,7 +309,7 @@ class KVSender(_Transfer):
         if self._handle is None:
             self._owned = True
             self._handle = handle
-            self._engine._spawn(self._watch)
+            self._spawn(self._watch)
 
     async def _watch(self, svc: TransferService) -> None:
         # No timeout of its own: the service's deadlines (bootstrap, transfer) end every
@@ -361,7 +371,7 @@ class KVReceiver(_Transfer):
             return
         await svc.expect(self.request_id, pages, **kwargs)
         self._owned = True
-        self._engine._spawn(self._watch)
+        self._spawn(self._watch)
 
     async def _watch(self, svc: TransferService) -> None:
         # Bounded by the service: the arrival deadline, the peer's loss, shutdown.

@@ -328,3 +328,43 @@ def test_the_engine_loop_is_its_own_thread() -> None:
         fut = asyncio.run_coroutine_threadsafe(ident(), loop)
         assert fut.result(GUARD_S) != threading.get_ident()
     assert not loop.is_running()
+
+
+def test_a_service_that_cannot_start_raises_from_start() -> None:
+    def no_door(name: str, c: ServiceConfig) -> Any:
+        raise RuntimeError("no NIXL here")
+
+    def broken(cfg: ServiceConfig) -> TransferService:
+        return TransferService(cfg, door_factory=no_door)
+
+    engine = KVTransferEngine(unit_config(), service_factory=broken)
+    with pytest.raises(RuntimeError, match="no NIXL here"):
+        engine.start()
+    assert not engine.running
+    assert engine._thread is not None and not engine._thread.is_alive()
+
+
+def test_an_error_inside_a_watcher_ends_that_request_only() -> None:
+    fabric = FakeFabric()
+    with engines(fabric) as (prefill, decode):
+        svc = prefill._svc
+        assert svc is not None
+        original = svc.await_completion
+
+        async def broken(handle: Any, timeout: float | None = None) -> Any:
+            if handle.request_id == "boom":
+                raise TypeError("a bug in the service")
+            return await original(handle, timeout)
+
+        svc.await_completion = broken  # type: ignore[method-assign]
+        receiver = decode.receiver("ok", sender=prefill.address)
+        receiver.init([1])
+        boom, ok = prefill.sender("boom"), prefill.sender("ok")
+        boom.send([2], last=True)
+        ok.send([3], last=True)
+        until(ended(boom, ok, receiver))
+        assert boom.result is not None and boom.result.reason is FailureReason.REFUSED
+        with pytest.raises(TypeError, match="a bug"):
+            boom.failure_exception()
+        assert ok.poll() is KVPoll.Success and receiver.poll() is KVPoll.Success
+        assert prefill.running
