@@ -1,0 +1,307 @@
+"""``KVTransferEngine``: a ``TransferService`` on an event loop of its own thread, for
+schedulers that never await.
+
+The loop thread runs ``anyio.run`` (uvloop when available, like ``kvservice serve``),
+enters the service, and owns one task group in which every task the facade starts
+runs (each request's op runner and its watcher); nothing is created without an owner.
+The scheduler's thread reaches the loop only through ``loop.call_soon_threadsafe``,
+which never waits: queuing a call costs a few microseconds whatever the loop is doing.
+
+Shutdown (``close()``): the loop leaves the service's ``async with`` (drain for
+``drain_grace_s``, the rest ``SHUTDOWN`` on both sides, handles released, the agent
+closed), its watchers publish those results, and whatever the facade still holds
+without a result (a receiver never ``init``-ed, a call queued too late) ends
+``Failed(SHUTDOWN)``: after ``close()`` no request is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import structlog
+
+from .._config import ServiceConfig
+from .._results import KVPoll, KVServiceError
+from .._runtime import uvloop_available
+from ._transfers import KVReceiver, KVSender, _Transfer
+
+if TYPE_CHECKING:
+    from .. import KVPool
+    from .._service import TransferService
+
+log = structlog.get_logger("kvservice")
+
+ServiceFactory = Callable[[ServiceConfig], "TransferService"]
+
+#: how long a stopping loop lets its facade tasks publish what the service's exit resolved
+_FINISH_GRACE_S = 2.0
+
+
+def _default_service(config: ServiceConfig) -> TransferService:
+    from .._service import TransferService
+
+    return TransferService(config)
+
+
+class KVTransferEngine:
+    """Owns a ``TransferService`` running on its own thread, and makes the per-request
+    ``KVSender`` / ``KVReceiver`` objects a synchronous scheduler polls.
+
+    ``with KVTransferEngine(config) as engine:`` (or ``start()`` / ``close()``).
+    ``service_factory`` builds the service on the loop thread (tests pass one with a
+    fake NIXL door); ``loop`` is ``"auto" | "asyncio" | "uvloop"``.
+    """
+
+    def __init__(
+        self, config: ServiceConfig | None = None, *, loop: str = "auto",
+        service_factory: ServiceFactory | None = None, start_timeout_s: float = 60.0,
+        close_timeout_s: float | None = None,
+    ) -> None:
+        self.config = config or ServiceConfig()
+        if loop not in ("auto", "asyncio", "uvloop"):
+            raise ValueError(f"loop must be 'auto', 'asyncio' or 'uvloop', got {loop!r}")
+        self._use_uvloop = loop != "asyncio" and uvloop_available()
+        self._factory = service_factory or _default_service
+        self._start_timeout = start_timeout_s
+        # drain, then up to a second of goodbyes, then the facade's own grace
+        self._close_timeout = close_timeout_s or self.config.drain_grace_s + 1.0 + _FINISH_GRACE_S + 5.0
+        self._svc: TransferService | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._accepting = False  # calls reach the loop only while this holds
+        self._live: dict[tuple[str, str], _Transfer] = {}  # (side, request id) -> not cleared
+        self._tasks = 0  # facade tasks running (loop thread only)
+        self._tasks_done: asyncio.Event | None = None
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def start(self) -> KVTransferEngine:
+        """Start the loop thread and the service; returns once the service is up (or raises
+        its start error, e.g. ``NixlUnavailable``)."""
+        if self._thread is not None:
+            raise RuntimeError("KVTransferEngine.start() called twice")
+        self._thread = threading.Thread(target=self._thread_main, name="kvservice-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self._start_timeout):
+            self.close()
+            raise KVServiceError(f"the transfer service did not start within {self._start_timeout}s")
+        if self._error is not None:
+            self._thread.join(self._start_timeout)
+            raise self._error
+        _open_engines.add(self)
+        return self
+
+    def close(self) -> None:
+        """Stop the service (drain, then ``SHUTDOWN``) and the loop thread.  Every request
+        of this engine has ended when it returns.  Idempotent; thread-safe."""
+        with self._lock:
+            self._accepting = False
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop has already ended
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self._close_timeout)
+            if self._thread.is_alive():
+                log.warning("engine.close_timeout", timeout_s=self._close_timeout)
+        self._end_all("the engine was closed")
+        _open_engines.discard(self)
+
+    def __enter__(self) -> KVTransferEngine:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _thread_main(self) -> None:
+        try:
+            anyio.run(self._serve, backend="asyncio", backend_options={"use_uvloop": self._use_uvloop})
+        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged; the thread ends
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]  # the service's own start error, not our task group's wrapper
+            if not self._ready.is_set():
+                self._error = exc
+            else:
+                log.error("engine.loop_failed", error=repr(exc))
+        finally:
+            with self._lock:
+                self._accepting = False
+            self._ready.set()
+            self._end_all("the engine's event loop ended")
+            self._finished.set()
+
+    async def _serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                async with self._factory(self.config) as svc:
+                    self._svc = svc
+                    self._stop = asyncio.Event()
+                    self._loop = asyncio.get_running_loop()
+                    with self._lock:
+                        self._accepting = True
+                    self._ready.set()
+                    await self._stop.wait()
+                    with self._lock:
+                        self._accepting = False
+                # The service's exit resolved every request: let the watchers publish that.
+                with anyio.move_on_after(_FINISH_GRACE_S):
+                    while self._tasks:
+                        self._tasks_done = asyncio.Event()
+                        await self._tasks_done.wait()
+            finally:
+                tg.cancel_scope.cancel()
+
+    # -- the facade's plumbing ------------------------------------------------------------------
+    def _spawn(self, fn: Callable[[TransferService], Awaitable[None]]) -> bool:
+        """Start ``fn(service)`` as a task of the engine's task group.  From the scheduler's
+        thread (queued with ``call_soon_threadsafe``, never waits) or the loop thread.
+        False when the engine does not take calls (not started, closing, closed)."""
+        with self._lock:
+            if not self._accepting:
+                return False
+            loop, tg, svc = self._loop, self._tg, self._svc
+        assert loop is not None and tg is not None and svc is not None
+        if self._thread is not None and threading.get_ident() == self._thread.ident:
+            self._start_task(fn, svc)
+            return True
+        try:
+            loop.call_soon_threadsafe(self._start_task, fn, svc)
+        except RuntimeError:  # the loop closed in between; _end_all ends the request
+            return False
+        return True
+
+    def _start_task(self, fn: Callable[[TransferService], Awaitable[None]], svc: TransferService) -> None:
+        """On the loop thread: ``fn`` as a counted task of the engine's group."""
+        tg = self._tg
+        if tg is None or tg.cancel_scope.cancel_called:
+            return  # stopping: _end_all ends what this would have served
+
+        async def counted() -> None:
+            self._tasks += 1
+            try:
+                await fn(svc)
+            finally:
+                self._tasks -= 1
+                if not self._tasks and self._tasks_done is not None:
+                    self._tasks_done.set()
+
+        tg.start_soon(counted)
+
+    def _poll_arrival(self, request_id: str) -> KVPoll | None:
+        svc = self._svc
+        if svc is None:
+            return None
+        return svc.poll_arrival(request_id)
+
+    def _forget(self, transfer: _Transfer) -> None:
+        key = ("send" if isinstance(transfer, KVSender) else "recv", transfer.request_id)
+        with self._lock:
+            if self._live.get(key) is transfer:
+                del self._live[key]
+
+    def _register(self, key: tuple[str, str], transfer: _Transfer) -> None:
+        with self._lock:
+            if self._thread is None:
+                raise RuntimeError("KVTransferEngine is not started (use 'with' or start())")
+            if key in self._live:
+                raise ValueError(f"request {key[1]!r} already has a live {type(transfer).__name__} "
+                                 "on this engine (clear() it first)")
+            self._live[key] = transfer
+            accepting = self._accepting
+        if not accepting:
+            transfer._shutdown()
+
+    def _end_all(self, message: str) -> None:
+        with self._lock:
+            live = list(self._live.values())
+        for transfer in live:
+            transfer._shutdown(message)
+
+    # -- the public API -------------------------------------------------------------------------
+    def sender(self, request_id: str, *, receiver: str | None = None) -> KVSender:
+        """The prefill side of ``request_id``.  ``receiver`` ("host:port") pins it to that
+        decode (``TransferService.send(receiver=)``).  Raises ``ValueError`` while another
+        sender of that id on this engine is not cleared.  Once the engine is closed (or its
+        loop failed) the object is created ``Failed(SHUTDOWN)``."""
+        transfer = KVSender(self, request_id, receiver=receiver)
+        self._register(("send", request_id), transfer)
+        return transfer
+
+    def receiver(self, request_id: str, *, sender: str) -> KVReceiver:
+        """The decode side of ``request_id``, fed by the prefill service at ``sender``
+        ("host:port").  Nothing is sent before ``init(pages)``."""
+        transfer = KVReceiver(self, request_id, sender=sender)
+        self._register(("recv", request_id), transfer)
+        return transfer
+
+    @property
+    def running(self) -> bool:
+        """The service is up and takes calls."""
+        return self._accepting
+
+    @property
+    def address(self) -> str:
+        """The service's control address ("host:port"), for peers."""
+        return self._service().address
+
+    @property
+    def agent_name(self) -> str:
+        return self._service().agent_name
+
+    @property
+    def kv(self) -> KVPool:
+        """The registered KV pool.  The scheduler writes (prefill) and reads (decode) pages
+        in it directly; a page is the service's only while a request names it."""
+        return self._service().kv
+
+    def live(self) -> list[_Transfer]:
+        """Senders and receivers not cleared yet, ended or not."""
+        with self._lock:
+            return list(self._live.values())
+
+    def pending(self) -> list[_Transfer]:
+        """Senders and receivers that have not ended yet."""
+        return [t for t in self.live() if t.result is None]
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        """``TransferService.status()``, taken on the loop thread (waits up to ``timeout``)."""
+        loop, svc = self._loop, self._svc
+        if loop is None or svc is None or not self._accepting:
+            raise KVServiceError("the engine is not running")
+
+        async def snapshot() -> dict[str, Any]:
+            return svc.status()
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout)
+
+    def _service(self) -> TransferService:
+        if self._svc is None:
+            raise KVServiceError("the engine is not started")
+        return self._svc
+
+
+#: engines not closed yet: closed at interpreter exit (their agents released in order)
+_open_engines: weakref.WeakSet[KVTransferEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for engine in list(_open_engines):
+        engine.close()
