@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -26,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-import structlog
 
 from .._config import ServiceConfig
+from .._log import get_logger
 from .._results import KVPoll, KVServiceError
 from .._runtime import uvloop_available
 from ._transfers import KVReceiver, KVSender, _Transfer
@@ -36,8 +37,9 @@ from ._transfers import KVReceiver, KVSender, _Transfer
 if TYPE_CHECKING:
     from .. import KVPool
     from .._service import TransferService
+    from ..memory import KVMemory
 
-log = structlog.get_logger("kvservice")
+log = get_logger("kvservice")
 
 ServiceFactory = Callable[[ServiceConfig], "TransferService"]
 
@@ -45,10 +47,10 @@ ServiceFactory = Callable[[ServiceConfig], "TransferService"]
 _FINISH_GRACE_S = 2.0
 
 
-def _default_service(config: ServiceConfig) -> TransferService:
+def _default_service(config: ServiceConfig, memory: KVMemory | None = None) -> TransferService:
     from .._service import TransferService
 
-    return TransferService(config)
+    return TransferService(config, memory=memory)
 
 
 class KVTransferEngine:
@@ -61,15 +63,19 @@ class KVTransferEngine:
     """
 
     def __init__(
-        self, config: ServiceConfig | None = None, *, loop: str = "auto",
+        self, config: ServiceConfig | None = None, *, memory: KVMemory | None = None, loop: str = "auto",
         service_factory: ServiceFactory | None = None, start_timeout_s: float = 60.0,
         close_timeout_s: float | None = None,
     ) -> None:
+        """``memory``: the engine's own KV tensors (``kvservice.memory``), registered as
+        they are; without it the service allocates its own pool (``kv``)."""
         self.config = config or ServiceConfig()
+        if memory is not None and service_factory is not None:
+            raise ValueError("memory= goes to the default service; a service_factory builds its own")
         if loop not in ("auto", "asyncio", "uvloop"):
             raise ValueError(f"loop must be 'auto', 'asyncio' or 'uvloop', got {loop!r}")
         self._use_uvloop = loop != "asyncio" and uvloop_available()
-        self._factory = service_factory or _default_service
+        self._factory = service_factory or functools.partial(_default_service, memory=memory)
         self._start_timeout = start_timeout_s
         # drain, then up to a second of goodbyes, then the facade's own grace
         self._close_timeout = close_timeout_s or self.config.drain_grace_s + 1.0 + _FINISH_GRACE_S + 5.0

@@ -267,28 +267,33 @@ class KVSender(_Transfer):
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         self._num_pages = num_pages
 
-    def send(self, pages: Pages, *, last: bool | None = None, timeout: float | None = None) -> None:
+    def send(self, pages: Pages, *, last: bool | None = None, timeout: float | None = None,
+             layers: range | None = None, payload: bytes | None = None) -> None:
         """Queue one chunk of pages (``TransferService.send``); never waits.
 
         ``last``: whether this chunk ends the request; ``None`` means "when it reaches
-        ``init()``'s ``num_pages``" (``False`` without ``init``).  ``timeout`` is
-        ``TransferService.send``'s.  A request that already ended takes the chunk and
-        posts nothing (``poll()`` says how it ended).  Every other keyword argument of
-        ``TransferService.send`` that the facade passes on is listed here by name
-        (``send_kwargs`` builds them)."""
+        ``init()``'s ``num_pages``" (``False`` without ``init``, and for layer-wise
+        chunks, whose end only the caller knows).  ``timeout``, ``layers`` (send only
+        those layers, as the forward pass produces them) and ``payload`` (with the last
+        chunk) are ``TransferService.send``'s.  A request that already ended takes the
+        chunk and posts nothing (``poll()`` says how it ended).  Every other keyword
+        argument of ``TransferService.send`` that the facade passes on is listed here by
+        name (``send_kwargs`` builds them)."""
         self._check_usable("send")
         if self._last_sent:
             raise RuntimeError(f"send() after the last chunk of request {self.request_id!r}")
-        sent = self._pages_sent + len(pages)
-        if self._num_pages is not None and sent > self._num_pages:
-            raise ValueError(f"request {self.request_id!r}: {sent} pages sent, init() said {self._num_pages}")
-        if last is None:
-            last = self._num_pages is not None and sent >= self._num_pages
-        self._pages_sent = sent
+        if layers is None:  # whole pages: they count towards init()'s num_pages
+            sent = self._pages_sent + len(pages)
+            if self._num_pages is not None and sent > self._num_pages:
+                raise ValueError(f"request {self.request_id!r}: {sent} pages sent, init() said {self._num_pages}")
+            if last is None:
+                last = self._num_pages is not None and sent >= self._num_pages
+            self._pages_sent = sent
+        last = bool(last)
         self._last_sent = last
         if self._result is not None:
             return  # ended (failed or aborted): sticky, nothing more is posted
-        kwargs = self.send_kwargs(last=last, timeout=timeout)
+        kwargs = self.send_kwargs(last=last, timeout=timeout, layers=layers, payload=payload)
         pages = _copy(pages)
         self._queue(lambda svc: self._send_op(svc, pages, kwargs))
 

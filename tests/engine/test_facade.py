@@ -368,3 +368,23 @@ def test_an_error_inside_a_watcher_ends_that_request_only() -> None:
             boom.failure_exception()
         assert ok.poll() is KVPoll.Success and receiver.poll() is KVPoll.Success
         assert prefill.running
+
+
+def test_layer_wise_chunks_and_a_payload_reach_the_receivers_result() -> None:
+    """The service's layers= and payload= pass through the facade; the payload is on the
+    receiver's result exactly when it polls Success."""
+    fabric = FakeFabric()
+    with engines(fabric) as (prefill, decode):
+        src, dst = [1, 2], [20, 21]
+        prefill.kv.write(src, pattern(SMALL, "lw", len(src)))
+        receiver = decode.receiver("lw", sender=prefill.address)
+        receiver.init(dst)
+        sender = prefill.sender("lw")
+        sender.init(len(src))  # layer-wise chunks do not count towards it: last is explicit
+        for layer in range(SMALL.layers):
+            final = layer == SMALL.layers - 1
+            sender.send(src, layers=range(layer, layer + 1), last=final, payload=b"token=7" if final else None)
+        until(ended(sender, receiver))
+        assert sender.poll() is KVPoll.Success and receiver.poll() is KVPoll.Success
+        assert receiver.result is not None and receiver.result.payload == b"token=7"
+        assert torch.equal(decode.kv.pages(dst), pattern(SMALL, "lw", len(dst)))
