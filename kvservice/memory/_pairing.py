@@ -22,7 +22,7 @@ of one region stays adjacent in the list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -92,21 +92,19 @@ class Pair:
     src_views: tuple[View, ...]
     dst_views: tuple[View, ...]
     runs: int
+    #: bytes moved per page across every layer (read on every post: computed once)
+    page_bytes: int = field(init=False)
+    #: the source side moves whole pages: its plain regions table serves
+    whole: bool = field(init=False)
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes moved per page across every layer."""
-        return sum(v.nbytes for v in self.src_views)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "page_bytes", sum(v.nbytes for v in self.src_views))
+        object.__setattr__(self, "whole", self.runs == 1 and all(
+            v.nbytes == r.page_bytes for v, r in zip(self.src_views, self.src.regions, strict=True)))
 
     def layer_bytes(self, layers: int) -> int:
         """Bytes moved per page for ``layers`` layers."""
         return self.page_bytes * layers // self.src.layers
-
-    @property
-    def whole(self) -> bool:
-        """The source side moves whole pages: its plain regions table serves."""
-        return self.runs == 1 and all(v.nbytes == r.page_bytes for v, r in zip(
-            self.src_views, self.src.regions, strict=True))
 
     def src_table(self) -> npt.NDArray[np.uint64]:
         return views_table(self.src.regions, self.src_views, self.src.num_pages)
