@@ -2,8 +2,8 @@
 
 This module imports ``nixl`` directly, on purpose.  kvservice's rule that only
 ``kvservice/_nixl.py`` imports nixl is about the service; the baseline the
-service is measured against must not run through the service, so it lives
-here, outside the package, and imports nothing from ``kvservice``.
+service is measured against must not run through the service, so it imports
+nothing of the service: only the bench's own line protocol and workload sizes.
 
 Two processes (``python -m kvservice.bench.raw_nixl send|recv CONFIG``), each with
 one agent and a pool of the benchmark's layout, touched once.  The sender
