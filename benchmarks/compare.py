@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.compare --against ../kv-before/kvservice --repeats 5 \\
         --cases w2/c1,w2/c16,w2/c256
 
-Every version runs under this checkout's benchmark code (``benchmarks.kv_side``)
+Every version runs under this checkout's benchmark code (``kvservice.bench.kv_side``)
 with the same workloads, taking turns with raw NIXL case by case, so versions
 measured minutes apart on a busy machine are not compared.  Prints, per case,
 each method's median throughput, its median per-repeat ratio to raw NIXL, its
@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _lines
-from benchmarks._lines import ChildError
-from benchmarks.methods import KvService, Method, RawNixl
-from benchmarks.stats import median, ratios, summarize_sample
-from benchmarks.workloads import FULL, LLAMA3_8B, Case, all_cases, page_bytes
+from kvservice.bench import _lines
+from kvservice.bench._lines import ChildError
+from kvservice.bench.methods import KvService, Method, RawNixl
+from kvservice.bench.stats import median, ratios, summarize_sample
+from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases, page_bytes
 from kvservice.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.hops --case w2/c1 --requests 1000
 
 Runs the benchmark's sender in this process (one ``TransferService``, requests
-sent one at a time, as in ``w2/c1``) against a ``benchmarks.kv_side`` receiver,
+sent one at a time, as in ``w2/c1``) against a ``kvservice.bench.kv_side`` receiver,
 with timestamps patched onto the hops of each request: ``send()`` called, the
 post starting and ending on the NIXL thread, its outcome reaching the loop, the
 watchdog's digest, ``await_completion`` returning.  Prints the median of each
@@ -25,11 +25,11 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from benchmarks._lines import Child
-from benchmarks.kv_side import make_config, quiet_logs
-from benchmarks.workloads import FULL, LLAMA3_8B, all_cases
 from kvservice import TransferService, _door, _nixl, _watchdog
 from kvservice._protocol import decode_notif
+from kvservice.bench._lines import Child
+from kvservice.bench.kv_side import make_config, quiet_logs
+from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases
 
 #: hop name -> request id -> time.monotonic()
 marks: dict[str, dict[str, float]] = {}
@@ -91,7 +91,7 @@ async def run(case_key: str, nreq: int) -> None:
                            "gc": "freeze", "service": {}}
     case = {c.key: c for c in all_cases(FULL, 1)}[case_key]
     reqs = case.with_prefix("hops")[:nreq]
-    recv = Child("benchmarks.kv_side", "recv", cfg)
+    recv = Child("kvservice.bench.kv_side", "recv", cfg)
     try:
         async with TransferService(make_config(cfg)) as svc:
             svc.kv.tensor.fill_(1.0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and an expectation failed
@@ -20,18 +19,8 @@ def _demo(argv: Sequence[str]) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
-    # The benchmark lives in the repository's benchmarks/ package, not in the wheel:
-    # find it in the working directory or beside this (editable) kvservice package.
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (root / "benchmarks" / "bench.py").is_file() and str(root) not in sys.path:
-            sys.path.insert(0, str(root))
-            break
-    try:
-        from benchmarks.bench import main
-    except ImportError as exc:
-        print(f"kvservice bench: cannot import the benchmarks package ({exc}); run it from a checkout "
-              "of the kvservice repository (the directory holding benchmarks/)", file=sys.stderr)
-        return EXIT_USAGE
+    from .bench.main import main
+
     return main(argv)
 
 
@@ -60,7 +49,7 @@ def _keygen(argv: Sequence[str]) -> int:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
-    "bench": ("measure kvservice against raw NIXL and the copy limit (from a repository checkout)", _bench),
+    "bench": ("measure kvservice against raw NIXL, on this host or between two (--listen / --peer)", _bench),
     "check-config": ("validate a sidecar config file and print the effective config", _check_config),
     "demo": ("two services, a few dozen verified requests, a decode crash and restart", _demo),
     "keygen": ("write a new cluster key file: kvservice keygen PATH [--force]", _keygen),

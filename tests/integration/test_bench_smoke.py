@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.methods import NAME_PREFIX
+from kvservice.bench.methods import NAME_PREFIX
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -15,21 +15,35 @@ import shutil
 import signal
 import uuid
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from benchmarks import _lines
-from benchmarks._lines import CHILD_ENV, REPO_ROOT, Child, ChildError
-from benchmarks.limit import CopyLimit
-from benchmarks.workloads import Case
 from kvservice import KVLayout
+from kvservice.bench import _lines
+from kvservice.bench._lines import CHILD_ENV, Child, ChildError
+from kvservice.bench.limit import CopyLimit
+from kvservice.bench.workloads import Case
 from kvservice.sidecar.local import DaemonError, LocalDaemon, short_tmpdir
 from kvservice.sidecar.shm import SHM_DIR
+
+if TYPE_CHECKING:
+    from kvservice.bench.remote import Link
 
 SETUP_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 180.0
 #: the sidecar's socket directory (under /tmp) and shared segments (under /dev/shm) start with
 #: this and the driver's pid
 NAME_PREFIX = "kvs-bench-"
+
+
+class Endpoint(Protocol):
+    """One side of a method: a local ``Child``, or a ``RemoteChild`` on the listening host."""
+
+    name: str
+
+    def send(self, op: str, **kw: Any) -> None: ...
+    def wait(self, event: str, timeout: float = 60.0) -> dict[str, Any]: ...
+    def call(self, op: str, event: str, timeout: float = 60.0, **kw: Any) -> dict[str, Any]: ...
+    def close(self, timeout: float = 10.0) -> None: ...
 
 
 class Method(Protocol):
@@ -75,8 +89,8 @@ def _two_sided(sample: dict[str, Any], arrived: dict[str, Any], n: int) -> dict[
 class _TwoChildren:
     """A method measured by a sending and a receiving child process."""
 
-    send: Child | None
-    recv: Child | None
+    send: Endpoint | None
+    recv: Endpoint | None
 
     def close(self) -> None:
         for child in (self.send, self.recv):
@@ -85,18 +99,24 @@ class _TwoChildren:
 
 
 class RawNixl(_TwoChildren):
-    """Hand-written NIXL loop in two child processes (``benchmarks.raw_nixl``)."""
+    """Hand-written NIXL loop in two child processes (``kvservice.bench.raw_nixl``).
+
+    ``remote``: the receiver is the listening host's (two-host runs); ``env``: UCX's
+    variables for the local child (``Child``'s ``env``)."""
 
     name = "raw_nixl"
 
-    def __init__(self, layout: dict[str, Any], num_pages: int, **options: Any) -> None:
+    def __init__(self, layout: dict[str, Any], num_pages: int, *, env: dict[str, str | None] | None = None,
+                 remote: Link | None = None, **options: Any) -> None:
         self._cfg = {"layout": layout, "num_pages": num_pages, "progress_thread": False, **options}
-        self.send: Child | None = None
-        self.recv: Child | None = None
+        self._env, self._remote = env, remote
+        self.send: Endpoint | None = None
+        self.recv: Endpoint | None = None
 
     def start(self) -> None:
-        self.send = Child("benchmarks.raw_nixl", "send", self._cfg)
-        self.recv = Child("benchmarks.raw_nixl", "recv", self._cfg)
+        self.send = Child("kvservice.bench.raw_nixl", "send", self._cfg, env=self._env)
+        self.recv = (self._remote.child(self.name) if self._remote is not None
+                     else Child("kvservice.bench.raw_nixl", "recv", self._cfg, env=self._env))
         hs, hr = self.send.wait("ready", SETUP_TIMEOUT_S), self.recv.wait("ready", SETUP_TIMEOUT_S)
         self.recv.call("connect", "connected", metadata=hs["metadata"], base=hs["base"],
                        num_pages=hs["num_pages"], prep=False)
@@ -112,7 +132,7 @@ class RawNixl(_TwoChildren):
 
 
 class _ApiChildren(_TwoChildren):
-    """Two children on kvservice's API (``benchmarks.kv_side``'s protocol): the
+    """Two children on kvservice's API (``kvservice.bench.kv_side``'s protocol): the
     receiver expects every request of a run up front, then the sender runs them."""
 
     address = ""  # the sending service's control address, the receiver's ``sender``
@@ -126,33 +146,36 @@ class _ApiChildren(_TwoChildren):
 
 
 class KvService(_ApiChildren):
-    """kvservice's public API in two child processes (``benchmarks.kv_side``)."""
+    """kvservice's public API in two child processes (``kvservice.bench.kv_side``)."""
 
     name = "kvservice"
 
     def __init__(self, layout: dict[str, Any], num_pages: int, *, loop: str = "uvloop", gc: str = "freeze",
                  service: dict[str, Any] | None = None, name: str = "kvservice",
-                 path_first: Path | None = None) -> None:
+                 path_first: Path | None = None, env: dict[str, str | None] | None = None,
+                 remote: Link | None = None) -> None:
         """``path_first``: a directory holding another ``kvservice`` package for the two
-        processes to import instead of this checkout's (see ``benchmarks.compare``)."""
+        processes to import instead of this checkout's (see ``benchmarks/compare.py`` in the repository)."""
         self.name = name
         self.path_first = path_first
         self.cfg: dict[str, Any] = {"layout": layout, "num_pages": num_pages, "loop": loop, "gc": gc,
                                     "service": service or {}}
-        self.send: Child | None = None
-        self.recv: Child | None = None
+        self.env, self.remote = env, remote
+        self.send: Endpoint | None = None
+        self.recv: Endpoint | None = None
         self.address = ""
 
     def start(self) -> None:
-        self.send = Child("benchmarks.kv_side", "send", self.cfg, path_first=self.path_first)
-        self.recv = Child("benchmarks.kv_side", "recv", self.cfg, path_first=self.path_first)
+        self.send = Child("kvservice.bench.kv_side", "send", self.cfg, path_first=self.path_first, env=self.env)
+        self.recv = (self.remote.child(self.name) if self.remote is not None else
+                     Child("kvservice.bench.kv_side", "recv", self.cfg, path_first=self.path_first, env=self.env))
         self.address = self.send.wait("ready", SETUP_TIMEOUT_S)["address"]
         self.recv.wait("ready", SETUP_TIMEOUT_S)
 
 
 class Sidecar(_ApiChildren):
     """kvservice as a sidecar: a ``kvservice serve`` daemon per side and a worker
-    process on each driving the public ``SidecarClient`` API (``benchmarks.sidecar_side``).
+    process on each driving the public ``SidecarClient`` API (``kvservice.bench.sidecar_side``).
 
     The workers do what ``KvService``'s two processes do, with the same requests,
     clients and sample; the daemons are configured as those processes' services
@@ -169,8 +192,8 @@ class Sidecar(_ApiChildren):
     def __init__(self, layout: dict[str, Any], num_pages: int, *, loop: str = "uvloop") -> None:
         self.layout, self.num_pages, self.loop = layout, num_pages, loop
         self.cfg: dict[str, Any] = {"layout": layout, "num_pages": num_pages, "loop": loop}
-        self.send: Child | None = None
-        self.recv: Child | None = None
+        self.send: Endpoint | None = None
+        self.recv: Endpoint | None = None
         self.daemons: list[LocalDaemon] = []
         self.workdir: str | None = None
 
@@ -192,10 +215,10 @@ class Sidecar(_ApiChildren):
         tag = f"{NAME_PREFIX}{os.getpid()}-"  # this run's names (and a test's way to find leftovers)
         self.workdir = short_tmpdir(tag)
         layout = {**self.layout, "num_pages": self.num_pages}
-        env = {**CHILD_ENV, "KVSERVICE_SIDECAR_LOOP": self.loop,
+        env = {**{k: v for k, v in CHILD_ENV.items() if v is not None}, "KVSERVICE_SIDECAR_LOOP": self.loop,
                "KVSERVICE_SERVICE_DRAIN_GRACE_S": "1"}  # as kv_side.make_config
         self.daemons = [LocalDaemon(role, self.workdir, shm=f"{tag}{role}-{uuid.uuid4().hex[:8]}", layout=layout,
-                                    env=env, stderr=_lines.child_stderr, cwd=REPO_ROOT)
+                                    env=env, stderr=_lines.child_stderr)
                         for role in ("prefill", "decode")]
         try:
             for d in self.daemons:  # both start at once
@@ -204,8 +227,8 @@ class Sidecar(_ApiChildren):
         except DaemonError as exc:
             raise ChildError(str(exc)) from exc
         self.address = prefill.address
-        self.send = Child("benchmarks.sidecar_side", "send", {**self.cfg, "socket": prefill.socket})
-        self.recv = Child("benchmarks.sidecar_side", "recv", {**self.cfg, "socket": decode.socket})
+        self.send = Child("kvservice.bench.sidecar_side", "send", {**self.cfg, "socket": prefill.socket})
+        self.recv = Child("kvservice.bench.sidecar_side", "recv", {**self.cfg, "socket": decode.socket})
         self.send.wait("ready", SETUP_TIMEOUT_S)
         self.recv.wait("ready", SETUP_TIMEOUT_S)
 

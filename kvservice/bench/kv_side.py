@@ -1,6 +1,6 @@
 """kvservice under test: one ``TransferService`` per process, driven through its public API.
 
-``python -m benchmarks.kv_side send|recv CONFIG`` answers JSON lines on stdout.
+``python -m kvservice.bench.kv_side send|recv CONFIG`` answers JSON lines on stdout.
 The sender runs ``send(...)`` -> ``await_completion(...)`` per request with
 ``concurrency`` clients at a time; the receiver ``expect``s every request of a
 run up front (as a decode engine does once it has allocated the pages) and
@@ -9,7 +9,7 @@ then ``await_arrival``s each.  Both use kvservice's default configuration.
 A ticker task on the sender's loop sleeps ``TICK_S`` again and again and
 records how late it wakes: the loop lag reported per run.
 
-The same two processes drive any object with this API: ``benchmarks.sidecar_side``
+The same two processes drive any object with this API: ``kvservice.bench.sidecar_side``
 runs them with a ``SidecarClient`` in place of the ``TransferService``.
 """
 
@@ -31,9 +31,9 @@ import anyio.abc
 import anyio.lowlevel
 import structlog
 
-from benchmarks._lines import emit, take_stdout
 from kvservice import KVLayout, KVPoll, ServiceConfig, TransferService
 from kvservice._runtime import freeze_startup_objects
+from kvservice.bench._lines import emit, take_stdout
 
 #: opens the API under test for a child's CONFIG (an async context manager yielding it)
 Opener = Callable[[dict[str, Any]], AbstractAsyncContextManager[Any]]
@@ -82,7 +82,7 @@ class Ticker:
 def make_config(cfg: dict[str, Any]) -> ServiceConfig:
     layout = KVLayout(num_pages=int(cfg["num_pages"]), **cfg["layout"])
     extra = dict(cfg.get("service", {}))
-    return ServiceConfig(layout=layout, ucx_env={"UCX_NET_DEVICES": "lo"}, drain_grace_s=1.0, **extra)
+    return ServiceConfig(layout=layout, **{"ucx_env": {"UCX_NET_DEVICES": "lo"}, "drain_grace_s": 1.0, **extra})
 
 
 def open_service(cfg: dict[str, Any]) -> AbstractAsyncContextManager[Any]:

@@ -55,6 +55,12 @@ def table(results: dict[str, Any]) -> str:
         "medians of {} repeats; ratio = median of per-repeat kvservice/raw NIXL "
         "(GB/s for w1, requests/s otherwise)".format(results["plan"]["repeats"]),
     ]
+    two = meta.get("two_hosts")
+    if two:
+        ucx = ", ".join(f"{k}={v}" for k, v in two["ucx"].items()) or "UCX's defaults"
+        lines.append(f"two hosts: sender {two['local']} (this one) -> receiver {two['peer']} (kvservice "
+                     f"{two['peer_kvservice']}), rtt {two['rtt_ms']:.3f} ms, "
+                     f"{'authenticated' if two['authenticated'] else 'NOT authenticated'}; {ucx}")
     if "sidecar" in methods:
         lines.append("sc: the sidecar (kvservice serve daemons, a SidecarClient worker on each side); "
                      "sc/raw its ratio, the same way")
@@ -127,7 +133,10 @@ def chart(results: dict[str, Any], path: Path) -> Path | None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     meta = results["meta"]
     what = "kvservice in process and as a sidecar" if "sidecar" in methods else "kvservice"
-    fig.suptitle(f"{what} vs raw NIXL vs memory copy: Llama-3-8B KV pages, on 127.0.0.1\n"
+    two = meta.get("two_hosts")
+    where = f"from {two['local']} to {two['peer']}" if two else "on 127.0.0.1"
+    vs = "raw NIXL" if "limit" not in methods else "raw NIXL vs memory copy"
+    fig.suptitle(f"{what} vs {vs}: Llama-3-8B KV pages, {where}\n"
                  f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, nixl {meta['versions'].get('nixl')}",
                  fontsize=10)
     for ax, wl, metric, ylabel in ((axes[0][0], "w1", "gbps", "GB/s (one 2048-token request)"),

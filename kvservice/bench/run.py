@@ -1,34 +1,27 @@
-"""``kvservice bench``: kvservice against raw NIXL and the memory-copy limit, in
-process and as a sidecar (``kvservice serve`` daemons and their workers).
+"""The measuring part of ``kvservice bench``: the interleaved runs of the methods,
+the kvservice-only measurements (memory per request, SIGKILL of a receiver), and
+the aggregation of samples into the report's numbers and targets.
 
 Every method moves the same requests of the same layout; methods take turns
 case by case, in an order that rotates with each repeat, so noise from the
 machine falls on all of them alike.  Reported numbers are medians over
 repeats; ratios are per-repeat ratios, then their median.
-
-    kvservice bench                      # full run, results into docs/perf/
-    kvservice bench --quick --out /tmp/b # CI smoke run: seconds, asserts nothing about speed
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _lines, report
-from benchmarks._lines import REPO_ROOT, Child, ChildError
-from benchmarks.methods import SETUP_TIMEOUT_S, KvService, Limit, Method, RawNixl, Sidecar
-from benchmarks.stats import combine, median, quantile, ratios, summarize_sample
-from benchmarks.workloads import FULL, LLAMA3_8B, QUICK, Case, Plan, all_cases, page_bytes, ring_requests
-from kvservice.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from kvservice.bench._lines import Child
+from kvservice.bench.methods import SETUP_TIMEOUT_S, KvService, Method
+from kvservice.bench.stats import combine, median, quantile, ratios, summarize_sample
+from kvservice.bench.workloads import LLAMA3_8B, Case, Plan, page_bytes, ring_requests
 
 PARTS = {"w1", "w2", "w3", "memory", "kill"}
 KILL_BATCH = 5  # victims started at once for the SIGKILL test
@@ -130,7 +123,7 @@ def kill_test(kv: KvService, plan: Plan) -> dict[str, Any]:
     tries: list[dict[str, Any]] = []
     cfg = {**kv.cfg, "num_pages": KILL_POOL_PAGES}
     while len(tries) < plan.kill_tries:
-        victims = [Child("benchmarks.kv_side", "recv", cfg)
+        victims = [Child("kvservice.bench.kv_side", "recv", cfg, env=kv.env)
                    for _ in range(min(KILL_BATCH, plan.kill_tries - len(tries)))]
         try:
             for v in victims:
@@ -232,101 +225,3 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"target": "SIGKILL: every in-flight request Failed", "measured": kill["all_failed"],
                      "goal": "true", "met": kill["all_failed"]})
     return rows
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvservice bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small CI smoke variant (seconds)")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "perf",
-                   help="directory for bench.json and bench.png (default: docs/perf/ of the checkout)")
-    p.add_argument("--repeats", type=int, help="repeats per case (default: 5, quick: 1)")
-    p.add_argument("--only", default="w1,w2,w3,memory,kill",
-                   help="comma-separated subset of w1,w2,w3,memory,kill")
-    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
-                   help="event loop of the kvservice processes (the sidecar's daemons and workers too)")
-    p.add_argument("--kv-gc", choices=("freeze", "off"), default="freeze",
-                   help="cyclic GC in the kvservice processes: frozen start-up heap (default), or also "
-                        "no automatic collection (a diagnostic for GC pauses in the loop lag)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--no-chart", action="store_true", help="skip the PNG")
-    return p.parse_args(list(argv))
-
-
-def main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    if args.repeats is not None:
-        if args.repeats < 1:
-            log("kvservice bench: --repeats must be at least 1")
-            return EXIT_USAGE
-        plan = Plan(**{**plan.__dict__, "repeats": args.repeats})
-    only = set(args.only.split(","))
-    if not only <= PARTS:
-        log(f"kvservice bench: --only takes a comma-separated subset of {','.join(sorted(PARTS))}, "
-            f"got {args.only!r}")
-        return EXIT_USAGE
-    cases = [c for c in all_cases(plan, args.seed) if c.workload in only]
-    meta = machine()
-    t0 = time.monotonic()
-    log(f"kvservice bench ({'quick' if args.quick else 'full'}): {len(cases)} cases x {plan.repeats} repeats "
-        f"on {meta['cores']} cores, load {meta['load_avg_start']:.2f}")
-
-    log_file = tempfile.NamedTemporaryFile("w", prefix="kvservice-bench-", suffix=".log", delete=False)
-    _lines.child_stderr = log_file  # NIXL and UCX write to stderr; keep the terminal readable
-    kv = KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc)
-    methods: list[Method] = [Limit(LLAMA3_8B, plan.pool_pages), RawNixl(LLAMA3_8B, plan.pool_pages), kv]
-    sidecar = Sidecar(LLAMA3_8B, plan.pool_pages, loop=args.loop)
-    why_not = sidecar.unavailable()
-    skipped = {sidecar.name: why_not} if why_not else {}
-    if why_not is None:
-        methods.append(sidecar)
-    results: dict[str, Any] = {"meta": meta, "plan": plan.__dict__, "layout": LLAMA3_8B,
-                               "options": {"loop": args.loop, "kv_gc": args.kv_gc, "seed": args.seed},
-                               "methods": [m.name for m in methods] + list(skipped), "skipped": skipped}
-    probe: Child | None = None
-    try:
-        probe = Child("benchmarks.lagprobe", args.loop, {})
-        for m in methods:
-            m.start()
-        probe.wait("ready", SETUP_TIMEOUT_S)
-        log(f"  started in {time.monotonic() - t0:.1f} s")
-        if cases:
-            warm_up(methods, cases)
-            runs = run_cases(methods, cases, plan, probe)
-            results["cases"] = aggregate(cases, runs, methods)
-        else:
-            results["cases"] = []
-        if "memory" in only:
-            n = 4096 if not args.quick else 64
-            results["memory"] = memory_per_request(kv, n)
-            log(f"  memory: {results['memory']['peak_per_request']:.0f} B per in-flight request (peak, n={n})")
-        if "kill" in only:
-            results["kill"] = kill_test(kv, plan)
-    except ChildError as exc:
-        log(f"kvservice bench: {exc} (children's stderr: {log_file.name})")
-        return EXIT_FAILED
-    finally:
-        for m in methods:
-            m.close()
-        if probe is not None:
-            probe.close()
-        log_file.close()
-    os.unlink(log_file.name)
-    results["targets"] = evaluate(results)
-    meta["load_avg_end"] = os.getloadavg()[0]
-    meta["wall_s"] = round(time.monotonic() - t0, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(results, args.out / "bench.json")
-    print(report.table(results))
-    png = None
-    if not args.no_chart:
-        png = report.chart(results, args.out / "bench.png")
-        log(f"chart: {png}" if png else "chart: skipped (matplotlib is not installed: pip install matplotlib)")
-    (args.out / "results.md").write_text(report.markdown(results, png.name if png else None))
-    log(f"results: {args.out / 'bench.json'} ({meta['wall_s']} s)")
-    return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -17,10 +17,39 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: the repository checkout holding ``benchmarks/``: children run from here
-REPO_ROOT = Path(__file__).resolve().parent.parent
-#: environment every child gets: loopback only, quiet logs
-CHILD_ENV = {"UCX_NET_DEVICES": "lo", "KVSERVICE_LOG_LEVEL": "error", "PYTHONUNBUFFERED": "1"}
+#: environment every child gets: loopback only, quiet logs (two-host runs replace the UCX part)
+CHILD_ENV: dict[str, str | None] = {"UCX_NET_DEVICES": "lo", "KVSERVICE_LOG_LEVEL": "error",
+                                    "PYTHONUNBUFFERED": "1"}
+#: where this package's modules lie: a child launched with ``path_first`` loads them from here
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def child_environ(extra: dict[str, str | None] | None = None) -> dict[str, str]:
+    """This process's environment with ``CHILD_ENV`` and ``extra`` applied; ``None`` removes a variable."""
+    env = dict(os.environ)
+    for key, value in {**CHILD_ENV, **(extra or {})}.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _shadow_launch(path_first: Path, module: str) -> str:
+    """Python code that imports ``kvservice`` from ``path_first`` (another version of the
+    package), then this version's bench modules as ``kvservice.bench`` over it, and runs
+    ``module``: the benchmark code is this one, the service under test the other."""
+    return (
+        "import importlib.util, runpy, sys\n"
+        f"sys.path.insert(0, {str(path_first)!r})\n"
+        "import kvservice\n"
+        f"spec = importlib.util.spec_from_file_location('kvservice.bench', {str(BENCH_DIR / '__init__.py')!r},"
+        f" submodule_search_locations=[{str(BENCH_DIR)!r}])\n"
+        "bench = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['kvservice.bench'] = bench\n"
+        "spec.loader.exec_module(bench)\n"
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    )
 
 
 #: where children's stderr goes (None: the driver's stderr); the driver may point it at a log file
@@ -34,19 +63,18 @@ class ChildError(RuntimeError):
 class Child:
     """One child process speaking JSON lines (``python -m MODULE ROLE CONFIG``)."""
 
-    def __init__(self, module: str, role: str, config: dict[str, Any], *, env: dict[str, str] | None = None,
-                 path_first: Path | None = None) -> None:
-        """``path_first``: a directory searched before the checkout for imports (to run
-        another ``kvservice`` under this checkout's benchmark code)."""
+    def __init__(self, module: str, role: str, config: dict[str, Any], *,
+                 env: dict[str, str | None] | None = None, path_first: Path | None = None) -> None:
+        """``env``: variables set (or, as ``None``, removed) on top of ``CHILD_ENV``.
+        ``path_first``: a directory holding another ``kvservice`` package for the child to
+        import, under this version's benchmark code (``benchmarks/compare.py``)."""
         cmd = [sys.executable, "-m", module, role, json.dumps(config)]
         if path_first is not None:
-            launch = (f"import runpy, sys; sys.path.insert(0, {str(path_first)!r}); "
-                      f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-            cmd = [sys.executable, "-c", launch, role, json.dumps(config)]
+            cmd = [sys.executable, "-c", _shadow_launch(path_first, module), role, json.dumps(config)]
         self.name = f"{module.rsplit('.', 1)[-1]}:{role}"
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=child_stderr,
-            env={**os.environ, **CHILD_ENV, **(env or {})}, cwd=REPO_ROOT,
+            env=child_environ(env),
         )
         self.pid = self.proc.pid
         self._sel = selectors.DefaultSelector()
@@ -85,6 +113,28 @@ class Child:
             print(f"{self.name}: not a reply: {line[:200]!r}", file=sys.stderr)
             return {"event": "noise"}
         return msg
+
+    @property
+    def fd(self) -> int:
+        """The child's reply pipe, for a caller's own ``select``."""
+        return self._fd
+
+    def read_ready(self) -> list[dict[str, Any]]:
+        """Every whole reply that has arrived, after ``select`` said the pipe is readable
+        (one ``read``, no wait); raises ``ChildError`` when the child has closed it."""
+        chunk = os.read(self._fd, 1 << 20)
+        if not chunk:
+            self.proc.wait(timeout=10)
+            raise ChildError(f"{self.name} (pid {self.pid}) exited with {self.proc.returncode}")
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                print(f"{self.name}: not a reply: {line[:200]!r}", file=sys.stderr)
+        return out
 
     def wait(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
         """The next reply named ``event`` (earlier unrelated replies are kept)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.workloads import plane_bytes
+from kvservice.bench.workloads import plane_bytes
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

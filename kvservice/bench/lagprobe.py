@@ -1,6 +1,6 @@
 """A control for loop-lag numbers: an otherwise idle process whose event loop ticks.
 
-``python -m benchmarks.lagprobe`` runs the same ticker as the kvservice sender
+``python -m kvservice.bench.lagprobe`` runs the same ticker as the kvservice sender
 (sleep ``TICK_S``, record how late it wakes) on the same kind of loop, and on
 ``{"op": "window", "start": t0, "end": t1}`` answers the lag quantiles of its
 samples in that window.  Lag it sees comes from the machine (the scheduler,
@@ -17,9 +17,9 @@ from typing import Any
 
 import anyio
 
-from benchmarks._lines import emit, take_stdout
-from benchmarks.kv_side import TICK_S
-from benchmarks.stats import quantile
+from kvservice.bench._lines import emit, take_stdout
+from kvservice.bench.kv_side import TICK_S
+from kvservice.bench.stats import quantile
 
 MAX_SAMPLES = 600_000  # ten minutes at one tick per millisecond
 

@@ -1,6 +1,6 @@
 """The sidecar under test: a worker process on the public ``SidecarClient`` API.
 
-``python -m benchmarks.sidecar_side send|recv CONFIG`` is ``benchmarks.kv_side``
+``python -m kvservice.bench.sidecar_side send|recv CONFIG`` is ``kvservice.bench.kv_side``
 (the same JSON lines, the same sender and receiver, the same loop-lag ticker)
 with a ``SidecarClient`` in place of the ``TransferService``: the service runs
 in a ``kvservice serve`` daemon (``CONFIG["socket"]``), and this process holds
@@ -18,8 +18,8 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from benchmarks import kv_side
 from kvservice import SidecarClient
+from kvservice.bench import kv_side
 
 
 def open_client(cfg: dict[str, Any]) -> AbstractAsyncContextManager[Any]:

@@ -2,10 +2,10 @@
 
 This module imports ``nixl`` directly, on purpose.  kvservice's rule that only
 ``kvservice/_nixl.py`` imports nixl is about the service; the baseline the
-service is measured against must not run through the service, so it lives
-here, outside the package, and imports nothing from ``kvservice``.
+service is measured against must not run through the service, so it imports
+nothing of the service: only the bench's own line protocol and workload sizes.
 
-Two processes (``python -m benchmarks.raw_nixl send|recv CONFIG``), each with
+Two processes (``python -m kvservice.bench.raw_nixl send|recv CONFIG``), each with
 one agent and a pool of the benchmark's layout, touched once.  The sender
 prepares both descriptor lists once (``prep_xfer_dlist``), computes every
 request's index arrays before the clock starts, then per request
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks._lines import emit, take_stdout
-from benchmarks.workloads import plane_bytes
+from kvservice.bench._lines import emit, take_stdout
+from kvservice.bench.workloads import plane_bytes
 
 POLL_TIMEOUT_S = 120.0
 RECV_SLEEP_S = 0.0005
