@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import anyio
 
 from ._requests import Recent
-from ._results import TransferResult, TransferStatus
+from ._results import FailureReason, TransferResult, TransferStatus
 
 
 @dataclass(slots=True)
@@ -64,7 +64,9 @@ class Settlement:
     def settle_recv(self, request_id: str, agent: str | None = None, *, sender_ok: bool = False) -> bool:
         """Settle a held request (only if ``agent`` is its sender, when given).  With
         ``sender_ok`` the sender completed it: an abort here lost the race with the last
-        chunk, every page landed, and the result becomes SUCCESS so both sides agree."""
+        chunk, every page landed, and the result becomes SUCCESS so both sides agree.  A
+        refusal of what arrived (``INCOMPATIBLE``: a payload over ``max_payload_bytes``)
+        stands: the sender's request completed, this side's did not."""
         held = self._held.get(request_id)
         if held is None or (agent is not None and held.agent != agent):
             return False
@@ -72,7 +74,7 @@ class Settlement:
         self.unsettled_pages -= held.pages
         result = self._recvs_done.get(request_id)
         if result is not None:
-            if sender_ok and not result.ok:
+            if sender_ok and not result.ok and result.reason is not FailureReason.INCOMPATIBLE:
                 result = dataclasses.replace(
                     result, status=TransferStatus.SUCCESS, reason=None, error=None, settled=True,
                     message=f"completed on the sender before {result.reason.value if result.reason else 'the failure'}"

@@ -195,3 +195,31 @@ async def test_payload_arrives_with_the_success() -> None:
         with pytest.raises(ValueError, match="last chunk"):
             await svc.send("p4", [2], last=False, payload=b"early")
         assert await verified(decode, [3], "p2")
+
+
+async def test_a_payload_over_the_receivers_limit_is_refused_counted_and_harmless() -> None:
+    """A sender allowing more than the receiver does: the receiver refuses the request
+    (INCOMPATIBLE, counted), its failure stands once settled, and the next request passes."""
+    s = spec()
+    kv = SyntheticKV(s)
+    async with children(engine_config(s, max_payload_bytes=1024)) as (decode,), \
+            TransferService(config(), memory=kv.memory) as svc:
+        kv.fill("big", [2])
+        await decode.command(op="expect", rid="big", pages=[3], sender=svc.address)
+        await decode.event("expecting", "big")
+        await svc.send("big", [2], last=True, payload=b"x" * 2048)
+        arrived = await decode.event("arrived", "big")
+        assert (arrived["status"], arrived["reason"]) == ("FAILED", FailureReason.INCOMPATIBLE.value)
+        assert "payload of 2048 bytes exceeds max_payload_bytes (1024)" in arrived["message"]
+        await decode.command(op="await_settled", rid="big", timeout=10)
+        settled = await decode.event("settled", "big")
+        assert settled["settled"] is True and settled["status"] == "FAILED", settled
+        await decode.command(op="status")
+        assert (await decode.event("status"))["refused"].get("payload_limit") == 1
+        kv.fill("ok", [4])
+        await decode.command(op="expect", rid="ok", pages=[5], sender=svc.address)
+        await decode.event("expecting", "ok")
+        await svc.send("ok", [4], last=True, payload=b"y" * 1024)
+        arrived = await decode.event("arrived", "ok")
+        assert arrived["status"] == "SUCCESS" and arrived["payload"] == "y" * 1024
+        assert await verified(decode, [5], "ok")
