@@ -224,6 +224,7 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
         results["skipped"] = skipped
         if not (cases or only & {"memory", "kill"}):
             methods = []  # only engine-memory cases: they start processes of their own
+            results["methods"], results["skipped"] = [], {}
         if methods:
             probe = Child("kvservice.bench.lagprobe", args.loop, {})
             for m in methods:
