@@ -31,7 +31,7 @@ from typing import Any
 from kvservice._addresses import is_loopback_host, join_address, split_address
 from kvservice._config import ConfigError
 from kvservice._trust.keys import load_key
-from kvservice.bench import _lines, control, report
+from kvservice.bench import _lines, control, engines, report
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import ControlError
 from kvservice.bench.listen import ListenOptions, listen
@@ -62,8 +62,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("kvservice-bench"),
                    help="directory for bench.json, results.md and bench.png (default: ./kvservice-bench)")
     p.add_argument("--repeats", type=int, help="repeats per case (default: 5, quick: 1)")
-    p.add_argument("--only", help="comma-separated subset of w1,w2,w3,memory,kill (default: all; between "
-                                   "two hosts all but kill, which kills a receiver on this host)")
+    p.add_argument("--only", help="comma-separated subset of w1,w2,w3,memory,kill,engine,tp,layerwise,fanout "
+                                   "(default: all; between two hosts w1,w2,w3,memory: the others need one host)")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="event loop of the kvservice processes (the sidecar's daemons and workers too)")
     p.add_argument("--kv-gc", choices=("freeze", "off"), default="freeze",
@@ -152,7 +152,7 @@ def main(argv: Sequence[str]) -> int:
             key, key_file = _key(args, host)
             plan, only = _plan(args, TWO_HOST_PARTS)
             return _drive(args, plan, only, peer=(host, port), key=key, key_file=key_file)
-        plan, only = _plan(args, PARTS)
+        plan, only = _plan(args, PARTS | set(engines.PARTS))
         return _drive(args, plan, only)
     except UsageError as exc:
         log(f"kvservice bench: {exc}")
@@ -222,11 +222,15 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
                 f"{'authenticated' if key is not None else 'NOT authenticated'}")
         results["methods"] = [m.name for m in methods] + list(skipped)
         results["skipped"] = skipped
-        probe = Child("kvservice.bench.lagprobe", args.loop, {})
-        for m in methods:
-            m.start()
-        probe.wait("ready", SETUP_TIMEOUT_S)
-        log(f"  started in {time.monotonic() - t0:.1f} s")
+        if not (cases or only & {"memory", "kill"}):
+            methods = []  # only engine-memory cases: they start processes of their own
+            results["methods"], results["skipped"] = [], {}
+        if methods:
+            probe = Child("kvservice.bench.lagprobe", args.loop, {})
+            for m in methods:
+                m.start()
+            probe.wait("ready", SETUP_TIMEOUT_S)
+            log(f"  started in {time.monotonic() - t0:.1f} s")
         results["cases"] = []
         if cases:
             warm_up(methods, cases)
@@ -238,6 +242,14 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
             log(f"  memory: {results['memory']['peak_per_request']:.0f} B per in-flight request (peak, n={n})")
         if "kill" in only:
             results["kill"] = kill_test(kv, plan)
+        if only & set(engines.PARTS):
+            for m in methods:  # the engine cases run alone on the cores
+                m.close()
+            methods = []
+            if probe is not None:
+                probe.close()
+                probe = None
+            results["engines"] = engines.run(only, args.quick, args.repeats, args.loop, env)
         code = EXIT_OK
     except (ChildError, ControlError) as exc:
         log(f"kvservice bench: {exc} (children's stderr: {log_file.name})")
@@ -254,7 +266,7 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
             link.close()
         return code
     os.unlink(log_file.name)
-    results["targets"] = evaluate(results)
+    results["targets"] = evaluate(results) + engines.evaluate(results.get("engines", {}))
     meta["load_avg_end"] = os.getloadavg()[0]
     meta["wall_s"] = round(time.monotonic() - t0, 1)
     table = report.table(results)

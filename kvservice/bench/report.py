@@ -79,6 +79,8 @@ def table(results: dict[str, Any]) -> str:
         ([(x, "lat", ".1f") for x in timed], 13, "ms"),
     ]
     titles = {"ratio": "/raw", "lat": " p50/p99"}
+    if not results.get("cases"):
+        return "\n".join(lines[:2 + bool(two)] + engine_lines(results) + target_lines(results))
     head = f"{'case':<16}{'reqs':>6}"
     for cols, width, unit in groups:
         head += " | " + " ".join(f"{SHORT[x] + titles.get(k, ''):>{width}}" for x, k, _ in cols) + (
@@ -106,14 +108,57 @@ def table(results: dict[str, Any]) -> str:
                      f"requests in flight each: last Failed after p50 {kill['median_ms']:.1f} ms, "
                      f"p99 {kill['p99_ms']:.1f} ms, max {kill['max_ms']:.1f} ms; none left pending: "
                      f"{_f(kill['all_failed'])}")
-    if results.get("targets"):
-        lines += ["", f"{'target':<52} {'goal':>12} {'measured':>10}  met"]
-        for t in results["targets"]:
-            note = f"  ({t['note']})" if t.get("note") else ""
-            value = t["measured"]
-            shown = _f(value, ".3f" if isinstance(value, float) and abs(value) < 10 else ".1f")
-            lines.append(f"{t['target']:<52} {t['goal']:>12} {shown:>10}  {_f(t['met'])}{note}")
-    return "\n".join(lines)
+    return "\n".join(lines + engine_lines(results) + target_lines(results))
+
+
+def target_lines(results: dict[str, Any]) -> list[str]:
+    if not results.get("targets"):
+        return []
+    lines = ["", f"{'target':<52} {'goal':>12} {'measured':>10}  met"]
+    for t in results["targets"]:
+        note = f"  ({t['note']})" if t.get("note") else ""
+        value = t["measured"]
+        shown = _f(value, ".3f" if isinstance(value, float) and abs(value) < 10 else ".1f")
+        lines.append(f"{t['target']:<52} {t['goal']:>12} {shown:>10}  {_f(t['met'])}{note}")
+    return lines
+
+
+def engine_lines(results: dict[str, Any]) -> list[str]:
+    """The engine-memory cases (``kvservice.bench.engines``): their own table."""
+    eng = results.get("engines")
+    if not eng or not eng.get("cases"):
+        return []
+    m = eng["model"]
+    lines = ["", f"engine memory ({m['layers']} layers x K/V regions, {m['heads']} KV heads x {m['head_dim']}, "
+             f"{m['page_tokens']}-token pages; medians of {eng['plan']['repeats']} repeats; each method's "
+             "processes hold the same tensors and post the same descriptors)"]
+    rated = [c for c in eng["cases"] if "kv_over_raw" in c]
+    if rated:
+        head = (f"{'case':<18}{'MiB':>6}{'descs':>8} | {'raw':>7} {'kv':>7} GB/s | {'kv/raw':>6} | "
+                f"{'nhd/hnd raw':>11} {'kv':>5} | {'fair raw':>8} {'kv':>5} {'min/max raw':>11} {'kv':>5}")
+        lines += [head, "-" * len(head)]
+        for c in rated:
+            cost = c.get("nhd_over_hnd", {})
+            raw, kv = c["methods"]["raw_nixl"], c["methods"]["kvservice"]
+            lines.append(
+                f"{c['key']:<18}{c['bytes'] / 2**20:>6.0f}{_f(c.get('descriptors'), 'd'):>8} | "
+                f"{_f(raw['gbps']):>7} {_f(kv['gbps']):>7}      | {_f(c['kv_over_raw']['median']):>6} | "
+                f"{_f(cost.get('raw_nixl')):>11} {_f(cost.get('kvservice')):>5} | "
+                f"{_f(raw.get('jain'), '.3f'):>8} {_f(kv.get('jain'), '.3f'):>5} "
+                f"{_f(raw.get('min_over_max')):>11} {_f(kv.get('min_over_max')):>5}")
+        lines.append("descs: index entries posted per run (before NIXL merges adjacent ones); nhd/hnd: GB/s of "
+                     "token-major (sliced: a run per token) over head-major pages at the same TP pair; "
+                     "fair: Jain's index of per-peer GB/s")
+    for c in eng["cases"]:
+        if c["part"] == "layerwise":
+            lay, whole = c["modes"]["layer"], c["modes"]["whole"]
+            lines.append(
+                f"layerwise: {c['pages']} pages ({c['bytes'] / 2**20:.0f} MiB), forward pass {c['layers']} x "
+                f"{c['per_layer_ms']:g} ms, {c['requests']} requests per mode; last layer computed -> decode "
+                f"SUCCESS p50/p99: layer-wise {lay['tail_p50_ms']:.2f}/{lay['tail_p99_ms']:.2f} ms, whole request "
+                f"{whole['tail_p50_ms']:.2f}/{whole['tail_p99_ms']:.2f} ms (layer/whole "
+                f"{_f(c['layer_over_whole'].get('p50'))}/{_f(c['layer_over_whole'].get('p99'))})")
+    return lines
 
 
 def chart(results: dict[str, Any], path: Path) -> Path | None:
@@ -130,7 +175,13 @@ def chart(results: dict[str, Any], path: Path) -> Path | None:
         return None
     cases = results.get("cases", [])
     methods = measured(results)
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    eng = [c for c in results.get("engines", {}).get("cases", []) if "kv_over_raw" in c]
+    lw = [c for c in results.get("engines", {}).get("cases", []) if c["part"] == "layerwise"]
+    rows = (2 if cases else 0) + (1 if eng or lw else 0)
+    if not rows:
+        return None
+    fig, grid = plt.subplots(rows, 2, figsize=(13, 4.5 * rows), squeeze=False)
+    axes = grid if cases else [[None, None], [None, None], grid[0]]
     meta = results["meta"]
     what = "kvservice in process and as a sidecar" if "sidecar" in methods else "kvservice"
     two = meta.get("two_hosts")
@@ -139,6 +190,13 @@ def chart(results: dict[str, Any], path: Path) -> Path | None:
     fig.suptitle(f"{what} vs {vs}: Llama-3-8B KV pages, {where}\n"
                  f"{meta['date']}, {meta['cpu']}, {meta['cores']} cores, nixl {meta['versions'].get('nixl')}",
                  fontsize=10)
+    if eng or lw:
+        _engine_chart(axes[2] if cases else grid[0], eng, lw)
+    if not cases:
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
     for ax, wl, metric, ylabel in ((axes[0][0], "w1", "gbps", "GB/s (one 2048-token request)"),
                                    (axes[0][1], "w2", "req_s", "requests/s (1-4 pages each)")):
         sel = [c for c in cases if c["workload"] == wl]
@@ -205,3 +263,28 @@ def markdown(results: dict[str, Any], chart_name: str | None) -> str:
     if chart_name:
         lines += ["", f"![throughput and latency]({chart_name})"]
     return "\n".join(lines) + "\n"
+
+
+def _engine_chart(row: Any, eng: list[dict[str, Any]], lw: list[dict[str, Any]]) -> None:
+    """Engine-memory cases: GB/s of raw NIXL and kvservice per case; layer-wise tails."""
+    ax = row[0]
+    width = 0.4
+    for i, m in enumerate(("raw_nixl", "kvservice")):
+        ax.bar([j + i * width for j in range(len(eng))], [c["methods"][m]["gbps"] for c in eng], width,
+               label=METHOD_LABELS[m], color=COLORS[m])
+    ax.set_xticks([j + width / 2 for j in range(len(eng))])
+    ax.set_xticklabels([c["key"] for c in eng], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax.set_title("engine memory: engine layouts, tensor parallelism, fan-out")
+    ax.legend(fontsize=8)
+    ax = row[1]
+    for c in lw:
+        for mode, color in (("layer", COLORS["kvservice"]), ("whole", COLORS["raw_nixl"])):
+            tails = sorted(c["tails_ms"][mode])
+            ax.plot(tails, [(k + 1) / len(tails) for k in range(len(tails))], "o-", color=color,
+                    label=f"{'layer-wise' if mode == 'layer' else 'whole request'} sends")
+        ax.set_title(f"last layer computed -> decode SUCCESS ({c['layers']} layers x {c['per_layer_ms']:g} ms, "
+                     f"{c['bytes'] / 2**20:.0f} MiB)", fontsize=9)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests")
+    ax.legend(fontsize=8)

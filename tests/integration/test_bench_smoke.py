@@ -1,7 +1,8 @@
 """``kvservice bench --quick`` runs end to end and reports every method and workload.
 
 A smoke test of the benchmark itself: it asserts that each number is there
-and positive, never how fast anything is.  The sidecar method starts real
+and positive, never how fast anything is; the engine-memory cases too (engine
+layouts, a TP pair, layer-wise sends, fan-out).  The sidecar method starts real
 ``kvservice serve`` daemons; they must be gone, with their names, afterwards.
 """
 
@@ -61,6 +62,27 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
     kill = results["kill"]
     assert kill["tries"] and all(t["inflight"] > 0 for t in kill["tries"])
     assert {row["target"] for row in results["targets"]}  # every target evaluated
+
+    # the engine-memory cases: both methods on the same tensors, every number there and positive
+    engine = {c["key"]: c for c in results["engines"]["cases"]}
+    assert {"engine/sglang_mha", "tp/nhd-1x2", "tp/hnd-1x2", "layerwise", "fanout/1to2"} <= set(engine), engine
+    for key, case in engine.items():
+        if key == "layerwise":
+            continue
+        for method in ("raw_nixl", "kvservice"):
+            assert case["methods"][method]["gbps"] > 0, (key, method)
+        assert case["kv_over_raw"]["median"] > 0 and case["descriptors"] > 0
+    # a sliced token-major pair posts a run per token (16), head-major pages one per page
+    assert engine["tp/nhd-1x2"]["descriptors"] == 16 * engine["tp/hnd-1x2"]["descriptors"]
+    assert engine["tp/nhd-1x2"]["nhd_over_hnd"]["kvservice"] > 0
+    fan = engine["fanout/1to2"]["methods"]["kvservice"]
+    assert 0.5 <= fan["jain"] <= 1.0 and 0 < fan["min_over_max"] <= 1.0
+    layerwise = engine["layerwise"]
+    for mode in ("layer", "whole"):
+        tails = layerwise["modes"][mode]
+        assert tails["samples"] > 0 and 0 < tails["tail_p50_ms"] <= tails["tail_p99_ms"], (mode, tails)
+    assert "engine/sglang_mha kv/raw GB/s" in {row["target"] for row in results["targets"]}
+    assert "layer-wise" in stdout and "tp/nhd-1x2" in stdout
 
     chart = tmp_path / "bench.png"
     try:
