@@ -105,6 +105,11 @@ class KVMemory:
     tp_size: int = 1
     tp_rank: int = 0
     keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    #: regions per layer: 2 (K, V) or 1 (MLA latent)
+    per_layer: int = field(init=False, compare=False, repr=False)
+    layers: int = field(init=False, compare=False, repr=False)
+    #: bytes of one page across every region
+    page_bytes: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -142,25 +147,15 @@ class KVMemory:
                     a <= region.addr and region.end(self.num_pages) <= a + n and d == region.device_id
                     for a, n, d in self.segments):
                 raise ValueError(f"KVMemory: region {region.name} lies outside every registered segment")
+        # read on every send and post: computed once
+        object.__setattr__(self, "per_layer", len(kinds))
+        object.__setattr__(self, "layers", len(self.regions) // len(kinds))
+        object.__setattr__(self, "page_bytes", sum(r.page_bytes for r in self.regions))
 
     # -- shape ---------------------------------------------------------------------
     @property
-    def per_layer(self) -> int:
-        """Regions per layer: 2 (K, V) or 1 (MLA latent)."""
-        return sum(1 for r in self.regions if r.layer == 0)
-
-    @property
-    def layers(self) -> int:
-        return len(self.regions) // self.per_layer
-
-    @property
     def latent(self) -> bool:
         return self.regions[0].kind == "latent"
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across every region."""
-        return sum(r.page_bytes for r in self.regions)
 
     @property
     def nbytes(self) -> int:
