@@ -24,7 +24,8 @@ prefill ranks (``senders``, indexed by rank), which the engine's router hands it
 with the request as it hands a single sender today; prefill ranks learn the decode
 ranks from their Expects.  A decode rank's request succeeds when every source has
 delivered; the first source to fail fails it with that source's reason, and the
-other sources' sub-requests are aborted (``TPReceive.result``).
+other sources' sub-requests are aborted (``TPReceive.result``); its pages may be
+reused once every sub-request has settled (``TPReceive.settled``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,22 @@ class TPReceive:
                 for other in self.sub_ids:
                     if other not in results:
                         await self.svc.abort(other)
+
+        async with anyio.create_task_group() as tg:
+            for rid in self.sub_ids:
+                tg.start_soon(one, rid)
+        return combine(self.request_id, [results[rid] for rid in self.sub_ids])
+
+
+    async def settled(self, timeout: float | None = None) -> TransferResult:
+        """The combined result once every sub-request is settled (``await_settled`` of
+        each): from then on nothing of any source can land in the pages, so a failed
+        request's pages may be reused.  ``timeout``: the result as it stands then (its
+        ``settled`` False while some source has not settled)."""
+        results: dict[str, TransferResult] = {}
+
+        async def one(rid: str) -> None:
+            results[rid] = await self.svc.await_settled(rid, timeout=timeout)
 
         async with anyio.create_task_group() as tg:
             for rid in self.sub_ids:

@@ -151,6 +151,12 @@ async def test_a_failing_source_fails_the_decode_ranks_request_with_its_reason()
         assert result.message.startswith("r@tp1.0"), result
         other = await svc.await_arrival("r@tp0.0", timeout=5)
         assert other.reason is FailureReason.ABORTED, other
+        # the pages may be reused once every source has settled: rank 1 is gone, rank 0 never
+        # posted (it answers the abort with Settled)
+        with anyio.fail_after(20):
+            settled = await receive.settled(timeout=15)
+        assert settled.settled and settled.reason is result.reason, settled
+        assert svc.status()["unsettled_pages"] == 0
 
 
 # -- layer-wise sends and the payload -----------------------------------------------------------
