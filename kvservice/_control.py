@@ -151,8 +151,9 @@ class ControlPlane:
 
     async def _accept(self, stream: anyio.abc.ByteStream) -> None:
         if self._handshaking >= self._cfg.max_handshakes:
-            self._stats.refuse("handshake_limit")
-            log.warning("peer.refused", side="accept", kind="handshake_limit", limit=self._cfg.max_handshakes)
+            if (unlogged := self._stats.refuse("handshake_limit")) is not None:
+                log.warning("peer.refused", side="accept", kind="handshake_limit", limit=self._cfg.max_handshakes,
+                            unlogged=unlogged)
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
             return
@@ -401,8 +402,8 @@ class ControlPlane:
         else:
             kind = "handler_error"
             log.error("peer.handshake_crashed", side=side, exc_info=exc)
-        self._stats.refuse(kind)
-        log.warning("peer.handshake_failed", side=side, kind=kind, error=str(exc) or repr(exc))
+        if (unlogged := self._stats.refuse(kind)) is not None:
+            log.warning("peer.handshake_failed", side=side, kind=kind, error=str(exc) or repr(exc), unlogged=unlogged)
         await framed.aclose()
 
     # -- links ----------------------------------------------------------------------

@@ -82,8 +82,9 @@ class ServiceCore:
         assert self._control is not None
         if req.receiver in self._control.addresses_of(agent):
             return True
-        self.stats.refuse("receiver_mismatch")
-        log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver)
+        if (unlogged := self.stats.refuse("receiver_mismatch")) is not None:
+            log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver,
+                        unlogged=unlogged)
         self._refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
         return False
 

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
-__all__ = ["configure_logging", "get_logger"]
+__all__ = ["Throttle", "configure_logging", "get_logger"]
 
 #: the handler ``configure_logging`` installs on the root logger (replaced by a second call)
 HANDLER_NAME = "kvservice"
@@ -102,6 +104,31 @@ class _Logger:
         if self._stdlib.isEnabledFor(logging.CRITICAL):  # unconfigured debug and info: this check only
             return self._unconfigured.critical(event, **kw)
         return None
+
+
+class Throttle:
+    """At most ``burst`` log lines per key in any ``window_s``: a flood of refusals (a
+    hostile peer's garbage, a misconfigured worker) is counted in full but cannot flood
+    the log or spend the loop on formatting lines.  ``allow`` answers ``None`` (do not
+    log) or the number of lines of that key held back since the last one logged (log
+    it, with that number)."""
+
+    def __init__(self, burst: int = 10, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._burst = burst
+        self._window = window_s
+        self._clock = clock
+        self._keys: dict[str, tuple[float, int, int]] = {}  # key -> (window start, logged in it, held back)
+
+    def allow(self, key: str) -> int | None:
+        now = self._clock()
+        start, logged, held = self._keys.get(key, (now, 0, 0))
+        if now - start >= self._window:
+            start, logged = now, 0
+        if logged >= self._burst:
+            self._keys[key] = (start, logged, held + 1)
+            return None
+        self._keys[key] = (start, logged + 1, 0)
+        return held
 
 
 def get_logger(name: str) -> Any:

@@ -150,7 +150,7 @@ class PeerLink:
     def __init__(
         self, framed: ControlStream, *, agent: str, address: str, generation: int,
         on_message: OnMessage, on_lost: OnLost, heartbeat_interval: float, peer_timeout: float,
-        max_outbox_bytes: int, on_refused: Callable[[str], None] = lambda kind: None,
+        max_outbox_bytes: int, on_refused: Callable[[str], object] = lambda kind: None,
     ) -> None:
         self.agent = agent
         self.address = address

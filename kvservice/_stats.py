@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ._log import Throttle
 from ._results import TransferResult
 
 #: upper bounds (seconds) of the transfer-latency histogram buckets
@@ -31,6 +32,8 @@ class Stats:
     #: "frame", "outbox_overflow", "accept_error", ...): see README "Security"
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     forced_releases: int = 0
+    #: refusals are all counted, but logged at most ``Throttle``'s burst per kind and window
+    log_throttle: Throttle = field(default_factory=Throttle)
     lag_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=3000))
     max_lag_s: float = 0.0
 
@@ -45,9 +48,11 @@ class Stats:
                 self.latency_count += 1
                 self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, d)] += 1
 
-    def refuse(self, what: str) -> None:
-        """Count one refusal of kind ``what``."""
+    def refuse(self, what: str) -> int | None:
+        """Count one refusal of kind ``what``.  Returns whether to log it (``Throttle``):
+        ``None`` not, else how many of that kind went unlogged before it."""
         self.refused[what] += 1
+        return self.log_throttle.allow(what)
 
     async def monitor_loop_lag(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Sleep ``LAG_INTERVAL_S`` again and again; how late each wake-up is, is the lag."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
+from .._log import Throttle
 from .._requests import Recent, TransferHandle
 from .._trust.peercred import PeerCred
 from .wire import ClientMessage, SocketFrames
@@ -55,6 +56,8 @@ class ServerCounters:
     #: what workers tried and were refused, by kind (docs/sidecar.md, "Security")
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     calls: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: refusals are all counted, logged at most ``Throttle``'s burst per kind and window
+    log_throttle: Throttle = field(default_factory=Throttle)
 
     @property
     def connections_refused_total(self) -> int:

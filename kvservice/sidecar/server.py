@@ -159,8 +159,9 @@ class SidecarServer:
         """Count, log and tell a connection why it is refused; the caller then ends it."""
         self.counters.refused[kind] += 1
         cred = conn.cred
-        log.warning("sidecar.client_refused", kind=kind, conn=conn.number, pid=conn.pid,
-                    uid=cred.uid if cred else None, error=message)
+        if (unlogged := self.counters.log_throttle.allow(kind)) is not None:
+            log.warning("sidecar.client_refused", kind=kind, conn=conn.number, pid=conn.pid,
+                        uid=cred.uid if cred else None, error=message, unlogged=unlogged)
         try:
             with anyio.move_on_after(1.0):
                 await conn.framed.send(Error(0, error, message))

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog
 
 from kvservice import FailureReason, ServiceConfig, TransferService
 from kvservice._door import DoorThread
@@ -124,6 +125,25 @@ async def test_malformed_and_out_of_range_frames_are_refused_and_harmless() -> N
 
         await expect_refusal(svc, decode, "hello_invalid", expect_first)
         assert svc.status()["peers"] == [decode.address]
+
+
+async def test_a_flood_of_garbage_is_counted_in_full_and_logged_in_bursts() -> None:
+    """40 connections of garbage in a row: every one refused and counted, at most a burst of
+    log lines (the next line says how many were held back), and the service serves on."""
+    async with peers(peer_config()) as (decode,), TransferService(hostile_config()) as svc:
+        before = refused(svc, "frame")
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(40):
+                raw = await Raw.connect(svc.address)
+                await raw.send_raw(b"GET / HTTP/1.1\r\n\r\n")
+                await answered(raw, "frame")
+            with anyio.fail_after(10):
+                while refused(svc, "frame") < before + 40:  # noqa: ASYNC110 - a counter, no event announces it
+                    await anyio.sleep(0.01)
+        lines = [e for e in logs if e["event"] == "peer.handshake_failed" and e.get("kind") == "frame"]
+        assert 1 <= len(lines) <= 10, len(lines)
+        assert refused(svc, "frame") == before + 40
+        await legit_transfer(svc, decode)
 
 
 async def test_join_fields_out_of_range_are_refused_before_use() -> None:
