@@ -75,6 +75,9 @@ class Watchdog:
         self._releases: list[XferId] = []
         self._releasing: dict[XferId, SendRequest] = {}  # queued or in a tick, not yet confirmed
         self._fences: list[PostOp] = []  # settle fences to post next tick
+        #: peers whose fences were forgotten while a tick was on the door thread: a fence of
+        #: theirs that tick posted is released by the peer's unloading, never checked
+        self._fences_forgotten: set[str] = set()
         self._cursor = 0
         self._wake = anyio.Event()
         self._stopping = False
@@ -137,6 +140,8 @@ class Watchdog:
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
             del self._inflight[xid]
         self._fences = [op for op in self._fences if op.peer != peer]
+        if self._ahead is not None:
+            self._fences_forgotten.add(peer)
 
     def _release(self, req: SendRequest, xid: XferId) -> None:
         self._releases.append(xid)
@@ -231,7 +236,7 @@ class Watchdog:
         for key, got, state in outcome.posted:
             req, nbytes = key
             if nbytes == FENCE:  # tracked only so its handle is checked until done
-                if isinstance(got, int) and state is XferState.PROC:
+                if isinstance(got, int) and state is XferState.PROC and req.peer not in self._fences_forgotten:
                     self._inflight[got] = (req, FENCE)
                 elif isinstance(got, DoorError):
                     self._owner.fence_failed(req, got)
@@ -251,6 +256,7 @@ class Watchdog:
                 req.inflight.add(got)
             if req.finished:
                 self._settle_if_released(req)
+        self._fences_forgotten.clear()
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
                 continue
