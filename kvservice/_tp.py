@@ -111,8 +111,9 @@ class TPReceive:
     sub_ids: list[str]
 
     async def result(self, timeout: float | None = None) -> TransferResult:
-        """SUCCESS (bytes and pages summed; the payload of the first source) once every
-        source delivered; else the first failure, with the other sources aborted."""
+        """SUCCESS (the sources' bytes summed; the request's pages; the first source's
+        payload) once every source delivered; else the first failure, with the other
+        sources aborted."""
         results: dict[str, TransferResult] = {}
 
         async def one(rid: str) -> None:
@@ -126,7 +127,6 @@ class TPReceive:
             for rid in self.sub_ids:
                 tg.start_soon(one, rid)
         return combine(self.request_id, [results[rid] for rid in self.sub_ids])
-
 
     async def settled(self, timeout: float | None = None) -> TransferResult:
         """The combined result once every sub-request is settled (``await_settled`` of
