@@ -37,13 +37,11 @@ import numpy as np
 from kvservice import ServiceConfig, TransferService
 from kvservice.bench._lines import emit, take_stdout
 from kvservice.bench.kv_side import RUN_TIMEOUT_S, Ticker, drive, freeze_startup_heap, quiet_logs
-from kvservice.bench.raw_nixl import POLL_TIMEOUT_S, RECV_SLEEP_S
+from kvservice.bench.raw_nixl import POLL_TIMEOUT_S, RECV_SLEEP_S, Post, closed_loop
 from kvservice.memory import KVMemory, Region
 from kvservice.memory._pairing import Indexer, Pair, pair
 from kvservice.memory._regions import regions_table
 from kvservice.memory.synthetic import EngineSpec, SyntheticKV
-
-CHECK_EVERY_S = 0.0001
 
 
 def memory_json(memory: KVMemory) -> dict[str, Any]:
@@ -90,9 +88,8 @@ class RawAgent:
         self.peers[peer] = (name, local, dst, Indexer(p))
 
     def run(self, requests: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
-        """``raw_nixl.Side.run`` over this rank's pairs: each request names its peer."""
-        agent = self.agent
-        todo: collections.deque[tuple[Any, Any, Any, Any, bytes]] = collections.deque()
+        """``raw_nixl.closed_loop`` over this rank's pairs: each request names its peer."""
+        todo: collections.deque[Post] = collections.deque()
         ndesc = 0
         for r in requests:
             _, local, remote, indexer = self.peers[int(r["peer"])]
@@ -101,47 +98,7 @@ class RawAgent:
                                        lo, hi)
             ndesc += len(src)
             todo.append((local, src, remote, dst, r["rid"].encode()))
-        start = time.monotonic()
-        slots = collections.deque([start] * min(concurrency, len(requests)))
-        inflight: list[tuple[Any, float]] = []
-        lat: list[float] = []
-        deadline = start + POLL_TIMEOUT_S
-        last_check = start
-        while todo or inflight:
-            if todo and slots:
-                local, src, remote, dst, notif = todo.popleft()
-                t0 = slots.popleft()
-                handle = agent.make_prepped_xfer("WRITE", local, src, remote, dst, notif)
-                state = agent.transfer(handle)
-                if state == "DONE":
-                    handle.release()
-                    now = time.monotonic()
-                    lat.append(now - t0)
-                    slots.append(now)
-                elif state == "PROC":
-                    inflight.append((handle, t0))
-                else:
-                    raise RuntimeError(f"transfer returned {state}")
-            now = time.monotonic()
-            if not inflight or (todo and slots and now - last_check < CHECK_EVERY_S):
-                continue
-            last_check = now
-            still = []
-            for handle, t0 in inflight:
-                state = agent.check_xfer_state(handle)
-                if state == "DONE":
-                    handle.release()
-                    now = time.monotonic()
-                    lat.append(now - t0)
-                    slots.append(now)
-                elif state == "PROC":
-                    still.append((handle, t0))
-                else:
-                    raise RuntimeError(f"check_xfer_state returned {state}")
-            inflight = still
-            if now > deadline:
-                raise TimeoutError("raw sender: requests not done in time")
-        end = time.monotonic()
+        start, end, lat = closed_loop(self.agent, todo, concurrency)
         return {"event": "done", "start": start, "end": end, "latencies": lat, "ok": len(lat),
                 "descriptors": ndesc}
 

@@ -53,6 +53,66 @@ def descriptor_indices(pages: list[int], planes: int, num_pages: int) -> np.ndar
     return (np.arange(planes, dtype=np.int32)[:, None] * np.int32(num_pages) + p[None, :]).ravel()
 
 
+#: one WRITE to post: local dlist, local indices, remote dlist, remote indices, notification
+Post = tuple[Any, Any, Any, Any, bytes]
+
+
+def closed_loop(agent: Any, todo: collections.deque[Post], concurrency: int,
+                send_sleep: float = 0.0) -> tuple[float, float, list[float]]:
+    """Post ``todo`` keeping ``concurrency`` in flight; returns (start, end, latencies).
+
+    Latency follows the same closed-loop client model as the kvservice side:
+    ``concurrency`` clients each issue their next request when their previous one
+    completes, so a request's clock starts when a slot frees, not when the loop
+    gets round to posting it.  Running handles are checked at least every
+    ``CHECK_EVERY_S`` even while posts continue.  The bookkeeping of a finished
+    handle is written out twice, not called: this is the baseline's hot loop.
+    """
+    start = time.monotonic()
+    slots = collections.deque([start] * min(concurrency, len(todo)))  # when each slot freed
+    inflight: list[tuple[Any, float]] = []
+    lat: list[float] = []
+    deadline = start + POLL_TIMEOUT_S
+    last_check = start
+    while todo or inflight:
+        if todo and slots:
+            local, lidx, remote, ridx, notif = todo.popleft()
+            t0 = slots.popleft()
+            handle = agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx, notif)
+            state = agent.transfer(handle)
+            if state == "DONE":
+                handle.release()
+                now = time.monotonic()
+                lat.append(now - t0)
+                slots.append(now)
+            elif state == "PROC":
+                inflight.append((handle, t0))
+            else:
+                raise RuntimeError(f"transfer returned {state}")
+        now = time.monotonic()
+        if not inflight or (todo and slots and now - last_check < CHECK_EVERY_S):
+            continue
+        last_check = now
+        still = []
+        for handle, t0 in inflight:
+            state = agent.check_xfer_state(handle)
+            if state == "DONE":
+                handle.release()
+                now = time.monotonic()
+                lat.append(now - t0)
+                slots.append(now)
+            elif state == "PROC":
+                still.append((handle, t0))
+            else:
+                raise RuntimeError(f"check_xfer_state returned {state}")
+        if still and len(still) == len(inflight) and send_sleep:
+            time.sleep(send_sleep)  # nothing completed: leave the CPU to the receiver
+        inflight = still
+        if now > deadline:
+            raise TimeoutError("raw sender: requests not done in time")
+    return start, time.monotonic(), lat
+
+
 class Side:
     def __init__(self, role: str, cfg: dict[str, Any]) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -95,64 +155,15 @@ class Side:
 
     # -- sender ---------------------------------------------------------------
     def run(self, requests: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
-        """Keep ``concurrency`` requests in flight until all are done.
-
-        Latency follows the same closed-loop client model as the kvservice side:
-        ``concurrency`` clients each issue their next request when their previous one
-        completes, so a request's clock starts when a slot frees, not when the loop
-        gets round to posting it.  Running handles are checked at least every
-        ``CHECK_EVERY_S`` even while posts continue.
-        """
-        agent, local, remote = self.agent, self.local, self.remote
+        """Keep ``concurrency`` requests in flight until all are done (``closed_loop``)."""
+        local, remote = self.local, self.remote
         todo = collections.deque(
-            (descriptor_indices(r["src"], self.planes, self.num_pages),
-             descriptor_indices(r["dst"], self.planes, self.remote_pages),
+            (local, descriptor_indices(r["src"], self.planes, self.num_pages),
+             remote, descriptor_indices(r["dst"], self.planes, self.remote_pages),
              r["rid"].encode())
             for r in requests
         )
-        start = time.monotonic()
-        slots = collections.deque([start] * min(concurrency, len(requests)))  # when each slot freed
-        inflight: list[tuple[Any, float]] = []
-        lat: list[float] = []
-        deadline = start + POLL_TIMEOUT_S
-        last_check = start
-        while todo or inflight:
-            if todo and slots:
-                lidx, ridx, notif = todo.popleft()
-                t0 = slots.popleft()
-                handle = agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx, notif)
-                state = agent.transfer(handle)
-                if state == "DONE":
-                    handle.release()
-                    now = time.monotonic()
-                    lat.append(now - t0)
-                    slots.append(now)
-                elif state == "PROC":
-                    inflight.append((handle, t0))
-                else:
-                    raise RuntimeError(f"transfer returned {state}")
-            now = time.monotonic()
-            if not inflight or (todo and slots and now - last_check < CHECK_EVERY_S):
-                continue
-            last_check = now
-            still = []
-            for handle, t0 in inflight:
-                state = agent.check_xfer_state(handle)
-                if state == "DONE":
-                    handle.release()
-                    now = time.monotonic()
-                    lat.append(now - t0)
-                    slots.append(now)
-                elif state == "PROC":
-                    still.append((handle, t0))
-                else:
-                    raise RuntimeError(f"check_xfer_state returned {state}")
-            if still and len(still) == len(inflight) and self.send_sleep:
-                time.sleep(self.send_sleep)  # nothing completed: leave the CPU to the receiver
-            inflight = still
-            if now > deadline:
-                raise TimeoutError("raw sender: requests not done in time")
-        end = time.monotonic()
+        start, end, lat = closed_loop(self.agent, todo, concurrency, self.send_sleep)
         return {"event": "done", "start": start, "end": end, "latencies": lat, "ok": len(lat)}
 
     # -- receiver -----------------------------------------------------------------
