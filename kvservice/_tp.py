@@ -30,7 +30,7 @@ reused once every sub-request has settled (``TPReceive.settled``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,29 +114,33 @@ class TPReceive:
         """SUCCESS (the sources' bytes summed; the request's pages; the first source's
         payload) once every source delivered; else the first failure, with the other
         sources aborted."""
-        results: dict[str, TransferResult] = {}
-
-        async def one(rid: str) -> None:
-            results[rid] = result = await self.svc.await_arrival(rid, timeout=timeout)
+        async def arrival(rid: str, results: dict[str, TransferResult]) -> TransferResult:
+            result = await self.svc.await_arrival(rid, timeout=timeout)
             if not result.ok:  # the others end ABORTED, after this one
                 for other in self.sub_ids:
-                    if other not in results:
+                    if other not in results and other != rid:
                         await self.svc.abort(other)
+            return result
 
-        async with anyio.create_task_group() as tg:
-            for rid in self.sub_ids:
-                tg.start_soon(one, rid)
-        return combine(self.request_id, [results[rid] for rid in self.sub_ids])
+        return await self._each(arrival)
 
     async def settled(self, timeout: float | None = None) -> TransferResult:
         """The combined result once every sub-request is settled (``await_settled`` of
         each): from then on nothing of any source can land in the pages, so a failed
         request's pages may be reused.  ``timeout``: the result as it stands then (its
         ``settled`` False while some source has not settled)."""
+        async def settle(rid: str, results: dict[str, TransferResult]) -> TransferResult:
+            return await self.svc.await_settled(rid, timeout=timeout)
+
+        return await self._each(settle)
+
+    async def _each(self, wait: Callable[[str, dict[str, TransferResult]], Awaitable[TransferResult]]
+                    ) -> TransferResult:
+        """``wait`` for every sub-request at once (it sees the results so far), then combine."""
         results: dict[str, TransferResult] = {}
 
         async def one(rid: str) -> None:
-            results[rid] = await self.svc.await_settled(rid, timeout=timeout)
+            results[rid] = await wait(rid, results)
 
         async with anyio.create_task_group() as tg:
             for rid in self.sub_ids:

@@ -28,22 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._layout import PageIndex
-from ._regions import KVMemory, Region, regions_table
-
-
-@dataclass(frozen=True, slots=True)
-class View:
-    """Bytes of each page of one region that a pair moves: ``runs`` runs of
-    ``run_bytes``, the first at ``offset`` into the page, ``run_stride`` apart."""
-
-    offset: int
-    runs: int
-    run_stride: int
-    run_bytes: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.runs * self.run_bytes
+from ._regions import KVMemory, Region, View, regions_table, views_table
 
 
 def head_range(memory: KVMemory) -> tuple[int, int]:
@@ -154,22 +139,6 @@ def pair(src: KVMemory, dst: KVMemory) -> Pair | str:
             len(dst.regions) * dst.num_pages * runs > np.iinfo(np.int32).max:
         return "descriptor indices of this pair overflow int32"
     return Pair(src, dst, src_views, dst_views, runs)
-
-
-def views_table(regions: tuple[Region, ...], views: tuple[View, ...], num_pages: int) -> npt.NDArray[np.uint64]:
-    """The descriptor table of ``views`` over ``regions`` (address, length, device id)."""
-    runs = views[0].runs
-    n = num_pages * runs
-    table = np.empty((len(regions) * n, 3), dtype=np.uint64)
-    pages = np.repeat(np.arange(num_pages, dtype=np.uint64), runs)
-    run = np.tile(np.arange(runs, dtype=np.uint64), num_pages)
-    for i, (region, view) in enumerate(zip(regions, views, strict=True)):
-        rows = table[i * n : (i + 1) * n]
-        rows[:, 0] = (np.uint64(region.addr + view.offset) + pages * np.uint64(region.page_stride)
-                      + run * np.uint64(view.run_stride))
-        rows[:, 1] = view.run_bytes
-        rows[:, 2] = region.device_id
-    return table
 
 
 class Indexer:

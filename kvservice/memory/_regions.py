@@ -183,17 +183,41 @@ class KVMemory:
         return self.regions[0].heads * (1 if self.latent else self.tp_size)
 
 
+@dataclass(frozen=True, slots=True)
+class View:
+    """Bytes of each page of one region that a pair moves: ``runs`` runs of
+    ``run_bytes``, the first at ``offset`` into the page, ``run_stride`` apart."""
+
+    offset: int
+    runs: int
+    run_stride: int
+    run_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.runs * self.run_bytes
+
+
+def views_table(regions: Sequence[Region], views: Sequence[View], num_pages: int) -> npt.NDArray[np.uint64]:
+    """The descriptor table of ``views`` over ``regions`` (address, length, device id)."""
+    runs = views[0].runs
+    n = num_pages * runs
+    table = np.empty((len(regions) * n, 3), dtype=np.uint64)
+    pages = np.repeat(np.arange(num_pages, dtype=np.uint64), runs)
+    run = np.tile(np.arange(runs, dtype=np.uint64), num_pages)
+    for i, (region, view) in enumerate(zip(regions, views, strict=True)):
+        rows = table[i * n : (i + 1) * n]
+        rows[:, 0] = (np.uint64(region.addr + view.offset) + pages * np.uint64(region.page_stride)
+                      + run * np.uint64(view.run_stride))
+        rows[:, 1] = view.run_bytes
+        rows[:, 2] = region.device_id
+    return table
+
+
 def regions_table(regions: Sequence[Region], num_pages: int) -> npt.NDArray[np.uint64]:
     """Every page of every region, region-major: entry ``r * num_pages + p`` is page
     *p* of region *r* (address, length, device id)."""
-    table = np.empty((len(regions) * num_pages, 3), dtype=np.uint64)
-    pages = np.arange(num_pages, dtype=np.uint64)
-    for i, region in enumerate(regions):
-        rows = table[i * num_pages : (i + 1) * num_pages]
-        rows[:, 0] = np.uint64(region.addr) + pages * np.uint64(region.page_stride)
-        rows[:, 1] = region.page_bytes
-        rows[:, 2] = region.device_id
-    return table
+    return views_table(regions, tuple(View(0, 1, 0, r.page_bytes) for r in regions), num_pages)
 
 
 def memory_to_wire(memory: KVMemory) -> MemoryWire:

@@ -118,6 +118,10 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     await decode.expect(rid, dst, sender=prefill.address)
     with pytest.raises(ValueError, match="payload goes with the last chunk"):
         await prefill.send(rid, src, layers=range(0, 1), payload=b"early")
+    with pytest.raises(ValueError, match="non-empty range"):
+        await prefill.send(rid, src, layers=range(2, 1))
+    with pytest.raises(ValueError, match="exceeds max_payload_bytes"):
+        await prefill.send(rid, src, last=True, payload=b"x" * (64 * 1024))
     await prefill.send(rid, src, layers=range(0, 1))
     with pytest.raises(ValueError, match="sent up to different pages"):
         await prefill.send(rid, src, last=True)

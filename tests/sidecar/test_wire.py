@@ -125,3 +125,18 @@ async def test_tcp_streams_keep_the_streams_own_writes() -> None:
             async with await anyio.connect_tcp("127.0.0.1", port) as tcp:
                 framed = frame_stream(tcp, 1 << 20, decode_server)
                 assert isinstance(framed, SocketFrames) and framed._sock is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"layers": [-1, 2]},  # a negative layer
+    {"layers": [0, 1, 2]},  # not a [lo, hi) pair
+    {"layers": "0:2"},
+    {"payload": b"x" * ((1 << 20) + 1)},  # beyond any payload a frame may carry
+    {"payload": "text"},
+])
+def test_a_send_with_malformed_layers_or_payload_is_refused_at_decoding(fields: dict[str, object]) -> None:
+    import msgspec
+
+    body = msgspec.msgpack.encode({"type": "send", "call": 1, "request_id": "r", "pages": [1], **fields})
+    with pytest.raises(FrameError):
+        decode_client(body)
