@@ -90,6 +90,10 @@ class ServiceConfig:
     max_unknown_expects: int = 10_000
     #: such an Expect with no send() this long is dropped (the receiver is told TIMEOUT)
     unknown_expect_ttl_s: float = 120.0
+    #: pages named by such Expects, per peer and for all peers together (4 bytes each
+    #: held: 16 MiB and 64 MiB); an Expect beyond either is refused
+    max_unknown_expect_pages: int = 1 << 22
+    max_unknown_expect_pages_total: int = 1 << 24
     #: requests alive at once (both sides); send()/expect() beyond it raise ``Overloaded``
     max_live_requests: int = 100_000
 
@@ -104,7 +108,8 @@ class ServiceConfig:
             "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
             "max_checks_per_tick", "max_frame_bytes", "max_payload_bytes", "results_kept",
             "max_handshakes", "max_peers", "max_outbox_bytes", "max_unknown_expects",
-            "unknown_expect_ttl_s", "max_live_requests",
+            "unknown_expect_ttl_s", "max_unknown_expect_pages", "max_unknown_expect_pages_total",
+            "max_live_requests",
         )
         for key in positive:
             value = getattr(self, key)

@@ -4,15 +4,26 @@ Identity.  A peer is its authenticated NIXL agent name (unique per process
 incarnation), never a claimed address.  The table holds one ``Peer`` per live
 agent, each with the ``generation`` of its link: frames from a link that is no
 longer its agent's current one are ignored.  A second connection claiming a
-live agent is refused.  A handshake from a *new* agent advertising a live
-peer's address means that peer restarted: the old incarnation is dropped (its
-requests fail ``PEER_LOST``, its NIXL agent is unloaded) before the new one is
-loaded.  Loading and dropping hold one lock, so a drop and a reconnect of the
-same agent can interleave in any order without unloading the fresh agent.
+live agent is refused.  Loading and dropping hold one lock, so a drop and a
+reconnect of the same agent can interleave in any order without unloading the
+fresh agent.
 
-Addresses.  One link per peer however it is addressed: ``localhost:p``,
-``127.0.0.1:p`` and the peer's advertised address all map, by canonical form
-(``_addresses``), to the same agent.
+Addresses are proven, not claimed.  An address names an agent only when this
+service dialled it and authenticated that agent there, or dialled the address
+a peer claims back (``Hello(probe=True)``: the acceptor proves who it is and
+hangs up) and found the same agent answering (``prove_address``).  A claim
+alone binds nothing: it cannot pin a request, replace a peer, or settle
+anything.  When a dial finds a *new* agent at an address a live peer was proven
+at, that peer restarted: the old incarnation is dropped (its requests fail
+``PEER_LOST``, its NIXL agent is unloaded) before the new one is loaded.  One
+link per peer however it is addressed: ``localhost:p``, ``127.0.0.1:p`` and
+the peer's proven address all map, by canonical form (``_addresses``), to the
+same agent.
+
+Secrets.  Each link derives from its handshake transcript (``LinkSecrets``) the
+frame MAC, the Join's encryption and the keys that authenticate NIXL
+notifications in each direction; a peer's recent inbound notification keys are
+kept after its link ends, for the settle fences still on their way.
 
 Containment.  Every connection's handshake runs under a guard that logs,
 counts (``Stats.refuse``) and closes that connection whatever it raised, and
@@ -37,7 +48,15 @@ from ._addresses import join_address, literal_canonical, resolve_canonical, spli
 from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
-from ._peers import CONNECTION_ERRORS, ControlStream, PeerLink, recv_join_or_reject, try_send
+from ._peers import (
+    CONNECTION_ERRORS,
+    ControlStream,
+    PeerLink,
+    open_join,
+    recv_join_or_reject,
+    send_join,
+    try_send,
+)
 from ._protocol import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -49,11 +68,21 @@ from ._protocol import (
     Reject,
     text,
 )
+from ._requests import Recent
 from ._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from ._stats import Stats
 from ._transport import ByteListener, TcpTransport, Transport
 from ._trust import checks
-from ._trust.handshake import ACCEPTOR, DIALER, NONCE_BYTES, FrameMac, new_nonce, prove, transcript, verify
+from ._trust.handshake import (
+    ACCEPTOR,
+    DIALER,
+    NONCE_BYTES,
+    LinkSecrets,
+    new_nonce,
+    prove,
+    transcript,
+    verify,
+)
 from .memory._pairing import PeerKV
 from .memory._regions import KVMemory
 
@@ -63,6 +92,8 @@ log = get_logger("kvservice.control")
 _REFUSED_KINDS = frozenset({"auth", "agent_live", "address_live", "peer_limit", "handshake_limit"})
 #: canonical forms remembered for addresses the engine named (cleared when exceeded)
 _CANON_CACHE = 4096
+#: inbound notification keys kept per agent: its current link's and the ones before
+_NOTIF_KEYS_PER_AGENT = 2
 
 
 class PeerEvents(Protocol):
@@ -71,8 +102,9 @@ class PeerEvents(Protocol):
     def on_message(self, agent: str, msg: Message) -> None: ...
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
     def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
-                     gone: bool) -> None: ...
+                     gone: bool, proven: frozenset[str]) -> None: ...
     def on_peer_linked(self, agent: str) -> None: ...
+    def on_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None: ...
     def released_by_door(self, xids: list[int]) -> None: ...
 
 
@@ -89,10 +121,13 @@ class LocalPeer:
 @dataclass(eq=False)
 class Peer:
     agent: str
-    address: str  # as it advertises itself
+    address: str  # as it advertises itself (a claim: shown, never acted on)
+    claimed: str  # that address's canonical form
     kv: PeerKV  # its KV memory, paired with ours
     link: PeerLink
-    canonicals: set[str] = field(default_factory=set)  # canonical addresses that name it
+    secrets: LinkSecrets
+    canonicals: set[str] = field(default_factory=set)  # proven canonical addresses that name it
+    disproven: set[str] = field(default_factory=set)  # addresses where another agent answered
 
 
 @dataclass
@@ -119,6 +154,9 @@ class ControlPlane:
         self._by_addr: dict[str, str] = {}  # canonical address -> agent
         self._canon: dict[str, str] = {}  # address as named by the engine -> canonical
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
+        self._proofs: dict[tuple[str, str], anyio.Event] = {}  # (agent, canonical) -> proof in progress
+        # agent -> inbound notification keys of its latest links, newest first
+        self._notif_in: Recent[str, list[bytes]] = Recent(2 * config.max_peers)
         self._table_lock = anyio.Lock()  # loading and dropping peers
         self._generations = itertools.count(1)
         self._handshaking = 0
@@ -172,9 +210,12 @@ class ControlPlane:
             return
         finally:
             self._handshaking -= 1
+        if peer is None:  # a probe: answered
+            await framed.aclose()
+            return
         await peer.link.run()
 
-    async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer:
+    async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer | None:
         local = self._local
         hello = await framed.recv(PREAUTH_FRAME_BYTES)
         if not isinstance(hello, Hello):
@@ -184,6 +225,8 @@ class ControlPlane:
         script = transcript((hello.agent, hello.address, hello.nonce), (local.agent, self.address, nonce))
         await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce,
                                 prove(local.key, ACCEPTOR, script)))
+        if hello.probe:  # "who answers here?": our proof says it; nothing else follows
+            return None
         answer = await framed.recv(PREAUTH_FRAME_BYTES)
         if isinstance(answer, Reject):
             raise _rejected_by(hello.address, answer)
@@ -192,14 +235,12 @@ class ControlPlane:
         why = verify(local.key, DIALER, script, answer.proof)
         if why is not None:
             raise AuthenticationError(why)
-        if local.key is not None:
-            framed.mac = FrameMac(local.key, script, ACCEPTOR)
-        join = await framed.recv()
-        if not isinstance(join, Join):
-            raise ProtocolError(f"expected join, got {type(join).__name__}", "hello_invalid")
-        peer = await self._admit(framed, hello, join)
+        secrets = LinkSecrets(local.key, script, ACCEPTOR)
+        framed.mac = secrets.frame_mac
+        join = open_join(await framed.recv(), secrets)
+        peer = await self._admit(framed, hello, join, secrets)
         try:
-            await framed.send(local.join)
+            await send_join(framed, local.join, secrets)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._drop(peer.agent, ConnectionResetError("handshake broke off"), graceful=False)
@@ -218,10 +259,28 @@ class ControlPlane:
             self._canon[address] = canon
         return canon
 
-    def addresses_of(self, agent: str) -> set[str]:
-        """The canonical addresses that name ``agent`` (empty when it is not linked)."""
+    def at_address(self, agent: str, canon: str) -> bool | None:
+        """Whether linked ``agent`` is proven to answer at canonical ``canon``: True,
+        False (another agent answered there, or it is not linked), or None (not known
+        yet: ``prove_address`` finds out)."""
         peer = self._peers.get(agent)
-        return set(peer.canonicals) if peer is not None else set()
+        if peer is None or canon in peer.disproven:
+            return False
+        return True if canon in peer.canonicals else None
+
+    def proven_addresses(self, agent: str) -> frozenset[str]:
+        """The canonical addresses ``agent`` is proven at (empty when not linked)."""
+        peer = self._peers.get(agent)
+        return frozenset(peer.canonicals) if peer is not None else frozenset()
+
+    def notif_key_to(self, agent: str) -> bytes | None:
+        """The key our notifications to linked ``agent`` carry their MAC under."""
+        peer = self._peers.get(agent)
+        return peer.secrets.notif_out if peer is not None else None
+
+    def notif_keys_from(self, agent: str) -> list[bytes]:
+        """The keys a notification from ``agent`` may be sealed under (its recent links')."""
+        return self._notif_in.get(agent) or []
 
     async def link_to(self, address: str) -> PeerLink:
         """The live link to ``address``, dialling once however many callers wait.
@@ -230,6 +289,13 @@ class ControlPlane:
         ``KVServiceError`` if the service shuts down first."""
         canon = await self.canonical(address)
         agent = self._by_addr.get(canon)
+        if agent is None:
+            # A peer that dialled us and claims this address: prove the claim
+            # (one probe), and its link serves; otherwise dial.
+            claimant = next((p.agent for p in self._peers.values()
+                             if p.claimed == canon and canon not in p.disproven and not p.link.closed), None)
+            if claimant is not None and await self.prove_address(claimant, canon):
+                agent = claimant
         if agent is not None:
             peer = self._peers.get(agent)
             if peer is not None and not peer.link.closed:
@@ -265,44 +331,108 @@ class ControlPlane:
 
     async def _dial_and_admit(self, address: str, canon: str) -> Peer:
         local = self._local
-        host, port = split_address(address)
         with anyio.fail_after(self._cfg.connect_timeout_s):
+            framed = await self._connect(address)
             try:
-                stream = await self._transport.connect(host, port)
-            except OSError as exc:
-                # anyio reports "all attempts failed"; its cause says whether one was refused
-                refused = isinstance(exc, ConnectionRefusedError) or isinstance(exc.__cause__, ConnectionRefusedError)
-                cls = ConnectionRefusedError if refused else ConnectionError
-                raise cls(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
-            framed = ControlStream(stream, self._cfg.max_frame_bytes)
-            try:
-                nonce = new_nonce()
-                await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce))
-                reply = await framed.recv(PREAUTH_FRAME_BYTES)
-                if isinstance(reply, Reject):
-                    raise _rejected_by(address, reply)
-                if not isinstance(reply, Hello):
-                    raise ProtocolError(f"{address} answered {type(reply).__name__}, not hello")
-                self._check_hello(reply)
-                script = transcript((local.agent, self.address, nonce), (reply.agent, reply.address, reply.nonce))
-                why = verify(local.key, ACCEPTOR, script, reply.proof)
-                if why is not None:
-                    await try_send(framed, Reject(why, "auth"))
-                    raise AuthenticationError(f"{address}: {why}")
+                reply, script = await self._hello_as_dialer(framed, address, probe=False)
                 await framed.send(Proof(prove(local.key, DIALER, script)))
-                if local.key is not None:
-                    framed.mac = FrameMac(local.key, script, DIALER)
-                await framed.send(local.join)
-                join = await recv_join_or_reject(framed)
-                if isinstance(join, Reject):
-                    raise _rejected_by(address, join)
-                if not isinstance(join, Join):
-                    raise ProtocolError(f"{address} answered {type(join).__name__}, not join")
-                peer = await self._admit(framed, reply, join, dialled=canon)
+                secrets = LinkSecrets(local.key, script, DIALER)
+                framed.mac = secrets.frame_mac
+                await send_join(framed, local.join, secrets)
+                answer = await recv_join_or_reject(framed)
+                if isinstance(answer, Reject):
+                    raise _rejected_by(address, answer)
+                join = open_join(answer, secrets)
+                peer = await self._admit(framed, reply, join, secrets, dialled=canon)
             except BaseException:
                 await framed.aclose()
                 raise
         return peer
+
+    async def _connect(self, address: str) -> ControlStream:
+        host, port = split_address(address)
+        try:
+            stream = await self._transport.connect(host, port)
+        except OSError as exc:
+            # anyio reports "all attempts failed"; its cause says whether one was refused
+            refused = isinstance(exc, ConnectionRefusedError) or isinstance(exc.__cause__, ConnectionRefusedError)
+            cls = ConnectionRefusedError if refused else ConnectionError
+            raise cls(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
+        return ControlStream(stream, self._cfg.max_frame_bytes)
+
+    async def _hello_as_dialer(self, framed: ControlStream, address: str, *, probe: bool) -> tuple[Hello, bytes]:
+        """Our Hello, the acceptor's, its proof checked: (its Hello, the transcript)."""
+        local = self._local
+        nonce = new_nonce()
+        await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce, probe=probe))
+        reply = await framed.recv(PREAUTH_FRAME_BYTES)
+        if isinstance(reply, Reject):
+            raise _rejected_by(address, reply)
+        if not isinstance(reply, Hello):
+            raise ProtocolError(f"{address} answered {type(reply).__name__}, not hello")
+        self._check_hello(reply)
+        script = transcript((local.agent, self.address, nonce), (reply.agent, reply.address, reply.nonce))
+        why = verify(local.key, ACCEPTOR, script, reply.proof)
+        if why is not None:
+            if not probe:
+                await try_send(framed, Reject(why, "auth"))
+            raise AuthenticationError(f"{address}: {why}")
+        return reply, script
+
+    async def probe(self, address: str) -> str:
+        """The agent that answers at ``address`` now, proven by its proof over our fresh
+        nonce (with a key; without one, as it names itself).  Raises as a dial does:
+        ``ConnectionRefusedError`` when nobody listens there."""
+        with anyio.fail_after(self._cfg.connect_timeout_s):
+            framed = await self._connect(address)
+            try:
+                reply, _ = await self._hello_as_dialer(framed, address, probe=True)
+            finally:
+                await framed.aclose()
+        return reply.agent
+
+    async def prove_address(self, agent: str, canon: str) -> bool:
+        """Whether ``agent`` (linked) answers at the canonical address ``canon``: known,
+        or found out by one probe, whose answer is remembered for the life of the link
+        (once proven, ``canon`` names ``agent``).  Concurrent callers share the probe."""
+        peer = self._peers.get(agent)
+        if peer is None:
+            return False
+        if canon in peer.canonicals or canon in peer.disproven:
+            return canon in peer.canonicals
+        key = (agent, canon)
+        running = self._proofs.get(key)
+        if running is not None:
+            await running.wait()
+        else:
+            done = self._proofs[key] = anyio.Event()
+            try:
+                try:
+                    answered: str | None = await self.probe(canon)
+                except Exception as exc:  # noqa: BLE001 - unproven, whatever the reason
+                    answered = None
+                    log.info("peer.address_unproven", agent=agent, address=canon, error=str(exc) or repr(exc))
+                now = self._peers.get(agent)
+                if now is peer:  # the same link: the answer is about it
+                    if answered == agent:
+                        self._bind_address(peer, canon)
+                    else:
+                        peer.disproven.add(canon)
+                        if answered is not None:
+                            log.warning("peer.address_claim_false", agent=agent, address=canon, answered=answered)
+            finally:
+                del self._proofs[key]
+                done.set()
+        peer = self._peers.get(agent)
+        return peer is not None and canon in peer.canonicals
+
+    def _bind_address(self, peer: Peer, canon: str) -> None:
+        """``canon`` is proven to be ``peer``'s now: whoever it named before no longer answers there."""
+        old = self._by_addr.get(canon)
+        if old is not None and old != peer.agent and (prior := self._peers.get(old)) is not None:
+            prior.canonicals.discard(canon)
+        peer.canonicals.add(canon)
+        self._by_addr[canon] = peer.agent
 
     def dial_failure(self, exc: BaseException) -> FailureReason:
         if isinstance(exc, ProtocolError):
@@ -325,11 +455,16 @@ class ControlPlane:
         if why is not None:
             raise ProtocolError(why, "hello_invalid")
 
-    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, dialled: str | None = None) -> Peer:
-        """Check an authenticated peer's pool, load it into NIXL and link it (raises ``ProtocolError``)."""
-        memory, why = checks.check_memory(self._local.memory, join.memory)
+    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets,
+                     dialled: str | None = None) -> Peer:
+        """Check an authenticated peer's pool, load it into NIXL and link it (raises
+        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at."""
+        memory, why, theirs = checks.check_memory(self._local.memory, join.memory)
         if memory is None:
-            raise ProtocolError(why or "invalid KV memory", "incompatible")
+            why = why or "invalid KV memory"
+            if theirs is not None:  # a real peer of another model: its engine waits on us
+                self._events.on_incompatible(hello.agent, dialled or hello.address, dialled is not None, why)
+            raise IncompatiblePeer(why, theirs or why)
         kv = PeerKV.of(self._local.memory, memory)
         try:
             canon = await self.canonical(hello.address)
@@ -350,16 +485,14 @@ class ControlPlane:
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
             if len(self._peers) >= self._cfg.max_peers:
                 raise ProtocolError(f"too many peers (max_peers = {self._cfg.max_peers})", "peer_limit")
-            old = self._by_addr.get(canon)
+            old = self._by_addr.get(dialled) if dialled is not None else None
             if old is not None and old != agent:
-                prior = self._peers.get(old)
-                if prior is not None and prior.link.alive(self._cfg.peer_timeout_s):
-                    raise ProtocolError(
-                        f"{hello.address} belongs to live agent {old!r}; a restarted peer is accepted "
-                        "once its old incarnation is gone", "address_live")
-                log.info("peer.restarted", address=hello.address, old_agent=old, agent=agent)
+                # We dialled the address and a new agent proved itself there: the old
+                # incarnation's listener is closed, and a service closes its port only
+                # after its NIXL agent (``TransferService.__aexit__``).
+                log.info("peer.restarted", address=dialled, old_agent=old, agent=agent)
                 await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
-                                        gone=True)  # a new incarnation holds its address
+                                        gone=True)
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
                 await self._thread.call(_load, self._door, agent, join, kv)  # DoorError: refused
             link = PeerLink(
@@ -368,10 +501,12 @@ class ControlPlane:
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, kv, link, {canon} | ({dialled} if dialled else set()))
+            peer = Peer(agent, hello.address, canon, kv, link, secrets)
             self._peers[agent] = peer
-            for c in peer.canonicals:
-                self._by_addr[c] = agent
+            if dialled is not None:
+                self._bind_address(peer, dialled)
+            keys = self._notif_in.get(agent) or []
+            self._notif_in.put(agent, [secrets.notif_in, *keys][:_NOTIF_KEYS_PER_AGENT])
         log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
                  authenticated=self._local.key is not None)
         self._events.on_peer_linked(agent)
@@ -388,7 +523,8 @@ class ControlPlane:
     async def _handshake_failed(self, side: str, framed: ControlStream, exc: Exception) -> None:
         if isinstance(exc, ProtocolError):
             kind = exc.kind
-            await try_send(framed, Reject(text(str(exc)), kind))
+            told = exc.for_peer if isinstance(exc, IncompatiblePeer) else str(exc)
+            await try_send(framed, Reject(text(told), kind))
         elif isinstance(exc, TimeoutError):
             kind = "handshake_timeout"
         elif isinstance(exc, FrameError):
@@ -446,7 +582,7 @@ class ControlPlane:
         self._events.on_notifs(await self._thread.call(self._door.notifs))
         if not graceful and not gone:
             gone = await self._thread.call(_endpoint_gone, self._door, agent)
-        self._events.on_peer_lost(agent, peer.address, cause, graceful, gone)
+        self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, frozenset(peer.canonicals))
         peer.link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)
         self._events.released_by_door(released)
@@ -499,6 +635,14 @@ def _endpoint_gone(door: Door, agent: str) -> bool:
     except DoorError as exc:
         return exc.reason is FailureReason.REMOTE_DISCONNECT
     return False
+
+
+class IncompatiblePeer(ProtocolError):
+    """A peer's KV memory does not pair with ours; ``for_peer`` says why from its side."""
+
+    def __init__(self, message: str, for_peer: str) -> None:
+        super().__init__(message, "incompatible")
+        self.for_peer = for_peer
 
 
 def _rejected_by(address: str, reject: Reject) -> ProtocolError:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import anyio
 import anyio.abc
@@ -24,7 +24,7 @@ from ._control import ControlPlane
 from ._deadlines import Deadlines
 from ._door import DoorError
 from ._log import get_logger
-from ._protocol import FENCE, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
+from ._protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from ._settle import Settlement
@@ -37,6 +37,8 @@ log = get_logger("kvservice")
 PROBE_MAX_S = 5.0
 #: settle fences posted for one request before giving up (each failed one is a NIXL error)
 FENCE_TRIES = 3
+#: the "agent" of a dropped-expect record made by this service's own ``abort()``
+LOCAL = ""
 
 
 class ServiceCore:
@@ -59,10 +61,17 @@ class ServiceCore:
         self._sends_done: Recent[str, TransferResult] = Recent(results_kept)
         self._recvs_done: Recent[str, TransferResult] = Recent(results_kept)
         self._deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
+        cfg = self.config
         # Expects that arrived before the matching send()
-        self._early = EarlyExpects(self.config.max_unknown_expects, self.config.unknown_expect_ttl_s)
-        # Expects dropped (peer lost / aborted) before any send(): a later send fails at once.
-        self._dropped: Recent[str, FailureReason] = Recent(results_kept)
+        self._early = EarlyExpects(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s,
+                                   cfg.max_unknown_expect_pages, cfg.max_unknown_expect_pages_total)
+        # Expects dropped (peer lost / aborted) before any send(), per peer, with the
+        # addresses it was proven at: a later send that peer may receive fails at once.
+        self._dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)
+        # the peer an ended request was bound to ((side, id) -> agent): only it hears of it
+        self._done_peers: Recent[tuple[str, str], str] = Recent(2 * results_kept)
+        # (agent, id) of Expects waiting for the proof of the agent's address
+        self._proving: set[tuple[str, str]] = set()
         self._settlement = Settlement(self._recvs_done, self._sends_done)
         # Failed sends whose receiver's Outcome is awaited (see _fail)
         self._outcomes: dict[str, SendRequest] = {}
@@ -75,18 +84,71 @@ class ServiceCore:
             raise Overloaded(f"{live} requests alive, the limit (max_live_requests) is "
                              f"{self.config.max_live_requests}")
 
-    def _receiver_ok(self, req: SendRequest, agent: str) -> bool:
-        """Whether ``agent`` may receive ``req``; if not, it is told (``REFUSED``) and it is counted."""
+    def _may_receive(self, req: SendRequest, agent: str) -> bool | None:
+        """Whether ``agent`` may receive ``req``: any peer unless it is pinned; then only
+        the agent proven to answer at that address (None: not proven either way yet)."""
         if req.receiver is None:
             return True
         assert self._control is not None
-        if req.receiver in self._control.addresses_of(agent):
-            return True
+        return self._control.at_address(agent, req.receiver)
+
+    def _refuse_receiver(self, req: SendRequest, agent: str) -> None:
+        """``agent`` is not the receiver ``req`` is pinned to: it is told (``REFUSED``) and it is counted."""
         if (unlogged := self.stats.refuse("receiver_mismatch")) is not None:
             log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver,
                         unlogged=unlogged)
         self._refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
-        return False
+
+    def _after_proof(self, agent: str, canon: str, then: Callable[[], None]) -> None:
+        """Prove whether ``agent`` answers at ``canon`` (one probe, shared), then call
+        ``then`` if its link is still the one that asked."""
+        assert self._control is not None and self._tg is not None
+        control = self._control
+        generation = control.generation_of(agent)
+
+        async def prove() -> None:
+            await control.prove_address(agent, canon)
+            if control.generation_of(agent) == generation and not self._closing:
+                then()
+
+        self._tg.start_soon(prove)
+
+    def _early_dest(self, rid: str, receiver: str | None) -> npt.NDArray[np.int32] | None:
+        """The pages of the early Expect that a send of ``rid`` (pinned to ``receiver``) would bind."""
+        assert self._control is not None
+        for agent in self._early.agents(rid):
+            if receiver is None or self._control.at_address(agent, receiver):
+                return self._early.pages_of(rid, agent)
+        return None
+
+    def _match_early(self, req: SendRequest) -> None:
+        """A new (or still unbound) send meets the Expects that came before it: the first
+        from a peer that may receive it binds it; those from peers proven not to are
+        refused; an Expect such a peer dropped fails it; the rest wait for their proof."""
+        if req.result is not None or req.peer is not None:
+            return
+        rid = req.request_id
+        unknown: list[str] = []
+        for agent in self._early.agents(rid):
+            ok = self._may_receive(req, agent)
+            if ok is None:
+                unknown.append(agent)
+                continue
+            pages = self._early.pop(rid, agent)
+            assert pages is not None
+            if ok:
+                self._bind(req, agent, pages)
+                return
+            self._refuse_receiver(req, agent)
+        dropped = self._dropped.get(rid)
+        for agent, (reason, proven) in list((dropped or {}).items()):
+            if agent == LOCAL or req.receiver is None or req.receiver in proven:
+                del dropped[agent]  # type: ignore[union-attr]
+                self._fail(req, reason, "the receiver's expect was dropped before this send")
+                return
+        for agent in unknown:
+            assert req.receiver is not None
+            self._after_proof(agent, req.receiver, lambda: self._match_early(req))
 
     # -- state changes (event loop; called by API, watchdog and control plane) ---------
     def _bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32]) -> None:
@@ -104,6 +166,7 @@ class ServiceCore:
             return
         req.peer = peer
         req.link_generation = self._control.generation_of(peer)
+        req.notif_key = self._control.notif_key_to(peer) or b""
         req.kv = kv
         req.dest = pages
         req.deadline = time.monotonic() + (req.timeout or self.config.transfer_timeout_s)
@@ -116,6 +179,8 @@ class ServiceCore:
             # no sender ever had these pages, or its fence has landed already
             result = dataclasses.replace(result, settled=True)
         req.result = result
+        if req.peer is not None:
+            self._done_peers.put(("send" if isinstance(req, SendRequest) else "recv", req.request_id), req.peer)
         if isinstance(req, SendRequest):
             self._sends.pop(req.request_id, None)
             self._sends_done.put(req.request_id, result)
@@ -185,8 +250,13 @@ class ServiceCore:
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
         for agent, messages in notifs.items():
+            keys = self._control.notif_keys_from(agent) if self._control is not None else []
             for raw in messages:
-                n = decode_notif(raw)
+                n = decode_notif(raw, keys)
+                if n is FORGED:  # ours by its magic, but not sealed by this agent's link
+                    if (unlogged := self.stats.refuse("notif_forged")) is not None:
+                        log.warning("transfer.notif_forged", agent=agent, unlogged=unlogged)
+                    continue
                 if n is not None and n.chunk == FENCE:
                     if not self._settlement.settle_recv(n.request_id, agent):
                         live = self._recvs.get(n.request_id)
@@ -248,15 +318,24 @@ class ServiceCore:
         elif isinstance(msg, Abort):
             self._on_peer_abort(agent, msg.request_id, msg.reason, msg.message)
         elif isinstance(msg, Failed):
-            rreq = self._recvs.get(msg.request_id)
+            rid = msg.request_id
+            rreq = self._recvs.get(rid)
             if rreq is not None and rreq.peer == agent:
                 self._fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True)
-            done = self._recvs_done.get(msg.request_id)
-            self._send_to(agent, Outcome(msg.request_id, ok=done is not None and done.ok))
+            if (rreq.peer if rreq is not None else self._done_peers.get(("recv", rid))) != agent:
+                self._foreign(agent, rid, "failed")  # not its request: it learns nothing of it
+                return
+            done = self._recvs_done.get(rid)
+            self._send_to(agent, Outcome(rid, ok=done is not None and done.ok))
         elif isinstance(msg, Outcome):
             self._on_outcome(agent, msg)
         elif isinstance(msg, Settled):
             self._settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
+
+    def _foreign(self, agent: str, rid: str, what: str) -> None:
+        """``agent`` spoke of a request that is not bound (or pinned) to it: ignored, counted."""
+        if (unlogged := self.stats.refuse("foreign_request")) is not None:
+            log.warning("transfer.foreign_request", agent=agent, request_id=rid, message=what, unlogged=unlogged)
 
     def _refuse_expect(self, agent: str, rid: str, reason: FailureReason, message: str) -> None:
         """Tell ``agent`` its Expect for ``rid`` is refused; nothing of ours was or will be
@@ -279,47 +358,75 @@ class ServiceCore:
             return
         req = self._sends.get(rid)
         if req is not None:
-            if req.peer is None:
-                if self._receiver_ok(req, agent):
-                    self._bind(req, agent, pages)
-            else:
+            if req.peer is not None:
                 self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "request already bound to a receiver")
+                return
+            ok = self._may_receive(req, agent)
+            if ok:
+                self._bind(req, agent, pages)
+            elif ok is False:
+                self._refuse_receiver(req, agent)
+            elif (agent, rid) in self._proving:
+                self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
+            else:
+                assert req.receiver is not None
+                self._proving.add((agent, rid))
+
+                def retry() -> None:
+                    self._proving.discard((agent, rid))
+                    self._on_expect(agent, msg)
+
+                self._after_proof(agent, req.receiver, retry)
         elif rid in self._sends_done:
             done = self._sends_done.get(rid)
             assert done is not None
             self._refuse_expect(agent, rid, done.reason or FailureReason.INCOMPATIBLE,
                                 "request already ended on the sender")
-        elif rid in self._early:
+        elif self._early.has(rid, agent):
             self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
-        elif not self._early.add(rid, agent, pages, time.monotonic()):
+        elif (why := self._early.add(rid, agent, pages, time.monotonic())) is not None:
             self.stats.refuse("unknown_expect_limit")
-            self._refuse_expect(agent, rid, FailureReason.REFUSED, (
-                f"too many expects for requests not sent yet (max_unknown_expects = "
-                f"{self.config.max_unknown_expects})"))
+            self._refuse_expect(agent, rid, FailureReason.REFUSED, f"too many expects for requests not sent yet: {why}")
 
     def _on_peer_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
         why = _reason(reason)  # the peer's own reason: ABORTED, SHUTDOWN, TIMEOUT, ...
         sreq = self._sends.get(rid)
-        if sreq is not None and (sreq.peer == agent or (sreq.peer is None and self._receiver_ok(sreq, agent))):
-            # Its release, then a Settled to the receiver, follow (released()).
-            self._fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
-        elif sreq is None:
-            # Not live here: ended already (settled once released), or not sent yet (a
-            # later send() fails at once).  Either way nothing of it is or will be in flight.
-            done = self._sends_done.get(rid)
-            if done is None:
-                if self._early.peer_of(rid) in (agent, None):
-                    self._early.pop(rid)
-                    self._dropped.put(rid, why)
-                self._send_to(agent, Settled(rid))
-            elif done.ok:  # completed: every WRITE landed (a failure settles by its fence, or
-                self._send_to(agent, Settled(rid, ok=True))  # said Settled if nothing was posted)
         rreq = self._recvs.get(rid)
+        if sreq is not None:
+            # Its own (bound to it, or pinned to its proven address), or nobody's yet and
+            # not pinned: then, as with an Expect, the first peer to speak of it decides.
+            if sreq.peer == agent or (sreq.peer is None and self._may_receive(sreq, agent)):
+                # Its release, then a Settled to the receiver, follow (released()).
+                self._fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
+            elif rreq is None or rreq.peer != agent:
+                self._foreign(agent, rid, "abort")
+        elif (done := self._sends_done.get(rid)) is not None:
+            # Ended: settled once released.  Only its receiver hears how it ended.
+            if self._done_peers.get(("send", rid)) == agent:
+                if done.ok:  # every WRITE landed (a failure settles by its fence, or said Settled)
+                    self._send_to(agent, Settled(rid, ok=True))
+            elif rreq is None or rreq.peer != agent:
+                self._foreign(agent, rid, "abort")
+        else:
+            # Not sent yet: this peer's Expect (if any) is dropped, and a later send() it
+            # may receive fails at once.  Nothing of it is or will be in flight to it.
+            self._early.pop(rid, agent)
+            self._drop_expect(rid, agent, why)
+            self._send_to(agent, Settled(rid))
         if rreq is not None and rreq.peer == agent:
             self._fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
 
+    def _drop_expect(self, rid: str, agent: str, why: FailureReason) -> None:
+        """Remember that ``agent``'s Expect for ``rid`` (not sent yet) was dropped."""
+        assert self._control is not None
+        dropped = self._dropped.get(rid)
+        if dropped is None:
+            dropped = {}
+            self._dropped.put(rid, dropped)
+        dropped[agent] = (why, self._control.proven_addresses(agent))
+
     def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
-                     gone: bool) -> None:
+                     gone: bool, proven: frozenset[str]) -> None:
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
         for sreq in [r for r in self._sends.values() if r.peer == agent]:
@@ -327,7 +434,7 @@ class ServiceCore:
         for rreq in [r for r in self._recvs.values() if r.peer == agent]:
             self._fail(rreq, reason, what, error=cause, from_peer=True)
         for rid in self._early.drop_peer(agent):
-            self._dropped.put(rid, reason)
+            self._drop_expect(rid, agent, reason)
         self._outcomes_lost(agent, time.monotonic())
         if self._watchdog is not None:
             self._watchdog.forget_fences(agent)  # its unloading releases them
@@ -335,8 +442,8 @@ class ServiceCore:
             if self._settlement.settle_agent(agent):
                 log.info("transfer.settled_by_loss", peer=address, agent=agent,
                          why="NIXL reports its endpoint disconnected")
-        elif self._settlement.held_by(agent) and self._tg is not None and not self._closing:
-            self._tg.start_soon(self._settle_by_probing, agent, address)
+        elif self._settlement.held_by(agent) and proven and self._tg is not None and not self._closing:
+            self._tg.start_soon(self._settle_by_probing, agent, proven)
 
     def on_peer_linked(self, agent: str) -> None:
         """A new link with ``agent`` settles nothing it held: its peer table dropped the
@@ -345,28 +452,52 @@ class ServiceCore:
         SIGSTOPped sender's released WRITE still landed after it re-linked).  What it
         held settles when its process is gone."""
 
-    async def _settle_by_probing(self, agent: str, address: str) -> None:
-        """``agent``'s link was lost but not proven gone (hung, or cut off): dial its
-        address until that settles what it held (see ``_settle``).  Ends when nothing
-        of ``agent`` is held any more, or with the service."""
+    async def _settle_by_probing(self, agent: str, addresses: frozenset[str]) -> None:
+        """``agent``'s link was lost but not proven gone (hung, or cut off): probe the
+        addresses it was proven at until that settles what it held (see ``_settle``):
+        nobody listens there any more, or another agent proves itself there (a service
+        closes its port only after its NIXL agent).  A claim never counts: only what
+        answers where this service itself found ``agent``.  Ends when nothing of
+        ``agent`` is held any more, or with the service."""
         assert self._control is not None
         wait = self.config.heartbeat_interval_s
         while self._settlement.held_by(agent) and not self._closing:
             await anyio.sleep(wait)
             wait = min(wait * 2, PROBE_MAX_S)
-            try:
-                link = await self._control.link_to(address)
-            except ConnectionRefusedError:  # nobody listens there any more: the process is gone
-                log.info("transfer.settled_by_loss", peer=address, agent=agent, why="its address refuses connections")
+            for address in sorted(addresses):
+                try:
+                    answered = await self._control.probe(address)
+                except ConnectionRefusedError:  # nobody listens there any more: the process is gone
+                    why = "its address refuses connections"
+                except Exception as exc:  # noqa: BLE001 - still unknown (hung, cut off): try again later
+                    log.debug("peer.settle_probe_failed", agent=agent, address=address, error=repr(exc))
+                    continue
+                else:
+                    if answered == agent:  # the same process, alive: keep probing for its exit
+                        continue
+                    why = f"another agent ({answered}) proved itself at its address"
+                log.info("transfer.settled_by_loss", peer=address, agent=agent, why=why)
                 self._settlement.settle_agent(agent)
-            except Exception as exc:  # noqa: BLE001 - still unknown (hung, cut off): try again later
-                log.debug("peer.settle_probe_failed", agent=agent, address=address, error=repr(exc))
-            else:
-                if link.agent != agent:  # a new incarnation holds the address: the old one is gone
-                    log.info("transfer.settled_by_loss", peer=address, agent=agent, why="a new incarnation holds it")
-                    self._settlement.settle_agent(agent)
-                    return
-                # The same process, alive: keep probing for its exit.
+                return
+
+    def on_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None:
+        """A peer's KV memory did not pair with ours: sends pinned to it fail now, with
+        the reason, rather than wait for their bootstrap deadline."""
+        if self._tg is not None and not self._closing and any(
+                r.peer is None and r.receiver is not None for r in self._sends.values()):
+            self._tg.start_soon(self._fail_incompatible, agent, address, proven, why)
+
+    async def _fail_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None:
+        assert self._control is not None
+        try:
+            canon = await self._control.canonical(address)
+            if not proven and await self._control.probe(address) != agent:
+                return  # it claimed an address that is not its own: nothing of ours is its
+        except Exception as exc:  # noqa: BLE001 - unproven: its sends wait as before
+            log.debug("peer.incompatible_unproven", agent=agent, address=address, error=repr(exc))
+            return
+        for req in [r for r in self._sends.values() if r.peer is None and r.receiver == canon]:
+            self._fail(req, FailureReason.INCOMPATIBLE, f"receiver {address} cannot pair with this service: {why}")
 
     def released(self, req: SendRequest) -> None:
         """Watchdog: the door released every handle of ``req``.  A failure is settled

@@ -22,18 +22,21 @@ from ._protocol import (
     HEADER_BYTES,
     Bye,
     FrameError,
+    Join,
     Message,
     Ping,
     Reject,
+    Sealed,
     decode_body,
     encode_body,
     encode_frame,
     frame,
     frame_length,
 )
-from ._trust.handshake import FrameMac
+from ._trust.handshake import FrameMac, LinkSecrets
 
-__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink"]
+__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink", "open_join",
+           "recv_join_or_reject", "send_join", "try_send"]
 
 log = get_logger("kvservice.peers")
 
@@ -274,6 +277,26 @@ class PeerLink:
                 self._scope.cancel()
                 return
             self.send(Ping())
+
+
+async def send_join(framed: ControlStream, join: Join, secrets: LinkSecrets) -> None:
+    """Our Join as ``Sealed``: encrypted under the link's Join key when keyed."""
+    body = encode_body(join)
+    await framed.send(Sealed(secrets.seal_join(body) if secrets.keyed else body))
+
+
+def open_join(msg: Message, secrets: LinkSecrets) -> Join:
+    """The peer's Join out of its ``Sealed``; ``FrameError`` for anything else, or a box
+    this link's peer did not seal."""
+    if not isinstance(msg, Sealed):
+        raise FrameError(f"expected a sealed join, got {type(msg).__name__}")
+    body = secrets.open_join(msg.box) if secrets.keyed else msg.box
+    if body is None:
+        raise FrameError("the join failed decryption (not sealed by this link's peer)")
+    join = decode_body(body)
+    if not isinstance(join, Join):
+        raise FrameError(f"expected a join inside the seal, got {type(join).__name__}")
+    return join
 
 
 async def recv_join_or_reject(framed: ControlStream) -> Message:

@@ -9,8 +9,10 @@ Conversation (see ``_trust.handshake`` for the proofs)::
     dialer   -> Hello(nonce)                      small, read with PREAUTH_FRAME_BYTES
     acceptor -> Hello(nonce, proof) | Reject      the acceptor proves the key first
     dialer   -> Proof(proof)                      small; from here on every frame has a MAC
-    dialer   -> Join(metadata, pool)              read only after the proof checked out
-    acceptor -> Join(metadata, pool) | Reject
+    dialer   -> Sealed(Join(metadata, memory))    read only after the proof checked out;
+    acceptor -> Sealed(Join(metadata, memory)) | Reject     encrypted when keyed
+    (a dialer that only wants to know who answers at an address sends
+    Hello(probe=True), checks the acceptor's Hello and hangs up: no Join either way)
     either   -> Expect / Abort / Failed / Settled / Outcome / Ping / Bye   for the life of the link
 
 Every field is bounded by the struct types below (lengths, integer ranges), so a
@@ -18,20 +20,28 @@ malformed frame fails decoding before any value is used; ``_trust.checks`` does
 the checks that need context.
 
 Completion does not travel here: it rides the NIXL notification of the last
-WRITE (``ChunkNotif``), which NIXL delivers after the data is visible.
+WRITE (``ChunkNotif``), which NIXL delivers after the data is visible.  NIXL
+lets any agent holding our metadata send a notification under any name, so each
+one carries a MAC under its link's notification key (``encode_notif``).
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
+from collections.abc import Sequence
 from typing import Annotated, TypeVar
 
 import msgspec
 
+from ._trust.handshake import NOTIF_MAC_BYTES, notif_mac
+
 T = TypeVar("T")
 
 #: 3: Join describes the KV memory as regions (``MemoryWire``); ChunkNotif carries a payload
-PROTOCOL_VERSION = 3
+#: 4: the Join travels as ``Sealed`` (encrypted when keyed); notifications carry a MAC;
+#:    ``Hello.probe``
+PROTOCOL_VERSION = 4
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 #: the largest frame read before the peer has proved the key (Hello, Proof, Reject)
@@ -66,6 +76,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     address: _Address  # the sender of this Hello's own control address ("host:port")
     nonce: _Nonce = b""
     proof: _Proof = b""  # the acceptor's; empty from the dialer
+    #: from a dialer: "only prove who you are at this address", no link follows
+    probe: bool = False
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
@@ -104,6 +116,13 @@ class Join(msgspec.Struct, tag="join", frozen=True):
 
     metadata: Annotated[bytes, msgspec.Meta(min_length=1)]  # NIXL agent metadata
     memory: MemoryWire
+
+
+class Sealed(msgspec.Struct, tag="sealed", frozen=True):
+    """A ``Join``'s encoded body: encrypted and authenticated under the link's Join key
+    when keyed (``LinkSecrets.seal_join``), as it is otherwise."""
+
+    box: Annotated[bytes, msgspec.Meta(min_length=1)]
 
 
 class Reject(msgspec.Struct, tag="reject", frozen=True):
@@ -160,7 +179,7 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: _Text = ""
 
 
-Message = Hello | Proof | Join | Reject | Expect | Abort | Failed | Settled | Outcome | Ping | Bye
+Message = Hello | Proof | Join | Sealed | Reject | Expect | Abort | Failed | Settled | Outcome | Ping | Bye
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -184,21 +203,35 @@ FENCE = -1
 
 _notif_encoder = msgspec.msgpack.Encoder()
 _notif_decoder = msgspec.msgpack.Decoder(ChunkNotif)
-NOTIF_MAGIC = b"kv1"
+NOTIF_MAGIC = b"kv2"
+_MAGIC_BYTES = len(NOTIF_MAGIC)
 
 
-def encode_notif(n: ChunkNotif) -> bytes:
-    return NOTIF_MAGIC + _notif_encoder.encode(n)
+def encode_notif(n: ChunkNotif, key: bytes) -> bytes:
+    """The notification: magic, body, and the body's MAC under the link's ``key``
+    (``LinkSecrets.notif_out``)."""
+    body = _notif_encoder.encode(n)
+    return NOTIF_MAGIC + body + notif_mac(key, body)
 
 
-def decode_notif(raw: bytes) -> ChunkNotif | None:
-    """``None`` for notifications that are not ours or are malformed."""
+#: what ``decode_notif`` answers for a notification of ours whose MAC does not verify
+FORGED = ChunkNotif("", 0, 0)
+
+
+def decode_notif(raw: bytes, keys: Sequence[bytes]) -> ChunkNotif | None:
+    """The notification if its MAC verifies under one of ``keys`` (the sender's links'
+    ``notif_in``, newest first); ``FORGED`` if it is ours by its magic but does not
+    verify or decode; ``None`` if it is not ours (another NIXL user's)."""
     if not raw.startswith(NOTIF_MAGIC):
         return None
+    body, tag = raw[_MAGIC_BYTES:-NOTIF_MAC_BYTES], raw[-NOTIF_MAC_BYTES:]
+    if len(raw) < _MAGIC_BYTES + NOTIF_MAC_BYTES or not any(
+            hmac.compare_digest(notif_mac(key, body), tag) for key in keys):
+        return FORGED
     try:
-        return _notif_decoder.decode(raw[len(NOTIF_MAGIC):])
+        return _notif_decoder.decode(body)
     except msgspec.DecodeError:
-        return None
+        return FORGED
 
 
 def frame(body: bytes) -> bytes:

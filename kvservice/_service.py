@@ -21,7 +21,7 @@ import numpy.typing as npt
 from ._addresses import split_address
 from ._config import ServiceConfig
 from ._control import ControlPlane, LocalPeer
-from ._core import ServiceCore
+from ._core import LOCAL, ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
 from ._metrics import ServiceCollector
@@ -279,7 +279,7 @@ class TransferService(ServiceCore):
                              f"({cursors}); every layer must reach the same page count")
         dest = req.dest if req else None
         if dest is None and req is None:
-            dest = self._early.pages_of(request_id)
+            dest = self._early_dest(request_id, pinned)
         if dest is not None:
             if queued > dest.size:
                 raise ValueError(
@@ -314,15 +314,7 @@ class TransferService(ServiceCore):
         )
         self._sends[request_id] = req
         self._deadlines.push(req)
-        dropped = self._dropped.pop(request_id)
-        if dropped is not None:
-            self._fail(req, dropped, "the receiver's expect was dropped before this send")
-        else:
-            early = self._early.pop(request_id)
-            if early is not None:
-                peer, pages = early
-                if self._receiver_ok(req, peer):
-                    self._bind(req, peer, pages)
+        self._match_early(req)
         return req
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
@@ -495,12 +487,13 @@ class TransferService(ServiceCore):
         is the SUCCESS both sides agree on, not the ``ABORTED`` returned here."""
         sreq = self._sends.get(request_id)
         rreq = self._recvs.get(request_id)
-        early = self._early.pop(request_id) if sreq is None and rreq is None else None
-        if early is not None:
-            peer, _ = early
-            self._dropped.put(request_id, FailureReason.ABORTED)
-            self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
-            self._send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
+        early = self._early.agents(request_id) if sreq is None and rreq is None else []
+        if early:
+            self._drop_expect(request_id, LOCAL, FailureReason.ABORTED)  # a later send() fails at once
+            for peer in early:
+                self._early.pop(request_id, peer)
+                self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
+                self._send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
             return None
         if sreq is not None:
             self._fail(sreq, FailureReason.ABORTED, "aborted locally")

@@ -14,8 +14,13 @@ nothing on the receiving side can recall it.  So a receiver's failed request is
   was ever posted (unknown there, refused, or not sent yet), or when it had
   completed it (then the receiver's result becomes that ``SUCCESS``);
 * the sender's process is gone: its link closed and NIXL reports its endpoint
-  disconnected, or its address refuses connections, or a new incarnation
-  holds its address.
+  disconnected, or the address this service dialled it at (proven, never one
+  it merely claimed) refuses connections or answers as another agent, proven by
+  that agent's handshake: a service closes its port only after its NIXL agent.
+
+Every piece of that evidence is the sender's own: a fence or ``Settled`` counts
+only from the agent the request is held by (its notification's MAC proves the
+link it came on, ``_protocol.decode_notif``).
 
 A sender that hangs (SIGSTOP) and later resumes settles nothing by re-linking:
 its released WRITE may still be running on the old endpoint, and nothing in
@@ -30,7 +35,6 @@ and wakes ``await_settled`` callers; the service decides when to settle.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import anyio
 
@@ -38,40 +42,42 @@ from ._requests import Recent
 from ._results import FailureReason, TransferResult, TransferStatus
 
 
-@dataclass(slots=True)
-class _Held:
-    agent: str  # the sender that may still write
-    pages: int
-
-
 class Settlement:
     def __init__(self, recvs_done: Recent[str, TransferResult], sends_done: Recent[str, TransferResult]) -> None:
         self._recvs_done = recvs_done
         self._sends_done = sends_done
-        self._held: dict[str, _Held] = {}  # receiver request id -> who may still write
-        self._waiters: dict[tuple[str, str], anyio.Event] = {}  # (side, request id)
+        # (receiver request id, the sender incarnation that may still write) -> pages
+        self._held: dict[tuple[str, str], int] = {}
+        self._waiters: dict[tuple[str, str], set[anyio.Event]] = {}  # (side, request id) -> one per waiter
         self.unsettled_pages = 0
 
     # -- receiving side ------------------------------------------------------------------
     def hold(self, request_id: str, agent: str, pages: int) -> None:
-        """A receiver's request failed while ``agent`` may still be writing into ``pages`` pages."""
-        self._held[request_id] = _Held(agent, pages)
+        """A receiver's request failed while ``agent`` may still be writing into ``pages``
+        pages.  The same id held again for the same sender adds up: one fence from it
+        proves both."""
+        key = (request_id, agent)
+        self._held[key] = self._held.get(key, 0) + pages
         self.unsettled_pages += pages
 
     def held_by(self, agent: str) -> bool:
-        return any(h.agent == agent for h in self._held.values())
+        return any(a == agent for _, a in self._held)
 
-    def settle_recv(self, request_id: str, agent: str | None = None, *, sender_ok: bool = False) -> bool:
-        """Settle a held request (only if ``agent`` is its sender, when given).  With
-        ``sender_ok`` the sender completed it: an abort here lost the race with the last
-        chunk, every page landed, and the result becomes SUCCESS so both sides agree.  A
-        refusal of what arrived (``INCOMPATIBLE``: a payload over ``max_payload_bytes``)
-        stands: the sender's request completed, this side's did not."""
-        held = self._held.get(request_id)
-        if held is None or (agent is not None and held.agent != agent):
+    def is_held(self, request_id: str) -> bool:
+        return any(rid == request_id for rid, _ in self._held)
+
+    def settle_recv(self, request_id: str, agent: str, *, sender_ok: bool = False) -> bool:
+        """Settle a request held for sender ``agent``.  With ``sender_ok`` the sender
+        completed it: an abort here lost the race with the last chunk, every page
+        landed, and the result becomes SUCCESS so both sides agree.  A refusal of what
+        arrived (``INCOMPATIBLE``: a payload over ``max_payload_bytes``) stands: the
+        sender's request completed, this side's did not."""
+        pages = self._held.pop((request_id, agent), None)
+        if pages is None:
             return False
-        del self._held[request_id]
-        self.unsettled_pages -= held.pages
+        self.unsettled_pages -= pages
+        if self.is_held(request_id):  # another incarnation may still write into its pages
+            return True
         result = self._recvs_done.get(request_id)
         if result is not None:
             if sender_ok and not result.ok and result.reason is not FailureReason.INCOMPATIBLE:
@@ -87,14 +93,14 @@ class Settlement:
 
     def settle_agent(self, agent: str) -> int:
         """Settle everything ``agent`` held; how many requests."""
-        rids = [rid for rid, held in self._held.items() if held.agent == agent]
+        rids = [rid for rid, a in self._held if a == agent]
         for rid in rids:
-            self.settle_recv(rid)
+            self.settle_recv(rid, agent)
         return len(rids)
 
     def settle_all(self) -> int:
         """Settle everything held (this service is leaving and its NIXL agent is gone)."""
-        return sum(self.settle_agent(agent) for agent in sorted({h.agent for h in self._held.values()}))
+        return sum(self.settle_agent(agent) for agent in sorted({a for _, a in self._held}))
 
     # -- sending side ---------------------------------------------------------------------
     def settled_send(self, result: TransferResult) -> TransferResult:
@@ -109,17 +115,18 @@ class Settlement:
     async def wait(self, side: str, request_id: str, timeout: float | None) -> None:
         """Until ``request_id`` (on ``side``) settles, or ``timeout`` passes."""
         key = (side, request_id)
-        event = self._waiters.get(key)
-        if event is None:
-            event = self._waiters[key] = anyio.Event()
+        event = anyio.Event()
+        self._waiters.setdefault(key, set()).add(event)
         try:
             with anyio.move_on_after(timeout):
                 await event.wait()
         finally:
-            if self._waiters.get(key) is event and not event.is_set():
-                del self._waiters[key]
+            events = self._waiters.get(key)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[key]
 
     def _wake(self, side: str, request_id: str) -> None:
-        event = self._waiters.pop((side, request_id), None)
-        if event is not None:
+        for event in self._waiters.pop((side, request_id), ()):
             event.set()

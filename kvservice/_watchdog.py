@@ -129,7 +129,7 @@ class Watchdog:
             fence.src, req.dest[fence.pos : fence.pos + 1], fence.lo, fence.hi)
         self._fences.append(PostOp(
             key=(req, FENCE), peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
-            notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE)),
+            notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE), req.notif_key),
         ))
         self.wake()
         return True
@@ -326,5 +326,6 @@ class Watchdog:
         return PostOp(
             key=(req, int(src.size) * kv.out.layer_bytes(chunk.hi - chunk.lo)),
             peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
-            notif=encode_notif(ChunkNotif(req.request_id, number, total, req.payload if last else None)),
+            notif=encode_notif(ChunkNotif(req.request_id, number, total, req.payload if last else None),
+                               req.notif_key),
         )

@@ -40,17 +40,19 @@ def check_address(address: str) -> str | None:
     return None
 
 
-def check_memory(own: KVMemory, wire: MemoryWire) -> tuple[KVMemory | None, str | None]:
+def check_memory(own: KVMemory, wire: MemoryWire) -> tuple[KVMemory | None, str | None, str | None]:
     """The peer's KV memory if its description is usable and compatible with ``own``
-    (the same model: layers, regions, heads, dtype, page shape; see ``memory._pairing``)."""
+    (the same model: layers, regions, heads, dtype, page shape; see ``memory._pairing``);
+    else ``None``, why, and the same said from the peer's side ("here" is there) when
+    the two are merely different (``None`` when the description itself is unusable)."""
     if wire.regions and len(wire.regions) * wire.num_pages > MAX_REMOTE_DESCRIPTORS:
         return None, (f"{len(wire.regions)} regions x {wire.num_pages} pages exceeds "
-                      f"{MAX_REMOTE_DESCRIPTORS} descriptors")
+                      f"{MAX_REMOTE_DESCRIPTORS} descriptors"), None
     try:
         theirs = memory_from_wire(wire)
     except ValueError as exc:
-        return None, f"invalid KV memory: {exc}"
+        return None, f"invalid KV memory: {exc}", None
     why = compare(own, theirs)
     if why is not None:
-        return None, f"incompatible KV layout: {why}"
-    return theirs, None
+        return None, f"incompatible KV layout: {why}", f"incompatible KV layout: {compare(theirs, own) or why}"
+    return theirs, None, None

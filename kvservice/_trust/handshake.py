@@ -12,10 +12,21 @@ key: its NIXL metadata comes after.
 Afterwards every frame carries a MAC under a per-connection, per-direction key
 derived from the same transcript, over a sequence number and the body: a party
 on the network path can neither inject, alter, reorder nor replay a frame.
-Frames are authenticated, not encrypted: they hold request ids and page numbers.
+Frames are authenticated, not encrypted (they hold request ids and page
+numbers), except the ``Join``: it carries the NIXL metadata, the keys to our
+memory in effect, and travels encrypted (ChaCha20-Poly1305) under a key of its
+own, derived from the transcript, used for that one frame each way.
 
-Without a key (loopback only, see ``ServiceConfig``) proofs are empty and
-frames carry no MAC.  A keyed and an unkeyed service refuse each other.
+NIXL notifications (a chunk's completion, a settle fence) do not travel on the
+control link: NIXL delivers them with a sender *name* that whoever sends them
+chooses.  Each carries a MAC under the link's per-direction notification key
+(``LinkSecrets.notif_out`` / ``notif_in``), so only the peer at the other end of
+this link can complete or settle anything here.
+
+Without a key (``allow_unauthenticated``) proofs are empty, frames carry no MAC
+and the Join is sent in clear; notification keys are then derived from the
+transcript alone, which an agent that was not on this link never saw.  A keyed
+and an unkeyed service refuse each other.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import secrets
 import struct
 
 import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
@@ -36,6 +49,11 @@ _SEQ = struct.Struct(">Q")
 
 DIALER = "dialer"
 ACCEPTOR = "acceptor"
+#: stands in for the cluster key when there is none (notification keys only)
+_UNKEYED = b"kvservice-unkeyed"
+#: bytes of MAC appended to each NIXL notification
+NOTIF_MAC_BYTES = 16
+_JOIN_NONCE = bytes(12)  # each Join key encrypts exactly one message
 
 
 def new_nonce() -> bytes:
@@ -47,6 +65,14 @@ def transcript(
 ) -> bytes:
     """What both proofs cover: (agent, address, nonce) of each side, in role order."""
     return msgspec.msgpack.encode([list(dialer), list(acceptor)])
+
+
+def _derive(key: bytes, purpose: bytes, role: str, script: bytes) -> bytes:
+    return hmac.digest(key, _LABEL + purpose + role.encode() + b"\0" + script, "sha256")
+
+
+def _peer_role(role: str) -> str:
+    return ACCEPTOR if role == DIALER else DIALER
 
 
 def prove(key: bytes | None, role: str, script: bytes) -> bytes:
@@ -75,9 +101,8 @@ class FrameMac:
     __slots__ = ("_recv_key", "_recv_seq", "_send_key", "_send_seq")
 
     def __init__(self, key: bytes, script: bytes, role: str) -> None:
-        peer = ACCEPTOR if role == DIALER else DIALER
-        self._send_key = hmac.digest(key, _LABEL + b"frames " + role.encode() + b"\0" + script, "sha256")
-        self._recv_key = hmac.digest(key, _LABEL + b"frames " + peer.encode() + b"\0" + script, "sha256")
+        self._send_key = _derive(key, b"frames ", role, script)
+        self._recv_key = _derive(key, b"frames ", _peer_role(role), script)
         self._send_seq = 0
         self._recv_seq = 0
 
@@ -96,3 +121,42 @@ class FrameMac:
             return None
         self._recv_seq += 1
         return body
+
+
+class LinkSecrets:
+    """Everything one authenticated link derives from its handshake transcript, as
+    seen by ``role``: the frame MAC (keyed links only), the Join's encryption (keyed
+    links only) and the notification keys (always)."""
+
+    __slots__ = ("_join_in", "_join_out", "frame_mac", "notif_in", "notif_out")
+
+    def __init__(self, key: bytes | None, script: bytes, role: str) -> None:
+        peer = _peer_role(role)
+        base = key if key is not None else _UNKEYED
+        self.notif_out = _derive(base, b"notifs ", role, script)
+        self.notif_in = _derive(base, b"notifs ", peer, script)
+        self.frame_mac = FrameMac(key, script, role) if key is not None else None
+        self._join_out = ChaCha20Poly1305(_derive(key, b"join ", role, script)) if key is not None else None
+        self._join_in = ChaCha20Poly1305(_derive(key, b"join ", peer, script)) if key is not None else None
+
+    @property
+    def keyed(self) -> bool:
+        return self.frame_mac is not None
+
+    def seal_join(self, body: bytes) -> bytes:
+        assert self._join_out is not None
+        return self._join_out.encrypt(_JOIN_NONCE, body, b"join")
+
+    def open_join(self, box: bytes) -> bytes | None:
+        """The Join's body, or ``None`` if ``box`` was not sealed by this link's peer."""
+        if self._join_in is None:
+            return None
+        try:
+            return self._join_in.decrypt(_JOIN_NONCE, box, b"join")
+        except InvalidTag:
+            return None
+
+
+def notif_mac(key: bytes, body: bytes) -> bytes:
+    """The MAC a notification's ``body`` carries under ``key``."""
+    return hmac.digest(key, body, "sha256")[:NOTIF_MAC_BYTES]

@@ -15,6 +15,7 @@ import torch
 
 from kvservice import ServiceConfig, TransferService
 from kvservice._peerproc import pattern
+from kvservice._protocol import ChunkNotif, encode_notif
 from tests.helpers import SMALL, config
 
 from .fake_door import FakeDoor, FakeFabric
@@ -55,3 +56,11 @@ def untouched(svc: TransferService, but: Sequence[int]) -> bool:
     """Every page of ``svc``'s pool outside ``but`` is still zero."""
     rest = [p for p in range(SMALL.num_pages) if p not in set(but)]
     return bool((svc.kv.pages(rest) == 0).all())
+
+
+def notif_from(sender: TransferService, receiver: TransferService, n: ChunkNotif) -> bytes:
+    """``n`` as ``sender``'s link to ``receiver`` seals it (what its watchdog posts)."""
+    assert sender._control is not None
+    key = sender._control.notif_key_to(receiver.agent_name)
+    assert key is not None, "not linked"
+    return encode_notif(n, key)

@@ -16,16 +16,32 @@ from .harness import GUARD_S, fill, two_services, unit_config
 
 
 def test_early_expects_bound_per_peer_and_expire_oldest_first() -> None:
-    early = EarlyExpects(per_peer=2, ttl=10.0)
+    early = EarlyExpects(per_peer=2, ttl=10.0, pages_per_peer=100, pages_total=1000)
     pages = KVLayout().check_pages([1])
-    assert early.add("a1", "A", pages, now=0.0) and early.add("a2", "A", pages, now=1.0)
-    assert not early.add("a3", "A", pages, now=2.0)  # A is at its limit ...
-    assert early.add("b1", "B", pages, now=3.0)  # ... B is not disturbed
+    assert early.add("a1", "A", pages, now=0.0) is None and early.add("a2", "A", pages, now=1.0) is None
+    assert "max_unknown_expects" in (early.add("a3", "A", pages, now=2.0) or "")  # A is at its limit ...
+    assert early.add("b1", "B", pages, now=3.0) is None  # ... B is not disturbed
+    assert early.add("a2", "B", pages, now=3.5) is None  # B's Expect for an id A expects is B's own
+    assert early.agents("a2") == ["A", "B"]
     assert early.expire(now=10.5) == [("a1", "A")]
-    assert early.add("a3", "A", pages, now=10.5)  # room again
-    assert early.pop("a2") is not None and early.pop("a2") is None
+    assert early.add("a3", "A", pages, now=10.5) is None  # room again
+    assert early.pop("a2", "A") is not None and early.pop("a2", "A") is None
+    assert early.agents("a2") == ["B"]  # A's abort of its own entry left B's
     assert sorted(early.drop_peer("A")) == ["a3"]
-    assert len(early) == 1 and "b1" in early and early.peer_of("b1") == "B"
+    assert len(early) == 2 and "b1" in early and early.agents("b1") == ["B"]
+
+
+def test_early_expects_bound_pages_per_peer_and_in_total() -> None:
+    early = EarlyExpects(per_peer=100, ttl=10.0, pages_per_peer=10, pages_total=15)
+    six, five = KVLayout().check_pages(range(6)), KVLayout().check_pages(range(5))
+    assert early.add("a1", "A", six, now=0.0) is None
+    assert "max_unknown_expect_pages (10)" in (early.add("a2", "A", six, now=0.0) or "")
+    assert early.add("b1", "B", six, now=0.0) is None
+    assert "max_unknown_expect_pages_total (15)" in (early.add("c1", "C", six, now=0.0) or "")
+    assert early.pages == 12
+    assert early.pop("a1", "A") is not None and early.pages == 6
+    assert early.add("c1", "C", five, now=0.0) is None and early.pages == 11
+    assert early.expire(now=20.0) and early.pages == 0
 
 
 async def test_expects_for_unknown_ids_are_bounded_and_counted() -> None:

@@ -132,7 +132,7 @@ def test_run_tick_batches_posts_checks_and_notifs() -> None:
     fabric, a, b, pa, _ = pair()
     b.add_peer("a", a.metadata(), pool_table(SMALL, pa.base_addr))
     b.complete_after(1)
-    notif = encode_notif(ChunkNotif("r", 0, 1))
+    notif = encode_notif(ChunkNotif("r", 0, 1), b"k" * 32)
     out = run_tick(b, TickPlan(posts=[PostOp("k", "a", indices([1]), indices([2]), notif)]))
     ((key, xid, state),) = out.posted
     assert key == "k" and state is XferState.PROC and out.live == 1

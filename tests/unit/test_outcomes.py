@@ -10,11 +10,11 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, TransferStatus
-from kvservice._protocol import ChunkNotif, encode_notif
+from kvservice._protocol import ChunkNotif
 from tests.helpers import eventually
 
 from .fake_door import FakeFabric
-from .harness import GUARD_S, door_of, fill, two_services
+from .harness import GUARD_S, door_of, fill, notif_from, two_services
 
 
 @pytest.mark.parametrize("outcome_first", [False, True], ids=["release-first", "outcome-first"])
@@ -33,7 +33,7 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
             handle = await tx.send("race", [1], last=True)
             await eventually(lambda: txd.live_xfers() == 1, GUARD_S)
             if landed:  # the receiver already saw the last chunk's notification
-                rxd.inject_notif(tx.agent_name, encode_notif(ChunkNotif("race", 0, 1)))
+                rxd.inject_notif(tx.agent_name, notif_from(tx, rx, ChunkNotif("race", 0, 1)))
                 assert (await rx.await_arrival("race", timeout=GUARD_S)).ok
             gate = threading.Event()
             if outcome_first:

@@ -12,6 +12,7 @@ import pytest
 from kvservice._addresses import split_address
 from kvservice._peers import ControlStream
 from kvservice._protocol import (
+    FORGED,
     HEADER_BYTES,
     NOTIF_MAGIC,
     PROTOCOL_VERSION,
@@ -112,11 +113,15 @@ def test_request_id_longer_than_256_is_refused() -> None:
         decode_body(body)
 
 
+KEY, OTHER = b"k" * 32, b"o" * 32
+
+
 def test_notif_round_trip() -> None:
-    n = ChunkNotif("req-7", chunk=3, total=4)
-    raw = encode_notif(n)
+    n = ChunkNotif("req-7", chunk=3, total=4, payload=b"p")
+    raw = encode_notif(n, KEY)
     assert raw.startswith(NOTIF_MAGIC)
-    assert decode_notif(raw) == n
+    assert decode_notif(raw, [KEY]) == n
+    assert decode_notif(raw, [OTHER, KEY]) == n  # any of the sender's recent links' keys
 
 
 @pytest.mark.parametrize(
@@ -124,14 +129,36 @@ def test_notif_round_trip() -> None:
     [
         b"",
         b"some other app's notification",
+        b"kv1" + encode_notif(ChunkNotif("r", 0, 1), KEY)[len(NOTIF_MAGIC):],  # another version's magic
+    ],
+)
+def test_foreign_notifs_are_not_ours(raw: bytes) -> None:
+    assert decode_notif(raw, [KEY]) is None
+
+
+def _flip(raw: bytes, at: int) -> bytes:
+    return raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:]
+
+
+_GOOD = encode_notif(ChunkNotif("r", 0, 1, payload=b"pay"), KEY)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
         NOTIF_MAGIC,  # ours, but empty
         NOTIF_MAGIC + b"\xc1garbage",
         NOTIF_MAGIC + msgspec.msgpack.encode(["r", "not-an-int", 0]),
-        b"kv2" + encode_notif(ChunkNotif("r", 0, 1))[len(NOTIF_MAGIC):],  # another version's magic
+        encode_notif(ChunkNotif("r", 0, 1), OTHER),  # sealed under another link's key
+        _flip(_GOOD, len(NOTIF_MAGIC) + 1),  # the request id altered
+        _flip(_GOOD, len(_GOOD) - 20),  # the payload altered
+        _flip(_GOOD, len(_GOOD) - 1),  # the MAC altered
+        _GOOD[:-1],  # truncated
+        NOTIF_MAGIC + b"\x93\xa1r\x00\x01" + b"\0" * 16,  # a valid body, no real MAC
     ],
 )
-def test_foreign_or_malformed_notifs_are_ignored(raw: bytes) -> None:
-    assert decode_notif(raw) is None
+def test_forged_or_malformed_notifs_are_refused(raw: bytes) -> None:
+    assert decode_notif(raw, [KEY]) is FORGED
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", ":80", "host:", "host:0", "host:65536", "host:8o"])

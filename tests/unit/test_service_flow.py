@@ -13,7 +13,7 @@ from kvservice._protocol import ChunkNotif, decode_notif, encode_notif
 from tests.helpers import SMALL, eventually, plane_indices
 
 from .fake_door import FakeFabric
-from .harness import GUARD_S, door_of, fill, two_services, unit_config, untouched
+from .harness import GUARD_S, door_of, fill, notif_from, two_services, unit_config, untouched
 
 
 async def test_poll_progression_on_both_sides() -> None:
@@ -85,7 +85,8 @@ async def test_chunked_send_posts_paired_descriptors_per_chunk() -> None:
         offset += len(chunk)
         assert post.local_idx.tolist() == plane_indices(SMALL, np.array(chunk, dtype=np.int32)).tolist()
         assert post.remote_idx.tolist() == plane_indices(SMALL, dest).tolist()
-        assert decode_notif(post.notif) == ChunkNotif("c", i, 4 if i == 3 else 0)
+        assert decode_notif(post.notif, rx._control.notif_keys_from(tx.agent_name)) == ChunkNotif(
+            "c", i, 4 if i == 3 else 0)
         assert post.xid is not None and txd.check_counts[post.xid] == 3
     fabric.assert_clean()
 
@@ -166,16 +167,19 @@ async def test_stale_and_foreign_notifs_are_counted_and_ignored() -> None:
         async with two_services(fabric) as (tx, rx):
             rxd = door_of(fabric, rx)
             await rx.expect("s", [7], sender=tx.address)
-            # not ours; ours for an unknown request; ours from an agent that is not the sender
+            # not ours; ours for an unknown request; sealed by the sender's link but named
+            # as another agent; named as the sender but sealed under another key (forged)
             rxd.inject_notif(tx.agent_name, b"someone else's notification")
-            rxd.inject_notif(tx.agent_name, encode_notif(ChunkNotif("nobody", 0, 1)))
-            rxd.inject_notif("kvservice-intruder", encode_notif(ChunkNotif("s", 0, 1)))
-            await eventually(lambda: rx.status()["stale_notifs"] == 3, GUARD_S)
+            rxd.inject_notif(tx.agent_name, notif_from(tx, rx, ChunkNotif("nobody", 0, 1)))
+            rxd.inject_notif("kvservice-intruder", notif_from(tx, rx, ChunkNotif("s", 0, 1)))
+            rxd.inject_notif(tx.agent_name, encode_notif(ChunkNotif("s", 0, 1), b"k" * 32))
+            await eventually(lambda: rx.status()["refused"].get("notif_forged") == 2, GUARD_S)
+            await eventually(lambda: rx.status()["stale_notifs"] == 2, GUARD_S)
             assert rx.poll_arrival("s") is KVPoll.WaitingForInput
             fill(tx, "s", [7])
             assert (await tx.await_completion(await tx.send("s", [7], last=True))).ok
             assert (await rx.await_arrival("s")).ok
-            assert rx.status()["stale_notifs"] == 3
+            assert rx.status()["stale_notifs"] == 2
     fabric.assert_clean()
 
 
