@@ -35,6 +35,7 @@ errors back off and go on (``_accept``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -161,24 +162,31 @@ class ControlPlane:
         self._generations = itertools.count(1)
         self._handshaking = 0
         self._closing = False
+        self._listeners: list[ByteListener] = []
         self.address = ""
 
     # -- listening ---------------------------------------------------------------
     async def listen(self) -> str:
         cfg = self._cfg
         port, listeners = await self._transport.listen(cfg.host, cfg.port)
+        self._listeners = listeners
         self.address = join_address(cfg.advertise_host or cfg.host, port)
         for listener in listeners:
             self._tg.start_soon(self._serve, listener)
         return self.address
 
     async def _serve(self, listener: ByteListener) -> None:
-        """Until the service's task group ends (the port stays open while it drains)."""
-        try:
-            await accept_loop(listener, self._accept, self._tg, self._accept_failed, name="control")
-        finally:
-            with anyio.CancelScope(shield=True):
-                await listener.aclose()
+        """Until the service's task group ends.  The port stays open after that, until
+        ``close_listeners``: the service calls it once its NIXL agent is closed, so a
+        peer that finds the port refusing knows no WRITE of ours can land any more."""
+        await accept_loop(listener, self._accept, self._tg, self._accept_failed, name="control")
+
+    async def close_listeners(self) -> None:
+        with anyio.CancelScope(shield=True):
+            for listener in self._listeners:
+                with contextlib.suppress(*CONNECTION_ERRORS):
+                    await listener.aclose()
+            self._listeners = []
 
     def _accept_failed(self, kind: str, exc: BaseException) -> None:
         self._stats.refuse(kind)  # accept_loop has logged it
@@ -509,6 +517,10 @@ class ControlPlane:
             self._notif_in.put(agent, [secrets.notif_in, *keys][:_NOTIF_KEYS_PER_AGENT])
         log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
                  authenticated=self._local.key is not None)
+        if canon not in peer.canonicals and not self._closing:
+            # It dialled us: find out now whether it answers where it says it does, so a
+            # request pinned to that address binds without waiting (``prove_address``).
+            self._tg.start_soon(self.prove_address, agent, canon)
         self._events.on_peer_linked(agent)
         return peer
 

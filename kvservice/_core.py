@@ -75,6 +75,9 @@ class ServiceCore:
         self._settlement = Settlement(self._recvs_done, self._sends_done)
         # Failed sends whose receiver's Outcome is awaited (see _fail)
         self._outcomes: dict[str, SendRequest] = {}
+        # Failed sends not settled yet (their handles are being released): a send() of
+        # the same id meanwhile returns the request itself, done once it has settled
+        self._unsettled_sends: dict[str, SendRequest] = {}
         self._idle = anyio.Event()
 
     def _check_capacity(self) -> None:
@@ -99,15 +102,20 @@ class ServiceCore:
                         unlogged=unlogged)
         self._refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
 
-    def _after_proof(self, agent: str, canon: str, then: Callable[[], None]) -> None:
+    def _after_proof(self, agent: str, canon: str, then: Callable[[], None],
+                     finally_: Callable[[], None] | None = None) -> None:
         """Prove whether ``agent`` answers at ``canon`` (one probe, shared), then call
-        ``then`` if its link is still the one that asked."""
+        ``then`` if its link is still the one that asked; ``finally_`` in any case."""
         assert self._control is not None and self._tg is not None
         control = self._control
         generation = control.generation_of(agent)
 
         async def prove() -> None:
-            await control.prove_address(agent, canon)
+            try:
+                await control.prove_address(agent, canon)
+            finally:
+                if finally_ is not None:
+                    finally_()
             if control.generation_of(agent) == generation and not self._closing:
                 then()
 
@@ -186,7 +194,8 @@ class ServiceCore:
             self._sends_done.put(req.request_id, result)
             if result.ok:
                 req.done.set()
-            # else: done once the door released every handle of it (released())
+            else:  # done once the door released every handle of it (released())
+                self._unsettled_sends[req.request_id] = req
             self._watchdog.forget(req)  # type: ignore[union-attr]
         else:
             req.done.set()
@@ -371,12 +380,8 @@ class ServiceCore:
             else:
                 assert req.receiver is not None
                 self._proving.add((agent, rid))
-
-                def retry() -> None:
-                    self._proving.discard((agent, rid))
-                    self._on_expect(agent, msg)
-
-                self._after_proof(agent, req.receiver, retry)
+                self._after_proof(agent, req.receiver, lambda: self._on_expect(agent, msg),
+                                  lambda: self._proving.discard((agent, rid)))
         elif rid in self._sends_done:
             done = self._sends_done.get(rid)
             assert done is not None
@@ -503,6 +508,8 @@ class ServiceCore:
         """Watchdog: the door released every handle of ``req``.  A failure is settled
         now: its caller may reuse the source pages, and the receiver is told."""
         result = req.result
+        if self._unsettled_sends.get(req.request_id) is req:
+            del self._unsettled_sends[req.request_id]
         if result is None or result.settled:
             return
         # A failure, or one the receiver's Outcome has already turned into SUCCESS.

@@ -234,6 +234,17 @@ def decode_notif(raw: bytes, keys: Sequence[bytes]) -> ChunkNotif | None:
         return FORGED
 
 
+def peek_notif(raw: bytes) -> ChunkNotif | None:
+    """What a notification of ours says, unverified: for tools and tests that watch
+    the wire (never for acting on it: ``decode_notif``)."""
+    if not raw.startswith(NOTIF_MAGIC):
+        return None
+    try:
+        return _notif_decoder.decode(raw[_MAGIC_BYTES:-NOTIF_MAC_BYTES])
+    except msgspec.DecodeError:
+        return None
+
+
 def frame(body: bytes) -> bytes:
     """Prefix ``body`` with its length: one frame on the wire."""
     return _HEADER.pack(len(body)) + body

@@ -134,6 +134,8 @@ class TransferService(ServiceCore):
                 await self._tg.__aexit__(None, None, None)
             finally:
                 self._close_door()
+                if self._control is not None:
+                    await self._control.close_listeners()
             raise
         return self
 
@@ -180,9 +182,9 @@ class TransferService(ServiceCore):
         self._closing = True
         grace = self.config.drain_grace_s if exc is None else 0.0
         with anyio.CancelScope(shield=True):
-            # New peers are refused (Reject "shutting_down") but the port stays open while
-            # our NIXL agent lives: a peer that finds it refusing connections may take us
-            # for gone (what it holds of ours settles then).
+            # New peers are refused (Reject "shutting_down") but the port stays open until
+            # our NIXL agent is closed: a peer that finds it refusing connections may take
+            # us for gone (what it holds of ours settles then).
             self._control.refuse_new_peers()
             with anyio.move_on_after(grace):
                 while self._sends or self._recvs:
@@ -201,6 +203,9 @@ class TransferService(ServiceCore):
             await self._tg.__aexit__(exc_type, exc, tb)
         finally:
             self._close_door()
+            # Only now does the port close: a peer that finds it refusing may take our
+            # agent for gone, and it is (README "Settled").
+            await self._control.close_listeners()
             # Our NIXL agent (and its registration of the pool) is gone: nothing can land in
             # the pool any more, whatever a lost or hung sender still held.
             self._settlement.settle_all()
@@ -266,7 +271,9 @@ class TransferService(ServiceCore):
             if done is not None:
                 if done.ok:
                     raise ValueError(f"request {request_id!r} already completed; send after last")
-                return TransferHandle(SendRequest.ended(done))  # sticky failure: not posted
+                # sticky failure, not posted; until it has settled, the request itself
+                unsettled = self._unsettled_sends.get(request_id)
+                return TransferHandle(unsettled if unsettled is not None else SendRequest.ended(done))
         elif req.last:
             raise ValueError(f"request {request_id!r}: send after last=True")
         try:

@@ -25,11 +25,12 @@ from kvservice._protocol import (
     Message,
     Proof,
     Reject,
+    Sealed,
     decode_body,
     encode_body,
     frame,
 )
-from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac, new_nonce, prove, transcript, verify
+from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac, LinkSecrets, new_nonce, prove, transcript, verify
 from kvservice.memory import KVLayout
 from kvservice.memory.engines import pool_regions
 from tests.helpers import SMALL
@@ -49,6 +50,8 @@ class Raw:
     def __init__(self, stream: anyio.abc.SocketStream) -> None:
         self.stream = stream
         self.mac: FrameMac | None = None
+        #: the link's secrets once authenticated: Joins sent are sealed, Sealed replies opened
+        self.secrets: LinkSecrets | None = None
         self.sent: list[bytes] = []  # every byte string written, for replays
 
     @classmethod
@@ -74,8 +77,12 @@ class Raw:
         await self.stream.send(data)
 
     async def send(self, msg: Message | dict[str, Any]) -> None:
-        """A message (or a raw dict, to break the schema), framed and sealed if keyed."""
+        """A message (or a raw dict, to break the schema), framed and sealed if keyed; a
+        Join goes inside ``Sealed`` (encrypted when keyed) once authenticated, as a peer's does."""
         body = encode_body(msg) if not isinstance(msg, dict) else msgspec.msgpack.encode(msg)
+        joining = isinstance(msg, Join) or (isinstance(msg, dict) and msg.get("type") == "join")
+        if joining and self.secrets is not None:
+            body = encode_body(Sealed(self.secrets.seal_join(body) if self.secrets.keyed else body))
         await self.send_raw(frame(self.mac.seal(body) if self.mac else body))
 
     async def recv(self, timeout: float = WAIT_S) -> Message | None:
@@ -91,7 +98,12 @@ class Raw:
             opened = self.mac.open(body)
             if opened is not None:
                 body = opened
-        return decode_body(body)
+        msg = decode_body(body)
+        if isinstance(msg, Sealed) and self.secrets is not None:
+            inner = self.secrets.open_join(msg.box) if self.secrets.keyed else msg.box
+            assert inner is not None, "a Join this link's peer did not seal"
+            return decode_body(inner)
+        return msg
 
     async def _exactly(self, n: int) -> bytes:
         buf = b""
@@ -146,8 +158,8 @@ async def authenticate(
     assert isinstance(answer, Hello), answer
     assert verify(key, ACCEPTOR, script, answer.proof) is None, "the service's proof did not verify"
     await raw.send(Proof(prove(key, DIALER, script)))
-    if key is not None:
-        raw.mac = FrameMac(key, script, DIALER)
+    raw.secrets = LinkSecrets(key, script, DIALER)
+    raw.mac = raw.secrets.frame_mac
     return raw
 
 

@@ -136,9 +136,9 @@ def test_checker_catches_a_late_write() -> None:
         original = world.on_write
 
         def write(src, dst, notif, remote_idx, **kw):  # type: ignore[no-untyped-def]
-            from kvservice._protocol import decode_notif
+            from kvservice._protocol import peek_notif
 
-            n = decode_notif(notif)
+            n = peek_notif(notif)
             if n is not None:
                 world.settled_at.setdefault((dst, n.request_id), world.now - 1.0)
             original(src, dst, notif, remote_idx, **kw)

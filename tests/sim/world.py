@@ -25,7 +25,7 @@ from kvservice import ServiceConfig, TransferService
 from kvservice._core import FENCE_TRIES
 from kvservice._door import DoorError, LocalTable
 from kvservice._peerproc import pattern
-from kvservice._protocol import FENCE, ChunkNotif, Settled, decode_notif, encode_notif
+from kvservice._protocol import FENCE, ChunkNotif, Settled, encode_notif, peek_notif
 from kvservice._requests import RecvRequest, SendRequest
 from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
 from tests.helpers import SMALL
@@ -144,7 +144,7 @@ class SimDoor(FakeDoor):
         if self._post_errors:
             self._sim.on_door_error(self.agent_name, notif, "post")
         got = super().post(peer, local_idx, remote_idx, notif)
-        n = decode_notif(notif)
+        n = peek_notif(notif)
         if n is not None and n.chunk != FENCE:
             self._sim.posted.add(n.request_id)  # a WRITE of it exists
         return got
@@ -340,14 +340,14 @@ class World:
                                f"({req.chunks_done}/{req.chunks_posted} done, {len(req.pending)} pending)")
 
     def on_door_error(self, agent: str, notif: bytes, op: str) -> None:
-        n = decode_notif(notif)
+        n = peek_notif(notif)
         if n is not None and n.chunk == FENCE:
             self.log(f"fence of {n.request_id} fails ({op})")
             self.fence_failures[n.request_id] += 1
 
     def on_write(self, src: str, dst: str, notif: bytes, remote_idx: npt.NDArray[np.int32], *,
                  zombie: bool = False) -> None:
-        n = decode_notif(notif)
+        n = peek_notif(notif)
         pages = sorted(set((remote_idx % NUM_PAGES).tolist()))
         if n is None:
             self.violation(f"a WRITE from {src} to {dst} without a request's notification")
@@ -634,19 +634,15 @@ class World:
         r = rng.choice(list(self.reqs.values())[-8:])
         sender = rng.choice(old) if old else "stranger-agent"
         kind = rng.randrange(3)
+        # Forged: sealed under a key no link of ours holds, even when named as the bound
+        # sender (NIXL lets any agent holding our metadata choose the name).
+        key = rng.randbytes(32)
         if kind == 0:
-            msg = encode_notif(ChunkNotif(r.rid, 0, len(r.chunks)))
+            msg = encode_notif(ChunkNotif(r.rid, 0, len(r.chunks)), key)
         elif kind == 1:
-            msg = encode_notif(ChunkNotif(r.rid, FENCE, FENCE))
+            msg = encode_notif(ChunkNotif(r.rid, FENCE, FENCE), key)
         else:
-            msg = b"kv1\xff garbage"
-        live = proc.svc._recvs.get(r.rid)
-        if (live is not None and live.peer == sender) or (proc.svc._settlement._held.get(r.rid, None) is not None \
-                and proc.svc._settlement._held[r.rid].agent == sender):
-            # NIXL delivers a notification from the bound sender only after its WRITE: a
-            # forged one from that agent is outside the model (the data plane is not
-            # authenticated, README Security)
-            return
+            msg = b"kv2\xff garbage"
         self.log(f"inject notif {sender}->{proc.agent} {r.rid} kind={kind}")
         door = proc.door
         assert door is not None
