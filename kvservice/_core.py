@@ -515,12 +515,19 @@ class ServiceCore:
         # A failure, or one the receiver's Outcome has already turned into SUCCESS.
         req.result = self._settlement.settled_send(result)
         self._maybe_done(req)
-        if req.peer is None or req.result.ok:  # the receiver has every page: nothing to fence
+        if req.outcome_due is None:
+            self._tell_settled(req)
+        # else: the receiver's Outcome comes first (_on_outcome, _outcomes_lost).  If it
+        # had every page, its request succeeded and may already be reused there: no
+        # fence may land in it.
+
+    def _tell_settled(self, req: SendRequest) -> None:
+        """A released failure: let its receiver settle.  A released handle's bytes may
+        still be on the wire (a TCP stream, a queue pair): the receiver settles on the
+        fence's notification, which NIXL sends only after flushing the endpoint.
+        Nothing ever posted: nothing to wait for."""
+        if req.peer is None or req.result is None or req.result.ok:  # it has every page: nothing to fence
             return
-        # A released handle's bytes may still be on the wire (a TCP stream, a queue
-        # pair): the receiver settles on the fence's notification, which NIXL sends only
-        # after flushing the endpoint.  Nothing ever posted: nothing to wait for.
-        assert self._watchdog is not None and self._control is not None
         if not req.posted:
             self._send_to(req.peer, Settled(req.request_id))
         else:
@@ -570,6 +577,8 @@ class ServiceCore:
                 pages=req.pages_queued)
             self._sends_done.put(req.request_id, req.result)
         self._maybe_done(req)
+        if req.result is not None and req.result.settled:  # released already: now tell it
+            self._tell_settled(req)
 
     def _outcomes_lost(self, agent: str | None, now: float) -> None:
         """No Outcome will come: from ``agent`` (its link is gone), or any older than
@@ -583,6 +592,8 @@ class ServiceCore:
                 del self._outcomes[rid]
                 req.outcome_due = None
                 self._maybe_done(req)
+                if req.result is not None and req.result.settled:  # released already: now tell it
+                    self._tell_settled(req)
 
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 
 def main() -> None:
@@ -25,6 +26,11 @@ def main() -> None:
     agent.add_remote_agent(bytes.fromhex(spec["metadata"]))
     for notif in spec["notifs"]:
         agent.send_notif(spec["peer"], bytes.fromhex(notif))
+    # UCX sends asynchronously: keep progressing its worker a while before exiting
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        agent.get_new_notifs()
+        time.sleep(0.01)
     print("sent", flush=True)
 
 
