@@ -209,11 +209,11 @@ async def relay(target: str) -> AsyncIterator[tuple[str, list[bytes]]]:
 
     async def serve(client: anyio.abc.SocketStream) -> None:
         server = await anyio.connect_tcp(host, int(port))
-        async with anyio.create_task_group() as tg:
+        async with client, server, anyio.create_task_group() as tg:
             tg.start_soon(pipe, client, server)
             tg.start_soon(pipe, server, client)
 
-    async with anyio.create_task_group() as tg:
+    async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, serve)
         port_ = listener.extra(anyio.abc.SocketAttribute.local_port)
         try:
