@@ -18,9 +18,10 @@ Containment.  Every connection's handshake runs under a guard that logs,
 counts (``Stats.refuse``) and closes that connection whatever it raised, and
 each link guards its own reader (``PeerLink``): nothing a peer sends reaches
 the service's task group.  Bounds: ``max_handshakes`` connections in their
-handshake, ``max_handshakes_per_source`` of them from one source IP (``_preauth``:
-a refused or evicted one gets a ``Reject`` saying so), ``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()``
-errors back off and go on (``_accept``).
+handshake, ``max_handshakes_per_source`` of them from one source IP, shared
+fairly (``_preauth``; a refused or evicted one gets a ``Reject`` saying so),
+``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()`` errors back off
+and go on (``_accept``).
 """
 
 from __future__ import annotations
