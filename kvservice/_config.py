@@ -80,8 +80,11 @@ class ServiceConfig:
     allow_unauthenticated: bool = False
 
     # -- bounds: each one refuses or drops, and counts (status()["refused"]) ----------
-    #: connections accepted and still in their handshake; more are closed at once
+    #: connections accepted and still in their handshake, in all and from one source IP
+    #: (``_preauth``): a source past its share is refused; when all are held, a source
+    #: holding fewer than the heaviest takes that one's oldest slot, else it is refused
     max_handshakes: int = 64
+    max_handshakes_per_source: int = 16
     #: peers linked at once; a handshake beyond it is rejected
     max_peers: int = 1024
     #: frames queued for one peer; a peer that does not read past this is dropped as lost
@@ -107,9 +110,9 @@ class ServiceConfig:
             "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
             "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
             "max_checks_per_tick", "max_frame_bytes", "max_payload_bytes", "results_kept",
-            "max_handshakes", "max_peers", "max_outbox_bytes", "max_unknown_expects",
-            "unknown_expect_ttl_s", "max_unknown_expect_pages", "max_unknown_expect_pages_total",
-            "max_live_requests",
+            "max_handshakes", "max_handshakes_per_source", "max_peers", "max_outbox_bytes",
+            "max_unknown_expects", "unknown_expect_ttl_s", "max_unknown_expect_pages",
+            "max_unknown_expect_pages_total", "max_live_requests",
         )
         for key in positive:
             value = getattr(self, key)

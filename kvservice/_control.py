@@ -29,8 +29,10 @@ Containment.  Every connection's handshake runs under a guard that logs,
 counts (``Stats.refuse``) and closes that connection whatever it raised, and
 each link guards its own reader (``PeerLink``): nothing a peer sends reaches
 the service's task group.  Bounds: ``max_handshakes`` connections in their
-handshake, ``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()``
-errors back off and go on (``_accept``).
+handshake, ``max_handshakes_per_source`` of them from one source IP, shared
+fairly (``_preauth``; a refused or evicted one gets a ``Reject`` saying so),
+``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()`` errors back off
+and go on (``_accept``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from ._peers import (
     send_join,
     try_send,
 )
+from ._preauth import EVICTED, LIMIT, SOURCE_LIMIT, HandshakeSlots, source_of
 from ._protocol import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -90,7 +93,9 @@ from .memory._regions import KVMemory
 log = get_logger("kvservice.control")
 
 #: refusals that mean "not allowed" rather than "cannot work together"
-_REFUSED_KINDS = frozenset({"auth", "agent_live", "address_live", "peer_limit", "handshake_limit"})
+_REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
+#: the longest a refused connection's Reject may take to write (it fits a new socket's buffer)
+REJECT_SEND_S = 0.05
 #: canonical forms remembered for addresses the engine named (cleared when exceeded)
 _CANON_CACHE = 4096
 #: inbound notification keys kept per agent: its current link's and the ones before
@@ -160,7 +165,7 @@ class ControlPlane:
         self._notif_in: Recent[str, list[bytes]] = Recent(2 * config.max_peers)
         self._table_lock = anyio.Lock()  # loading and dropping peers
         self._generations = itertools.count(1)
-        self._handshaking = 0
+        self._slots = HandshakeSlots(config.max_handshakes, config.max_handshakes_per_source)
         self._closing = False
         self._listeners: list[ByteListener] = []
         self.address = ""
@@ -196,32 +201,50 @@ class ControlPlane:
         self._closing = True
 
     async def _accept(self, stream: anyio.abc.ByteStream) -> None:
-        if self._handshaking >= self._cfg.max_handshakes:
-            if (unlogged := self._stats.refuse("handshake_limit")) is not None:
-                log.warning("peer.refused", side="accept", kind="handshake_limit", limit=self._cfg.max_handshakes,
-                            unlogged=unlogged)
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-            return
-        self._handshaking += 1
+        source = source_of(stream)
+        slot = self._slots.take(source)
         framed = ControlStream(stream, self._cfg.max_frame_bytes)
+        if isinstance(slot, str):
+            await self._refuse_handshake(framed, slot, source)
+            return
         if self._closing:
-            self._handshaking -= 1
+            self._slots.give_back(slot)
             await try_send(framed, Reject("this service is shutting down", "shutting_down"))
             await framed.aclose()
             return
+        peer: Peer | None = None
+        probed = False
         try:
-            with anyio.fail_after(self._cfg.connect_timeout_s):
+            with slot.scope, anyio.fail_after(self._cfg.connect_timeout_s):
                 peer = await self._handshake_as_acceptor(framed)
+                probed = peer is None
         except Exception as exc:  # noqa: BLE001 - one connection's failure is that connection's
             await self._handshake_failed("accept", framed, exc)
             return
         finally:
-            self._handshaking -= 1
-        if peer is None:  # a probe: answered
+            self._slots.give_back(slot)
+        if probed:  # a probe: answered
             await framed.aclose()
             return
+        if peer is None:  # evicted: a source holding fewer slots took this one's
+            await self._refuse_handshake(framed, EVICTED, source)
+            return
         await peer.link.run()
+
+    async def _refuse_handshake(self, framed: ControlStream, kind: str, source: str) -> None:
+        """Tell a connection the handshake pool refused it, count it, close it.  The Reject
+        is tiny and the connection new, so it fits the socket's buffer; ``REJECT_SEND_S``
+        only guards against waiting on a stranger."""
+        slots = self._slots
+        if (unlogged := self._stats.refuse(kind)) is not None:
+            log.warning("peer.refused", side="accept", kind=kind, source=source, held=slots.held_by(source),
+                        limit=slots.per_source if kind == SOURCE_LIMIT else slots.total, unlogged=unlogged)
+        why = {SOURCE_LIMIT: f"too many handshakes from {source} (max_handshakes_per_source = {slots.per_source})",
+               EVICTED: "handshake ended: its slot went to a source holding fewer (max_handshakes = "
+                        f"{slots.total})"}.get(kind, f"too many handshakes (max_handshakes = {slots.total})")
+        with anyio.CancelScope(shield=True):
+            await try_send(framed, Reject(why, kind), timeout=REJECT_SEND_S)
+            await framed.aclose()
 
     async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer | None:
         local = self._local

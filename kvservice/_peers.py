@@ -317,9 +317,10 @@ async def recv_join_or_reject(framed: ControlStream) -> Message:
     raise FrameError("frame failed authentication (forged, altered or replayed)")
 
 
-async def try_send(framed: ControlStream, msg: Message) -> None:
-    """Best effort: a refusal must not wait on, or fail because of, the peer."""
-    with anyio.move_on_after(1.0):
+async def try_send(framed: ControlStream, msg: Message, timeout: float = 1.0) -> None:
+    """Best effort: a refusal must not wait on, or fail because of, the peer
+    (at most ``timeout`` seconds)."""
+    with anyio.move_on_after(timeout):
         try:
             await framed.send(msg)
         except CONNECTION_ERRORS:

@@ -482,6 +482,13 @@ class TransferService(ServiceCore):
         return done.poll
 
     # -- either side ---------------------------------------------------------------
+    def remembers(self, request_id: str) -> bool:
+        """Whether anything of ``request_id`` is still here: a live request on either
+        side, either side's result (among the ``results_kept`` most recent of its side),
+        or an expect dropped before its send (the failure that send will get)."""
+        return (request_id in self._sends or request_id in self._recvs or request_id in self._sends_done
+                or request_id in self._recvs_done or request_id in self._dropped)
+
     async def abort(self, request_id: str) -> TransferResult | None:
         """Abandon ``request_id`` here and tell the peer.  Returns its result
         (``ABORTED``, or how it had already ended); ``None`` when only a

@@ -55,17 +55,21 @@ class Raw:
         self.sent: list[bytes] = []  # every byte string written, for replays
 
     @classmethod
-    async def connect(cls, address: str, *, rcvbuf: int | None = None) -> Raw:
+    async def connect(cls, address: str, *, rcvbuf: int | None = None, source: str | None = None) -> Raw:
         """``rcvbuf``: a small receive buffer, fixed before connecting (no autotuning), so a
-        client that never reads stops accepting bytes after a few KiB, not tens of MiB."""
+        client that never reads stops accepting bytes after a few KiB, not tens of MiB.
+        ``source``: the local IPv4 address to connect from (any of 127.0.0.0/8 on loopback)."""
         host, port = split_address(address)
         with anyio.fail_after(WAIT_S):
-            if rcvbuf is None:
+            if rcvbuf is None and source is None:
                 return cls(await anyio.connect_tcp(host, port))
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-            sock.setblocking(False)
             try:
+                if rcvbuf is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+                if source is not None:
+                    sock.bind((source, 0))
+                sock.setblocking(False)
                 await asyncio.get_running_loop().sock_connect(sock, (host, port))
             except BaseException:
                 sock.close()

@@ -1,8 +1,9 @@
 """The calls a worker makes, carried out against the ``TransferService``.
 
-Every call naming a request id first checks that the calling worker owns it
-(``owners.py``).  Each request a worker sends or expects gets a watcher task in
-the worker's connection group that pushes a ``Finished`` frame when it ends.
+Every call naming a request id first checks that the calling worker owns it, or
+that nobody does (``owners.py``); ``send`` and ``expect`` claim it.  Each request
+a worker sends or expects gets a watcher task in the worker's connection group
+that pushes a ``Finished`` frame when it ends.
 """
 
 from __future__ import annotations
@@ -57,12 +58,17 @@ class WorkerCalls:
         if isinstance(msg, Send):
             self._check_open("prefill")
             rid, key = msg.request_id, (SEND, msg.request_id)
-            owners.check(me, rid, (SEND,))
+            new = owners.claim(me, key)  # this worker's first send of it (NotOwnerError: another's id)
             layers = range(*msg.layers) if msg.layers is not None else None
-            handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout, layers=layers,
-                                    payload=msg.payload)
+            try:
+                handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout, layers=layers,
+                                        payload=msg.payload)
+            except (ValueError, KVServiceError):
+                if new:
+                    owners.unclaim(key)  # nothing was registered (bad pages, a completed id, ...)
+                raise
             result = handle.result
-            if owners.claim(me, key):  # this worker's first send of it
+            if new:
                 if result is None:
                     conn.sending[rid] = handle
                     self.watch(conn, key, handle.wait)
@@ -71,7 +77,7 @@ class WorkerCalls:
                     owners.ended(key)
             return SendReply(msg.call, int(handle.poll()), result_to_wire(result) if result else None)
         if isinstance(msg, AwaitCompletion):
-            owners.check(me, msg.request_id, (SEND,))
+            owners.check(me, msg.request_id)
             known = conn.handle(msg.request_id)
             if known is None:
                 raise UnknownRequestError(f"unknown request {msg.request_id!r} (not sent on this connection)")
@@ -79,7 +85,6 @@ class WorkerCalls:
         if isinstance(msg, Expect):
             self._check_open("decode")
             rid, key = msg.request_id, (RECV, msg.request_id)
-            owners.check(me, rid, (RECV,))
             new = owners.claim(me, key)  # before the await: a disconnect during expect() aborts it
             try:
                 await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout)
@@ -94,17 +99,17 @@ class WorkerCalls:
             self.watch(conn, key, arrival)
             return Done(msg.call)
         if isinstance(msg, AwaitArrival):
-            owners.check(me, msg.request_id, (RECV,))
+            owners.check(me, msg.request_id)
             return ResultReply(msg.call, result_to_wire(await svc.await_arrival(msg.request_id, msg.timeout)))
         if isinstance(msg, AwaitSettled):
-            owners.check(me, msg.request_id, (SEND, RECV))
+            owners.check(me, msg.request_id)
             return ResultReply(msg.call, result_to_wire(await svc.await_settled(msg.request_id, msg.timeout)))
         if isinstance(msg, Abort):
-            owners.check(me, msg.request_id, (SEND, RECV))
+            owners.check(me, msg.request_id)
             result = await svc.abort(msg.request_id)
             return ResultReply(msg.call, result_to_wire(result) if result else None)
         if isinstance(msg, Poll):
-            owners.check(me, msg.request_id, (msg.side,))
+            owners.check(me, msg.request_id)
             if msg.side == RECV:
                 return PollReply(msg.call, int(svc.poll_arrival(msg.request_id)))
             known = conn.handle(msg.request_id)

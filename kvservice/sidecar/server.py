@@ -81,7 +81,7 @@ class SidecarServer:
         self.roles = tuple(config.sidecar.roles)
         self.shm_name = shm_name
         self.conns: set[Connection] = set()
-        self.owners = Owners(svc.config.results_kept)
+        self.owners = Owners(svc.remembers)
         self.calls = WorkerCalls(svc, self.roles, self.owners, self._push, self.status)
         self.counters = ServerCounters()
         self.listening = False

@@ -297,9 +297,10 @@ async def test_decodes_without_the_key_receive_no_byte(keys: dict[str, str]) -> 
 
 
 async def test_idle_and_trickling_connections_are_bounded_and_time_out() -> None:
-    """300 idle connections and one that sends its header a byte at a time: beyond
-    ``max_handshakes`` they are closed at once, the rest at ``connect_timeout_s``; a
-    new peer connects normally afterwards."""
+    """300 idle connections and one that sends its header a byte at a time, all from one
+    address: beyond its share of the handshake slots (``max_handshakes_per_source``) they
+    are refused at once, the rest closed at ``connect_timeout_s``; a new peer connects
+    normally afterwards."""
     async with TransferService(hostile_config(max_handshakes=64)) as svc:
         trickle = await Raw.connect(svc.address)
         idle = [await Raw.connect(svc.address) for _ in range(300)]
@@ -316,9 +317,9 @@ async def test_idle_and_trickling_connections_are_bounded_and_time_out() -> None
         async with anyio.create_task_group() as tg:
             tg.start_soon(drip)
         with anyio.fail_after(10):
-            while refused(svc, "handshake_limit") + refused(svc, "handshake_timeout") < 301:  # noqa: ASYNC110
+            while refused(svc, "handshake_source_limit") + refused(svc, "handshake_timeout") < 301:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
-        assert refused(svc, "handshake_limit") >= 300 - 64
+        assert refused(svc, "handshake_source_limit") >= 300 - svc.config.max_handshakes_per_source
         assert refused(svc, "handshake_timeout") >= 1
         for raw in [*idle, trickle]:
             assert await raw.closed_by_peer(timeout=5)
