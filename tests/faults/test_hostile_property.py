@@ -1,5 +1,6 @@
-"""Property tests: random bytes, random Hellos and Joins, and random sequences of
-valid messages at the wrong time, against a real prefill service (real NIXL).
+"""Property tests: random bytes, random Hellos and Joins, random sequences of valid
+messages at the wrong time, forged NIXL notifications and claimed addresses, against a
+real prefill service (real NIXL).
 
 After every example the service is up and a legitimate request passes
 byte-exact to a real decode service.  The two services run on an event loop in
@@ -25,12 +26,12 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvservice import TransferService
+from kvservice import KVPoll, TransferService
 from kvservice._addresses import split_address
 from kvservice._door import DoorThread
 from kvservice._nixl import NixlDoor
 from kvservice._peerproc import pattern
-from kvservice._protocol import PROTOCOL_VERSION, frame
+from kvservice._protocol import NOTIF_MAGIC, PROTOCOL_VERSION, ChunkNotif, encode_notif, frame
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, config, register_pool
 from tests.hostile import REGION_FIELDS, wire_memory
@@ -120,6 +121,11 @@ def msg(**fields: Any) -> bytes:
     return frame(msgspec.msgpack.encode(fields))
 
 
+def join_msg(**fields: Any) -> bytes:
+    """A Join as an unkeyed dialer sends it: its encoding inside ``Sealed``."""
+    return msg(type="sealed", box=msgspec.msgpack.encode({"type": "join", **fields}))
+
+
 any_value = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats(allow_nan=False)
     | st.text(max_size=40) | st.binary(max_size=40),
@@ -182,7 +188,7 @@ def handshake(agent: str) -> list[bytes]:
 @SETTINGS
 @given(fields=join_fields)
 def test_random_joins(target: Target, fields: dict[str, Any]) -> None:
-    exchange(target.address, [*handshake("kv-joiner"), msg(type="join", **fields)])
+    exchange(target.address, [*handshake("kv-joiner"), join_msg(**fields)])
     target.legit_transfer()
     assert "127.0.0.1:7" not in target.peers()
 
@@ -198,7 +204,8 @@ message = st.one_of(
     st.just(msg(type="bye")),
     st.just(msg(type="hello", version=PROTOCOL_VERSION, agent=ROGUE, address="127.0.0.1:8", nonce=b"n" * 32)),
     st.just(msg(type="proof", proof=b"")),
-    st.builds(lambda fields: msg(type="join", **fields), join_fields),
+    st.builds(lambda fields: join_msg(**fields), join_fields),
+    st.builds(lambda box: msg(type="sealed", box=box), st.binary(max_size=40)),
     st.builds(lambda text: msg(type="reject", message=text), st.text(max_size=20)),
     st.binary(max_size=50),
 )
@@ -210,9 +217,7 @@ def test_valid_messages_at_the_wrong_time(target: Target, sequence: list[bytes])
     """A linked peer (a real NIXL agent) that then sends anything in any order; and
     the same sequences before any handshake."""
     exchange(target.address, sequence)  # before a Hello
-    join = msg(type="join", metadata=target.rogue_metadata, memory=wire_memory(base=target.rogue_base))
-    hello = [msg(type="hello", version=PROTOCOL_VERSION, agent=ROGUE, address="127.0.0.1:8", nonce=b"n" * 32),
-             msg(type="proof", proof=b""), join]
+    hello = rogue_handshake(target, "127.0.0.1:8")
     exchange(target.address, [*hello, *sequence])
     target.legit_transfer()
     for _ in range(200):  # the rogue's link is dropped once it closed (bounded wait)
@@ -224,3 +229,129 @@ def test_valid_messages_at_the_wrong_time(target: Target, sequence: list[bytes])
 
 async def _sleep(seconds: float) -> None:
     await anyio.sleep(seconds)
+
+
+def rogue_handshake(target: Target, claim: str) -> list[bytes]:
+    """The rogue's Hello (claiming ``claim`` as its address), proof and Join: a real NIXL agent."""
+    join = join_msg(metadata=target.rogue_metadata, memory=wire_memory(base=target.rogue_base))
+    return [msg(type="hello", version=PROTOCOL_VERSION, agent=ROGUE, address=claim, nonce=b"n" * 32),
+            msg(type="proof", proof=b""), join]
+
+
+def _rogue_gone(target: Target) -> None:
+    for _ in range(300):  # bounded: the rogue's link is dropped once it closed
+        if not any(p not in (target.decode.address,) for p in target.peers()):
+            return
+        target.portal.call(functools.partial(_sleep, 0.01))
+
+
+# -- claimed addresses -------------------------------------------------------------------------
+
+
+@settings(SETTINGS, max_examples=40)
+@given(claim=st.sampled_from(["decode", "prefill", "127.0.0.1:1", "localhost:{decode_port}"])
+       | st.builds(lambda port: f"127.0.0.1:{port}", st.integers(min_value=1, max_value=65535)))
+def test_a_claimed_address_takes_no_pinned_request(target: Target, claim: str) -> None:
+    """A linked peer (a real NIXL agent) claiming any address, the pinned decode's
+    included, expects a request the prefill pinned to that decode: the request still
+    goes to the decode, byte-exact, and nowhere else."""
+    decode_port = split_address(target.decode.address)[1]
+    claim = {"decode": target.decode.address, "prefill": target.svc.address}.get(
+        claim, claim.replace("{decode_port}", str(decode_port)))
+    rid = f"pinned-{next(target.rids)}"
+    handle = target.portal.call(functools.partial(_send_pinned, target, rid))
+    exchange(target.address, [*rogue_handshake(target, claim),
+                              msg(type="expect", request_id=rid, pages=[7, 8])])
+    target.portal.call(functools.partial(_receive, target, rid, handle))
+    _rogue_gone(target)
+
+
+async def _send_pinned(target: Target, rid: str) -> Any:
+    target.svc.kv.write([1, 2], pattern(SMALL, rid, 2))
+    return await target.svc.send(rid, [1, 2], last=True, receiver=target.decode.address)
+
+
+async def _receive(target: Target, rid: str, handle: Any) -> None:
+    await target.decode.expect(rid, [50, 51], sender=target.svc.address)
+    sent = await target.svc.await_completion(handle, timeout=10)
+    assert sent.ok, sent
+    arrived = await target.decode.await_arrival(rid, timeout=10)
+    assert arrived.ok, arrived
+    assert torch.equal(target.decode.kv.pages([50, 51]), pattern(SMALL, rid, 2))
+
+
+# -- forged notifications ------------------------------------------------------------------------
+
+
+@dataclass
+class Forger:
+    """A NIXL agent named like the prefill, holding the decode's metadata."""
+
+    thread: DoorThread
+    door: NixlDoor
+
+    def send(self, peer: str, notifs: list[bytes]) -> None:
+        for n in notifs:
+            self.thread.call_sync(self.door.send_notif, peer, n)
+        self.progress()
+
+    def progress(self) -> None:
+        """UCX sends asynchronously: progress the forger's worker."""
+        self.thread.call_sync(self.door.notifs)
+
+
+@pytest.fixture(scope="module")
+def forger(target: Target) -> Iterator[Forger]:
+    thread = DoorThread("forger-nixl")
+    door = thread.call_sync(functools.partial(NixlDoor, target.svc.agent_name, progress_thread=False,
+                                              ucx_env=LOOPBACK_UCX))
+    try:
+        assert target.decode._control is not None
+        thread.call_sync(door._agent.add_remote_agent, target.decode._control._local.join.metadata)
+        target.portal.call(functools.partial(_expect_victim, target))
+        yield Forger(thread, door)
+    finally:
+        thread.call_sync(door.close)
+        thread.shutdown()
+
+
+async def _expect_victim(target: Target) -> None:
+    await target.decode.expect("victim", [60, 61], sender=target.svc.address, timeout=3600)
+
+
+async def _victim(target: Target) -> tuple[KVPoll, int, int]:
+    st_ = target.decode.status()
+    return target.decode.poll_arrival("victim"), st_["refused"].get("notif_forged", 0), st_["unsettled_pages"]
+
+
+forged_notif = st.one_of(
+    st.builds(lambda rid, chunk, total, payload, key: encode_notif(ChunkNotif(rid, chunk, total, payload), key),
+              st.just("victim") | st.text(max_size=8), st.integers(min_value=-2, max_value=4),
+              st.integers(min_value=0, max_value=4), st.none() | st.binary(max_size=64),
+              st.binary(max_size=40)),
+    st.builds(lambda body: NOTIF_MAGIC + body, st.binary(max_size=80)),
+    st.builds(lambda rid, total: b"kv1" + msgspec.msgpack.encode([rid, 0, total, b"FORGED"]),
+              st.just("victim"), st.integers(min_value=0, max_value=2)),
+    st.binary(min_size=1, max_size=80),
+)
+
+
+@settings(SETTINGS, max_examples=60)
+@given(notifs=st.lists(forged_notif, min_size=1, max_size=4))
+def test_forged_notifications_complete_and_settle_nothing(target: Target, forger: Forger,
+                                                          notifs: list[bytes]) -> None:
+    """Notifications under the prefill's name, sealed under any other key, or in any
+    other shape: the decode's pending request from that prefill neither completes nor
+    fails, the forged ones of ours are counted, and transfers go on."""
+    before = target.portal.call(functools.partial(_victim, target))[1]
+    forger.send(target.decode.agent_name, notifs)
+    ours = sum(n.startswith(NOTIF_MAGIC) for n in notifs)
+    for _ in range(500):  # bounded (5 s): until every forged one of ours is counted
+        state, forged, unsettled = target.portal.call(functools.partial(_victim, target))
+        if forged >= before + ours:
+            break
+        forger.progress()  # the first one waits for UCX's wire-up
+        target.portal.call(functools.partial(_sleep, 0.01))
+    assert state is KVPoll.WaitingForInput
+    assert forged == before + ours and unsettled == 0
+    target.legit_transfer()
