@@ -92,8 +92,8 @@ async def test_incompatible_memory_is_refused_naming_the_region() -> None:
         await decode.command(op="expect", rid="x", pages=[1], sender=svc.address)
         arrived = await decode.event("arrived", "x")
         assert arrived["status"] == "FAILED" and arrived["reason"] == FailureReason.INCOMPATIBLE.value
-        # the sender refused the handshake; "here" is the sender, which wrote the sentence
-        assert "refused us: incompatible KV layout: region 0 (L0.k): head_dim 8 here, 16 there" in arrived["message"]
+        # the sender refused the handshake, saying why from the decode's side ("here" is the reader)
+        assert "refused us: incompatible KV layout: region 0 (L0.k): head_dim 16 here, 8 there" in arrived["message"]
         assert svc.status()["peers"] == []
 
 
