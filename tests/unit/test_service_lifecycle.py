@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import anyio
 import pytest
 import torch
@@ -132,3 +134,26 @@ async def test_event_loop_keeps_ticking_while_posts_are_slow() -> None:
     assert all(p is not None and p[1] > p[0] for p in probes), probes
     assert result.bytes == nchunks * SMALL.page_bytes
     fabric.assert_clean()
+
+
+async def test_the_control_port_closes_only_after_the_nixl_agent() -> None:
+    """A peer that finds the port refusing may take this service's agent for gone and
+    settle what it held (README "Settled"): the port must stay open (refusing new
+    peers) until the agent is closed, and close right after."""
+    fabric = FakeFabric()
+    seen: list[str] = []
+    with anyio.fail_after(GUARD_S):
+        async with TransferService(unit_config(), door_factory=fabric.factory) as svc:
+            host, port = svc.address.rsplit(":", 1)
+            door = fabric.door(svc.agent_name)
+            close = door.close
+
+            def close_and_dial() -> None:
+                with socket.create_connection((host, int(port)), timeout=2):
+                    seen.append("open while the agent closed")
+                close()
+
+            door.close = close_and_dial  # type: ignore[method-assign]
+    assert seen == ["open while the agent closed"]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=2).close()
