@@ -140,6 +140,14 @@ class TransferService(ServiceCore):
         assert self._tg is not None
         cfg = self.config
         self._thread = self._thread_factory()
+        # First, before seconds of allocation: a key that cannot be had is a ConfigError.
+        source = await self._thread.call(cfg.resolve_key)
+        key = source.key
+        log.info("service.key", source=source.source, path=source.path)
+        if key is None:
+            log.warning("service.unauthenticated", host=cfg.host,
+                        detail="allow_unauthenticated: anyone who reaches this port "
+                               f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
         # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
         # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
         if self._memory is None:
@@ -150,13 +158,6 @@ class TransferService(ServiceCore):
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
         await self._thread.call(self._door.register, memory.segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
-        source = await self._thread.call(cfg.resolve_key)
-        key = source.key
-        log.info("service.key", source=source.source, path=source.path)
-        if key is None:
-            log.warning("service.unauthenticated", host=cfg.host,
-                        detail="allow_unauthenticated: anyone who reaches this port "
-                               f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
         local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key)
         self._watchdog = Watchdog(
             self._thread, self._door, memory, self,

@@ -20,10 +20,10 @@ def warm_up() -> None:
     import anyio
     import torch  # noqa: F401
 
-    import kvservice._nixl  # noqa: F401
-    import kvservice._runtime  # noqa: F401
-    import kvservice._service  # noqa: F401
-    import kvservice.memory.synthetic  # noqa: F401
+    import kvservice._nixl
+    import kvservice._runtime
+    import kvservice._service
+    import kvservice.memory.synthetic
     import kvservice.sidecar  # noqa: F401
 
     anyio.run(anyio.sleep, 0)

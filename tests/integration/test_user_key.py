@@ -54,7 +54,7 @@ async def decode_as(uid: int, cfg: dict[str, Any]) -> AsyncIterator[PeerProcess]
                 with anyio.CancelScope(shield=True):
                     await proc.stop(timeout=5)
                 tg.cancel_scope.cancel()
-        assert os.path.exists(os.path.join(user_key_dir({"HOME": home}), "key")), "it made no key of its own"
+        assert await anyio.Path(user_key_dir({"HOME": home}), "key").exists(), "it made no key of its own"
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
