@@ -135,7 +135,10 @@ def user_key(path: str) -> bytes:
             _create_once(path)
     except OSError as exc:
         raise ConfigError(f"{USER_KEY_WHAT}: cannot create {path!r}: {exc.strerror or exc}; {_WAY_OUT}") from exc
-    return load_key(path, what=USER_KEY_WHAT)
+    try:
+        return load_key(path, what=USER_KEY_WHAT)
+    except ConfigError as exc:  # unreadable, another user's, readable by others, short
+        raise ConfigError(f"{exc}; or {_WAY_OUT}") from exc
 
 
 def _create_once(path: str) -> None:

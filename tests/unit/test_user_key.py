@@ -166,8 +166,10 @@ def _first_use(env: dict[str, str]) -> Path:
 def test_a_key_others_can_read_is_refused_naming_it(env: dict[str, str]) -> None:
     path = _first_use(env)
     path.chmod(0o644)
-    with pytest.raises(ConfigError, match=rf"per-user key: '{path}' is accessible by group or others \(mode 0644\)"):
+    with pytest.raises(ConfigError, match=rf"per-user key: '{path}' is accessible by group or others \(mode 0644\)") \
+            as info:
         user(env)
+    assert str(info.value).endswith(f"chmod 600 {path}; or {WAY_OUT} to run without one")
 
 
 @as_root
