@@ -11,7 +11,8 @@
 # cluster, mode 0600 and owned by the sidecar's user (10001), or it is refused.
 # The image reads it from /run/secrets/kvservice.key (KVSERVICE_AUTH_KEY_FILE);
 # a sidecar that only ever talks to peers on loopback may run without one:
-# -e KVSERVICE_AUTH_KEY_FILE= (empty).
+# -e KVSERVICE_AUTH_KEY_FILE= -e KVSERVICE_ALLOW_UNAUTHENTICATED=1 (the image
+# has no home for a per-user key, and other containers would not share it).
 #
 # Workers share the socket volume (/run/kvservice) and the sidecar's IPC
 # namespace (--ipc container:kv-prefill) and run as the same uid (10001): the

@@ -9,7 +9,7 @@ from typing import Any
 
 from ._addresses import is_loopback_host, is_unspecified_host
 from ._results import ConfigError
-from ._trust.keys import load_key
+from ._trust.keys import ServiceKey, load_key, resolve_key
 from .memory._layout import KVLayout
 
 __all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
@@ -73,10 +73,11 @@ class ServiceConfig:
     agent_prefix: str = "kvservice"
 
     # -- trust (README "Security") ---------------------------------------------------
-    #: the cluster's shared key (``kvservice keygen PATH``); None: peers are not
-    #: authenticated, allowed only on loopback unless ``allow_unauthenticated``
+    #: the cluster's shared key (``kvservice keygen PATH``); None: on loopback, this
+    #: user's own key (created on first use, see ``_trust.keys.resolve_key``)
     auth_key_file: str | None = None
-    #: bind a non-loopback address without a key (logged as a warning at start)
+    #: without ``auth_key_file``: run with no key at all, on loopback too (any local user
+    #: can peer) or on another address (anyone who reaches it can); logged as a warning
     allow_unauthenticated: bool = False
 
     # -- bounds: each one refuses or drops, and counts (status()["refused"]) ----------
@@ -157,6 +158,11 @@ class ServiceConfig:
         """What the agent starts with: ``ucx_env`` over ``UCX_ENV_DEFAULTS`` (a variable
         already set in the process's environment wins over both)."""
         return {**UCX_ENV_DEFAULTS, **self.ucx_env}
+
+    def resolve_key(self) -> ServiceKey:
+        """The key this service authenticates with; may create this user's key (file I/O)."""
+        return resolve_key(self.auth_key_file, allow_unauthenticated=self.allow_unauthenticated,
+                           loopback=self.loopback_only)
 
     @property
     def loopback_only(self) -> bool:

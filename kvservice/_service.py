@@ -46,7 +46,6 @@ from ._results import (
 )
 from ._stats import Stats
 from ._transport import Transport
-from ._trust.keys import load_key
 from ._watchdog import Watchdog
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
@@ -143,6 +142,14 @@ class TransferService(ServiceCore):
         assert self._tg is not None
         cfg = self.config
         self._thread = self._thread_factory()
+        # First, before seconds of allocation: a key that cannot be had is a ConfigError.
+        source = await self._thread.call(cfg.resolve_key)
+        key = source.key
+        log.info("service.key", source=source.source, path=source.path)
+        if key is None:
+            log.warning("service.unauthenticated", host=cfg.host,
+                        detail="allow_unauthenticated: anyone who reaches this port "
+                               f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
         # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
         # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
         if self._memory is None:
@@ -153,12 +160,6 @@ class TransferService(ServiceCore):
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
         await self._thread.call(self._door.register, memory.segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
-        key = None
-        if cfg.auth_key_file is not None:
-            key = await self._thread.call(load_key, cfg.auth_key_file)
-        elif not cfg.loopback_only:
-            log.warning("service.unauthenticated", host=cfg.host,
-                        detail="allow_unauthenticated: anyone who reaches this port can peer with it")
         local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key)
         self._watchdog = Watchdog(
             self._thread, self._door, memory, self,

@@ -17,6 +17,7 @@ import anyio.abc
 import msgspec
 
 from kvservice._addresses import split_address
+from kvservice._config import ServiceConfig
 from kvservice._protocol import (
     HEADER_BYTES,
     PROTOCOL_VERSION,
@@ -153,6 +154,13 @@ async def dial(
     return raw, answer, script
 
 
+def own_key() -> bytes:
+    """The key a service configured with nothing uses on loopback: this user's."""
+    key = ServiceConfig().resolve_key().key
+    assert key is not None
+    return key
+
+
 async def authenticate(
     address: str, *, key: bytes | None, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
     rcvbuf: int | None = None,
@@ -201,4 +209,5 @@ def is_reject(msg: Message | None, kind: str | None = None) -> bool:
     return isinstance(msg, Reject) and (kind is None or msg.kind == kind)
 
 
-__all__ = ["Join", "Raw", "authenticate", "dial", "fake_metadata", "is_reject", "join_for", "wire_memory"]
+__all__ = ["Join", "Raw", "authenticate", "dial", "fake_metadata", "is_reject", "join_for", "own_key",
+           "wire_memory"]

@@ -10,7 +10,8 @@ kvservice, each between one process on either host, on the UCX transports and
 devices each side selects (``--ucx-tls``, ``--net-devices``).  Off loopback the
 exchange is authenticated with the cluster key (``--auth-key-file`` or
 ``KVSERVICE_AUTH_KEY_FILE``), or runs without one only with
-``--allow-unauthenticated``.
+``--allow-unauthenticated``; on loopback without a key file, with this user's own
+key, like a service.
 
     kvservice bench                            # full run on this host, into ./kvservice-bench/
     kvservice bench --quick --out /tmp/b       # CI smoke run: seconds, asserts nothing about speed
@@ -30,7 +31,7 @@ from typing import Any
 
 from kvservice._addresses import is_loopback_host, join_address, split_address
 from kvservice._config import ConfigError
-from kvservice._trust.keys import load_key
+from kvservice._trust.keys import load_key, resolve_key
 from kvservice.bench import _lines, control, engines, report
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import ControlError
@@ -81,9 +82,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     two.add_argument("--net-devices", metavar="LIST", help="UCX_NET_DEVICES for this side's agents "
                      "(e.g. mlx5_0:1 or eth0); default: all (on one host: lo)")
     two.add_argument("--auth-key-file", metavar="PATH", help=f"the cluster key (also ${KEY_ENV}); "
-                     "required between hosts unless --allow-unauthenticated")
+                     "required between hosts unless --allow-unauthenticated; on loopback: this user's own key")
     two.add_argument("--allow-unauthenticated", action="store_true",
-                     help="run without a key off loopback (anyone who reaches the ports can take part)")
+                     help="run without a key (anyone who reaches the ports can take part; on loopback, any local user)")
     two.add_argument("--wait", type=float, default=600.0, metavar="S",
                      help="--listen: how long to wait for a peer; --peer: for the listener to accept (default 600)")
     return p.parse_args(list(argv))
@@ -113,17 +114,19 @@ def _address(text: str, *, port_zero: bool) -> tuple[str, int]:
 
 
 def _key(args: argparse.Namespace, host: str) -> tuple[bytes | None, str | None]:
-    """The cluster key and its file; refuses a keyless run off loopback unless allowed."""
+    """The key and its file, as a service so configured resolves them (on loopback without
+    a key file: this user's key); refuses a keyless run off loopback unless allowed."""
     path = args.auth_key_file or os.environ.get(KEY_ENV) or None
-    if path is None:
-        if not is_loopback_host(host) and not args.allow_unauthenticated:
-            raise UsageError(f"{host} is not loopback: give the cluster key (--auth-key-file or ${KEY_ENV}, "
-                             "`kvservice keygen PATH` writes one), or --allow-unauthenticated to run without one")
-        return None, None
+    if path is None and not is_loopback_host(host) and not args.allow_unauthenticated:
+        raise UsageError(f"{host} is not loopback: give the cluster key (--auth-key-file or ${KEY_ENV}, "
+                         "`kvservice keygen PATH` writes one), or --allow-unauthenticated to run without one")
     try:
-        return load_key(path, what="--auth-key-file"), path
+        if path is not None:
+            return load_key(path, what="--auth-key-file"), path
+        source = resolve_key(None, allow_unauthenticated=args.allow_unauthenticated, loopback=True)
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
+    return source.key, source.path
 
 
 def _plan(args: argparse.Namespace, parts: set[str]) -> tuple[Plan, set[str]]:

@@ -31,7 +31,7 @@ from kvservice._trust.keys import generate_key, load_key
 from kvservice.memory import KVLayout
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, config, peer_config, peers, register_pool
-from tests.hostile import Raw, authenticate, dial, is_reject, join_for, wire_memory
+from tests.hostile import Raw, authenticate, dial, is_reject, join_for, own_key, wire_memory
 
 pytestmark = pytest.mark.nixl
 
@@ -147,13 +147,14 @@ async def test_a_flood_of_garbage_is_counted_in_full_and_logged_in_bursts() -> N
 
 
 async def test_join_fields_out_of_range_are_refused_before_use() -> None:
-    """Without a key (loopback) anyone passes the proof step; the Join is still checked
-    field by field before anything reaches arithmetic, an allocation or NIXL."""
+    """A holder of the key (this user's own, what a service configured with nothing uses on
+    loopback) passes the proof step; its Join is still checked field by field before
+    anything reaches arithmetic, an allocation or NIXL."""
     async with peers(peer_config()) as (decode,), TransferService(hostile_config()) as svc:
         await legit_transfer(svc, decode)
 
         async def join(kind: str, **fields: Any) -> None:
-            raw = await authenticate(svc.address, key=None, agent="kv-stranger-2")
+            raw = await authenticate(svc.address, key=own_key(), agent="kv-stranger-2")
             await raw.send(join_for("kv-stranger-2", **fields))
             await answered(raw, kind)
 
@@ -191,7 +192,7 @@ async def test_a_live_agents_name_cannot_be_taken_over() -> None:
         await legit_transfer(svc, decode)  # the decode is linked now
 
         async def impersonate() -> None:  # claims the decode's agent name
-            raw = await authenticate(svc.address, key=None, agent=decode.agent, my_address="127.0.0.1:2")
+            raw = await authenticate(svc.address, key=own_key(), agent=decode.agent, my_address="127.0.0.1:2")
             await raw.send(join_for(decode.agent))
             await answered(raw, "agent_live")
 
@@ -258,12 +259,13 @@ async def test_without_the_key_nothing_is_learnt_and_nothing_is_accepted(keys: d
 
 
 async def test_decodes_without_the_key_receive_no_byte(keys: dict[str, str]) -> None:
-    """A decode with no key and one with a wrong key expect the very ids the prefill
-    sends: neither gets a byte (their pages stay zero), the prefill's requests time out at
-    bootstrap and it stays up; then the keyed decode gets the same ids byte-exact."""
+    """A decode with no key (``allow_unauthenticated``) and one with a wrong key expect the
+    very ids the prefill sends: neither gets a byte (their pages stay zero), the prefill's
+    requests time out at bootstrap and it stays up; then the keyed decode gets the same ids
+    byte-exact."""
     cfg = hostile_config(auth_key_file=keys["cluster"], bootstrap_timeout_s=2.0)
     async with (
-        peers(peer_config(), peer_config(auth_key_file=keys["wrong"]),
+        peers(peer_config(allow_unauthenticated=True), peer_config(auth_key_file=keys["wrong"]),
               peer_config(auth_key_file=keys["cluster"])) as (nokey, wrongkey, keyed),
         TransferService(cfg) as svc,
     ):
@@ -341,7 +343,7 @@ async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
         cfg = hostile_config(max_outbox_bytes=256 * 1024)
         async with peers(peer_config()) as (decode,), TransferService(cfg) as svc:
             await legit_transfer(svc, decode)
-            raw = await authenticate(svc.address, key=None, agent="kv-silent", my_address="127.0.0.1:3",
+            raw = await authenticate(svc.address, key=own_key(), agent="kv-silent", my_address="127.0.0.1:3",
                                      rcvbuf=4096)
             await raw.send(join_for("kv-silent", metadata=metadata, memory=wire_memory(base=pool.base_addr)))
             assert isinstance(await raw.recv(), Join)  # the service's Join; from here on it never reads

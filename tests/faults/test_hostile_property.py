@@ -81,7 +81,9 @@ async def _transfer(svc: TransferService, decode: TransferService, rid: str) -> 
 
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
-    cfg = config(connect_timeout_s=1.0, heartbeat_interval_s=0.1, peer_timeout_s=1.0)
+    # Keyless on purpose: the sequences are written blind (they never read the service's
+    # nonce), so they cannot carry a proof; the key itself is tested in test_hostile_peers.
+    cfg = config(connect_timeout_s=1.0, heartbeat_interval_s=0.1, peer_timeout_s=1.0, allow_unauthenticated=True)
     thread = DoorThread("rogue-nixl")
     door = thread.call_sync(functools.partial(NixlDoor, ROGUE, progress_thread=False, ucx_env=LOOPBACK_UCX))
     pool = thread.call_sync(KVPool, SMALL)
@@ -180,7 +182,7 @@ join_fields = st.fixed_dictionaries({}, optional={
 
 
 def handshake(agent: str) -> list[bytes]:
-    """An unkeyed dialer's Hello and (empty) proof: enough to reach the Join on loopback."""
+    """An unkeyed dialer's Hello and (empty) proof: enough to reach the Join of a keyless service."""
     return [msg(type="hello", version=PROTOCOL_VERSION, agent=agent, address="127.0.0.1:7", nonce=b"n" * 32),
             msg(type="proof", proof=b"")]
 

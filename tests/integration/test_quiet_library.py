@@ -16,7 +16,7 @@ pytestmark = pytest.mark.nixl
 
 REPO = Path(__file__).resolve().parents[2]
 #: what the services log below WARNING in this run (they would show if logging leaked)
-INFO_EVENTS = ("service.started", "peer.connected", "transfer.completed", "service.stopped")
+INFO_EVENTS = ("service.key", "service.started", "peer.connected", "transfer.completed", "service.stopped")
 
 
 def _env() -> dict[str, str]:
