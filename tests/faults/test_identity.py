@@ -26,7 +26,7 @@ from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._peerproc import PeerProcess, pattern
 from kvservice._protocol import FENCE, ChunkNotif, Failed, Message, Outcome, encode_notif
 from kvservice._trust.keys import generate_key
-from tests.faults.test_settle import LAYOUT, PAGES, TCP
+from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
 from tests.helpers import SMALL, config, eventually, peer_config, peers
 
 pytestmark = [pytest.mark.nixl]
@@ -73,16 +73,6 @@ def forged_notifs(rid: str, chunk: int, total: int, payload: bytes | None = None
     the format from before notifications carried a MAC."""
     n = ChunkNotif(rid, chunk, total, payload)
     return [encode_notif(n, secrets.token_bytes(32)), b"kv1" + msgspec.msgpack.encode(n)]
-
-
-async def send_then_stop(prefill: PeerProcess, decode: TransferService, rid: str) -> None:
-    """``rid`` expected (short deadline), sent, and its sender SIGSTOPped mid-copy."""
-    await prefill.command(op="fill", rid=rid, pages=PAGES)
-    await prefill.event("filled", rid)
-    await decode.expect(rid, PAGES, sender=prefill.address, timeout=1.5)
-    await prefill.command(op="send", rid=rid, pages=PAGES, last=True)
-    await prefill.event("sent", rid)
-    prefill.signal(signal.SIGSTOP)
 
 
 # -- 1. a claimed address settles nothing --------------------------------------------------------
