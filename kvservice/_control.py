@@ -47,7 +47,8 @@ import anyio
 import anyio.abc
 
 from ._accept import accept_loop
-from ._addresses import join_address, literal_canonical, resolve_canonical, split_address
+from ._addressbook import AddressBook
+from ._addresses import join_address, split_address
 from ._config import ServiceConfig
 from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
@@ -96,8 +97,6 @@ log = get_logger("kvservice.control")
 _REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
 #: the longest a refused connection's Reject may take to write (it fits a new socket's buffer)
 REJECT_SEND_S = 0.05
-#: canonical forms remembered for addresses the engine named (cleared when exceeded)
-_CANON_CACHE = 4096
 #: inbound notification keys kept per agent: its current link's and the ones before
 _NOTIF_KEYS_PER_AGENT = 2
 
@@ -128,12 +127,9 @@ class LocalPeer:
 class Peer:
     agent: str
     address: str  # as it advertises itself (a claim: shown, never acted on)
-    claimed: str  # that address's canonical form
     kv: PeerKV  # its KV memory, paired with ours
     link: PeerLink
     secrets: LinkSecrets
-    canonicals: set[str] = field(default_factory=set)  # proven canonical addresses that name it
-    disproven: set[str] = field(default_factory=set)  # addresses where another agent answered
 
 
 @dataclass
@@ -157,10 +153,8 @@ class ControlPlane:
         self._stats = stats
         self._tg = tg
         self._peers: dict[str, Peer] = {}  # agent -> peer
-        self._by_addr: dict[str, str] = {}  # canonical address -> agent
-        self._canon: dict[str, str] = {}  # address as named by the engine -> canonical
+        self._book = AddressBook(self.probe)  # which agent is proven at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
-        self._proofs: dict[tuple[str, str], anyio.Event] = {}  # (agent, canonical) -> proof in progress
         # agent -> inbound notification keys of its latest links, newest first
         self._notif_in: Recent[str, list[bytes]] = Recent(2 * config.max_peers)
         self._table_lock = anyio.Lock()  # loading and dropping peers
@@ -280,29 +274,20 @@ class ControlPlane:
 
     # -- dialling -------------------------------------------------------------------
     async def canonical(self, address: str) -> str:
-        """``address``'s canonical form (resolved once per spelling); ``ValueError`` if malformed,
-        ``OSError`` if its name does not resolve."""
-        canon = self._canon.get(address)
-        if canon is None:
-            canon = literal_canonical(address) or await resolve_canonical(address)
-            if len(self._canon) >= _CANON_CACHE:
-                self._canon.clear()
-            self._canon[address] = canon
-        return canon
+        """``address``'s canonical form (``AddressBook.canonical``)."""
+        return await self._book.canonical(address)
 
     def at_address(self, agent: str, canon: str) -> bool | None:
-        """Whether linked ``agent`` is proven to answer at canonical ``canon``: True,
-        False (another agent answered there, or it is not linked), or None (not known
-        yet: ``prove_address`` finds out)."""
-        peer = self._peers.get(agent)
-        if peer is None or canon in peer.disproven:
-            return False
-        return True if canon in peer.canonicals else None
+        """Whether linked ``agent`` is proven to answer at canonical ``canon`` (``AddressBook.at``)."""
+        return self._book.at(agent, canon)
 
     def proven_addresses(self, agent: str) -> frozenset[str]:
         """The canonical addresses ``agent`` is proven at (empty when not linked)."""
-        peer = self._peers.get(agent)
-        return frozenset(peer.canonicals) if peer is not None else frozenset()
+        return self._book.proven(agent)
+
+    async def prove_address(self, agent: str, canon: str) -> bool:
+        """Whether ``agent`` answers at ``canon``: known, or found out by one probe (shared)."""
+        return await self._book.prove(agent, canon)
 
     def notif_key_to(self, agent: str) -> bytes | None:
         """The key our notifications to linked ``agent`` carry their MAC under."""
@@ -319,13 +304,12 @@ class ControlPlane:
         Raises what the dial raised (classify with ``dial_failure``); raises
         ``KVServiceError`` if the service shuts down first."""
         canon = await self.canonical(address)
-        agent = self._by_addr.get(canon)
+        agent = self._book.agent_at(canon)
         if agent is None:
             # A peer that dialled us and claims this address: prove the claim
             # (one probe), and its link serves; otherwise dial.
-            claimant = next((p.agent for p in self._peers.values()
-                             if p.claimed == canon and canon not in p.disproven and not p.link.closed), None)
-            if claimant is not None and await self.prove_address(claimant, canon):
+            claimant = self._book.claimant(canon)
+            if claimant is not None and await self._book.prove(claimant, canon):
                 agent = claimant
         if agent is not None:
             peer = self._peers.get(agent)
@@ -422,49 +406,6 @@ class ControlPlane:
                 await framed.aclose()
         return reply.agent
 
-    async def prove_address(self, agent: str, canon: str) -> bool:
-        """Whether ``agent`` (linked) answers at the canonical address ``canon``: known,
-        or found out by one probe, whose answer is remembered for the life of the link
-        (once proven, ``canon`` names ``agent``).  Concurrent callers share the probe."""
-        peer = self._peers.get(agent)
-        if peer is None:
-            return False
-        if canon in peer.canonicals or canon in peer.disproven:
-            return canon in peer.canonicals
-        key = (agent, canon)
-        running = self._proofs.get(key)
-        if running is not None:
-            await running.wait()
-        else:
-            done = self._proofs[key] = anyio.Event()
-            try:
-                try:
-                    answered: str | None = await self.probe(canon)
-                except Exception as exc:  # noqa: BLE001 - unproven, whatever the reason
-                    answered = None
-                    log.info("peer.address_unproven", agent=agent, address=canon, error=str(exc) or repr(exc))
-                now = self._peers.get(agent)
-                if now is peer:  # the same link: the answer is about it
-                    if answered == agent:
-                        self._bind_address(peer, canon)
-                    else:
-                        peer.disproven.add(canon)
-                        if answered is not None:
-                            log.warning("peer.address_claim_false", agent=agent, address=canon, answered=answered)
-            finally:
-                del self._proofs[key]
-                done.set()
-        peer = self._peers.get(agent)
-        return peer is not None and canon in peer.canonicals
-
-    def _bind_address(self, peer: Peer, canon: str) -> None:
-        """``canon`` is proven to be ``peer``'s now: whoever it named before no longer answers there."""
-        old = self._by_addr.get(canon)
-        if old is not None and old != peer.agent and (prior := self._peers.get(old)) is not None:
-            prior.canonicals.discard(canon)
-        peer.canonicals.add(canon)
-        self._by_addr[canon] = peer.agent
-
     def dial_failure(self, exc: BaseException) -> FailureReason:
         if isinstance(exc, ProtocolError):
             return FailureReason.REFUSED if exc.kind in _REFUSED_KINDS else FailureReason.INCOMPATIBLE
@@ -516,7 +457,7 @@ class ControlPlane:
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
             if len(self._peers) >= self._cfg.max_peers:
                 raise ProtocolError(f"too many peers (max_peers = {self._cfg.max_peers})", "peer_limit")
-            old = self._by_addr.get(dialled) if dialled is not None else None
+            old = self._book.agent_at(dialled) if dialled is not None else None
             if old is not None and old != agent:
                 # We dialled the address and a new agent proved itself there: the old
                 # incarnation's listener is closed, and a service closes its port only
@@ -532,18 +473,17 @@ class ControlPlane:
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, canon, kv, link, secrets)
+            peer = Peer(agent, hello.address, kv, link, secrets)
             self._peers[agent] = peer
-            if dialled is not None:
-                self._bind_address(peer, dialled)
+            self._book.linked(agent, canon, dialled)
             keys = self._notif_in.get(agent) or []
             self._notif_in.put(agent, [secrets.notif_in, *keys][:_NOTIF_KEYS_PER_AGENT])
         log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
                  authenticated=self._local.key is not None)
-        if canon not in peer.canonicals and not self._closing:
+        if self._book.unproven_claim(agent) is not None and not self._closing:
             # It dialled us: find out now whether it answers where it says it does, so a
-            # request pinned to that address binds without waiting (``prove_address``).
-            self._tg.start_soon(self.prove_address, agent, canon)
+            # request pinned to that address binds without waiting.
+            self._tg.start_soon(self._book.prove, agent, canon)
         self._events.on_peer_linked(agent)
         return peer
 
@@ -607,9 +547,7 @@ class ControlPlane:
         if peer is None or (link is not None and peer.link is not link):
             return
         del self._peers[agent]
-        for c in peer.canonicals:
-            if self._by_addr.get(c) == agent:
-                del self._by_addr[c]
+        proven = self._book.unlinked(agent)
         (log.info if graceful else log.warning)(
             "peer.lost", peer=peer.address, agent=agent, graceful=graceful, cause=repr(cause))
         # The peer's last WRITEs may have landed with their notifications not collected
@@ -617,7 +555,7 @@ class ControlPlane:
         self._events.on_notifs(await self._thread.call(self._door.notifs))
         if not graceful and not gone:
             gone = await self._thread.call(_endpoint_gone, self._door, agent)
-        self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, frozenset(peer.canonicals))
+        self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, proven)
         peer.link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)
         self._events.released_by_door(released)
