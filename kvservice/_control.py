@@ -54,6 +54,7 @@ from ._stats import Stats
 from ._transport import ByteListener, TcpTransport, Transport
 from ._trust import checks
 from ._trust.handshake import ACCEPTOR, DIALER, NONCE_BYTES, FrameMac, new_nonce, prove, transcript, verify
+from ._trust.vetting import MetadataVetter
 from .memory._pairing import PeerKV
 from .memory._regions import KVMemory
 
@@ -106,6 +107,7 @@ class ControlPlane:
     def __init__(
         self, config: ServiceConfig, thread: DoorThread, door: Door, events: PeerEvents, local: LocalPeer,
         stats: Stats, tg: anyio.abc.TaskGroup, transport: Transport | None = None,
+        vetter: MetadataVetter | None = None,
     ) -> None:
         self._cfg = config
         self._transport = transport or TcpTransport()
@@ -115,6 +117,7 @@ class ControlPlane:
         self._local = local
         self._stats = stats
         self._tg = tg
+        self._vetter = vetter  # None: the door's metadata is not NIXL's (the fake door)
         self._peers: dict[str, Peer] = {}  # agent -> peer
         self._by_addr: dict[str, str] = {}  # canonical address -> agent
         self._canon: dict[str, str] = {}  # address as named by the engine -> canonical
@@ -165,6 +168,8 @@ class ControlPlane:
             await framed.aclose()
             return
         try:
+            if self._vetter is not None:  # its first start is not the peer's delay
+                await self._vetter.ready()
             with anyio.fail_after(self._cfg.connect_timeout_s):
                 peer = await self._handshake_as_acceptor(framed)
         except Exception as exc:  # noqa: BLE001 - one connection's failure is that connection's
@@ -266,6 +271,8 @@ class ControlPlane:
     async def _dial_and_admit(self, address: str, canon: str) -> Peer:
         local = self._local
         host, port = split_address(address)
+        if self._vetter is not None:  # its first start is not the peer's delay
+            await self._vetter.ready()
         with anyio.fail_after(self._cfg.connect_timeout_s):
             try:
                 stream = await self._transport.connect(host, port)
@@ -360,6 +367,7 @@ class ControlPlane:
                 log.info("peer.restarted", address=hello.address, old_agent=old, agent=agent)
                 await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
                                         gone=True)  # a new incarnation holds its address
+            await self._vet(framed, join, dialled)
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
                 await self._thread.call(_load, self._door, agent, join, kv)  # DoorError: refused
             link = PeerLink(
@@ -376,6 +384,19 @@ class ControlPlane:
                  authenticated=self._local.key is not None)
         self._events.on_peer_linked(agent)
         return peer
+
+    async def _vet(self, framed: ControlStream, join: Join, dialled: str | None) -> None:
+        """Metadata that could abort this process is never loaded (``_trust.vetting``).
+        Refused when dialling, the acceptor hears why and it is counted here (an
+        acceptor's refusals are counted by ``_handshake_failed``)."""
+        refusal = None if self._vetter is None else await self._vetter.vet(join.metadata)
+        if refusal is None:
+            return
+        if dialled is not None:
+            await try_send(framed, Reject(text(refusal.message), refusal.kind))
+            if (unlogged := self._stats.refuse(refusal.kind)) is not None:
+                log.warning("peer.refused", side="dial", kind=refusal.kind, error=refusal.message, unlogged=unlogged)
+        raise ProtocolError(refusal.message, refusal.kind)
 
     async def _let_dying_link_end(self, agent: str) -> None:
         """A peer reconnecting may reach us before we noticed its old link end: give
