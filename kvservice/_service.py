@@ -172,6 +172,8 @@ class TransferService(ServiceCore):
         self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
                                      self._transport, self._vetter)
         self.address = await self._control.listen()
+        if self._vetter is not None:
+            self._vetter.start()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         log.info("service.started", address=self.address, agent=self.agent_name,

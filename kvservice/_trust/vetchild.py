@@ -55,6 +55,7 @@ def main() -> int:
         from .._nixl import TrialLoader
 
         loader = TrialLoader(config["agent"], ucx_env=config["ucx_env"])
+        loader.warm_up()  # an error here shows in the first real load's answer
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses to load anything
         _reply(out, 0, BROKEN, f"{type(exc).__name__}: {exc}")
         return 1
