@@ -205,7 +205,10 @@ class MetadataVetter:
     async def _supervise(self, child: _Child) -> None:
         """Run one child: start it, route its replies, and reap it however it ends."""
         self.children_started += 1
-        config = json.dumps({"agent": f"{self._agent_prefix}-vet-{uuid.uuid4().hex[:12]}", "ucx_env": self._ucx_env})
+        # A ':' no peer's agent name may hold (``checks.AGENT_NAME``): no metadata can name the
+        # child's own agent, which NIXL would refuse without unpacking anything.
+        agent = f"{self._agent_prefix}:vet-{uuid.uuid4().hex[:12]}"
+        config = json.dumps({"agent": agent, "ucx_env": self._ucx_env})
         path = os.environ.get("PYTHONPATH")
         env = {**os.environ, "PYTHONPATH": _PACKAGE_ROOT + (os.pathsep + path if path else "")}
         try:
