@@ -191,9 +191,12 @@ def mutations(md: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
         ("remote key memory type 127", lambda b: put(b, r_at + 8, b"\x7f")),
         ("remote key length -1", lambda b: put(b, r_at - 24 - 8, struct.pack("<Q", r_len + 24 - 1))),
     ]
-    for _ in range(12):
+    for _ in range(30):
         at, bit = a_at + 1 + rng.randrange(a_len - 1), rng.randrange(8)
         cases.append((f"address bit {at - a_at}.{bit} flipped", lambda b, at=at, bit=bit: flip(b, at, bit)))
+    for _ in range(10):
+        at, value = r_at + rng.randrange(r_len), bytes([rng.randrange(256)])
+        cases.append((f"remote key byte {at - r_at} = {value[0]}", lambda b, at=at, value=value: put(b, at, value)))
     for _ in range(6):
         cut = rng.randrange(len(md))
         cases.append((f"truncated at {cut}", lambda b, cut=cut: b[:cut]))
@@ -204,7 +207,7 @@ def mutations(md: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
 
 
 async def test_mutated_real_metadata_never_takes_the_decode_down() -> None:
-    """Bounded: a fixed seed, ~36 cases, a time budget; the targeted cases come first."""
+    """Bounded: a fixed seed, 64 cases, a time budget; the targeted cases come first."""
     rng = random.Random(FUZZ_SEED)
     async with donor() as md, peers(peer_config()) as (decode,), TransferService(config()) as svc:
         await legit_transfer(svc, decode)
