@@ -316,3 +316,19 @@ async def test_the_vetting_child_is_reaped_with_the_service_however_it_ends() ->
                 scope.cancel()
                 await anyio.sleep(5)
         assert pid is not None and gone(pid)
+
+
+async def test_a_sidecar_daemon_refuses_it_too() -> None:
+    """``kvservice serve`` runs the same service: the finding's metadata is refused, counted in
+    its metrics, and the daemon serves on."""
+    from tests.sidecar.daemons import metrics, sidecars
+
+    async with donor() as md:
+        with sidecars("decode") as (daemon,):
+            answer = await present(daemon.address, donor_name(1), version_altered(renamed(md, 1)))
+            assert isinstance(answer, Reject) and answer.kind == "metadata_unsafe", answer
+            assert daemon.proc is not None and daemon.proc.poll() is None
+            got = await metrics(daemon.http)
+            assert got['kvservice_refused_total{where="service",kind="metadata_unsafe"}'] == 1
+            # and a harmless agent's metadata still loads there
+            assert isinstance(await present(daemon.address, donor_name(2), renamed(md, 2)), Join)
