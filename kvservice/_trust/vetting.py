@@ -71,6 +71,8 @@ REMEMBERED = 4096
 #: children a single metadata may be tried on when others' metadata killed them first
 ATTEMPTS = 3
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+#: what the child runs (``python -m``)
+CHILD_MODULE = "kvservice._trust.vetchild"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +215,7 @@ class MetadataVetter:
         env = {**os.environ, "PYTHONPATH": _PACKAGE_ROOT + (os.pathsep + path if path else "")}
         try:
             child.proc = await anyio.open_process(
-                [sys.executable, "-m", "kvservice._trust.vetchild", config],
+                [sys.executable, "-m", CHILD_MODULE, config],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env=env,
             )
         except OSError as exc:

@@ -332,3 +332,18 @@ async def test_a_sidecar_daemon_refuses_it_too() -> None:
             assert got['kvservice_refused_total{where="service",kind="metadata_unsafe"}'] == 1
             # and a harmless agent's metadata still loads there
             assert isinstance(await present(daemon.address, donor_name(2), renamed(md, 2)), Join)
+
+
+async def test_without_a_vetting_child_nobody_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that cannot start (here: its module is missing) leaves the service refusing
+    every peer (``vetting_unavailable``) rather than loading unvetted metadata."""
+    import kvservice._trust.vetting as vetting
+
+    monkeypatch.setattr(vetting, "CHILD_MODULE", "kvservice._trust.no_such_module")
+    async with peers(peer_config()) as (decode,), TransferService(config()) as svc:
+        rid = f"refused-{next(_rids)}"
+        await decode.command(op="expect", rid=rid, pages=[1, 2], sender=svc.address)
+        arrived = await decode.event("arrived", rid)
+        assert arrived["reason"] == "INCOMPATIBLE" and "cannot vet" in arrived["message"], arrived
+        assert svc.status()["refused"].get("vetting_unavailable") == 1
+        assert svc.status()["peers"] == []
