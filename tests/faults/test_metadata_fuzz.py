@@ -26,6 +26,7 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, TransferService
+from kvservice._door import DoorThread
 from kvservice._nixl import NixlDoor
 from kvservice._peerproc import PeerProcess, pattern
 from kvservice._protocol import Join, Message, Reject
@@ -54,21 +55,24 @@ MEMORY: dict[str, Any] = {}
 async def donor() -> AsyncIterator[bytes]:
     """A live NIXL agent with a registered pool, kept alive (its UCX worker must accept
     the endpoints a trial load creates); yields its real metadata."""
-    thread_door: dict[str, Any] = {}
+    thread = DoorThread("fuzz-donor")  # a door is used from the thread that made it
+    pool = KVPool(SMALL)
 
-    def make() -> bytes:
+    def make() -> NixlDoor:
         door = NixlDoor(donor_name(0), progress_thread=False, ucx_env=LOOPBACK_UCX)
-        pool = KVPool(SMALL)
         register_pool(door, pool)
-        thread_door.update(door=door, pool=pool)
-        MEMORY.update(wire_memory(SMALL, base=pool.base_addr))
-        return door.metadata()
+        return door
 
-    md = await anyio.to_thread.run_sync(make)
     try:
-        yield md
+        door = await thread.call(make)
+        try:
+            MEMORY.update(wire_memory(SMALL, base=pool.base_addr))
+            yield await thread.call(door.metadata)
+        finally:
+            MEMORY.clear()
+            await thread.call(door.close)
     finally:
-        await anyio.to_thread.run_sync(thread_door["door"].close)
+        thread.shutdown()
 
 
 def renamed(md: bytes, i: int) -> bytes:
