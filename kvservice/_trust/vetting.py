@@ -14,14 +14,16 @@ every request of every peer.  No ``try`` can catch that, so before the door's
    a fresh child.
 
 Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
-the same agent is not loaded twice); so is metadata that killed a child.  The
-child starts in the background as the service starts (importing NIXL and
-creating an agent take ~2 s of CPU here, ~250 MB resident: a service that
-never peers pays that, but a peer's first handshake does not wait for it, which
-a start on demand made it do, past short handshake deadlines under load), and
-is stopped and reaped when the service's task group ends, cancelled or not.  A
-handshake still waits for a child that is starting (or restarting) before its
-deadline begins.
+the same agent is not loaded twice); so is metadata that killed a child.
+
+The child starts in the background as the service starts: importing NIXL and
+creating an agent take ~2 s of CPU here and it holds ~250 MB, which a service
+that never peers pays too; started on demand instead, a peer's first handshake
+waited for it, past short handshake deadlines under load.  A handshake still
+waits for a child that is starting (or restarting) before its deadline begins.
+The child is spawned without ``fork()`` (see ``_supervise``), talks over a
+socket pair, and is stopped and reaped when the service's task group ends,
+cancelled or not.
 
 If the child cannot be started at all, nothing is loaded: every peer is refused
 (``vetting_unavailable``) rather than risk the service.
@@ -222,8 +224,9 @@ class MetadataVetter:
             # subprocess.Popen, not the event loop's spawn: it starts the child without a
             # plain fork() (vfork where it can), which uvloop's spawn uses and which left every
             # page of this process's memory, the KV pool too, write-protected for copy-on-write:
-            # transfers ran 10-60 % slower afterwards (measured), and with RDMA-registered
-            # memory a fork is worse than slow.
+            # transfers ran slower afterwards (the demo's steady phase at 0.4-0.5 GB/s instead of
+            # 1.2-1.5; 10-15 % between two in-process services), and with RDMA-registered memory
+            # a fork is worse than slow.
             def spawn() -> subprocess.Popen[bytes]:
                 return subprocess.Popen([sys.executable, "-m", CHILD_MODULE, config, str(theirs.fileno())],
                                         stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=env)
