@@ -88,6 +88,7 @@ from ._trust.handshake import (
     transcript,
     verify,
 )
+from ._trust.vetting import MetadataVetter
 from .memory._pairing import PeerKV
 from .memory._regions import KVMemory
 
@@ -143,6 +144,7 @@ class ControlPlane:
     def __init__(
         self, config: ServiceConfig, thread: DoorThread, door: Door, events: PeerEvents, local: LocalPeer,
         stats: Stats, tg: anyio.abc.TaskGroup, transport: Transport | None = None,
+        vetter: MetadataVetter | None = None,
     ) -> None:
         self._cfg = config
         self._transport = transport or TcpTransport()
@@ -152,6 +154,7 @@ class ControlPlane:
         self._local = local
         self._stats = stats
         self._tg = tg
+        self._vetter = vetter  # None: the door's metadata is not NIXL's (the fake door)
         self._peers: dict[str, Peer] = {}  # agent -> peer
         self._book = AddressBook(self.probe)  # which agent is proven at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
@@ -209,9 +212,12 @@ class ControlPlane:
         peer: Peer | None = None
         probed = False
         try:
-            with slot.scope, anyio.fail_after(self._cfg.connect_timeout_s):
-                peer = await self._handshake_as_acceptor(framed)
-                probed = peer is None
+            with slot.scope:
+                if self._vetter is not None:  # its first start is not the peer's delay
+                    await self._vetter.ready()
+                with anyio.fail_after(self._cfg.connect_timeout_s):
+                    peer = await self._handshake_as_acceptor(framed)
+                    probed = peer is None
         except Exception as exc:  # noqa: BLE001 - one connection's failure is that connection's
             await self._handshake_failed("accept", framed, exc)
             return
@@ -346,6 +352,8 @@ class ControlPlane:
 
     async def _dial_and_admit(self, address: str, canon: str) -> Peer:
         local = self._local
+        if self._vetter is not None:  # its first start is not the peer's delay
+            await self._vetter.ready()
         with anyio.fail_after(self._cfg.connect_timeout_s):
             framed = await self._connect(address)
             try:
@@ -447,6 +455,9 @@ class ControlPlane:
         inside = self._door.metadata_agent(join.metadata)
         if inside != agent:
             raise ProtocolError(f"NIXL metadata names agent {inside!r}, not {agent!r}", "metadata_mismatch")
+        # Outside the table lock: a vetting child restarting after bad metadata (seconds)
+        # delays this peer only, not every other admit and drop.
+        await self._vet(framed, join, dialled)
         await self._let_dying_link_end(agent)
         async with self._table_lock:
             current = self._peers.get(agent)
@@ -486,6 +497,19 @@ class ControlPlane:
             self._tg.start_soon(self._book.prove, agent, canon)
         self._events.on_peer_linked(agent)
         return peer
+
+    async def _vet(self, framed: ControlStream, join: Join, dialled: str | None) -> None:
+        """Metadata that could abort this process is never loaded (``_trust.vetting``).
+        Refused when dialling, the acceptor hears why and it is counted here (an
+        acceptor's refusals are counted by ``_handshake_failed``)."""
+        refusal = None if self._vetter is None else await self._vetter.vet(join.metadata)
+        if refusal is None:
+            return
+        if dialled is not None:
+            await try_send(framed, Reject(text(refusal.message), refusal.kind))
+            if (unlogged := self._stats.refuse(refusal.kind)) is not None:
+                log.warning("peer.refused", side="dial", kind=refusal.kind, error=refusal.message, unlogged=unlogged)
+        raise ProtocolError(refusal.message, refusal.kind)
 
     async def _let_dying_link_end(self, agent: str) -> None:
         """A peer reconnecting may reach us before we noticed its old link end: give

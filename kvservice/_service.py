@@ -46,6 +46,7 @@ from ._results import (
 )
 from ._stats import Stats
 from ._transport import Transport
+from ._trust.vetting import MetadataVetter
 from ._watchdog import Watchdog
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
@@ -98,6 +99,7 @@ class TransferService(ServiceCore):
         self._tg: anyio.abc.TaskGroup | None = None
         self._watchdog: Watchdog | None = None
         self._control: ControlPlane | None = None
+        self._vetter: MetadataVetter | None = None
         self._closing = False
         self.stats = Stats()
         self.address = ""
@@ -167,9 +169,14 @@ class TransferService(ServiceCore):
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
             max_post_bytes=cfg.max_post_bytes_per_tick,
         )
+        # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
+        self._vetter = (MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
+                        if self._door_factory is _nixl_door else None)
         self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
-                                     self._transport)
+                                     self._transport, self._vetter)
         self.address = await self._control.listen()
+        if self._vetter is not None:
+            self._vetter.start()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         log.info("service.started", address=self.address, agent=self.agent_name,

@@ -7,4 +7,8 @@
 * ``checks``: range checks of every field a peer supplies, before it reaches
   arithmetic, an allocation or NIXL.
 * ``peercred``: the uid of the process at the other end of a Unix socket.
+* ``metadata``: a peer's NIXL metadata read as NIXL reads it, refused when
+  malformed, before NIXL sees it.
+* ``vetting`` and ``vetchild``: what passes is loaded first in a child process
+  with its own NIXL agent; metadata that kills the child is never loaded here.
 """

@@ -1,0 +1,330 @@
+"""Proving a peer's NIXL metadata harmless before the service loads it.
+
+UCX unpacks a peer's worker address and remote keys with assertions, not
+errors: bytes it does not expect end the whole process (SIGABRT), and with it
+every request of every peer.  No ``try`` can catch that, so before the door's
+``add_peer`` a peer's metadata passes two gates:
+
+1. ``metadata.check_metadata``: NIXL's serialised agent read field by field,
+   the UCX address's version and every remote key's walk (microseconds);
+2. a trial load in the *vetting child* (``vetchild``), a long-lived process of
+   this service holding its own bare NIXL agent with the same UCX settings: it
+   loads the metadata and unloads it at once.  If the child dies, the metadata
+   is refused (``metadata_unsafe``), remembered, and the next peer's is tried on
+   a fresh child.
+
+Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
+the same agent is not loaded twice); so is metadata that killed a child.
+
+The child starts in the background as the service starts: importing NIXL and
+creating an agent take ~2 s of CPU here and it holds ~250 MB, which a service
+that never peers pays too; started on demand instead, a peer's first handshake
+waited for it, past short handshake deadlines under load.  A handshake still
+waits for a child that is starting (or restarting) before its deadline begins.
+The child is spawned without ``fork()`` (see ``_supervise``), talks over a
+socket pair, and is stopped and reaped when the service's task group ends,
+cancelled or not.
+
+If the child cannot be started at all, nothing is loaded: every peer is refused
+(``vetting_unavailable``) rather than risk the service.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from .._log import get_logger
+from .metadata import check_metadata
+
+log = get_logger("kvservice.vetting")
+
+#: the vetting child's wire (``vetchild``): request id, length, metadata; reply id, status, length, message
+REQUEST = struct.Struct(">QI")
+REPLY = struct.Struct(">QBI")
+LOADED, REFUSED, READY, BROKEN = 0, 1, 2, 3
+#: larger requests end the child: the service never sends them (its frames are smaller)
+MAX_REQUEST_BYTES = 1 << 26
+
+METADATA_UNSAFE = "metadata_unsafe"
+VETTING_UNAVAILABLE = "vetting_unavailable"
+#: importing NIXL and creating an agent: ~1.5-2 s on an idle 2-core machine
+START_TIMEOUT_S = 60.0
+#: a trial load is a few milliseconds; one that hangs is refused and its child replaced
+LOAD_TIMEOUT_S = 10.0
+#: SHA-256 digests remembered, each way
+REMEMBERED = 4096
+#: children a single metadata may be tried on when others' metadata killed them first
+ATTEMPTS = 3
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+#: what the child runs (``python -m``)
+CHILD_MODULE = "kvservice._trust.vetchild"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    kind: str  # METADATA_UNSAFE or VETTING_UNAVAILABLE, for Stats.refuse and the Reject
+    message: str
+
+
+@dataclass(eq=False)
+class _Pending:
+    digest: bytes
+    done: anyio.Event = field(default_factory=anyio.Event)
+    status: int | None = None  # LOADED / REFUSED; None: the child died (see ``killed``)
+    killed: str | None = None  # the child died while loading this one: how
+    retry: bool = False  # the child died loading an earlier request: try again
+
+
+@dataclass(eq=False)
+class _Child:
+    ready: anyio.Event = field(default_factory=anyio.Event)  # set when ready, broken or ended
+    ended: anyio.Event = field(default_factory=anyio.Event)
+    proc: subprocess.Popen[bytes] | None = None
+    stream: anyio.abc.SocketStream | None = None  # requests out, replies in
+    broken: str | None = None  # why it could not serve
+    #: NIXL refused something here: a failed load can leave state behind in NIXL (a UCX
+    #: endpoint for that agent name), so the answers after it are not trusted; it is replaced
+    tainted: bool = False
+    pending: dict[int, _Pending] = field(default_factory=dict)  # in the order sent: the first is loading
+    write_lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+
+class MetadataVetter:
+    """Vets peers' metadata for one service; its child lives in that service's task group."""
+
+    def __init__(self, tg: anyio.abc.TaskGroup, ucx_env: Mapping[str, str], *, agent_prefix: str = "kvservice",
+                 start_timeout_s: float = START_TIMEOUT_S, load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
+        self._tg = tg
+        self._ucx_env = dict(ucx_env)
+        self._agent_prefix = agent_prefix
+        self._start_timeout = start_timeout_s
+        self._load_timeout = load_timeout_s
+        self._child: _Child | None = None
+        self._ids = itertools.count(1)
+        self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._unsafe: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self.children_started = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The vetting child's pid while one runs."""
+        child = self._child
+        if child is None or child.proc is None or child.ended.is_set():
+            return None
+        return child.proc.pid
+
+    def start(self) -> None:
+        """Start the child in the background (if none runs)."""
+        self._current()
+
+    async def ready(self) -> None:
+        """Start the child if none runs, and wait until it serves (or could not start)."""
+        await self._ready()
+
+    async def _ready(self) -> _Child:
+        child = self._current()
+        with anyio.move_on_after(self._start_timeout):
+            await child.ready.wait()
+        if not child.ready.is_set():
+            child.broken = f"the vetting process did not start within {self._start_timeout:g} s"
+            self._kill(child)
+        return child
+
+    async def vet(self, metadata: bytes) -> Refusal | None:
+        """``None`` when ``metadata`` may be loaded into NIXL; else why not."""
+        why = check_metadata(metadata)
+        if why is not None:
+            return Refusal(METADATA_UNSAFE, why)
+        digest = hashlib.sha256(metadata).digest()
+        if digest in self._safe:
+            self._safe.move_to_end(digest)
+            return None
+        if (known := self._unsafe.get(digest)) is not None:
+            return Refusal(METADATA_UNSAFE, known)
+        for _ in range(ATTEMPTS):
+            child = await self._ready()
+            if child.broken is not None:
+                return Refusal(VETTING_UNAVAILABLE, f"cannot vet NIXL metadata: {child.broken}")
+            if child.ended.is_set() or child.tainted:  # replaced meanwhile
+                continue
+            pending = await self._ask(child, metadata, digest)
+            if pending.retry:
+                continue
+            if pending.killed is not None:
+                return Refusal(METADATA_UNSAFE, self._unsafe[digest])
+            if pending.status == LOADED:
+                _remember(self._safe, digest, None)
+            # LOADED; or NIXL refused it with an error (UCX unpacked what it read without
+            # aborting), which the door's own load then reports as today (``nixl_refused``)
+            return None
+        return Refusal(VETTING_UNAVAILABLE, f"the vetting process died {ATTEMPTS} times under other peers' metadata")
+
+    # -- the child --------------------------------------------------------------------
+    def _current(self) -> _Child:
+        child = self._child
+        if child is None or child.ended.is_set() or child.tainted:
+            child = self._child = _Child()
+            self._tg.start_soon(self._supervise, child)
+        return child
+
+    async def _ask(self, child: _Child, metadata: bytes, digest: bytes) -> _Pending:
+        rid = next(self._ids)
+        pending = child.pending[rid] = _Pending(digest)
+        assert child.stream is not None
+        try:
+            async with child.write_lock:
+                await child.stream.send(REQUEST.pack(rid, len(metadata)) + metadata)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # it died: its supervisor resolves every pending request
+        with anyio.move_on_after(self._load_timeout):
+            await pending.done.wait()
+        if not pending.done.is_set():  # hung in NIXL or UCX: replace it; the supervisor resolves this one
+            self._kill(child, f"did not load within {self._load_timeout:g} s")
+            with anyio.move_on_after(self._load_timeout):
+                await pending.done.wait()
+            if not pending.done.is_set():
+                pending.retry = True
+        return pending
+
+    def _kill(self, child: _Child, why: str | None = None) -> None:
+        if why is not None and child.pending:
+            next(iter(child.pending.values())).killed = why
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.kill()
+
+    async def _supervise(self, child: _Child) -> None:
+        """Run one child: start it, route its replies, and reap it however it ends."""
+        self.children_started += 1
+        # A ':' no peer's agent name may hold (``checks.AGENT_NAME``): no metadata can name the
+        # child's own agent, which NIXL would refuse without unpacking anything.
+        agent = f"{self._agent_prefix}:vet-{uuid.uuid4().hex[:12]}"
+        config = json.dumps({"agent": agent, "ucx_env": self._ucx_env})
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": _PACKAGE_ROOT + (os.pathsep + path if path else "")}
+        ours, theirs = socket.socketpair()
+        try:
+            # subprocess.Popen, not the event loop's spawn: it starts the child without a
+            # plain fork() (vfork where it can), which uvloop's spawn uses and which left every
+            # page of this process's memory, the KV pool too, write-protected for copy-on-write:
+            # transfers ran slower afterwards (the demo's steady phase at 0.4-0.5 GB/s instead of
+            # 1.2-1.5; 10-15 % between two in-process services), and with RDMA-registered memory
+            # a fork is worse than slow.
+            def spawn() -> subprocess.Popen[bytes]:
+                return subprocess.Popen([sys.executable, "-m", CHILD_MODULE, config, str(theirs.fileno())],
+                                        stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=env)
+
+            with anyio.CancelScope(shield=True):  # a child spawned is a child reaped
+                proc = await anyio.to_thread.run_sync(spawn)
+                child.proc = proc
+        except OSError as exc:
+            ours.close()
+            child.broken = f"cannot start the vetting process: {exc}"
+            child.ready.set()
+            child.ended.set()
+            return
+        finally:
+            theirs.close()
+        closing = False
+        try:
+            ours.setblocking(False)
+            child.stream = await anyio.abc.SocketStream.from_socket(ours)
+            replies = BufferedByteReceiveStream(child.stream)
+            while True:
+                rid, status, n = REPLY.unpack(await replies.receive_exactly(REPLY.size))
+                message = (await replies.receive_exactly(n)).decode(errors="replace")
+                if status == READY:
+                    child.ready.set()
+                    log.debug("vetting.started", pid=proc.pid)
+                elif status == BROKEN:
+                    child.broken = f"the vetting process could not create a NIXL agent: {message}"
+                    break
+                elif (pending := child.pending.pop(rid, None)) is not None:
+                    if child.tainted:
+                        pending.retry = True
+                    else:
+                        pending.status = status
+                        if status != LOADED:
+                            child.tainted = True
+                            self._kill(child)
+                    pending.done.set()
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                OSError):
+            pass
+        except anyio.get_cancelled_exc_class():
+            closing = True  # the service ends: whatever was loading is not to blame
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._reap(proc, child.stream or ours)
+            self._ended(child, _death(proc.returncode), closing)
+
+    def _ended(self, child: _Child, death: str, closing: bool) -> None:
+        if child.broken is None and not child.ready.is_set():
+            child.broken = f"the vetting process {death} before it was ready"
+        for i, pending in enumerate(child.pending.values()):
+            if i == 0 and not closing and not child.tainted:
+                how = pending.killed or f"{death} loading it"
+                pending.killed = how
+                _remember(self._unsafe, pending.digest,
+                          f"NIXL metadata that UCX cannot unpack: the vetting process {how}")
+                log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how)
+            else:
+                pending.retry = True
+            pending.done.set()
+        child.pending.clear()
+        child.ready.set()
+        child.ended.set()
+        if self._child is child:
+            self._child = None
+
+    @staticmethod
+    async def _reap(proc: subprocess.Popen[bytes], stream: anyio.abc.SocketStream | socket.socket) -> None:
+        """Close the child's socket (it exits when that closes), give it a second, then kill
+        it; and wait for it, so that no zombie is left."""
+        if isinstance(stream, socket.socket):
+            stream.close()
+        else:
+            await stream.aclose()
+        for _ in range(100):
+            if proc.poll() is not None:
+                return
+            await anyio.sleep(0.01)
+        proc.kill()
+        await anyio.to_thread.run_sync(proc.wait)
+
+
+def _death(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+V = TypeVar("V")
+
+
+def _remember(table: collections.OrderedDict[bytes, V], digest: bytes, value: V) -> None:
+    table[digest] = value
+    table.move_to_end(digest)
+    while len(table) > REMEMBERED:
+        table.popitem(last=False)
