@@ -32,7 +32,7 @@ from kvservice._peerproc import PeerProcess, pattern
 from kvservice._protocol import Join, Message, Reject
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
-from tests.hostile import authenticate, join_for, wire_memory
+from tests.hostile import authenticate, join_for, own_key, wire_memory
 
 pytestmark = pytest.mark.nixl
 
@@ -98,7 +98,7 @@ def rkey_span(md: bytes) -> tuple[int, int]:
 
 async def present(address: str, agent: str, metadata: bytes) -> Message | None:
     """A peer claiming ``agent`` joins with ``metadata``; the answer (a Join when it loaded)."""
-    raw = await authenticate(address, key=None, agent=agent, my_address=f"127.0.0.1:{next(_ports)}")
+    raw = await authenticate(address, key=own_key(), agent=agent, my_address=f"127.0.0.1:{next(_ports)}")
     try:
         await raw.send(join_for(agent, metadata=metadata, memory=MEMORY or None))
         return await raw.recv()
