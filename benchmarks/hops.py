@@ -26,7 +26,7 @@ import anyio
 import anyio.to_thread
 
 from kvservice import TransferService, _door, _nixl, _watchdog
-from kvservice._protocol import decode_notif
+from kvservice._control.protocol import decode_notif
 from kvservice.bench._lines import Child
 from kvservice.bench.kv_side import make_config, quiet_logs
 from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases

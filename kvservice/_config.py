@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._addresses import is_loopback_host, is_unspecified_host
+from ._control.addresses import is_loopback_host, is_unspecified_host
 from ._results import ConfigError
 from ._trust.keys import ServiceKey, load_key, resolve_key
 from .memory._layout import KVLayout
@@ -82,7 +82,7 @@ class ServiceConfig:
 
     # -- bounds: each one refuses or drops, and counts (status()["refused"]) ----------
     #: connections accepted and still in their handshake, in all and from one source IP
-    #: (``_preauth``): a source past its share is refused; when all are held, a source
+    #: (``_control.preauth``): a source past its share is refused; when all are held, a source
     #: holding fewer than the heaviest takes that one's oldest slot, else it is refused
     max_handshakes: int = 64
     max_handshakes_per_source: int = 16

@@ -20,11 +20,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ._config import ServiceConfig
-from ._control import ControlPlane
+from ._control.plane import ControlPlane
+from ._control.protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._deadlines import Deadlines
 from ._door import DoorError
 from ._log import get_logger
-from ._protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from ._settle import Settlement

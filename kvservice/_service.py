@@ -18,14 +18,16 @@ import anyio
 import anyio.abc
 import numpy.typing as npt
 
-from ._addresses import split_address
 from ._config import ServiceConfig
-from ._control import ControlPlane, LocalPeer
+from ._control.addresses import split_address
+from ._control.peers import LocalPeer
+from ._control.plane import ControlPlane
+from ._control.protocol import Abort, Expect, Join, Settled
+from ._control.transport import Transport
 from ._core import LOCAL, ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
 from ._metrics import ServiceCollector
-from ._protocol import Abort, Expect, Join, Settled
 from ._requests import (
     Chunk,
     RecvRequest,
@@ -45,7 +47,6 @@ from ._results import (
     UnknownRequestError,
 )
 from ._stats import Stats
-from ._transport import Transport
 from ._trust.vetting import MetadataVetter
 from ._watchdog import Watchdog
 from .memory._pool import KVPool

@@ -20,7 +20,7 @@ nothing on the receiving side can recall it.  So a receiver's failed request is
 
 Every piece of that evidence is the sender's own: a fence or ``Settled`` counts
 only from the agent the request is held by (its notification's MAC proves the
-link it came on, ``_protocol.decode_notif``).
+link it came on, ``_control.protocol.decode_notif``).
 
 A sender that hangs (SIGSTOP) and later resumes settles nothing by re-linking:
 its released WRITE may still be running on the old endpoint, and nothing in

@@ -28,8 +28,8 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
+from ._control.protocol import FENCE, ChunkNotif, encode_notif
 from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
-from ._protocol import FENCE, ChunkNotif, encode_notif
 from ._requests import Chunk, SendRequest
 from ._results import FailureReason
 from .memory._regions import KVMemory

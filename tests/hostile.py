@@ -16,9 +16,9 @@ import anyio
 import anyio.abc
 import msgspec
 
-from kvservice._addresses import split_address
 from kvservice._config import ServiceConfig
-from kvservice._protocol import (
+from kvservice._control.addresses import split_address
+from kvservice._control.protocol import (
     HEADER_BYTES,
     PROTOCOL_VERSION,
     Hello,

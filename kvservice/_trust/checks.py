@@ -1,7 +1,7 @@
 """Checks of every field a peer supplies, before any of it is used.
 
 The control protocol's structs already bound types, lengths and integer ranges
-(``_protocol``); what is checked here needs context: our own identity, our
+(``_control.protocol``); what is checked here needs context: our own identity, our
 layout, and arithmetic over several fields.  Each check returns ``None`` or a
 sentence for the ``Reject`` the peer receives.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from .._addresses import is_unspecified_host, split_address
-from .._protocol import MemoryWire
+from .._control.addresses import is_unspecified_host, split_address
+from .._control.protocol import MemoryWire
 from ..memory._pairing import compare
 from ..memory._regions import KVMemory, memory_from_wire
 

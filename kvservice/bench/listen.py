@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from kvservice._addresses import join_address, split_address
+from kvservice._control.addresses import join_address, split_address
 from kvservice.bench import control
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import Channel, ControlError

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvservice._addresses import is_loopback_host, join_address, split_address
 from kvservice._config import ConfigError
+from kvservice._control.addresses import is_loopback_host, join_address, split_address
 from kvservice._trust.keys import load_key, resolve_key
 from kvservice.bench import _lines, control, engines, report
 from kvservice.bench._lines import Child, ChildError

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._protocol import MemoryWire, RegionWire
+from .._control.protocol import MemoryWire, RegionWire
 from ._layout import DTYPE_SIZES, PageIndex, check_pages
 
 #: the kinds of region, in the order they appear within a layer

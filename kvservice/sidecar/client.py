@@ -44,9 +44,9 @@ import anyio
 import anyio.abc
 import numpy.typing as npt
 
-from .._addresses import split_address
-from .._peers import CONNECTION_ERRORS, FramedStream
-from .._protocol import FrameError
+from .._control.addresses import split_address
+from .._control.links import CONNECTION_ERRORS, FramedStream
+from .._control.protocol import FrameError
 from .._requests import Recent, check_request_id
 from .._results import (
     FailureReason,

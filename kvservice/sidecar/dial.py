@@ -17,8 +17,8 @@ from collections.abc import Collection
 import anyio
 import anyio.abc
 
-from .._peers import CONNECTION_ERRORS, FramedStream
-from .._protocol import FrameError
+from .._control.links import CONNECTION_ERRORS, FramedStream
+from .._control.protocol import FrameError
 from .._results import KVServiceError
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
 from ..memory._layout import KVLayout

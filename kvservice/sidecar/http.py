@@ -22,9 +22,9 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import MultiListener
 
-from .._accept import accept_loop
+from .._control.accept import accept_loop
+from .._control.links import CONNECTION_ERRORS
 from .._log import get_logger
-from .._peers import CONNECTION_ERRORS
 
 log = get_logger("kvservice.sidecar.http")
 

@@ -29,10 +29,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._accept import accept_loop
+from .._control.accept import accept_loop
+from .._control.links import CONNECTION_ERRORS
+from .._control.protocol import FrameError
 from .._log import get_logger
-from .._peers import CONNECTION_ERRORS
-from .._protocol import FrameError
 from .._requests import Recent
 from .._results import KVServiceError, UnknownRequestError
 from .._service import TransferService

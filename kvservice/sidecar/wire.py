@@ -1,6 +1,6 @@
 """Frames between workers and the sidecar over its Unix socket.
 
-Same framing as the peer control channel (``kvservice._protocol``): a 4-byte
+Same framing as the peer control channel (``kvservice._control.protocol``): a 4-byte
 big-endian length, then a msgpack body decoded against a tagged union of
 ``msgspec.Struct`` types, so a frame is schema-checked as it is decoded, and a
 length above the limit is refused before the body is read.
@@ -29,8 +29,8 @@ import anyio.abc
 import anyio.lowlevel
 import msgspec
 
-from .._peers import FramedStream
-from .._protocol import HEADER_BYTES, decode_with, frame, frame_length
+from .._control.links import FramedStream
+from .._control.protocol import HEADER_BYTES, decode_with, frame, frame_length
 from .._results import FailureReason, TransferResult, TransferStatus
 
 SIDECAR_PROTOCOL_VERSION = 1

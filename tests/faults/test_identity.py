@@ -23,8 +23,8 @@ import msgspec
 import pytest
 
 from kvservice import FailureReason, KVPoll, TransferService
+from kvservice._control.protocol import FENCE, ChunkNotif, Failed, Message, Outcome, encode_notif
 from kvservice._peerproc import PeerProcess, pattern
-from kvservice._protocol import FENCE, ChunkNotif, Failed, Message, Outcome, encode_notif
 from kvservice._trust.keys import generate_key
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
 from tests.helpers import SMALL, config, eventually, peer_config, peers

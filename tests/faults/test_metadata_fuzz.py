@@ -26,10 +26,10 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, TransferService
+from kvservice._control.protocol import Join, Message, Reject
 from kvservice._door import DoorThread
 from kvservice._nixl import NixlDoor
 from kvservice._peerproc import PeerProcess, pattern
-from kvservice._protocol import Join, Message, Reject
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
 from tests.hostile import authenticate, join_for, own_key, wire_memory

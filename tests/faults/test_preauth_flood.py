@@ -1,5 +1,5 @@
 """Strangers holding handshake slots against a real prefill service (real NIXL, real
-decode processes): the pre-authentication pool is shared fairly (``kvservice._preauth``),
+decode processes): the pre-authentication pool is shared fairly (``kvservice._control.preauth``),
 and a connection it refuses is told why (a ``Reject``), so a dialer ends ``REFUSED``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, TransferService
-from kvservice._protocol import Hello, Reject
+from kvservice._control.protocol import Hello, Reject
 from tests.faults.test_hostile_peers import hostile_config, legit_transfer, refused
 from tests.helpers import peer_config, peers
 from tests.hostile import Raw, dial, is_reject

@@ -16,7 +16,7 @@ import pytest
 from anyio.streams.stapled import MultiListener
 from structlog.testing import capture_logs
 
-from kvservice._accept import BACKOFF_MAX_S, BACKOFF_MIN_S, accept_loop
+from kvservice._control.accept import BACKOFF_MAX_S, BACKOFF_MIN_S, accept_loop
 from kvservice.sidecar.local import short_tmpdir
 
 

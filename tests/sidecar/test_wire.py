@@ -12,7 +12,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from kvservice._protocol import FrameError
+from kvservice._control.protocol import FrameError
 from kvservice.sidecar.wire import (
     Finished,
     Send,

@@ -136,7 +136,7 @@ def test_checker_catches_a_late_write() -> None:
         original = world.on_write
 
         def write(src, dst, notif, remote_idx, **kw):  # type: ignore[no-untyped-def]
-            from kvservice._protocol import peek_notif
+            from kvservice._control.protocol import peek_notif
 
             n = peek_notif(notif)
             if n is not None:

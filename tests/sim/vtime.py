@@ -22,7 +22,7 @@ from typing import Any
 
 #: kvservice modules that read the clock
 CLOCK_MODULES = (
-    "kvservice._core", "kvservice._service", "kvservice._peers", "kvservice._requests",
+    "kvservice._core", "kvservice._service", "kvservice._control.links", "kvservice._requests",
     "kvservice._watchdog", "kvservice._door", "kvservice._stats",
 )
 START = 1000.0

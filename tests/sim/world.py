@@ -22,10 +22,10 @@ import structlog
 import torch
 
 from kvservice import ServiceConfig, TransferService
+from kvservice._control.protocol import FENCE, ChunkNotif, Settled, encode_notif, peek_notif
 from kvservice._core import FENCE_TRIES
 from kvservice._door import DoorError, LocalTable
 from kvservice._peerproc import pattern
-from kvservice._protocol import FENCE, ChunkNotif, Settled, encode_notif, peek_notif
 from kvservice._requests import RecvRequest, SendRequest
 from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
 from tests.helpers import SMALL

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from kvservice import ServiceConfig, TransferService
+from kvservice._control.protocol import ChunkNotif, encode_notif
 from kvservice._peerproc import pattern
-from kvservice._protocol import ChunkNotif, encode_notif
 from tests.helpers import SMALL, config
 
 from .fake_door import FakeDoor, FakeFabric

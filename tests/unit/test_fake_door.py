@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvservice import KVPool
+from kvservice._control.protocol import ChunkNotif, encode_notif
 from kvservice._door import DoorError, PostOp, TickPlan, XferState, run_tick
-from kvservice._protocol import ChunkNotif, encode_notif
 from kvservice._results import FailureReason
 from tests.helpers import SMALL, plane_indices, pool_table, register_pool
 

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, TransferStatus
-from kvservice._protocol import ChunkNotif
+from kvservice._control.protocol import ChunkNotif
 from tests.helpers import eventually
 
 from .fake_door import FakeFabric

@@ -15,7 +15,7 @@ import anyio.abc
 import torch
 
 from kvservice import FailureReason, TransferService
-from kvservice._peers import PeerLink
+from kvservice._control.links import PeerLink
 from tests.helpers import eventually
 
 from .fake_door import FakeFabric

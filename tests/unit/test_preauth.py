@@ -1,11 +1,11 @@
-"""The pre-authentication slot pool's policy, step by step (``kvservice._preauth``)."""
+"""The pre-authentication slot pool's policy, step by step (``kvservice._control.preauth``)."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from kvservice._preauth import EVICTED, LIMIT, NO_ADDRESS, SOURCE_LIMIT, HandshakeSlots, Slot, source_of
+from kvservice._control.preauth import EVICTED, LIMIT, NO_ADDRESS, SOURCE_LIMIT, HandshakeSlots, Slot, source_of
 
 
 def take(slots: HandshakeSlots, source: str) -> Slot:

@@ -9,9 +9,9 @@ import anyio.abc
 import msgspec
 import pytest
 
-from kvservice._addresses import split_address
-from kvservice._peers import ControlStream
-from kvservice._protocol import (
+from kvservice._control.addresses import split_address
+from kvservice._control.links import ControlStream
+from kvservice._control.protocol import (
     FORGED,
     HEADER_BYTES,
     NOTIF_MAGIC,

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvservice import KVPoll, TransferService, TransferStatus
-from kvservice._protocol import ChunkNotif, decode_notif, encode_notif
+from kvservice._control.protocol import ChunkNotif, decode_notif, encode_notif
 from tests.helpers import SMALL, eventually, plane_indices
 
 from .fake_door import FakeFabric

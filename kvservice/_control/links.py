@@ -1,7 +1,7 @@
 """Control-channel links to peers: framing, outbox and liveness.
 
 A ``PeerLink`` is one TCP connection to one peer service, after the handshake
-(``_control``).  It is used in both directions whichever side dialled.  The
+(``plane``).  It is used in both directions whichever side dialled.  The
 service owns what the link *means* (requests tied to the peer); this module
 only moves frames and says when the link is gone, and why.
 """
@@ -17,8 +17,9 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ._log import get_logger
-from ._protocol import (
+from .._log import get_logger
+from .._trust.handshake import FrameMac, LinkSecrets
+from .protocol import (
     HEADER_BYTES,
     Bye,
     FrameError,
@@ -33,7 +34,6 @@ from ._protocol import (
     frame,
     frame_length,
 )
-from ._trust.handshake import FrameMac, LinkSecrets
 
 __all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink", "open_join",
            "recv_join_or_reject", "send_join", "try_send"]

@@ -17,7 +17,7 @@ anything.  When a dial finds a *new* agent at an address a live peer was proven
 at, that peer restarted: the old incarnation is dropped (its requests fail
 ``PEER_LOST``, its NIXL agent is unloaded) before the new one is loaded.  One
 link per peer however it is addressed: ``localhost:p``, ``127.0.0.1:p`` and
-the peer's proven address all map, by canonical form (``_addresses``), to the
+the peer's proven address all map, by canonical form (``addressbook``), to the
 same agent.
 
 Secrets.  Each link derives from its handshake transcript (``LinkSecrets``) the
@@ -30,29 +30,43 @@ counts (``Stats.refuse``) and closes that connection whatever it raised, and
 each link guards its own reader (``PeerLink``): nothing a peer sends reaches
 the service's task group.  Bounds: ``max_handshakes`` connections in their
 handshake, ``max_handshakes_per_source`` of them from one source IP, shared
-fairly (``_preauth``; a refused or evicted one gets a ``Reject`` saying so),
+fairly (``preauth``; a refused or evicted one gets a ``Reject`` saying so),
 ``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()`` errors back off
-and go on (``_accept``).
+and go on (``accept``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import anyio
 import anyio.abc
 
-from ._accept import accept_loop
-from ._addressbook import AddressBook
-from ._addresses import join_address, split_address
-from ._config import ServiceConfig
-from ._door import Door, DoorError, DoorThread
-from ._log import get_logger
-from ._peers import (
+from .._config import ServiceConfig
+from .._door import Door, DoorError, DoorThread
+from .._log import get_logger
+from .._requests import Recent
+from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
+from .._stats import Stats
+from .._trust import checks
+from .._trust.handshake import (
+    ACCEPTOR,
+    DIALER,
+    LinkSecrets,
+    new_nonce,
+    prove,
+    transcript,
+    verify,
+)
+from .._trust.vetting import MetadataVetter
+from ..memory._pairing import PeerKV
+from .accept import accept_loop
+from .addressbook import AddressBook
+from .addresses import join_address
+from .dialing import Dialing
+from .links import (
     CONNECTION_ERRORS,
     ControlStream,
     PeerLink,
@@ -61,8 +75,19 @@ from ._peers import (
     send_join,
     try_send,
 )
-from ._preauth import EVICTED, LIMIT, SOURCE_LIMIT, HandshakeSlots, source_of
-from ._protocol import (
+from .peers import (
+    IncompatiblePeer,
+    LocalPeer,
+    Peer,
+    PeerEvents,
+    check_hello,
+    dial_failure,
+    endpoint_gone,
+    load_peer,
+    rejected_by,
+)
+from .preauth import EVICTED, SOURCE_LIMIT, HandshakeSlots, source_of
+from .protocol import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
     FrameError,
@@ -73,64 +98,14 @@ from ._protocol import (
     Reject,
     text,
 )
-from ._requests import Recent
-from ._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
-from ._stats import Stats
-from ._transport import ByteListener, TcpTransport, Transport
-from ._trust import checks
-from ._trust.handshake import (
-    ACCEPTOR,
-    DIALER,
-    NONCE_BYTES,
-    LinkSecrets,
-    new_nonce,
-    prove,
-    transcript,
-    verify,
-)
-from ._trust.vetting import MetadataVetter
-from .memory._pairing import PeerKV
-from .memory._regions import KVMemory
+from .transport import ByteListener, TcpTransport, Transport
 
 log = get_logger("kvservice.control")
 
-#: refusals that mean "not allowed" rather than "cannot work together"
-_REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
 #: the longest a refused connection's Reject may take to write (it fits a new socket's buffer)
 REJECT_SEND_S = 0.05
 #: inbound notification keys kept per agent: its current link's and the ones before
 _NOTIF_KEYS_PER_AGENT = 2
-
-
-class PeerEvents(Protocol):
-    """What the control plane tells its owner (the service)."""
-
-    def on_message(self, agent: str, msg: Message) -> None: ...
-    def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
-    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
-                     gone: bool, proven: frozenset[str]) -> None: ...
-    def on_peer_linked(self, agent: str) -> None: ...
-    def on_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None: ...
-    def released_by_door(self, xids: list[int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class LocalPeer:
-    """This service as peers see it."""
-
-    agent: str
-    memory: KVMemory
-    join: Join  # our NIXL metadata and KV memory, sent to authenticated peers only
-    key: bytes | None  # the cluster's shared key; None: unauthenticated (loopback)
-
-
-@dataclass(eq=False)
-class Peer:
-    agent: str
-    address: str  # as it advertises itself (a claim: shown, never acted on)
-    kv: PeerKV  # its KV memory, paired with ours
-    link: PeerLink
-    secrets: LinkSecrets
 
 
 @dataclass
@@ -156,7 +131,8 @@ class ControlPlane:
         self._tg = tg
         self._vetter = vetter  # None: the door's metadata is not NIXL's (the fake door)
         self._peers: dict[str, Peer] = {}  # agent -> peer
-        self._book = AddressBook(self.probe)  # which agent is proven at which address
+        self._dialing = Dialing(self._transport, config, local, lambda: self.address)
+        self._book = AddressBook(self._dialing.probe)  # which agent is proven at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
         # agent -> inbound notification keys of its latest links, newest first
         self._notif_in: Recent[str, list[bytes]] = Recent(2 * config.max_peers)
@@ -251,7 +227,7 @@ class ControlPlane:
         hello = await framed.recv(PREAUTH_FRAME_BYTES)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected hello, got {type(hello).__name__}", "hello_invalid")
-        self._check_hello(hello)
+        check_hello(hello, self._local.agent)
         nonce = new_nonce()
         script = transcript((hello.agent, hello.address, hello.nonce), (local.agent, self.address, nonce))
         await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce,
@@ -260,7 +236,7 @@ class ControlPlane:
             return None
         answer = await framed.recv(PREAUTH_FRAME_BYTES)
         if isinstance(answer, Reject):
-            raise _rejected_by(hello.address, answer)
+            raise rejected_by(hello.address, answer)
         if not isinstance(answer, Proof):
             raise ProtocolError(f"expected proof, got {type(answer).__name__}", "hello_invalid")
         why = verify(local.key, DIALER, script, answer.proof)
@@ -355,16 +331,16 @@ class ControlPlane:
         if self._vetter is not None:  # its first start is not the peer's delay
             await self._vetter.ready()
         with anyio.fail_after(self._cfg.connect_timeout_s):
-            framed = await self._connect(address)
+            framed = await self._dialing.connect(address)
             try:
-                reply, script = await self._hello_as_dialer(framed, address, probe=False)
+                reply, script = await self._dialing.hello(framed, address, probe=False)
                 await framed.send(Proof(prove(local.key, DIALER, script)))
                 secrets = LinkSecrets(local.key, script, DIALER)
                 framed.mac = secrets.frame_mac
                 await send_join(framed, local.join, secrets)
                 answer = await recv_join_or_reject(framed)
                 if isinstance(answer, Reject):
-                    raise _rejected_by(address, answer)
+                    raise rejected_by(address, answer)
                 join = open_join(answer, secrets)
                 peer = await self._admit(framed, reply, join, secrets, dialled=canon)
             except BaseException:
@@ -372,69 +348,14 @@ class ControlPlane:
                 raise
         return peer
 
-    async def _connect(self, address: str) -> ControlStream:
-        host, port = split_address(address)
-        try:
-            stream = await self._transport.connect(host, port)
-        except OSError as exc:
-            # anyio reports "all attempts failed"; its cause says whether one was refused
-            refused = isinstance(exc, ConnectionRefusedError) or isinstance(exc.__cause__, ConnectionRefusedError)
-            cls = ConnectionRefusedError if refused else ConnectionError
-            raise cls(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
-        return ControlStream(stream, self._cfg.max_frame_bytes)
-
-    async def _hello_as_dialer(self, framed: ControlStream, address: str, *, probe: bool) -> tuple[Hello, bytes]:
-        """Our Hello, the acceptor's, its proof checked: (its Hello, the transcript)."""
-        local = self._local
-        nonce = new_nonce()
-        await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce, probe=probe))
-        reply = await framed.recv(PREAUTH_FRAME_BYTES)
-        if isinstance(reply, Reject):
-            raise _rejected_by(address, reply)
-        if not isinstance(reply, Hello):
-            raise ProtocolError(f"{address} answered {type(reply).__name__}, not hello")
-        self._check_hello(reply)
-        script = transcript((local.agent, self.address, nonce), (reply.agent, reply.address, reply.nonce))
-        why = verify(local.key, ACCEPTOR, script, reply.proof)
-        if why is not None:
-            if not probe:
-                await try_send(framed, Reject(why, "auth"))
-            raise AuthenticationError(f"{address}: {why}")
-        return reply, script
-
     async def probe(self, address: str) -> str:
-        """The agent that answers at ``address`` now, proven by its proof over our fresh
-        nonce (with a key; without one, as it names itself).  Raises as a dial does:
-        ``ConnectionRefusedError`` when nobody listens there."""
-        with anyio.fail_after(self._cfg.connect_timeout_s):
-            framed = await self._connect(address)
-            try:
-                reply, _ = await self._hello_as_dialer(framed, address, probe=True)
-            finally:
-                await framed.aclose()
-        return reply.agent
+        """The agent that answers at ``address`` now (``dialing.probe``)."""
+        return await self._dialing.probe(address)
 
     def dial_failure(self, exc: BaseException) -> FailureReason:
-        if isinstance(exc, ProtocolError):
-            return FailureReason.REFUSED if exc.kind in _REFUSED_KINDS else FailureReason.INCOMPATIBLE
-        if isinstance(exc, DoorError):
-            return exc.reason
-        if isinstance(exc, KVServiceError):
-            return FailureReason.SHUTDOWN
-        return FailureReason.PEER_LOST
+        return dial_failure(exc)
 
     # -- the handshake ---------------------------------------------------------------
-    def _check_hello(self, hello: Hello) -> None:
-        """Pre-authentication checks of a Hello (raises ``ProtocolError``)."""
-        if hello.version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"protocol version {hello.version}, this service speaks {PROTOCOL_VERSION}", "version")
-        if len(hello.nonce) != NONCE_BYTES:
-            raise ProtocolError(f"nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", "hello_invalid")
-        why = checks.check_agent(hello.agent, self._local.agent) or checks.check_address(hello.address)
-        if why is not None:
-            raise ProtocolError(why, "hello_invalid")
-
     async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets,
                      dialled: str | None = None) -> Peer:
         """Check an authenticated peer's pool, load it into NIXL and link it (raises
@@ -477,7 +398,7 @@ class ControlPlane:
                 await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
                                         gone=True)
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
-                await self._thread.call(_load, self._door, agent, join, kv)  # DoorError: refused
+                await self._thread.call(load_peer, self._door, agent, join, kv)  # DoorError: refused
             link = PeerLink(
                 framed, agent=agent, address=hello.address, generation=next(self._generations),
                 on_message=self._on_message, on_lost=self._on_lost, on_refused=self._stats.refuse,
@@ -578,7 +499,7 @@ class ControlPlane:
         # yet (its Bye can overtake them): take them first, so what arrived succeeds.
         self._events.on_notifs(await self._thread.call(self._door.notifs))
         if not graceful and not gone:
-            gone = await self._thread.call(_endpoint_gone, self._door, agent)
+            gone = await self._thread.call(endpoint_gone, self._door, agent)
         self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, proven)
         peer.link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)
@@ -613,35 +534,3 @@ class ControlPlane:
         async with anyio.create_task_group() as tg:
             for peer in list(self._peers.values()):
                 tg.start_soon(peer.link.flush_and_close, timeout)
-
-
-def _load(door: Door, agent: str, join: Join, kv: PeerKV) -> None:
-    """On the door thread: the descriptor tables of the pair, then the peer's NIXL agent."""
-    remote, local = kv.tables()
-    door.add_peer(agent, join.metadata, remote, None if local is None else (kv.local_key, local))
-
-
-#: the notification that asks NIXL whether a peer's endpoint is still there
-PROBE_NOTIF = b"kvservice-probe"
-
-
-def _endpoint_gone(door: Door, agent: str) -> bool:
-    """On the door thread: whether NIXL reports ``agent``'s endpoint disconnected."""
-    try:
-        door.send_notif(agent, PROBE_NOTIF)
-    except DoorError as exc:
-        return exc.reason is FailureReason.REMOTE_DISCONNECT
-    return False
-
-
-class IncompatiblePeer(ProtocolError):
-    """A peer's KV memory does not pair with ours; ``for_peer`` says why from its side."""
-
-    def __init__(self, message: str, for_peer: str) -> None:
-        super().__init__(message, "incompatible")
-        self.for_peer = for_peer
-
-
-def _rejected_by(address: str, reject: Reject) -> ProtocolError:
-    message = f"{address} refused us: {reject.message}"
-    return AuthenticationError(message) if reject.kind == "auth" else ProtocolError(message, reject.kind or "rejected")

@@ -8,7 +8,7 @@ from typing import Protocol
 import anyio
 import anyio.abc
 
-from ._accept import Acceptor
+from .accept import Acceptor
 
 
 class ByteListener(Acceptor[anyio.abc.ByteStream], Protocol):

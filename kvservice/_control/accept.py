@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 from anyio.streams.stapled import MultiListener
 
-from ._log import get_logger
+from .._log import get_logger
 
 log = get_logger("kvservice.accept")
 

@@ -34,7 +34,7 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
-from ._trust.handshake import NOTIF_MAC_BYTES, notif_mac
+from .._trust.handshake import NOTIF_MAC_BYTES, notif_mac
 
 T = TypeVar("T")
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from ._addresses import literal_canonical, resolve_canonical
-from ._log import get_logger
+from .._log import get_logger
+from .addresses import literal_canonical, resolve_canonical
 
 log = get_logger("kvservice.control")
 

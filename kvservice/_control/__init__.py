@@ -1,0 +1,17 @@
+"""The control plane: how services find, prove and talk to each other.
+
+One concern, one folder.  Everything a peer says before and after authentication
+travels here; what the requests *mean* lives in the service core (``_core``).
+
+- ``protocol``: the messages (msgspec structs whose fields carry their bounds), their
+  framing, and the NIXL notification format with its MAC.
+- ``transport``, ``accept``: TCP listening and dialling, and the accept loop that
+  backs off from ``accept()`` errors instead of ending the service.
+- ``preauth``: handshake slots shared fairly between sources before the key is proved.
+- ``links``: a peer's framed, sealed stream after the handshake (``PeerLink``: outbox,
+  heartbeat, liveness); the Join sealed and opened.
+- ``addresses``, ``addressbook``: canonical "host:port" spellings, and which agent is
+  proven (never merely claimed) to answer at which address.
+- ``plane``: ``ControlPlane``, the peer table: the handshake (``_trust`` holds the keys,
+  proofs and checks), admission and loading into NIXL, dialling, probes, drops.
+"""

@@ -1,0 +1,113 @@
+"""Who a peer is, as the control plane keeps it, and what the plane tells the service.
+
+``LocalPeer`` is this service as peers see it; ``Peer`` one linked peer (its claimed
+address is shown, never acted on: ``addressbook``).  The checks of a Hello before
+the key is proved, the reading of a peer's refusal, and what a failed dial means
+to a request (``dial_failure``) live here too, beside the two door-thread helpers
+that load a peer into NIXL and ask NIXL whether its endpoint is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from .._door import Door, DoorError
+from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
+from .._trust import checks
+from .._trust.handshake import NONCE_BYTES, LinkSecrets
+from ..memory._pairing import PeerKV
+from ..memory._regions import KVMemory
+from .links import PeerLink
+from .preauth import EVICTED, LIMIT, SOURCE_LIMIT
+from .protocol import PROTOCOL_VERSION, Hello, Join, Message, Reject
+
+#: refusals that mean "not allowed" rather than "cannot work together"
+REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
+
+
+class PeerEvents(Protocol):
+    """What the control plane tells its owner (the service)."""
+
+    def on_message(self, agent: str, msg: Message) -> None: ...
+    def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
+    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
+                     gone: bool, proven: frozenset[str]) -> None: ...
+    def on_peer_linked(self, agent: str) -> None: ...
+    def on_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None: ...
+    def released_by_door(self, xids: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalPeer:
+    """This service as peers see it."""
+
+    agent: str
+    memory: KVMemory
+    join: Join  # our NIXL metadata and KV memory, sent to authenticated peers only
+    key: bytes | None  # the cluster's shared key; None: unauthenticated (loopback)
+
+
+@dataclass(eq=False)
+class Peer:
+    agent: str
+    address: str  # as it advertises itself (a claim: shown, never acted on)
+    kv: PeerKV  # its KV memory, paired with ours
+    link: PeerLink
+    secrets: LinkSecrets
+
+
+def check_hello(hello: Hello, own_agent: str) -> None:
+    """Pre-authentication checks of a Hello (raises ``ProtocolError``)."""
+    if hello.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {hello.version}, this service speaks {PROTOCOL_VERSION}", "version")
+    if len(hello.nonce) != NONCE_BYTES:
+        raise ProtocolError(f"nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", "hello_invalid")
+    why = checks.check_agent(hello.agent, own_agent) or checks.check_address(hello.address)
+    if why is not None:
+        raise ProtocolError(why, "hello_invalid")
+
+
+def dial_failure(exc: BaseException) -> FailureReason:
+    """What a failed dial (or handshake) means for the requests that waited on it."""
+    if isinstance(exc, ProtocolError):
+        return FailureReason.REFUSED if exc.kind in REFUSED_KINDS else FailureReason.INCOMPATIBLE
+    if isinstance(exc, DoorError):
+        return exc.reason
+    if isinstance(exc, KVServiceError):
+        return FailureReason.SHUTDOWN
+    return FailureReason.PEER_LOST
+
+
+def load_peer(door: Door, agent: str, join: Join, kv: PeerKV) -> None:
+    """On the door thread: the descriptor tables of the pair, then the peer's NIXL agent."""
+    remote, local = kv.tables()
+    door.add_peer(agent, join.metadata, remote, None if local is None else (kv.local_key, local))
+
+
+#: the notification that asks NIXL whether a peer's endpoint is still there
+PROBE_NOTIF = b"kvservice-probe"
+
+
+def endpoint_gone(door: Door, agent: str) -> bool:
+    """On the door thread: whether NIXL reports ``agent``'s endpoint disconnected."""
+    try:
+        door.send_notif(agent, PROBE_NOTIF)
+    except DoorError as exc:
+        return exc.reason is FailureReason.REMOTE_DISCONNECT
+    return False
+
+
+class IncompatiblePeer(ProtocolError):
+    """A peer's KV memory does not pair with ours; ``for_peer`` says why from its side."""
+
+    def __init__(self, message: str, for_peer: str) -> None:
+        super().__init__(message, "incompatible")
+        self.for_peer = for_peer
+
+
+def rejected_by(address: str, reject: Reject) -> ProtocolError:
+    message = f"{address} refused us: {reject.message}"
+    return AuthenticationError(message) if reject.kind == "auth" else ProtocolError(message, reject.kind or "rejected")
