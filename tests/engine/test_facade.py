@@ -166,6 +166,7 @@ def test_abort_ends_both_sides_and_the_receiver_settles(side: str) -> None:
         sender = prefill.sender("ab")
         sender.send([1], last=True)
         until(lambda: sender.poll() is KVPoll.Transferring and len(txd.live_ids()) == 1)
+        (xid,) = txd.live_ids()
         (sender if side == "sender" else receiver).abort()
         here = sender if side == "sender" else receiver
         assert here.poll() is KVPoll.Failed  # at once, without a trip to the loop
@@ -173,11 +174,13 @@ def test_abort_ends_both_sides_and_the_receiver_settles(side: str) -> None:
         until(ended(sender, receiver))
         for t in (sender, receiver):
             assert t.result is not None and t.result.reason is FailureReason.ABORTED, t.result
-        until(lambda: txd.live_xfers() == 0)
-        until(lambda: sender.settled)  # the sender's handle is released
+        # the WRITE's handle is released (the fence that follows may already be posted)
+        until(lambda: txd.release_counts.get(xid) == 1)
+        until(lambda: sender.settled)
         assert not receiver.settled  # the hung fake holds the sender's fence too
         txd.complete_immediately()
-        until(lambda: receiver.settled)  # the fence landed: the receiver's pages are free
+        # the fence, posted while hung (or queued), lands: the receiver's pages are free
+        until(lambda: txd.finish_hung() >= 0 and receiver.settled)
         here.abort()  # ended: a no-op
         assert here.result is not None and here.result.reason is FailureReason.ABORTED
     fabric.assert_clean()

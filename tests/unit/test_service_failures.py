@@ -301,8 +301,8 @@ async def test_abort_resolves_the_other_side_aborted(side: str) -> None:
             again = await (tx if side == "sender" else rx).abort("ab")  # already ended: how it ended
             assert again is not None and (again.status, again.reason, again.message) == (
                 here.status, here.reason, here.message)
-            await eventually(lambda: txd.live_xfers() == 0, GUARD_S)
-            assert txd.release_counts[xid] == 1
+            # the WRITE's handle is released (the fence that follows may already be posted)
+            await eventually(lambda: txd.release_counts.get(xid) == 1, GUARD_S)
             # both sides settle once the sender's door released the handle: the sender at
             # once; the receiver when the sender's fence lands (the fake no longer hangs it)
             assert (await tx.await_settled("ab", timeout=GUARD_S)).settled
