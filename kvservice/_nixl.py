@@ -182,7 +182,14 @@ class TrialLoader:
             self._agent.remove_remote_agent(name)
         except NIXL_ERRORS as exc:
             return f"loaded, but not removed again: {type(exc).__name__}: {exc}"
+        self.progress()  # let UCX finish closing what the load opened towards the peer
         return None
+
+    def progress(self) -> None:
+        """Drive UCX's progress once (this agent has no progress thread): endpoints it
+        is closing finish closing, and what peers send it is read rather than left
+        queued in the kernel."""
+        self._agent.get_new_notifs()
 
 
 class NixlDoor:

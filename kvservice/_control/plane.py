@@ -376,6 +376,9 @@ class ControlPlane:
         inside = self._door.metadata_agent(join.metadata)
         if inside != agent:
             raise ProtocolError(f"NIXL metadata names agent {inside!r}, not {agent!r}", "metadata_mismatch")
+        current = self._peers.get(agent)
+        if current is not None and current.link.alive(self._cfg.peer_timeout_s):  # checked again below
+            raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
         # Outside the table lock: a vetting child restarting after bad metadata (seconds)
         # delays this peer only, not every other admit and drop.
         await self._vet(framed, join, dialled)

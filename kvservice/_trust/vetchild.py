@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import sys
 from typing import BinaryIO
 
 from .vetting import BROKEN, LOADED, MAX_REQUEST_BYTES, READY, REFUSED, REPLY, REQUEST
+
+#: how often an idle child drives UCX's progress
+IDLE_PROGRESS_S = 0.05
 
 
 def _read(stream: BinaryIO, n: int) -> bytes | None:
@@ -63,6 +67,12 @@ def main() -> int:
         return 1
     _reply(sock, 0, READY, "")
     while True:
+        # Idle, UCX still needs progress: connections a trial load opened to a peer
+        # finish closing, and nothing they receive stays queued in the kernel.  (The
+        # service sends one request and awaits its reply: nothing waits in ``requests``'
+        # buffer here, so the socket itself says when the next one comes.)
+        while not select.select([sock], [], [], IDLE_PROGRESS_S)[0]:
+            loader.progress()
         head = _read(requests, REQUEST.size)
         if head is None:
             return 0

@@ -226,6 +226,12 @@ def _heal(w: Wire, method: str, host: Host) -> None:
     if method == "link_down":
         w.link_up(host)
     w.unshape(host)  # drops the loss qdisc, and the shaping
+    # Forget the neighbour entries the cut left FAILED (ARP went unanswered while the
+    # link was down): a dial right after the heal would get "No route to host" from
+    # them for a while.  The vetting children's UCX endpoints towards the peer keep
+    # trying during a cut, which makes that likelier than when only the services dial.
+    for h in (w.a, w.b):
+        h.ip_cmd("neigh", "flush", "dev", h.dev)
 
 
 async def cut_in_flight(w: Wire, method: str, decode: PeerProcess, prefill: PeerProcess) -> Cut:
