@@ -89,12 +89,6 @@ async def test_a_claimed_address_or_a_forged_fence_settles_nothing(key_file: str
     async with (peers(peer_config(LAYOUT, **keyed), env=TCP) as (prefill,),
                 TransferService(config(LAYOUT, **keyed)) as decode,
                 TransferService(config(LAYOUT, **keyed)) as mallory):
-        # linked first (its vetting child up), so the held request binds within its deadline
-        await prefill.command(op="fill", rid="warm", pages=[0])
-        await prefill.event("filled", "warm")
-        await decode.expect("warm", [1], sender=prefill.address)
-        await prefill.command(op="send", rid="warm", pages=[0], last=True)
-        assert (await decode.await_arrival("warm", timeout=WAIT_S)).ok
         await send_then_stop(prefill, decode, "held")
         try:
             failed = await decode.await_arrival("held", timeout=WAIT_S)

@@ -67,7 +67,15 @@ async def test_abort_then_reuse_after_settle_keeps_the_reused_pages(delay_ms: in
 
 
 async def send_then_stop(prefill: PeerProcess, decode: TransferService, rid: str) -> None:
-    """``rid`` expected with a short arrival deadline, sent, and its sender SIGSTOPped mid-copy."""
+    """``rid`` expected with a short arrival deadline, sent, and its sender SIGSTOPped mid-copy.
+    The two are linked first (a small request), so the deadline is the copy's alone, not
+    also a first link's (which waits for the services' metadata vetting children)."""
+    warm = f"{rid}-warm"
+    await prefill.command(op="fill", rid=warm, pages=[0])
+    await prefill.event("filled", warm)
+    await decode.expect(warm, [1], sender=prefill.address)
+    await prefill.command(op="send", rid=warm, pages=[0], last=True)
+    assert (await decode.await_arrival(warm, timeout=30)).ok
     await prefill.command(op="fill", rid=rid, pages=PAGES)
     await prefill.event("filled", rid)
     await decode.expect(rid, PAGES, sender=prefill.address, timeout=1.5)
