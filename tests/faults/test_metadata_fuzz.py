@@ -29,8 +29,9 @@ from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Join, Message, Reject
 from kvservice._door import DoorThread
 from kvservice._nixl import NixlDoor
-from kvservice._peerproc import PeerProcess, pattern
+from kvservice._peerproc import PeerProcess
 from kvservice.memory._pool import KVPool
+from tests.faults.test_hostile_peers import legit_transfer
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
 from tests.hostile import authenticate, join_for, own_key, wire_memory
 
@@ -111,18 +112,6 @@ async def refused(decode: PeerProcess) -> dict[str, int]:
     await decode.command(op="status", id=rid)
     status = await decode.wait_for(lambda e: e["event"] == "status" and e.get("id") == rid, timeout=10)
     return dict(status["refused"])
-
-
-async def legit_transfer(svc: TransferService, decode: PeerProcess) -> None:
-    rid = f"legit-{next(_rids)}"
-    src, dst = [3, 4, 5], [40, 41, 42]
-    svc.kv.write(src, pattern(SMALL, rid, len(src)))
-    await decode.command(op="expect", rid=rid, pages=dst, sender=svc.address)
-    await decode.event("expecting", rid)
-    result = await svc.await_completion(await svc.send(rid, src, last=True), timeout=15)
-    assert result.ok, result
-    arrived = await decode.event("arrived", rid)
-    assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
 
 
 async def alive(decode: PeerProcess, *, wait: bool) -> None:
