@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CACHE=${KVSERVICE_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvservice/envs}
-KEY=$(cat scripts/vllm-env.sh pyproject.toml | sha256sum | cut -c1-12)
+KEY=$(sha256sum scripts/vllm-env.sh | cut -c1-12)
 ENV="$CACHE/vllm-$KEY"
 if [ -f "$ENV/.complete" ]; then
     echo "$ENV"

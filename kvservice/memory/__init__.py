@@ -9,7 +9,7 @@ Two services' memories pair up (``_pairing``) region by region at the handshake.
 from ._layout import KVLayout
 from ._pool import KVPool
 from ._regions import KVMemory, Region
-from .engines import from_regions, mla, pool_memory, sglang_mha, vllm_blocks
+from .engines import from_regions, mla, pool_memory, sglang_mha, vllm_blocks, vllm_cpu_blocks
 
 __all__ = ["KVLayout", "KVMemory", "KVPool", "Region", "from_regions", "mla", "pool_memory", "sglang_mha",
-           "vllm_blocks"]
+           "vllm_blocks", "vllm_cpu_blocks"]

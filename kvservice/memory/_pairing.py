@@ -43,7 +43,7 @@ def _view(region: Region, lo: int, hi: int, runs: int) -> View:
     """Heads ``lo:hi`` (local indices) of ``region``'s page, as ``runs`` runs."""
     head = region.head_dim * region.itemsize
     if region.order == "HND":
-        return View(lo * region.tokens * head, 1, 0, (hi - lo) * region.tokens * head)
+        return View(lo * region.head_bytes, 1, 0, (hi - lo) * region.head_bytes)
     if runs == 1:  # whole page
         return View(0, 1, 0, region.page_bytes)
     return View(lo * head, runs, region.heads * head, (hi - lo) * head)

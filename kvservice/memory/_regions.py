@@ -5,8 +5,10 @@ A *region* is one slab of KV of one layer: ``num_pages`` pages, page *p* at
 tokens of ``heads`` KV heads of ``head_dim`` elements, token-major (``NHD``:
 ``[token][head][dim]``) or head-major (``HND``: ``[head][token][dim]``).  An
 engine's per-layer K and V tensors are two regions per layer; an MLA latent
-cache is one (``kind="latent"``); kvservice's own pool (``KVPool``) is one case
-of the same thing.
+cache is one (``kind="latent"``); a cache that keeps each head's K and V side by
+side (vLLM's CPU attention: per block and head, the block's K tokens then its V
+tokens) is one head-major region of ``kind="kv"``, whose pages hold two planes
+per head; kvservice's own pool (``KVPool``) is one case of the same thing.
 
 ``KVMemory`` is the whole description of one service's KV: its regions ordered
 by layer (every layer the same kinds in the same order), the memory segments
@@ -29,7 +31,9 @@ from .._control.protocol import MemoryWire, RegionWire
 from ._layout import DTYPE_SIZES, PageIndex, check_pages
 
 #: the kinds of region, in the order they appear within a layer
-KINDS = ("k", "v", "latent")
+KINDS = ("k", "v", "latent", "kv")
+#: what one layer's regions may be
+LAYER_KINDS = (["k", "v"], ["latent"], ["kv"])
 ORDERS = ("NHD", "HND")
 _ADDRESS_SPACE = 1 << 64
 
@@ -64,6 +68,8 @@ class Region:
             raise ValueError(f"region {self.name}: order must be one of {ORDERS}, got {self.order!r}")
         if self.kind == "latent" and self.heads != 1:
             raise ValueError(f"region {self.name}: a latent region has one head, got {self.heads}")
+        if self.kind == "kv" and self.order != "HND":
+            raise ValueError(f"region {self.name}: a fused K/V region is head-major (HND), got {self.order!r}")
         if self.page_stride < self.page_bytes:
             raise ValueError(f"region {self.name}: page_stride {self.page_stride} is less than a page "
                              f"({self.page_bytes} bytes): pages would overlap")
@@ -77,8 +83,18 @@ class Region:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def planes(self) -> int:
+        """Planes per head in a page: 2 for a fused K/V region (K then V), else 1."""
+        return 2 if self.kind == "kv" else 1
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one page (head-major: contiguous)."""
+        return self.planes * self.tokens * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
     def page_bytes(self) -> int:
-        return self.tokens * self.heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        return self.heads * self.head_bytes
 
     def end(self, num_pages: int) -> int:
         """One past the last byte of the region's last page."""
@@ -105,7 +121,7 @@ class KVMemory:
     tp_size: int = 1
     tp_rank: int = 0
     keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
-    #: regions per layer: 2 (K, V) or 1 (MLA latent)
+    #: regions per layer: 2 (K, V) or 1 (MLA latent, fused K/V)
     per_layer: int = field(init=False, compare=False, repr=False)
     layers: int = field(init=False, compare=False, repr=False)
     #: bytes of one page across every region
@@ -123,8 +139,9 @@ class KVMemory:
             raise ValueError(f"KVMemory: tp_rank {self.tp_rank!r} of tp_size {self.tp_size!r} is not a rank")
         first = self.regions[0]
         kinds = [r.kind for r in self.regions if r.layer == 0]
-        if kinds not in (["k", "v"], ["latent"]):
-            raise ValueError(f"KVMemory: a layer is a K then a V region, or one latent region; layer 0 has {kinds}")
+        if kinds not in LAYER_KINDS:
+            raise ValueError(f"KVMemory: a layer is a K then a V region, one latent region or one fused K/V "
+                             f"region; layer 0 has {kinds}")
         if len(self.regions) % len(kinds):
             raise ValueError(f"KVMemory: every layer must have the same regions (layer 0 has {kinds})")
         for i, region in enumerate(self.regions):

@@ -14,6 +14,8 @@ constructor                per-layer tensor                              order
 False)``
 ``vllm_blocks(order=       ``(2, num_blocks, kv_heads, block_size, D)``  HND
 "HND")``
+``vllm_cpu_blocks``        ``(num_blocks, kv_heads, block_size, 2 * D)``  HND
+                           (per head: K's tokens, then V's; one region)
 ``mla``                    ``(num_tokens, 1, kv_lora_rank + rope_dim)``  --
 ``pool_memory``            kvservice's pool ``(layers, 2, pages, elems)``  NHD
 =========================  ============================================  =====
@@ -119,6 +121,25 @@ def vllm_blocks(
             stride = block if kv_first else 2 * block
             regions.append(Region(addr, stride, layer, kind, dtype, block_size, heads, head_dim, order,
                                   max(t.get_device(), 0)))
+    return _memory(regions, num_blocks, kv_caches, tp_size, tp_rank)
+
+
+def vllm_cpu_blocks(kv_caches: Sequence[torch.Tensor], *, tp_size: int = 1, tp_rank: int = 0) -> KVMemory:
+    """vLLM's CPU attention cache, one tensor per layer ``(num_blocks, kv_heads, block_size,
+    2 * head_dim)``: each (block, head) holds the block's K tokens, then its V tokens
+    (vLLM views it as ``(num_blocks, kv_heads, 2 * block_size, head_dim)`` and splits the
+    third dimension).  One fused K/V region per layer (``kind="kv"``); a page is a block."""
+    _check_layers("kv_caches", kv_caches, (0, 0, 0, 0))
+    num_blocks, heads, block_size, width = kv_caches[0].shape
+    if width % 2:
+        raise ValueError(f"kv_caches: the last dimension holds K and V (2 * head_dim), got shape "
+                         f"{tuple(kv_caches[0].shape)}")
+    head_dim = width // 2
+    stride = heads * block_size * width * kv_caches[0].element_size()
+    dtype = dtype_name(kv_caches[0])
+    regions = [Region(t.data_ptr(), stride, layer, "kv", dtype, block_size, heads, head_dim, "HND",
+                      max(t.get_device(), 0))
+               for layer, t in enumerate(kv_caches)]
     return _memory(regions, num_blocks, kv_caches, tp_size, tp_rank)
 
 

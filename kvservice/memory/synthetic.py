@@ -20,10 +20,10 @@ import torch
 
 from ._layout import DTYPE_SIZES
 from ._regions import KVMemory
-from .engines import mla, sglang_mha, vllm_blocks
+from .engines import mla, sglang_mha, vllm_blocks, vllm_cpu_blocks
 
 #: the layouts ``SyntheticKV`` builds: name -> (constructor, its keyword arguments)
-ENGINES = ("sglang_mha", "vllm", "vllm_blocks_first", "vllm_hnd", "mla")
+ENGINES = ("sglang_mha", "vllm", "vllm_blocks_first", "vllm_hnd", "vllm_cpu", "mla")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,10 @@ class SyntheticKV:
         elif s.engine == "mla":
             self.tensors = [torch.zeros(tokens, 1, s.head_dim, dtype=dtype) for _ in range(s.layers)]
             self.memory = mla(self.tensors, s.page_tokens, **tp)
+        elif s.engine == "vllm_cpu":
+            shape = (s.pages, h, s.page_tokens, 2 * s.head_dim)
+            self.tensors = [torch.zeros(shape, dtype=dtype) for _ in range(s.layers)]
+            self.memory = vllm_cpu_blocks(self.tensors, **tp)
         else:
             block = (h, s.page_tokens) if s.engine == "vllm_hnd" else (s.page_tokens, h)
             first = s.engine != "vllm_blocks_first"
@@ -113,6 +117,9 @@ class SyntheticKV:
         if s.engine == "mla":
             return self.tensors[layer][page * s.page_tokens : (page + 1) * s.page_tokens]
         t = self.tensors[layer]
+        if s.engine == "vllm_cpu":  # per head: the block's K tokens, then its V tokens
+            fused = t[page].view(s.local_heads, 2 * s.page_tokens, s.head_dim)
+            return fused[:, kind * s.page_tokens : (kind + 1) * s.page_tokens].permute(1, 0, 2)
         block = t[page, kind] if s.engine == "vllm_blocks_first" else t[kind, page]
         return block.permute(1, 0, 2) if s.engine == "vllm_hnd" else block
 

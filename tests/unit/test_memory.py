@@ -12,7 +12,7 @@ import torch
 
 from kvservice import TensorParallel, TransferService
 from kvservice._requests import place
-from kvservice.memory import KVMemory, Region, from_regions, mla, sglang_mha, vllm_blocks
+from kvservice.memory import KVMemory, Region, from_regions, mla, sglang_mha, vllm_blocks, vllm_cpu_blocks
 from kvservice.memory._pairing import Indexer, Pair, compare, pair
 from kvservice.memory._regions import memory_from_wire, memory_to_wire, regions_table
 from kvservice.memory.synthetic import ENGINES, EngineSpec, SyntheticKV
@@ -48,12 +48,12 @@ def test_regions_point_at_every_page_of_the_engine_tensors(engine: str) -> None:
     table = regions_table(m.regions, m.num_pages)
     assert m.num_pages == 8 and m.layers == 2 and len(m.regions) == 2 * m.per_layer
     for r, region in enumerate(m.regions):
-        kind = 0 if region.kind in ("k", "latent") else 1
+        kind = 1 if region.kind == "v" else 0  # a fused K/V region starts with K
         for page in range(m.num_pages):
             view = k.page(region.layer, kind, page)
             start = view.data_ptr() if region.order == "NHD" else view.permute(1, 0, 2).data_ptr()
             assert table[r * m.num_pages + page].tolist() == [start, region.page_bytes, 0]
-            assert region.page_bytes == view.numel() * view.element_size()
+            assert region.page_bytes == view.numel() * view.element_size() * region.planes
     assert m.page_bytes == sum(r.page_bytes for r in m.regions)
     assert len(m.segments) == len(k.tensors) and m.mem_type == "DRAM"
 
@@ -69,6 +69,12 @@ def test_constructors_refuse_what_they_cannot_describe() -> None:
         sglang_mha([strided], [strided], 4)
     with pytest.raises(ValueError, match="K/V dimension of 2"):
         vllm_blocks([torch.zeros(3, 4, 4, 2, 8)])
+    with pytest.raises(ValueError, match=r"2 \* head_dim"):
+        vllm_cpu_blocks([torch.zeros(3, 2, 32, 9)])
+    with pytest.raises(ValueError, match="expected 4 dimensions"):
+        vllm_cpu_blocks([torch.zeros(2, 3, 2, 32, 8)])
+    with pytest.raises(ValueError, match=r"fused K/V region is head-major"):
+        Region(4096, 4096, 0, "kv", "float32", 4, 2, 8, "NHD")
     with pytest.raises(ValueError, match=r"expected \(num_tokens, 1, width\)"):
         mla([torch.zeros(16, 2, 8)], 4)
     with pytest.raises(ValueError, match="layer 0 is"):
@@ -80,7 +86,7 @@ def test_constructors_refuse_what_they_cannot_describe() -> None:
 def test_memory_validation_names_the_region() -> None:
     base = kv().memory
     r0, r1 = base.regions[0], base.regions[1]
-    with pytest.raises(ValueError, match=r"a K then a V region, or one latent region; layer 0 has \['k', 'k'\]"):
+    with pytest.raises(ValueError, match=r"one fused K/V region; layer 0 has \['k', 'k'\]"):
         KVMemory((r0, r0), base.num_pages, base.segments)
     with pytest.raises(ValueError, match=r"region 2 is L1\.v, expected L1\.k"):
         KVMemory((r0, r1, base.regions[3], base.regions[2]), base.num_pages, base.segments)
@@ -109,6 +115,8 @@ def test_compare_names_the_first_region_that_differs() -> None:
     assert "model KV heads: 4 here" in (compare(a, kv(heads=2).memory) or "")
     assert "order 'NHD' here, 'HND' there" in (compare(kv("vllm").memory, kv("vllm_hnd").memory) or "")
     assert "regions per layer" in (compare(a, kv("mla").memory) or "")
+    fused = compare(kv("vllm_hnd").memory, kv("vllm_cpu").memory) or ""
+    assert "regions per layer: ['k', 'v'] here, ['kv'] there" in fused
     # a hand-described memory whose V regions of layer 1 hold half the heads
     regions = list(a.regions)
     half = regions[3]
@@ -120,7 +128,7 @@ def test_compare_names_the_first_region_that_differs() -> None:
 # -- pairs: whole pages, or the heads two ranks share --------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["sglang_mha", "vllm", "vllm_blocks_first", "vllm_hnd"])
+@pytest.mark.parametrize("engine", ["sglang_mha", "vllm", "vllm_blocks_first", "vllm_hnd", "vllm_cpu"])
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (4, 1), (1, 4)])
 def test_each_decode_rank_gets_exactly_its_heads_from_its_sources(engine: str, tp_p: int, tp_d: int) -> None:
     tp = TensorParallel(tp_p, tp_d)
@@ -135,7 +143,7 @@ def test_each_decode_rank_gets_exactly_its_heads_from_its_sources(engine: str, t
             continue
         assert isinstance(p, Pair), p
         sliced = tp_p != tp_d
-        runs = 4 if sliced and engine != "vllm_hnd" else 1
+        runs = 4 if sliced and engine not in ("vllm_hnd", "vllm_cpu") else 1
         assert p.runs == runs
         n = move(p, [1, 2, 5], [7, 0, 3])
         assert n == 3 * len(p.src.regions) * runs  # never one descriptor per token unless token-major and sliced
