@@ -97,8 +97,8 @@ class SyntheticKV:
             self.tensors = [torch.zeros(tokens, 1, s.head_dim, dtype=dtype) for _ in range(s.layers)]
             self.memory = mla(self.tensors, s.page_tokens, **tp)
         elif s.engine == "vllm_cpu":
-            shape = (s.pages, h, s.page_tokens, 2 * s.head_dim)
-            self.tensors = [torch.zeros(shape, dtype=dtype) for _ in range(s.layers)]
+            self.tensors = [torch.zeros(s.pages, h, s.page_tokens, 2 * s.head_dim, dtype=dtype)
+                            for _ in range(s.layers)]
             self.memory = vllm_cpu_blocks(self.tensors, **tp)
         else:
             block = (h, s.page_tokens) if s.engine == "vllm_hnd" else (s.page_tokens, h)
