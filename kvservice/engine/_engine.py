@@ -17,6 +17,7 @@ without a result (a receiver never ``init``-ed, a call queued too late) ends
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import atexit
 import functools
 import threading
@@ -81,6 +82,7 @@ class KVTransferEngine:
         self._close_timeout = close_timeout_s or self.config.drain_grace_s + 1.0 + _FINISH_GRACE_S + 5.0
         self._svc: TransferService | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_context = contextvars.Context()
         self._tg: anyio.abc.TaskGroup | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -160,6 +162,11 @@ class KVTransferEngine:
                     self._svc = svc
                     self._stop = asyncio.Event()
                     self._loop = asyncio.get_running_loop()
+                    # Tasks started from the scheduler's thread start in a callback of the loop,
+                    # not in a task: run those callbacks in the loop's own context, in which
+                    # anyio.run named the async library (sniffio, when installed, looks there;
+                    # in the caller's thread's context it finds none and start_soon fails).
+                    self._loop_context = contextvars.copy_context()
                     with self._lock:
                         self._accepting = True
                     self._ready.set()
@@ -188,7 +195,7 @@ class KVTransferEngine:
             self._start_task(fn, svc)
             return True
         try:
-            loop.call_soon_threadsafe(self._start_task, fn, svc)
+            loop.call_soon_threadsafe(self._start_task, fn, svc, context=self._loop_context)
         except RuntimeError:  # the loop closed in between; _end_all ends the request
             return False
         return True
