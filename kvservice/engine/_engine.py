@@ -17,8 +17,8 @@ without a result (a receiver never ``init``-ed, a call queued too late) ends
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import atexit
+import contextvars
 import functools
 import threading
 import weakref
