@@ -1,0 +1,1 @@
+"""Engines loading kvservice: one folder per engine (``vllm``, ``sglang``)."""

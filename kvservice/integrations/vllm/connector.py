@@ -1,0 +1,180 @@
+"""``KVServiceConnector``: vLLM's KV connector interface over kvservice.
+
+Loaded by module path, nothing patched in vLLM::
+
+    --kv-transfer-config '{"kv_connector": "KVServiceConnector",
+                           "kv_connector_module_path": "kvservice.integrations.vllm",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"kvservice": {"host": "10.0.0.5", "port": 7100}}}'
+
+``kv_connector_extra_config``:
+
+* ``kvservice``: ``ServiceConfig`` keys (the sidecar's ``[service]`` table: ``host``,
+  ``port``, ``advertise_host``, ``auth_key_file``, the timeouts...).  TP rank *r* listens
+  on ``port + r``.  A producer needs a fixed ``port`` (its hand-offs name it); a consumer
+  may leave it 0.
+* ``decode_tp_size``: the decodes' TP size a producer sends to (default: its own); a
+  prefill request may name its own in ``kv_transfer_params``.
+
+vLLM runs one connector object per role: the scheduler's (``scheduler.SchedulerSide``)
+and one per worker (``worker.WorkerSide``); they talk only through the metadata vLLM
+carries between them (``KVServiceMetadata``) and the worker's reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..._config import ServiceConfig
+from ..._control.addresses import join_address
+from ..._results import ConfigError
+from .scheduler import RecvSpec, SchedulerSide, SendSpec, Work
+from .worker import WorkerSide
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # isort: skip
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
+
+
+@dataclass
+class KVServiceMetadata(KVConnectorMetadata):
+    """The scheduler's work for the workers, one step's worth (pickled to worker processes)."""
+
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Settings:
+    service: ServiceConfig
+    decode_tp_size: int | None
+
+
+def settings_from(extra: Mapping[str, Any] | None) -> Settings:
+    """The connector's settings from ``kv_connector_extra_config``; ``ConfigError`` names
+    what is wrong."""
+    from ...sidecar.settings import from_mapping  # the [service] table's parser: one place
+
+    extra = dict(extra or {})
+    table = extra.pop("kvservice", {})
+    decode_tp = extra.pop("decode_tp_size", None)
+    if extra:
+        raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(extra)}; "
+                          "allowed: kvservice, decode_tp_size")
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"kv_connector_extra_config.kvservice: expected an object, got {table!r}")
+    if decode_tp is not None and (isinstance(decode_tp, bool) or not isinstance(decode_tp, int) or decode_tp < 1):
+        raise ConfigError(f"kv_connector_extra_config.decode_tp_size: a positive int, got {decode_tp!r}")
+    return Settings(from_mapping({"service": dict(table)}).service, decode_tp)
+
+
+class KVServiceConnector(KVConnectorBase_V1):
+    """kvservice as a vLLM KV connector (``kv_producer``, ``kv_consumer`` or ``kv_both``)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        settings = settings_from(transfer.kv_connector_extra_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        service = settings.service
+        if role == KVConnectorRole.SCHEDULER:
+            producer, consumer = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
+            if producer and service.port == 0:
+                raise ConfigError("kv_connector_extra_config.kvservice.port: a producer needs a fixed port "
+                                  "(its hand-offs name it; TP rank r listens on port + r)")
+            host = service.advertise_host or service.host
+            self._scheduler = SchedulerSide(
+                block_size=vllm_config.cache_config.block_size, producer=producer, consumer=consumer,
+                senders=tuple(join_address(host, service.port + r) for r in range(tp_size)) if producer else (),
+                tp_size=tp_size, decode_tp=settings.decode_tp_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+            if service.port:
+                service = service.replace(port=service.port + rank)
+            self._worker = WorkerSide(service, tp_size=tp_size, tp_rank=rank)
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._sched.update_state_after_alloc(request, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVServiceMetadata:
+        return self._sched.build(lambda work: KVServiceMetadata(work.sends, work.recvs))  # type: ignore[no-any-return]
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.reported(connector_output.finished_sending, connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVServiceMetadata):
+            self._work_side.start(Work(meta.sends, meta.recvs))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: vLLM schedules a request only once its load is reported."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: a request's KV is sent once it finished (the decode's blocks are
+        not known before the router hands the decode the prefill's answer)."""
+
+    def wait_for_save(self) -> None:
+        """Sends run on kvservice's loop; vLLM keeps the blocks until they are reported."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work_side.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._work_side.finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work_side.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -------------------------------------------------------------------------------------
+    @property
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on the worker's connector")
+        return self._scheduler
+
+    @property
+    def _work_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on the scheduler's connector")
+        return self._worker
+
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide | None:
+        return self._worker

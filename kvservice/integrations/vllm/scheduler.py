@@ -1,0 +1,175 @@
+"""The connector's scheduler side: which requests hand KV off, which load it, and when
+vLLM may free their blocks.
+
+Push, as kvservice moves KV: a prefill request that asked for a remote decode
+(``do_remote_decode``) keeps its blocks when it finishes (``request_finished`` returns
+True) and answers with a hand-off (``params.Handoff``) naming the prefill's kvservice
+addresses; its worker sends the blocks, which wait for the decode's expect.  The decode,
+handed those params, reports the prompt as external tokens to load asynchronously; once
+vLLM allocated the blocks, its worker expects them.  Blocks are freed only when the
+worker reports the request (``finished_sending`` / ``finished_recving``), which it does
+once no WRITE of the request can land any more.
+
+Nothing here imports vLLM: requests and block lists are read by the attributes vLLM's
+own objects have (``request_id``, ``kv_transfer_params``, ``prompt_token_ids``,
+``num_computed_tokens``, ``status``), so the state machine is tested both alone and
+under vLLM's real ``Scheduler``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..._log import Throttle, get_logger
+from .params import Handoff, HandoffError, decode_tp_size, handoff_from, wants_remote_decode
+
+log = get_logger("kvservice.vllm")
+
+#: a prefill request that ended this way computed its prompt's KV; any other end (aborted,
+#: errored) hands nothing off
+_HANDS_OFF = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """A prefill request whose blocks the worker sends."""
+
+    req_id: str
+    blocks: tuple[int, ...]
+    decode_tp: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    """A decode request whose blocks the worker expects."""
+
+    req_id: str
+    handoff: Handoff
+    blocks: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Work:
+    """What the scheduler hands the workers for one step (``KVConnectorMetadata``)."""
+
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """The scheduler-side state; ``connector.KVServiceConnector`` delegates to it."""
+
+    def __init__(self, *, block_size: int, producer: bool, consumer: bool, senders: tuple[str, ...],
+                 tp_size: int = 1, decode_tp: int | None = None) -> None:
+        """``senders``: this engine's kvservice control addresses, one per TP rank (what a
+        hand-off names; needed by a producer).  ``decode_tp``: the decodes' TP size when a
+        request does not name it (default: ``tp_size``)."""
+        if producer and len(senders) != tp_size:
+            raise ValueError(f"a producer names one kvservice address per TP rank ({tp_size}), got {senders!r}")
+        self.block_size = block_size
+        self.producer, self.consumer = producer, consumer
+        self.senders = senders
+        self.tp_size = tp_size
+        self.decode_tp = decode_tp or tp_size
+        self._work = Work()
+        self._held: dict[str, int] = {}  # prefill: request -> blocks held for its decode
+        self._loading: dict[str, Handoff] = {}  # decode: request -> its hand-off, until reported
+        self.counts: Counter[str] = Counter()
+        self._throttle = Throttle()
+
+    # -- decode: matching and allocation ----------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        handoff = self._handoff(request)
+        if handoff is None or request.request_id in self._loading:
+            return 0, False
+        why = None
+        if handoff.block_size != self.block_size:
+            why = f"block_size {handoff.block_size} there, {self.block_size} here"
+        elif num_computed_tokens:
+            why = f"{num_computed_tokens} tokens are cached here already (only a whole prompt loads)"
+        elif handoff.num_tokens > len(request.prompt_token_ids or ()):
+            why = f"{handoff.num_tokens} tokens handed off, the prompt has {len(request.prompt_token_ids or ())}"
+        if why is not None:
+            self._refuse("handoff_unusable", request, why)
+            return 0, False
+        return handoff.num_tokens, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """``block_ids``: the request's blocks (one KV cache group)."""
+        if num_external_tokens <= 0 or request.request_id in self._loading:
+            return
+        handoff = self._handoff(request)
+        if handoff is None:
+            return
+        blocks = tuple(block_ids[: handoff.num_blocks])
+        # fewer blocks than the hand-off: the worker fails the load at once (reported, recomputed)
+        self._loading[request.request_id] = handoff
+        self._work.recvs.append(RecvSpec(request.request_id, handoff, blocks))
+        self.counts["loads"] += 1
+
+    # -- both: a finished request ---------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if rid in self._loading:
+            # finished (aborted) while its KV was on the way: the worker aborts the load and
+            # reports it once nothing can land; vLLM frees the blocks then
+            self.counts["loads_abandoned"] += 1
+            return True, None
+        params = request.kv_transfer_params
+        if not self.producer or not wants_remote_decode(params):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        blocks = tuple(block_ids[: -(-request.num_computed_tokens // self.block_size)])
+        if status not in _HANDS_OFF or not blocks:
+            self.counts["handoffs_skipped"] += 1
+            return False, None
+        try:
+            decode_tp = decode_tp_size(params, self.decode_tp)
+        except HandoffError as exc:
+            self._refuse("handoff_refused", request, str(exc))
+            return False, None
+        self._held[rid] = len(blocks)
+        self._work.sends.append(SendSpec(rid, blocks, decode_tp))
+        self.counts["handoffs"] += 1
+        return True, Handoff(rid, self.senders, request.num_computed_tokens, self.block_size).to_params()
+
+    # -- the step's work, and what the workers reported -----------------------------------
+    def build(self, make: Callable[[Work], Any] = lambda w: w) -> Any:
+        work, self._work = self._work, Work()
+        return make(work)
+
+    def reported(self, finished_sending: Iterable[str] | None, finished_recving: Iterable[str] | None) -> None:
+        for rid in finished_sending or ():
+            if self._held.pop(rid, None) is not None:
+                self.counts["handoffs_freed"] += 1
+        for rid in finished_recving or ():
+            self._loading.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """Blocks held for a decode, or sends not handed to the workers yet: vLLM keeps
+        stepping (the worker reports them only from a step)."""
+        return bool(self._held or self._work.sends)
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Prefill requests whose blocks are held for their decode -> how many blocks."""
+        return dict(self._held)
+
+    # -------------------------------------------------------------------------------------
+    def _handoff(self, request: Any) -> Handoff | None:
+        if not self.consumer:
+            return None
+        try:
+            return handoff_from(request.kv_transfer_params)
+        except HandoffError as exc:
+            self._refuse("handoff_invalid", request, str(exc))
+            return None
+
+    def _refuse(self, kind: str, request: Any, why: str) -> None:
+        self.counts[kind] += 1
+        if (unlogged := self._throttle.allow(kind)) is not None:
+            log.warning(f"vllm.{kind}", request=request.request_id, why=why, unlogged=unlogged,
+                        then="the request prefills locally" if kind != "handoff_refused" else "no hand-off")

@@ -1,0 +1,181 @@
+"""The connector's worker side: the kvservice engine over vLLM's own KV tensors, and the
+sends and loads the scheduler asked for, reported back as they settle.
+
+Nothing here blocks vLLM's forward loop: every call on ``kvservice.engine`` only queues
+(its service runs on a loop thread of its own) and ``poll()`` reads what that loop
+published.  A load is reported to vLLM (``finished_recving``) only when it succeeded or,
+failed, once it is *settled*: nothing of it can land in the blocks any more, so vLLM may
+give them to another request.  A failed load is also reported in ``failed_recving`` and
+its blocks in ``get_block_ids_with_load_errors``, so vLLM recomputes the prompt
+(``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..._config import ServiceConfig
+from ..._log import Throttle, get_logger
+from ..._tp import TensorParallel
+from ...engine import KVPoll, KVReceiver, KVSender, KVTransferEngine
+from ...memory import KVMemory
+from .memory import kv_memory
+from .scheduler import RecvSpec, SendSpec, Work
+
+log = get_logger("kvservice.vllm")
+
+_ENDED = (KVPoll.Success, KVPoll.Failed)
+
+
+@dataclass(slots=True)
+class _Load:
+    spec: RecvSpec
+    receivers: list[KVReceiver]
+    failed: bool = False
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Send:
+    spec: SendSpec
+    senders: list[KVSender] = field(default_factory=list)
+
+
+class WorkerSide:
+    """One worker's (TP rank's) transfers."""
+
+    def __init__(self, config: ServiceConfig, *, tp_size: int = 1, tp_rank: int = 0,
+                 engine: Callable[[ServiceConfig, KVMemory], KVTransferEngine] | None = None) -> None:
+        self.config = config
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self._make = engine or (lambda cfg, memory: KVTransferEngine(cfg, memory=memory))
+        self.engine: KVTransferEngine | None = None
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()
+        self.counts: Counter[str] = Counter()
+        self._throttle = Throttle()
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        memory = kv_memory(list(kv_caches.values()), tp_size=self.tp_size, tp_rank=self.tp_rank)
+        self.engine = self._make(self.config, memory).start()
+        log.info("vllm.registered", address=self.engine.address, layers=memory.layers,
+                 blocks=memory.num_pages, block_bytes=memory.page_bytes, tp_rank=self.tp_rank)
+
+    # -- the step's work ------------------------------------------------------------------
+    def start(self, work: Work) -> None:
+        for send in work.sends:
+            self._start_send(send)
+        for recv in work.recvs:
+            self._start_load(recv)
+
+    def _start_send(self, spec: SendSpec) -> None:
+        entry = self._sends[spec.req_id] = _Send(spec)
+        try:
+            engine = self._engine()
+            tp = TensorParallel(self.tp_size, spec.decode_tp)
+            for d in tp.targets(self.tp_rank):
+                sender = engine.sender(TensorParallel.request_id(spec.req_id, self.tp_rank, d))
+                entry.senders.append(sender)
+                sender.send(list(spec.blocks), last=True)
+        except (ValueError, RuntimeError) as exc:  # a duplicate id, an engine that is gone: nothing sent
+            self._note("send_refused", spec.req_id, str(exc))
+            for sender in entry.senders:
+                sender.abort()
+
+    def _start_load(self, spec: RecvSpec) -> None:
+        handoff = spec.handoff
+        load = self._loads[spec.req_id] = _Load(spec, [])
+        try:
+            engine = self._engine()
+            if len(spec.blocks) != handoff.num_blocks:
+                raise ValueError(f"{len(spec.blocks)} blocks allocated for {handoff.num_blocks} handed off")
+            tp = TensorParallel(len(handoff.senders), self.tp_size)
+            for p in tp.sources(self.tp_rank):
+                receiver = engine.receiver(TensorParallel.request_id(handoff.request, p, self.tp_rank),
+                                           sender=handoff.senders[p])
+                load.receivers.append(receiver)
+                receiver.init(list(spec.blocks))
+        except (ValueError, RuntimeError) as exc:
+            self._fail(load, f"refused: {exc}")
+
+    # -- what finished --------------------------------------------------------------------
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call;
+        ``finished_req_ids``: requests vLLM finished (an abort among them ends its load)."""
+        for rid in finished_req_ids:
+            load = self._loads.get(rid)
+            if load is not None and not load.failed:
+                self._fail(load, "the request finished (aborted) while its KV was on the way")
+        sending = {rid for rid, send in self._sends.items() if self._send_ended(send)}
+        for rid in sending:
+            del self._sends[rid]
+        recving, failed = set(), set()
+        for rid, load in list(self._loads.items()):
+            states = [r.poll() for r in load.receivers]
+            if not load.failed and states and all(s is KVPoll.Success for s in states):
+                self.counts["loads_ok"] += 1
+            elif not load.failed and KVPoll.Failed in states:
+                first = next(r for r in load.receivers if r.poll() is KVPoll.Failed)
+                self._fail(load, _why(first))
+                continue  # the others end (aborted) and settle: reported on a later step
+            elif not (load.failed and all(s in _ENDED for s in states) and all(r.settled for r in load.receivers)):
+                continue
+            recving.add(rid)
+            if load.failed:
+                failed.add(rid)
+                self._load_errors.update(load.spec.blocks)
+            for r in load.receivers:
+                r.clear()
+            del self._loads[rid]
+        return sending, recving, failed
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    # -------------------------------------------------------------------------------------
+    def _send_ended(self, send: _Send) -> bool:
+        states = [s.poll() for s in send.senders]
+        if not all(state in _ENDED for state in states):
+            return False
+        failed = [s for s in send.senders if s.poll() is KVPoll.Failed]
+        if failed:
+            self._note("send_failed", send.spec.req_id, _why(failed[0]))
+        elif send.senders:
+            self.counts["sends_ok"] += 1
+        for s in send.senders:
+            s.clear()
+        return True
+
+    def _fail(self, load: _Load, why: str) -> None:
+        load.failed, load.error = True, why
+        for r in load.receivers:
+            if r.poll() not in _ENDED:
+                r.abort()
+        self._note("load_failed", load.spec.req_id, why)
+
+    def _engine(self) -> KVTransferEngine:
+        if self.engine is None or not self.engine.running:
+            raise RuntimeError("the kvservice engine is not running (register_kv_caches not called, or closed)")
+        return self.engine
+
+    def _note(self, kind: str, rid: str, why: str) -> None:
+        self.counts[kind] += 1
+        if (unlogged := self._throttle.allow(kind)) is not None:
+            log.warning(f"vllm.{kind}", request=rid, why=why, unlogged=unlogged)
+
+
+def _why(transfer: KVSender | KVReceiver) -> str:
+    result = transfer.result
+    if result is None:
+        return "failed"
+    return f"{result.reason.value if result.reason else result.status.value}: {result.message}"

@@ -1,0 +1,113 @@
+"""A vLLM engine in a process of its own, driven by JSON lines on stdin (tests only).
+
+    python -m tests.integrations.vllm.engine_proc model DIR          # write the test model
+    python -m tests.integrations.vllm.engine_proc serve CONFIG_JSON  # run an engine
+
+``serve`` prints ``{"ready": ...}`` once the engine is up, then answers commands:
+``{"op": "generate", "id", "prompt", "max_tokens", "params"}`` (answered when the
+request finishes: tokens, kv_transfer_params, num_cached_tokens), ``{"op": "abort", "id"}``,
+``{"op": "state"}`` (free blocks, the connector's counts) and ``{"op": "quit"}``.  Between
+commands it steps the engine while vLLM has work (requests, or blocks held for a decode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+#: the model: small, float32, random but far from uniform (initializer_range) so that the
+#: tokens depend on every bit of the KV; seeded, so every process builds the same one
+MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 1024,
+         "initializer_range": 0.2, "torch_dtype": "float32"}
+
+
+def make_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
+
+
+def _say(msg: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def serve(cfg: dict[str, Any]) -> None:
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    kvt = None
+    if cfg.get("role"):
+        kvt = KVTransferConfig(kv_connector="KVServiceConnector",
+                               kv_connector_module_path="kvservice.integrations.vllm", kv_role=cfg["role"],
+                               kv_connector_extra_config=cfg.get("extra", {}), kv_load_failure_policy="recompute")
+    args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32, enable_prefix_caching=False,
+                      kv_cache_memory_bytes=64 << 20, enforce_eager=True, distributed_executor_backend="uni",
+                      skip_tokenizer_init=True, kv_transfer_config=kvt, seed=0, max_model_len=1024)
+    engine = LLMEngine.from_engine_args(args)
+    core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    scheduler = core.scheduler
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+
+    def state() -> dict[str, Any]:
+        out: dict[str, Any] = {"free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                               "total_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
+        if scheduler.connector is not None:
+            side = scheduler.connector.scheduler_side
+            out["scheduler"] = dict(side.counts)
+            out["held"] = side.held
+        if worker is not None:
+            out["worker"] = dict(worker.worker_side.counts)
+            out["address"] = worker.worker_side.engine.address
+        return out
+
+    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                commands.put(json.loads(line))
+        commands.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    _say({"ready": True, "pid": os.getpid(), **state()})
+    while True:
+        busy = scheduler.has_requests()
+        try:
+            cmd = commands.get(timeout=0 if busy else 0.05)
+        except queue.Empty:
+            cmd = {"op": "idle"}
+        if cmd is None or cmd["op"] == "quit":
+            break
+        if cmd["op"] == "generate":
+            params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, detokenize=False,
+                                    extra_args={"kv_transfer_params": cmd["params"]} if cmd.get("params") else None)
+            engine.add_request(cmd["id"], {"prompt_token_ids": cmd["prompt"]}, params)
+        elif cmd["op"] == "abort":
+            engine.abort_request([cmd["id"]])
+        elif cmd["op"] == "state":
+            _say({"state": state()})
+        if scheduler.has_requests():
+            for out in engine.step():
+                if out.finished:
+                    _say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),
+                          "params": out.kv_transfer_params, "cached": out.num_cached_tokens,
+                          "finish": out.outputs[0].finish_reason, "t": time.monotonic()})
+    if worker is not None:
+        worker.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "model":
+        make_model(sys.argv[2])
+    else:
+        serve(json.loads(sys.argv[2]))

@@ -1,0 +1,105 @@
+"""Driving ``engine_proc`` processes from a test: spawn, send a command, await answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def engine_env(cpu: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_OMP_THREADS_BIND": str(cpu % max(os.cpu_count() or 1, 1)),
+                "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    return env
+
+
+def make_model(path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "tests.integrations.vllm.engine_proc", "model", str(path)],
+                   env=engine_env(0), check=True, capture_output=True, timeout=120)
+
+
+class Engine:
+    """One vLLM engine process; ``stop()`` (by PID) in the test's cleanup."""
+
+    def __init__(self, name: str, model: Path, *, role: str | None = None, extra: dict[str, Any] | None = None,
+                 cpu: int = 0, log_dir: Path | None = None) -> None:
+        self.name = name
+        cfg = {"model": str(model), "role": role, "extra": extra or {}}
+        self._stderr = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.vllm.engine_proc", "serve", json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=engine_env(cpu), cwd=ROOT)
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._results: dict[str, dict[str, Any]] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._next(lambda m: "ready" in m, 180.0)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                self._lines.put(json.loads(raw))
+            except ValueError:
+                continue  # a library's print on stdout
+        self._lines.put(None)
+
+    def _next(self, want: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: nothing within {timeout} s")
+            try:
+                msg = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if msg is None:
+                raise RuntimeError(f"{self.name} exited (rc={self.proc.poll()})")
+            if "id" in msg:
+                self._results[msg["id"]] = msg
+            if want(msg):
+                return msg
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def generate(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> None:
+        self.send(op="generate", id=rid, prompt=prompt, max_tokens=max_tokens, params=params)
+
+    def result(self, rid: str, timeout: float = 120.0) -> dict[str, Any]:
+        if rid not in self._results:
+            self._next(lambda m: m.get("id") == rid, timeout)
+        return self._results.pop(rid)
+
+    def state(self, timeout: float = 30.0) -> dict[str, Any]:
+        self.send(op="state")
+        return self._next(lambda m: "state" in m, timeout)["state"]  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="quit")
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        if self._stderr is not subprocess.DEVNULL:
+            self._stderr.close()  # type: ignore[union-attr]
