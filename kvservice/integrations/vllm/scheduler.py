@@ -107,6 +107,9 @@ class SchedulerSide:
         blocks = tuple(block_ids[: handoff.num_blocks])
         # fewer blocks than the hand-off: the worker fails the load at once (reported, recomputed)
         self._loading[request.request_id] = handoff
+        # taken: a load fails at most once, then vLLM recomputes the request (rescheduled, it
+        # is matched again; vLLM's own connectors mark their parameters the same way)
+        request.kv_transfer_params["do_remote_prefill"] = False
         self._work.recvs.append(RecvSpec(request.request_id, handoff, blocks))
         self.counts["loads"] += 1
 

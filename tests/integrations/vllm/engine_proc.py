@@ -41,14 +41,20 @@ def _say(msg: dict[str, Any]) -> None:
 
 
 def serve(cfg: dict[str, Any]) -> None:
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+    logging.getLogger("kvservice").addHandler(handler)
+    logging.getLogger("kvservice").setLevel(logging.INFO)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     kvt = None
     if cfg.get("role"):
-        kvt = KVTransferConfig(kv_connector="KVServiceConnector",
-                               kv_connector_module_path="kvservice.integrations.vllm", kv_role=cfg["role"],
+        name, module = cfg.get("connector") or ("KVServiceConnector", "kvservice.integrations.vllm")
+        kvt = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role=cfg["role"],
                                kv_connector_extra_config=cfg.get("extra", {}), kv_load_failure_policy="recompute")
     args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32, enable_prefix_caching=False,
                       kv_cache_memory_bytes=64 << 20, enforce_eager=True, distributed_executor_backend="uni",

@@ -34,9 +34,9 @@ class Engine:
     """One vLLM engine process; ``stop()`` (by PID) in the test's cleanup."""
 
     def __init__(self, name: str, model: Path, *, role: str | None = None, extra: dict[str, Any] | None = None,
-                 cpu: int = 0, log_dir: Path | None = None) -> None:
+                 cpu: int = 0, log_dir: Path | None = None, connector: tuple[str, str] | None = None) -> None:
         self.name = name
-        cfg = {"model": str(model), "role": role, "extra": extra or {}}
+        cfg = {"model": str(model), "role": role, "extra": extra or {}, "connector": connector}
         self._stderr = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.vllm.engine_proc", "serve", json.dumps(cfg)],
@@ -85,14 +85,39 @@ class Engine:
             self._next(lambda m: m.get("id") == rid, timeout)
         return self._results.pop(rid)
 
+    def done(self, rid: str) -> bool:
+        """Whether request ``rid`` finished (without waiting)."""
+        while not self._lines.empty():
+            msg = self._lines.get()
+            if msg is None:
+                self._lines.put(None)
+                break
+            if "id" in msg:
+                self._results[msg["id"]] = msg
+        return rid in self._results
+
     def state(self, timeout: float = 30.0) -> dict[str, Any]:
         self.send(op="state")
         return self._next(lambda m: "state" in m, timeout)["state"]  # type: ignore[no-any-return]
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait_state(self, ok: Any, timeout: float = 60.0) -> dict[str, Any]:
+        """The engine's state once ``ok(state)`` holds (asked every 0.2 s, at most ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state()
+            if ok(state) or time.monotonic() > deadline:
+                return state
+            time.sleep(0.2)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
+        self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -101,5 +126,12 @@ class Engine:
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
+        self.proc.wait(timeout=30)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
         if self._stderr is not subprocess.DEVNULL:
             self._stderr.close()  # type: ignore[union-attr]

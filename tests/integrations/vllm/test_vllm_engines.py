@@ -1,0 +1,217 @@
+"""vLLM loads kvservice: two real vLLM engines (vLLM's own CPU build, its scheduler, model
+runner and attention), prefill and decode in processes of their own, the KV moved by
+``kvservice.integrations.vllm``.  Judged by the decode's greedy tokens against one engine
+without any connector, on a seeded random model whose tokens depend on every bit of the KV
+(the control run proves it: the same KV corrupted on the way changes the tokens)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
+
+from .engines import Engine, make_model  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: prompts longer than one block (32 tokens), none a whole number of blocks but one
+LENGTHS = (45, 70, 100, 64)
+MAX_TOKENS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="module")
+def baseline(model: Path, prompts: list[list[int]], logs: Path) -> list[list[int]]:
+    """One engine, no connector: the tokens every disaggregated run must reproduce."""
+    engine = Engine("baseline", model, cpu=0, log_dir=logs)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.generate(f"b{i}", prompt, MAX_TOKENS)
+        return [engine.result(f"b{i}")["tokens"] for i in range(len(prompts))]
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def spawn(model: Path, logs: Path) -> Iterator[Any]:
+    started: list[Engine] = []
+
+    def start(name: str, role: str, cpu: int, **service: Any) -> Engine:
+        connector = service.pop("connector", None)
+        engine = Engine(name, model, role=role, extra={"kvservice": service}, cpu=cpu, log_dir=logs,
+                        connector=connector)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.signal(signal.SIGCONT)
+        engine.stop()
+
+
+def prefill(p: Engine, prompts: list[list[int]], tag: str) -> list[dict[str, Any]]:
+    """Prefill every prompt (one token, hand-off asked); the hand-offs as a router passes them."""
+    for i, prompt in enumerate(prompts):
+        p.generate(f"{tag}{i}", prompt, 1, {"do_remote_decode": True})
+    handoffs = []
+    for i in range(len(prompts)):
+        params = p.result(f"{tag}{i}")["params"]
+        assert params["kvservice"]["num_tokens"] == len(prompts[i]), params
+        # vLLM adds the prefill's own cache hits so the decode reports those; drop it to see
+        # what the decode itself loaded
+        params.pop("remote_prefill_cached_tokens", None)
+        handoffs.append(params)
+    return handoffs
+
+
+def decode(d: Engine, prompts: list[list[int]], handoffs: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
+    for i, (prompt, params) in enumerate(zip(prompts, handoffs, strict=True)):
+        d.generate(f"{tag}{i}", prompt, MAX_TOKENS, params)
+    return [d.result(f"{tag}{i}", timeout=180) for i in range(len(prompts))]
+
+
+def settled(engine: Engine) -> dict[str, Any]:
+    """The engine's state once it holds no block beyond vLLM's reserved one (or after 60 s)."""
+    return engine.wait_state(lambda s: not s.get("held") and s["free_blocks"] == s["total_blocks"] - 1)
+
+
+def test_decode_tokens_equal_a_single_engines_and_corrupted_kv_changes_them(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    p = spawn("prefill", "kv_producer", 0, port=free_port())
+    d = spawn("decode", "kv_consumer", 1)
+    got = decode(d, prompts, prefill(p, prompts, "p"), "d")
+    assert [g["tokens"] for g in got] == baseline
+    # the decode loaded the whole prompt: vLLM counts it as cached (external) tokens
+    assert [g["cached"] for g in got] == [len(prompt) for prompt in prompts]
+    ps, ds = settled(p), settled(d)
+    assert ps["scheduler"] == {"handoffs": 4, "handoffs_freed": 4} and ps["worker"] == {"sends_ok": 4}
+    assert ds["scheduler"] == {"loads": 4} and ds["worker"] == {"loads_ok": 4}
+    assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1
+    assert ds["free_blocks"] == ds["total_blocks"] - 1
+
+    # control: the same hand-off into a decode that overwrites the KV once it landed
+    bad = spawn("decode-corrupt", "kv_consumer", 1,
+                connector=("CorruptingConnector", "tests.integrations.vllm.corrupt"))
+    corrupted = decode(bad, prompts, prefill(p, prompts, "q"), "c")
+    assert all(c["tokens"] != b for c, b in zip(corrupted, baseline, strict=True)), corrupted
+    assert settled(bad)["worker"] == {"loads_ok": 4}
+
+
+def test_prefill_killed_mid_transfer_the_decode_recomputes_once_nothing_can_land(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    p = spawn("prefill", "kv_producer", 0, port=free_port())
+    d = spawn("decode", "kv_consumer", 1)
+    assert [g["tokens"] for g in decode(d, prompts[:1], prefill(p, prompts[:1], "w"), "w")] == baseline[:1]
+
+    handoffs = prefill(p, prompts, "p")
+    p.signal(signal.SIGSTOP)  # hung: its sends wait, its link goes silent
+    for i, (prompt, params) in enumerate(zip(prompts, handoffs, strict=True)):
+        d.generate(f"d{i}", prompt, MAX_TOKENS, params)
+    # the decode gives the loads up once the prefill is silent past peer_timeout_s ...
+    state = d.wait_state(lambda s: s["worker"].get("load_failed", 0) == len(prompts))
+    assert state["worker"].get("load_failed") == len(prompts), state
+    # ... but reports none of them while the hung prefill could still write into their blocks
+    time.sleep(1.0)
+    assert not any(d.done(f"d{i}") for i in range(len(prompts)))
+    p.kill()  # now nothing can land: the loads settle, vLLM recomputes
+    got = [d.result(f"d{i}", timeout=120) for i in range(len(prompts))]
+    assert [g["tokens"] for g in got] == baseline
+    ds = settled(d)
+    assert ds["free_blocks"] == ds["total_blocks"] - 1
+    assert ds["worker"] == {"loads_ok": 1, "load_failed": len(prompts)}, ds
+
+
+def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the_next(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    p = spawn("prefill", "kv_producer", 0, port=free_port(), bootstrap_timeout_s=8.0)
+    d = spawn("decode", "kv_consumer", 1)
+    assert [g["tokens"] for g in decode(d, prompts[:1], prefill(p, prompts[:1], "w"), "w")] == baseline[:1]
+
+    handoffs = prefill(p, prompts, "p")
+    assert len(p.state()["held"]) == len(prompts)
+    p.signal(signal.SIGSTOP)  # the sends wait for the decode's expects, which now queue unread
+    for i, (prompt, params) in enumerate(zip(prompts, handoffs, strict=True)):
+        d.generate(f"d{i}", prompt, MAX_TOKENS, params)
+    d.wait_state(lambda s: s["scheduler"].get("loads", 0) == 1 + len(prompts))
+    time.sleep(0.5)  # the worker posted its expects
+    d.kill()
+    p.signal(signal.SIGCONT)
+    ps = settled(p)
+    assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
+    assert ps["worker"] == {"sends_ok": 1, "send_failed": len(prompts)}, ps
+
+    # the prefill stays up and serves the next request, to a decode started afresh
+    d2 = spawn("decode-2", "kv_consumer", 1)
+    got = decode(d2, prompts, prefill(p, prompts, "q"), "e")
+    assert [g["tokens"] for g in got] == baseline
+
+    # a consumer that never comes: the prefill frees the blocks after bootstrap_timeout_s
+    prefill(p, prompts[:2], "r")
+    assert len(p.state()["held"]) == 2
+    ps = p.wait_state(lambda s: not s["held"], timeout=60)
+    assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
+    assert ps["worker"]["send_failed"] == len(prompts) + 2, ps
+
+
+def test_hostile_handoffs_are_refused_and_the_decode_prefills_locally(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    p = spawn("prefill", "kv_producer", 0, port=free_port())
+    d = spawn("decode", "kv_consumer", 1, arrival_timeout_s=5.0)
+    (good,) = prefill(p, prompts[:1], "g")
+    assert decode(d, prompts[:1], [good], "g")[0]["tokens"] == baseline[0]
+    kv = good["kvservice"]
+    closed = f"127.0.0.1:{free_port()}"
+    hostile: list[tuple[str, dict[str, Any]]] = [
+        ("handoff_invalid", {"do_remote_prefill": True, "kvservice": "junk"}),
+        ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "request": 5}}),
+        ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "senders": ["nohost"]}}),
+        ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "senders": [kv["senders"][0]] * 999}}),
+        ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "extra": "x" * 10_000}}),
+        ("handoff_unusable", {"do_remote_prefill": True, "kvservice": {**kv, "num_tokens": 10_000}}),
+        ("handoff_unusable", {"do_remote_prefill": True, "kvservice": {**kv, "block_size": 16}}),
+        # nobody listens there: the dial fails at once
+        ("load_failed", {"do_remote_prefill": True, "kvservice": {**kv, "request": "nobody", "senders": [closed]}}),
+        ("load_failed", good),  # replayed: this decode loaded that request already, and refuses it again
+    ]
+    for i, (_, params) in enumerate(hostile):
+        d.generate(f"h{i}", prompts[0], MAX_TOKENS, params)
+    got = [d.result(f"h{i}", timeout=180) for i in range(len(hostile))]
+    assert all(g["tokens"] == baseline[0] for g in got)
+    ds = settled(d)
+    for kind in ("handoff_invalid", "handoff_unusable"):
+        assert ds["scheduler"].get(kind) == sum(k == kind for k, _ in hostile), ds
+    assert ds["worker"] == {"loads_ok": 1, "load_failed": 2}, ds
+    # the decode and the prefill are up: a legitimate hand-off still moves
+    got = decode(d, prompts, prefill(p, prompts, "n"), "n")
+    assert [g["tokens"] for g in got] == baseline
