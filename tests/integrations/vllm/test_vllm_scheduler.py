@@ -1,0 +1,211 @@
+"""The connector's scheduler side under vLLM's real ``Scheduler`` (no model, no workers):
+the request state transitions a disaggregated request goes through, driven step by step
+with the model runner's outputs written by hand (what the workers would report)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvservice.integrations.vllm.params import Handoff  # noqa: E402
+
+from .engines import make_model  # noqa: E402
+
+BLOCK = 32
+BLOCKS = 64
+PROMPT = 70  # three blocks
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    make_model(path)
+    return path
+
+
+@pytest.fixture
+def make_scheduler(model: Path) -> Iterator[Any]:
+    def make(role: str, **extra: Any) -> Scheduler:
+        kvt = KVTransferConfig(kv_connector="KVServiceConnector", kv_connector_module_path="kvservice.integrations.vllm",
+                               kv_role=role, kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+                                     seed=0),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+                                             is_encoder_decoder=False),
+            kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+        config.cache_config.num_gpu_blocks = BLOCKS
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+        kv_cache = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[],
+                                 kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        return Scheduler(config, kv_cache, StructuredOutputManager(config), block_size=BLOCK)
+
+    yield make
+
+
+def request(rid: str, params: dict[str, Any] | None, max_tokens: int = 4) -> Request:
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return Request(rid, list(range(1, PROMPT + 1)), SamplingParams(max_tokens=max_tokens, extra_args=extra), None)
+
+
+def handoff(rid: str = "p0-1") -> dict[str, Any]:
+    return Handoff(rid, ("127.0.0.1:7100",), PROMPT, BLOCK).to_params()
+
+
+def step(s: Scheduler, *, sending: set[str] | None = None, recving: set[str] | None = None,
+         failed: set[str] | None = None, token: int = 7) -> tuple[Any, Any]:
+    """One engine step: schedule, then the model runner's output (a token for every
+    request that computed its last prompt token or decodes; the workers' reports)."""
+    out = s.schedule()
+    ids = [rid for rid, n in out.num_scheduled_tokens.items()
+           if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_prompt_tokens]
+    runner = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=[[token] for _ in ids],
+        kv_connector_output=KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                              failed_recving=failed or set()))
+    engine_out = s.update_from_output(out, runner)
+    return out, engine_out
+
+
+def free(s: Scheduler) -> int:
+    return int(s.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def outputs(engine_out: Any) -> list[Any]:
+    return [o for eco in engine_out.values() for o in eco.outputs]
+
+
+def test_decode_waits_for_remote_kv_then_runs_from_the_loaded_prompt(make_scheduler: Any) -> None:
+    s = make_scheduler("kv_consumer")
+    r = request("d0", handoff())
+    s.add_request(r)
+    out, _ = step(s)
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    (recv,) = out.kv_connector_metadata.recvs
+    assert recv.req_id == "d0" and recv.handoff.request == "p0-1" and len(recv.blocks) == 3
+    assert free(s) == BLOCKS - 1 - 3
+    for _ in range(3):  # the load is on its way: nothing is scheduled, nothing else is asked
+        out, _ = step(s)
+        assert out.num_scheduled_tokens == {} and out.kv_connector_metadata.recvs == []
+    step(s, recving={"d0"})  # the worker reports it landed
+    out, _ = step(s)
+    # the whole prompt came from the prefill: only its last token is recomputed (for the logits)
+    assert r.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d0": 1}
+    assert r.num_computed_tokens == PROMPT
+    for _ in range(5):
+        if r.is_finished():
+            break
+        step(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED and free(s) == BLOCKS - 1
+
+
+def test_a_failed_load_is_recomputed_once_and_never_loaded_again(make_scheduler: Any) -> None:
+    s = make_scheduler("kv_consumer")
+    r = request("d0", handoff())
+    s.add_request(r)
+    step(s)
+    step(s, recving={"d0"}, failed={"d0"})  # failed, and settled: the worker reports both
+    out, _ = step(s)
+    assert r.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d0": PROMPT}
+    assert out.kv_connector_metadata.recvs == []
+    side = s.connector.scheduler_side
+    assert side.counts["loads"] == 1
+
+
+def test_a_decode_aborted_while_its_kv_is_on_the_way_keeps_its_blocks_until_the_load_settles(
+        make_scheduler: Any) -> None:
+    s = make_scheduler("kv_consumer")
+    r = request("d0", handoff())
+    s.add_request(r)
+    step(s)
+    s.finish_requests(["d0"], RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):  # a WRITE may still land: vLLM must not reuse the blocks yet
+        step(s)
+        assert free(s) == BLOCKS - 1 - 3
+    step(s, recving={"d0"}, failed={"d0"})
+    step(s)
+    assert free(s) == BLOCKS - 1 and s.connector.scheduler_side.counts["loads_abandoned"] == 1
+    assert not s.has_requests()
+
+
+def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported(make_scheduler: Any) -> None:
+    s = make_scheduler("kv_producer", kvservice={"port": 7100, "advertise_host": "10.0.0.5"})
+    r = request("p0", {"do_remote_decode": True}, max_tokens=1)
+    s.add_request(r)
+    _, engine_out = step(s)
+    assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    (o,) = outputs(engine_out)
+    params = o.kv_transfer_params
+    assert params["do_remote_prefill"] is True
+    assert params["kvservice"] == {"request": "p0", "senders": ["10.0.0.5:7100"], "num_tokens": PROMPT,
+                                   "block_size": BLOCK}
+    assert free(s) == BLOCKS - 1 - 3 and s.has_requests()  # held; vLLM keeps stepping
+    out, _ = step(s)
+    (send,) = out.kv_connector_metadata.sends
+    assert send.req_id == "p0" and len(send.blocks) == 3 and send.decode_tp == 1
+    for _ in range(3):
+        step(s)
+        assert free(s) == BLOCKS - 1 - 3
+    step(s, sending={"p0"})
+    assert free(s) == BLOCKS - 1 and not s.has_requests()
+    assert s.connector.scheduler_side.counts == {"handoffs": 1, "handoffs_freed": 1}
+
+
+def test_an_aborted_prefill_hands_nothing_off_and_frees_at_once(make_scheduler: Any) -> None:
+    s = make_scheduler("kv_producer", kvservice={"port": 7100})
+    r = request("p0", {"do_remote_decode": True}, max_tokens=1)
+    s.add_request(r)
+    s.schedule()  # allocated, not computed
+    s.finish_requests(["p0"], RequestStatus.FINISHED_ABORTED)
+    assert free(s) == BLOCKS - 1
+    step(s)  # the step that tells the workers it finished
+    assert not s.has_requests()
+    assert s.connector.scheduler_side.counts == {"handoffs_skipped": 1}
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True, "kvservice": {"request": "x", "senders": "127.0.0.1:1", "num_tokens": PROMPT,
+                                              "block_size": BLOCK}},
+    {"do_remote_prefill": True, "kvservice": {"request": "x", "senders": ["127.0.0.1:1"], "num_tokens": -1,
+                                              "block_size": BLOCK}},
+    {"do_remote_prefill": True, "kvservice": []},
+])
+def test_a_hostile_handoff_is_prefilled_locally_at_once(make_scheduler: Any, params: dict[str, Any]) -> None:
+    s = make_scheduler("kv_consumer")
+    r = request("d0", params)
+    s.add_request(r)
+    out, _ = step(s)
+    assert r.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d0": PROMPT}
+    assert out.kv_connector_metadata.recvs == [] and s.connector.scheduler_side.counts["handoff_invalid"] == 1
+
+
+def test_a_producer_without_a_fixed_port_is_refused(make_scheduler: Any) -> None:
+    with pytest.raises(ValueError, match="a producer needs a fixed port"):
+        make_scheduler("kv_producer")
+    with pytest.raises(ValueError, match="unknown keys"):
+        make_scheduler("kv_consumer", kvservice={"port": 7100}, bogus=1)
+    with pytest.raises(ValueError, match="service.port"):
+        make_scheduler("kv_consumer", kvservice={"port": "x"})
