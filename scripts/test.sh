@@ -19,6 +19,18 @@ if [ "$rc" -eq 5 ]; then
     rc=1
 fi
 [ "$rc" -ne 0 ] && fail=1
+# vLLM's own engines load the connector (tests/integrations/vllm: two engines, vLLM's real
+# scheduler): in the environment of vLLM's CPU build, built once and cached outside the
+# checkout (scripts/vllm-env.sh); the run above skips those tests (no vLLM in .venv).
+if [ "${KVSERVICE_SKIP_VLLM:-0}" != 1 ]; then
+    echo "== vllm"
+    if vllm_env=$(bash scripts/vllm-env.sh); then
+        PYTHONPATH="$PWD" "$vllm_env/bin/python" -m pytest tests/integrations/vllm -p no:cacheprovider || fail=1
+    else
+        echo "the vLLM environment could not be built (scripts/vllm-env.sh)" >&2
+        fail=1
+    fi
+fi
 # The chaos soak with real processes: kills, stops, restarts, aborts, deadlines; its five
 # must-be-zero counters decide its exit code (docs/soak.md).
 echo "== soak"
