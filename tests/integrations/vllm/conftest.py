@@ -13,7 +13,7 @@ _THEIRS = r"(vllm|torch|transformers|triton|huggingface_hub|safetensors)(\..*)?"
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     try:
-        import vllm.config  # noqa: F401
+        import vllm.config
         import vllm.v1.core.sched.scheduler  # noqa: F401
     except ImportError:
         pass

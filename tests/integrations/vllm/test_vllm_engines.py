@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
 
-from .engines import Engine, make_model  # noqa: E402
+from .engines import Engine, make_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

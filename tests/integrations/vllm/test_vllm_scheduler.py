@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
 
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -22,14 +22,14 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 
-from kvservice.integrations.vllm.params import Handoff  # noqa: E402
+from kvservice.integrations.vllm.params import Handoff
 
-from .engines import make_model  # noqa: E402
+from .engines import make_model
 
 BLOCK = 32
 BLOCKS = 64
@@ -46,8 +46,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def make_scheduler(model: Path) -> Iterator[Any]:
     def make(role: str, **extra: Any) -> Scheduler:
-        kvt = KVTransferConfig(kv_connector="KVServiceConnector", kv_connector_module_path="kvservice.integrations.vllm",
-                               kv_role=role, kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+        kvt = KVTransferConfig(kv_connector="KVServiceConnector",
+                               kv_connector_module_path="kvservice.integrations.vllm", kv_role=role,
+                               kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
         config = VllmConfig(
             model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
                                      seed=0),
@@ -207,5 +208,5 @@ def test_a_producer_without_a_fixed_port_is_refused(make_scheduler: Any) -> None
         make_scheduler("kv_producer")
     with pytest.raises(ValueError, match="unknown keys"):
         make_scheduler("kv_consumer", kvservice={"port": 7100}, bogus=1)
-    with pytest.raises(ValueError, match="service.port"):
+    with pytest.raises(ValueError, match=r"service\.port"):
         make_scheduler("kv_consumer", kvservice={"port": "x"})

@@ -1,0 +1,129 @@
+"""A small router for disaggregated vLLM over kvservice: each request is prefilled on one
+server (one token, its KV handed off), then decoded on another with the hand-off.
+
+    python -m kvservice.integrations.vllm.proxy --prefill http://10.0.0.5:8100 \\
+        --decode http://10.0.0.6:8200 --port 8000
+
+OpenAI-compatible: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or
+not), ``GET /health``.  Several ``--prefill`` / ``--decode`` are taken in turn.  When the
+prefill fails, or answers without a hand-off, the decode prefills the request itself:
+the client gets its answer either way, and the proxy counts which way it went
+(``GET /stats``).  It runs where vLLM is installed (it uses vLLM's ``aiohttp``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+
+
+class Router:
+    def __init__(self, prefills: Sequence[str], decodes: Sequence[str]) -> None:
+        if not prefills or not decodes:
+            raise ValueError("at least one --prefill and one --decode")
+        self._prefills = itertools.cycle([p.rstrip("/") for p in prefills])
+        self._decodes = itertools.cycle([d.rstrip("/") for d in decodes])
+        self.counts: Counter[str] = Counter()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self, _app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(timeout=_TIMEOUT)
+
+    async def stop(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": "the body is not JSON"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object"}, status=400)
+        params = await self._prefill(request.path, body)
+        decode = dict(body)
+        if params is not None:
+            decode["kv_transfer_params"] = params
+        return await self._forward(request, f"{next(self._decodes)}{request.path}", decode)
+
+    async def _prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The prefill's hand-off, or None (the decode then prefills by itself)."""
+        assert self._session is not None
+        first = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in first:
+            first["max_completion_tokens"] = 1
+        first.pop("stream_options", None)
+        try:
+            async with self._session.post(f"{next(self._prefills)}{path}", json=first) as resp:
+                answer = await resp.json(content_type=None)
+                if resp.status != 200:
+                    self.counts["prefill_failed"] += 1
+                    return None
+        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError):
+            self.counts["prefill_unreachable"] += 1
+            return None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            self.counts["no_handoff"] += 1
+            return None
+        self.counts["handed_off"] += 1
+        return params
+
+    async def _forward(self, request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
+        assert self._session is not None
+        try:
+            async with self._session.post(url, json=body) as resp:
+                if not body.get("stream"):
+                    return web.Response(body=await resp.read(), status=resp.status,
+                                        content_type=resp.content_type)
+                out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.counts["decode_unreachable"] += 1
+            return web.json_response({"error": f"decode unreachable: {exc!r}"}, status=502)
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def stats(self, _request: web.Request) -> web.Response:
+        return web.json_response(dict(self.counts))
+
+
+def app(prefills: Sequence[str], decodes: Sequence[str]) -> web.Application:
+    router = Router(prefills, decodes)
+    application = web.Application(client_max_size=64 * 1024 * 1024)
+    application.on_startup.append(router.start)
+    application.on_cleanup.append(router.stop)
+    for route in ROUTES:
+        application.router.add_post(route, router.handle)
+    application.router.add_get("/health", router.health)
+    application.router.add_get("/stats", router.stats)
+    return application
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", action="append", required=True, help="a prefill server's URL (repeatable)")
+    parser.add_argument("--decode", action="append", required=True, help="a decode server's URL (repeatable)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    web.run_app(app(args.prefill, args.decode), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
