@@ -4,9 +4,13 @@ transformers warn about their own deprecations on import and as they run; the su
 
 from __future__ import annotations
 
+import random
 import warnings
+from pathlib import Path
 
 import pytest
+
+from .engines import MAX_TOKENS, Engine, make_model
 
 _THEIRS = r"(vllm|torch|transformers|triton|huggingface_hub|safetensors)(\..*)?"
 
@@ -23,3 +27,39 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "integrations/vllm" in str(item.path):
             item.add_marker(pytest.mark.filterwarnings(f"ignore:::{_THEIRS}"))
+
+
+#: prompts longer than one block (32 tokens), none a whole number of blocks but one
+LENGTHS = (45, 70, 100, 64)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test model: seeded random weights (``engine_proc.MODEL``), written once."""
+    path = tmp_path_factory.mktemp("model")
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(1, 1000) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engines' stderr, one file per engine (kvservice logs at INFO there)."""
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="session")
+def baseline(model: Path, prompts: list[list[int]], logs: Path) -> list[list[int]]:
+    """One engine, no connector: the tokens every disaggregated run must reproduce."""
+    engine = Engine("baseline", model, cpu=0, log_dir=logs)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.generate(f"b{i}", prompt, MAX_TOKENS)
+        return [engine.result(f"b{i}")["tokens"] for i in range(len(prompts))]
+    finally:
+        engine.stop()

@@ -6,9 +6,7 @@ without any connector, on a seeded random model whose tokens depend on every bit
 
 from __future__ import annotations
 
-import random
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,49 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
 
-from .engines import Engine, make_model
+from .engines import MAX_TOKENS, Engine, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-#: prompts longer than one block (32 tokens), none a whole number of blocks but one
-LENGTHS = (45, 70, 100, 64)
-MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model")
-    make_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(1, 1000) for _ in range(n)] for n in LENGTHS]
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-logs")
-
-
-@pytest.fixture(scope="module")
-def baseline(model: Path, prompts: list[list[int]], logs: Path) -> list[list[int]]:
-    """One engine, no connector: the tokens every disaggregated run must reproduce."""
-    engine = Engine("baseline", model, cpu=0, log_dir=logs)
-    try:
-        for i, prompt in enumerate(prompts):
-            engine.generate(f"b{i}", prompt, MAX_TOKENS)
-        return [engine.result(f"b{i}")["tokens"] for i in range(len(prompts))]
-    finally:
-        engine.stop()
 
 
 @pytest.fixture

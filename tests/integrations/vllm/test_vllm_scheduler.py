@@ -29,18 +29,9 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvservice.integrations.vllm.params import Handoff
 
-from .engines import make_model
-
 BLOCK = 32
 BLOCKS = 64
 PROMPT = 70  # three blocks
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model")
-    make_model(path)
-    return path
 
 
 @pytest.fixture

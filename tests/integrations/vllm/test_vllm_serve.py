@@ -1,0 +1,113 @@
+"""The way docs/vllm.md runs it: two ``vllm.entrypoints.openai.api_server`` processes with
+``--kv-transfer-config`` naming the connector, and ``kvservice.integrations.vllm.proxy``
+in front; a client's completions through the proxy equal one engine's, and a prefill
+server that is gone costs the client nothing (the decode prefills by itself)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
+
+from .engines import MAX_TOKENS, ROOT, engine_env, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+#: the engine flags of docs/vllm.md, sized for a test on a CPU
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--no-enable-prefix-caching",
+                "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--distributed-executor-backend", "uni",
+                "--skip-tokenizer-init", "--max-model-len", "1024"]
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited (rc={proc.returncode})")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} not up within {timeout} s")
+
+
+@pytest.fixture
+def servers(model: Path, logs: Path) -> Iterator[Any]:
+    procs: list[tuple[subprocess.Popen[bytes], Any]] = []
+
+    def start(name: str, args: list[str], cpu: int, health: str) -> subprocess.Popen[bytes]:
+        out = open(logs / f"{name}.log", "wb")  # closed at teardown
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=engine_env(cpu), cwd=ROOT)
+        procs.append((proc, out))
+        wait_up(health, proc)
+        return proc
+
+    def vllm(name: str, role: str, cpu: int, **service: Any) -> tuple[str, subprocess.Popen[bytes]]:
+        port = free_port()
+        config = {"kv_connector": "KVServiceConnector", "kv_connector_module_path": "kvservice.integrations.vllm",
+                  "kv_role": role, "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"kvservice": service}}
+        url = f"http://127.0.0.1:{port}"
+        proc = start(name, ["vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+                            "--port", str(port), *ENGINE_FLAGS, "--kv-transfer-config", json.dumps(config)],
+                     cpu, f"{url}/health")
+        return url, proc
+
+    def proxy(prefill: str, decode: str) -> str:
+        port = free_port()
+        start("proxy", ["kvservice.integrations.vllm.proxy", "--prefill", prefill, "--decode", decode,
+                        "--port", str(port)], 0, f"http://127.0.0.1:{port}/health")
+        return f"http://127.0.0.1:{port}"
+
+    yield vllm, proxy
+    for proc, out in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        out.close()
+
+
+def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
+    answer = http(f"{url}/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                           "temperature": 0.0, "return_token_ids": True})
+    return list(answer["choices"][0]["token_ids"])
+
+
+def test_two_vllm_servers_and_the_proxy_answer_as_one_engine(
+        servers: Any, model: Path, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    vllm, proxy = servers
+    prefill, p_proc = vllm("serve-prefill", "kv_producer", 0, port=free_port())
+    decode, _ = vllm("serve-decode", "kv_consumer", 1)
+    front = proxy(prefill, decode)
+    assert [complete(front, model, prompt) for prompt in prompts] == baseline
+    assert http(f"{front}/stats") == {"handed_off": len(prompts)}
+
+    p_proc.send_signal(signal.SIGKILL)  # the prefill server is gone: the client still gets its tokens
+    p_proc.wait(timeout=30)
+    assert complete(front, model, prompts[0]) == baseline[0]
+    assert http(f"{front}/stats") == {"handed_off": len(prompts), "prefill_unreachable": 1}
