@@ -1,0 +1,152 @@
+"""The vLLM connector's parts that need no vLLM: the hand-off a prefill answers with (and
+what a decode refuses of it), the mapping of vLLM's cache tensors to ``kvservice.memory``,
+and the scheduler side's state machine with requests shaped like vLLM's.  vLLM's own engines
+and ``Scheduler`` drive the same code in ``tests/integrations/vllm``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import pytest
+import torch
+
+from kvservice.integrations.vllm.memory import kv_memory
+from kvservice.integrations.vllm.params import Handoff, HandoffError, decode_tp_size, handoff_from
+from kvservice.integrations.vllm.scheduler import SchedulerSide
+
+GOOD = {"request": "p0-1", "senders": ["127.0.0.1:7100"], "num_tokens": 70, "block_size": 32}
+
+
+def test_a_handoff_round_trips() -> None:
+    h = Handoff("p0-1", ("10.0.0.5:7100", "10.0.0.5:7101"), 70, 32)
+    assert handoff_from(h.to_params()) == h and h.num_blocks == 3
+    assert handoff_from(None) is None and handoff_from({"do_remote_decode": True}) is None
+    assert handoff_from({"do_remote_prefill": False, "kvservice": GOOD}) is None  # taken already
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    ("junk", "expected an object"),
+    ({**GOOD, "request": 5}, "request"),
+    ({**GOOD, "request": "x" * 257}, "request"),
+    ({**GOOD, "senders": "127.0.0.1:7100"}, "senders"),
+    ({**GOOD, "senders": []}, "senders"),
+    ({**GOOD, "senders": ["127.0.0.1:7100"] * 257}, "senders"),
+    ({**GOOD, "senders": ["nohost"]}, "senders"),
+    ({**GOOD, "senders": ["127.0.0.1:99999"]}, "senders"),
+    ({**GOOD, "num_tokens": 0}, "num_tokens"),
+    ({**GOOD, "num_tokens": True}, "num_tokens"),
+    ({**GOOD, "num_tokens": 1 << 40}, "num_tokens"),
+    ({**GOOD, "block_size": "32"}, "block_size"),
+    ({**GOOD, "more": 1}, "unknown keys"),
+])
+def test_a_malformed_handoff_is_refused_naming_the_field(raw: Any, why: str) -> None:
+    with pytest.raises(HandoffError, match=why):
+        handoff_from({"do_remote_prefill": True, "kvservice": raw})
+
+
+def test_decode_tp_size() -> None:
+    assert decode_tp_size({"do_remote_decode": True}, 2) == 2
+    assert decode_tp_size({"decode_tp_size": 4}, 2) == 4
+    for bad in (0, -1, "4", True, 1000):
+        with pytest.raises(HandoffError, match="decode_tp_size"):
+            decode_tp_size({"decode_tp_size": bad}, 1)
+
+
+# -- memory: vLLM's caches as kvservice regions ---------------------------------------------
+
+
+def test_cpu_caches_are_one_fused_region_per_layer() -> None:
+    caches = [torch.zeros(8, 2, 32, 64) for _ in range(3)]
+    m = kv_memory(caches)
+    assert [r.kind for r in m.regions] == ["kv"] * 3 and m.num_pages == 8
+    assert m.regions[0].page_bytes == 2 * 32 * 64 * 4 and m.regions[0].head_dim == 32
+
+
+@pytest.mark.parametrize("kv_first", [True, False])
+def test_gpu_layouts_nhd_and_hnd_as_vllm_allocates_them(kv_first: bool) -> None:
+    blocks, size, heads, dim = 6, 16, 4, 8
+    nhd = [torch.zeros((2, blocks, size, heads, dim) if kv_first else (blocks, 2, size, heads, dim))
+           for _ in range(2)]
+    m = kv_memory(nhd)
+    assert [r.order for r in m.regions] == ["NHD"] * 4 and m.num_pages == blocks
+    # head-major storage under vLLM's logical shape: a permuted view of (..., heads, size, dim)
+    storage = [torch.zeros((2, blocks, heads, size, dim) if kv_first else (blocks, 2, heads, size, dim))
+               for _ in range(2)]
+    hnd = kv_memory([t.permute(0, 1, 3, 2, 4) for t in storage])
+    assert [r.order for r in hnd.regions] == ["HND"] * 4
+    block = heads * size * dim * 4
+    k, v = hnd.regions[0], hnd.regions[1]
+    assert k.addr == storage[0].data_ptr() and k.heads == heads and k.tokens == size
+    assert v.addr - k.addr == (blocks * block if kv_first else block)
+
+
+def test_an_unknown_layout_is_refused_naming_the_shape() -> None:
+    with pytest.raises(ValueError, match=r"KV cache of shape \(4, 8\)"):
+        kv_memory([torch.zeros(4, 8)])
+    with pytest.raises(ValueError, match="no KV cache tensors"):
+        kv_memory([])
+    strided = torch.zeros(2, 6, 16, 4, 16)[..., ::2]  # neither NHD nor HND storage
+    with pytest.raises(ValueError, match="not a layout kvservice knows"):
+        kv_memory([strided])
+
+
+# -- the scheduler side, with requests shaped like vLLM's ------------------------------------
+
+
+class Status(Enum):
+    FINISHED_LENGTH_CAPPED = 1
+    FINISHED_ABORTED = 2
+
+
+@dataclass
+class Req:
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    prompt_token_ids: list[int] = field(default_factory=lambda: list(range(70)))
+    num_computed_tokens: int = 0
+    status: Status = Status.FINISHED_LENGTH_CAPPED
+
+
+def test_the_scheduler_side_hands_off_loads_and_frees_once() -> None:
+    p = SchedulerSide(block_size=32, producer=True, consumer=False, senders=("127.0.0.1:7100",))
+    prefill = Req("p0", {"do_remote_decode": True}, num_computed_tokens=70)
+    delay, params = p.request_finished(prefill, [4, 5, 6, 7])
+    assert delay and params == Handoff("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    (send,) = p.build().sends
+    assert send.blocks == (4, 5, 6) and p.has_pending_push_work()
+    p.reported(["p0", "p0"], None)
+    assert not p.has_pending_push_work() and p.counts == {"handoffs": 1, "handoffs_freed": 1}
+
+    d = SchedulerSide(block_size=32, producer=False, consumer=True, senders=())
+    decode = Req("d0", dict(params))
+    assert d.get_num_new_matched_tokens(decode, 0) == (70, True)
+    d.update_state_after_alloc(decode, [9, 10, 11], 70)
+    assert decode.kv_transfer_params is not None and decode.kv_transfer_params["do_remote_prefill"] is False
+    assert d.get_num_new_matched_tokens(decode, 0) == (0, False)  # taken: never matched again
+    (recv,) = d.build().recvs
+    assert recv.blocks == (9, 10, 11) and recv.handoff.request == "p0"
+    aborted = Req("d0", None, status=Status.FINISHED_ABORTED)
+    assert d.request_finished(aborted, [9, 10, 11]) == (True, None)  # held until the load settles
+    d.reported(None, ["d0"])
+    assert d.request_finished(aborted, [9, 10, 11]) == (False, None)
+
+
+def test_the_scheduler_side_refuses_what_it_cannot_load() -> None:
+    d = SchedulerSide(block_size=32, producer=False, consumer=True, senders=())
+    params = Handoff("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    assert d.get_num_new_matched_tokens(Req("a", dict(params)), 32) == (0, False)  # a local prefix hit
+    assert d.get_num_new_matched_tokens(Req("b", dict(params), prompt_token_ids=[1] * 40), 0) == (0, False)
+    other = Handoff("p0", ("127.0.0.1:7100",), 70, 16).to_params()
+    assert d.get_num_new_matched_tokens(Req("c", other), 0) == (0, False)
+    assert d.get_num_new_matched_tokens(Req("e", {"do_remote_prefill": True, "kvservice": 1}), 0) == (0, False)
+    assert d.counts == {"handoff_unusable": 3, "handoff_invalid": 1}
+    p = SchedulerSide(block_size=32, producer=True, consumer=False, senders=("127.0.0.1:7100",))
+    assert p.request_finished(Req("p", {"do_remote_decode": True}, status=Status.FINISHED_ABORTED), [1]) == \
+        (False, None)
+    assert p.request_finished(Req("q", {"do_remote_decode": True, "decode_tp_size": 0},
+                                  num_computed_tokens=70), [1, 2, 3]) == (False, None)
+    assert p.counts == {"handoffs_skipped": 1, "handoff_refused": 1}
+    with pytest.raises(ValueError, match="one kvservice address per TP rank"):
+        SchedulerSide(block_size=32, producer=True, consumer=False, senders=(), tp_size=2)
