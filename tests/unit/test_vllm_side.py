@@ -150,3 +150,101 @@ def test_the_scheduler_side_refuses_what_it_cannot_load() -> None:
     assert p.counts == {"handoffs_skipped": 1, "handoff_refused": 1}
     with pytest.raises(ValueError, match="one kvservice address per TP rank"):
         SchedulerSide(block_size=32, producer=True, consumer=False, senders=(), tp_size=2)
+
+
+# -- the worker side's bookkeeping, over a scripted engine ------------------------------------
+# (real engines: tests/integrations/vllm; here the TP routing and the settle rule, one by one)
+
+
+class FakeTransfer:
+    def __init__(self, request_id: str, peer: str | None = None) -> None:
+        self.request_id, self.peer = request_id, peer
+        self.state = "Transferring"
+        self.settled = False
+        self.result: Any = None
+        self.calls: list[str] = []
+
+    def poll(self) -> Any:
+        from kvservice.engine import KVPoll
+        return getattr(KVPoll, self.state)
+
+    def send(self, pages: list[int], *, last: bool) -> None:
+        self.calls.append(f"send {pages} last={last}")
+
+    def init(self, pages: list[int]) -> None:
+        self.calls.append(f"init {pages}")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        if self.state not in ("Success", "Failed"):
+            self.state = "Failed"
+
+    def clear(self) -> None:
+        self.calls.append("clear")
+
+
+class FakeEngine:
+    running = True
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.made: dict[str, FakeTransfer] = {}
+
+    def start(self) -> FakeEngine:
+        return self
+
+    def sender(self, request_id: str) -> FakeTransfer:
+        return self.made.setdefault(request_id, FakeTransfer(request_id))
+
+    def receiver(self, request_id: str, *, sender: str) -> FakeTransfer:
+        return self.made.setdefault(request_id, FakeTransfer(request_id, sender))
+
+    def close(self) -> None:
+        self.running = False
+
+
+def worker(tp_size: int, tp_rank: int) -> tuple[Any, FakeEngine]:
+    from kvservice import ServiceConfig
+    from kvservice.integrations.vllm.worker import WorkerSide
+
+    engine = FakeEngine()
+    side = WorkerSide(ServiceConfig(), tp_size=tp_size, tp_rank=tp_rank, engine=lambda cfg, memory: engine)
+    side.register({"layer.0": torch.zeros(4, 2, 32, 64)})
+    return side, engine
+
+
+def test_the_worker_routes_tp_ranks_and_reports_a_failed_load_only_once_settled() -> None:
+    from kvservice.integrations.vllm.scheduler import RecvSpec, SendSpec, Work
+
+    # prefill rank 1 of 2 sends to the one decode rank; decode rank 0 of 1 loads from both
+    p, pe = worker(2, 1)
+    p.start(Work(sends=[SendSpec("r", (1, 2), decode_tp=1)]))
+    assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == ["send [1, 2] last=True"]
+    pe.made["r@tp1.0"].state = "Success"
+    assert p.finished(set()) == ({"r"}, set(), set()) and p.counts == {"sends_ok": 1}
+
+    d, de = worker(1, 0)
+    handoff = Handoff("r", ("10.0.0.5:7100", "10.0.0.5:7101"), 40, 32)
+    d.start(Work(recvs=[RecvSpec("d", handoff, (5, 6))]))
+    a, b = de.made["r@tp0.0"], de.made["r@tp1.0"]
+    assert (a.peer, b.peer) == ("10.0.0.5:7100", "10.0.0.5:7101") and a.calls == b.calls == ["init [5, 6]"]
+    a.state = "Failed"
+    assert d.finished(set()) == (set(), set(), set())  # b is aborted; nothing is settled yet
+    assert b.calls[-1] == "abort"
+    assert d.finished(set()) == (set(), set(), set()) and d.load_errors() == set()
+    a.settled = b.settled = True  # nothing of either can land any more
+    assert d.finished(set()) == (set(), {"d"}, {"d"}) and d.load_errors() == {5, 6}
+    assert d.counts == {"load_failed": 1}
+
+
+def test_the_worker_refuses_a_load_whose_blocks_do_not_match_and_aborts_a_finished_request() -> None:
+    from kvservice.integrations.vllm.scheduler import RecvSpec, Work
+
+    d, de = worker(1, 0)
+    d.start(Work(recvs=[RecvSpec("short", Handoff("r", ("10.0.0.5:7100",), 70, 32), (5, 6))]))
+    assert de.made == {} and d.finished(set()) == (set(), {"short"}, {"short"})
+    d.start(Work(recvs=[RecvSpec("gone", Handoff("s", ("10.0.0.5:7100",), 40, 32), (7, 8))]))
+    d.finished({"gone"})  # vLLM finished it (aborted): the load is aborted at once
+    assert de.made["s@tp0.0"].calls[-1] == "abort"
+    de.made["s@tp0.0"].settled = True
+    assert d.finished(set()) == (set(), {"gone"}, {"gone"})
