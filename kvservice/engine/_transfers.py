@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +41,15 @@ from .._results import (
 
 if TYPE_CHECKING:
     from .._service import TransferService
-    from ._engine import KVTransferEngine
+
+
+class Host(Protocol):
+    """What a transfer needs of the engine that made it (``KVTransferEngine``): the
+    engine knows its transfers, they do not know the engine's type."""
+
+    def _spawn(self, fn: Callable[[TransferService], Awaitable[None]]) -> bool: ...
+    def _poll_arrival(self, request_id: str) -> KVPoll | None: ...
+    def _forget(self, transfer: _Transfer) -> None: ...
 
 Pages = Sequence[int] | npt.NDArray[Any]
 Op = Callable[["TransferService"], Awaitable[None]]
@@ -79,7 +87,7 @@ def _copy(pages: Pages) -> Pages:
 class _Transfer:
     """What ``KVSender`` and ``KVReceiver`` share: the published end, the op queue, abort, clear."""
 
-    def __init__(self, engine: KVTransferEngine, request_id: str) -> None:
+    def __init__(self, engine: Host, request_id: str) -> None:
         self._engine = engine
         self.request_id = request_id
         self._created = time.monotonic()
@@ -249,7 +257,7 @@ class KVSender(_Transfer):
     """The prefill side of one request (SGLang's ``BaseKVSender``).  Made by
     ``KVTransferEngine.sender()``."""
 
-    def __init__(self, engine: KVTransferEngine, request_id: str, *, receiver: str | None = None) -> None:
+    def __init__(self, engine: Host, request_id: str, *, receiver: str | None = None) -> None:
         super().__init__(engine, request_id)
         self.receiver = receiver
         self._num_pages: int | None = None
@@ -339,7 +347,7 @@ class KVReceiver(_Transfer):
     """The decode side of one request (SGLang's ``BaseKVReceiver``).  Made by
     ``KVTransferEngine.receiver()``."""
 
-    def __init__(self, engine: KVTransferEngine, request_id: str, *, sender: str) -> None:
+    def __init__(self, engine: Host, request_id: str, *, sender: str) -> None:
         super().__init__(engine, request_id)
         self.sender = sender
         self._pages: Pages | None = None
