@@ -16,16 +16,22 @@ docs/sidecar.md ("Operations").
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ._results import FailureReason
-from ._stats import LATENCY_BUCKETS
+from ._stats import LATENCY_BUCKETS, Stats
 
-if TYPE_CHECKING:
-    from ._service import TransferService
+
+class Measured(Protocol):
+    """What the metrics read of a service (``TransferService``): its counters and its
+    status.  The service owns its collector; the collector does not know the service's type."""
+
+    @property
+    def stats(self) -> Stats: ...
+    def status(self) -> dict[str, Any]: ...
 
 __all__ = ["ServiceCollector", "refused_family", "service_families", "service_refusals"]
 
@@ -33,13 +39,13 @@ __all__ = ["ServiceCollector", "refused_family", "service_families", "service_re
 _READ_TRIES = 3
 
 
-def _snapshot(svc: TransferService) -> tuple[Any, dict[str, Any]]:
+def _snapshot(svc: Measured) -> tuple[Any, dict[str, Any]]:
     stats = svc.stats
     return stats, {**svc.status(), "outcomes_by_key": dict(stats.outcomes), "bytes_by_side": dict(stats.bytes),
                    "latency_buckets": list(stats.latency_buckets)}
 
 
-def _read(svc: TransferService) -> tuple[Any, dict[str, Any]]:
+def _read(svc: Measured) -> tuple[Any, dict[str, Any]]:
     """The service's status and its counters, copied."""
     for _ in range(_READ_TRIES - 1):
         try:
@@ -49,7 +55,7 @@ def _read(svc: TransferService) -> tuple[Any, dict[str, Any]]:
     return _snapshot(svc)
 
 
-def service_families(svc: TransferService) -> list[Metric]:
+def service_families(svc: Measured) -> list[Metric]:
     """Every family of the transfer service except ``kvservice_refused_total`` (which the
     sidecar extends with its own kinds): see ``refused_family``."""
     stats, snap = _read(svc)
@@ -108,7 +114,7 @@ def refused_family(samples: Iterable[tuple[str, str, int]]) -> CounterMetricFami
     return family
 
 
-def service_refusals(svc: TransferService) -> list[tuple[str, str, int]]:
+def service_refusals(svc: Measured) -> list[tuple[str, str, int]]:
     """The service's own refusals, as ``refused_family`` samples."""
     return [("service", kind, n) for kind, n in sorted(dict(svc.stats.refused).items())]
 
@@ -116,7 +122,7 @@ def service_refusals(svc: TransferService) -> list[tuple[str, str, int]]:
 class ServiceCollector(Collector):
     """The transfer service's families, read from ``svc`` at each scrape."""
 
-    def __init__(self, svc: TransferService) -> None:
+    def __init__(self, svc: Measured) -> None:
         self._svc = svc
 
     def collect(self) -> Iterator[Metric]:

@@ -7,9 +7,9 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # the command ran and an expectation failed
-EXIT_USAGE = 2  # bad arguments or configuration
+from ._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
 def _demo(argv: Sequence[str]) -> int:

@@ -14,9 +14,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ._results import ConfigError
 from ._trust.keys import generate_key, load_key
-from .cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def main(argv: Sequence[str]) -> int:

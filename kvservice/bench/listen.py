@@ -22,12 +22,12 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from kvservice._control.addresses import join_address, split_address
+from kvservice._exits import EXIT_FAILED, EXIT_OK
 from kvservice.bench import control
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import Channel, ControlError
 from kvservice.bench.methods import SETUP_TIMEOUT_S
 from kvservice.bench.workloads import FULL, LLAMA3_8B, QUICK
-from kvservice.cli import EXIT_FAILED, EXIT_OK
 
 #: silence from the driver this long ends the session (a run is at most ``RUN_TIMEOUT_S``)
 IDLE_TIMEOUT_S = 400.0

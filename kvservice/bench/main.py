@@ -31,6 +31,7 @@ from typing import Any
 
 from kvservice._config import ConfigError
 from kvservice._control.addresses import is_loopback_host, join_address, split_address
+from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from kvservice._trust.keys import load_key, resolve_key
 from kvservice.bench import _lines, control, engines, report
 from kvservice.bench._lines import Child, ChildError
@@ -50,7 +51,6 @@ from kvservice.bench.run import (
     warm_up,
 )
 from kvservice.bench.workloads import FULL, LLAMA3_8B, QUICK, Plan, all_cases
-from kvservice.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 KEY_ENV = "KVSERVICE_AUTH_KEY_FILE"
 TWO_HOST_PARTS = PARTS - {"kill"}

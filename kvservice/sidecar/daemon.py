@@ -34,11 +34,11 @@ import anyio.abc
 from prometheus_client import generate_latest
 
 from .._config import ConfigError
+from .._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .._log import get_logger
 from .._results import NixlUnavailable
 from .._runtime import configure_logging, freeze_startup_objects, run
 from .._service import TransferService
-from ..cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from . import metrics
 from .http import OpsServer
 from .server import SidecarServer
