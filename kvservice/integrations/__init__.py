@@ -1,0 +1,1 @@
+"""Engine integrations: each imports its engine only inside its own package."""
