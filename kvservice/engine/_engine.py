@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import functools
 import threading
 import weakref
@@ -92,6 +93,9 @@ class KVTransferEngine:
         self._live: dict[tuple[str, str], _Transfer] = {}  # (side, request id) -> not cleared
         self._tasks = 0  # facade tasks running (loop thread only)
         self._tasks_done: asyncio.Event | None = None
+        #: the loop thread's context: callbacks queued from the scheduler's thread run in it,
+        #: so anyio finds its event loop there (a callback carries its caller's context)
+        self._context: contextvars.Context | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
     def start(self) -> KVTransferEngine:
@@ -160,6 +164,7 @@ class KVTransferEngine:
                     self._svc = svc
                     self._stop = asyncio.Event()
                     self._loop = asyncio.get_running_loop()
+                    self._context = contextvars.copy_context()
                     with self._lock:
                         self._accepting = True
                     self._ready.set()
@@ -188,7 +193,7 @@ class KVTransferEngine:
             self._start_task(fn, svc)
             return True
         try:
-            loop.call_soon_threadsafe(self._start_task, fn, svc)
+            loop.call_soon_threadsafe(self._start_task, fn, svc, context=self._context)
         except RuntimeError:  # the loop closed in between; _end_all ends the request
             return False
         return True
