@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 LAYERS, HEADS, HEAD_DIM, PAGE, NUM_PAGES = 2, 2, 8, 4, 64
+LATENT = 24  # an MLA pool's kv_lora_rank + rope dim
 AUX_ROWS = 16
 TICK_S = 0.01
 
@@ -44,10 +45,12 @@ def emit(**event: Any) -> None:
     sys.stdout.flush()
 
 
-def pattern(room: int, pages: int) -> torch.Tensor:
-    """A request's KV, the same on both sides: (2 * LAYERS, pages, PAGE, HEADS, HEAD_DIM)."""
+def pattern(room: int, pages: int, mla: bool) -> torch.Tensor:
+    """A request's KV, the same on both sides: per buffer (K and V of each layer, or each
+    layer's MLA latent) ``pages`` pages of ``PAGE`` tokens."""
     g = torch.Generator().manual_seed(room)
-    return torch.rand((2 * LAYERS, pages, PAGE, HEADS, HEAD_DIM), generator=g)
+    shape = (LAYERS, pages, PAGE, 1, LATENT) if mla else (2 * LAYERS, pages, PAGE, HEADS, HEAD_DIM)
+    return torch.rand(shape, generator=g)
 
 
 def commands() -> queue.Queue[dict[str, Any]]:
@@ -66,7 +69,7 @@ def commands() -> queue.Queue[dict[str, Any]]:
 class Rank:
     """What both roles set up: SGLang's plugin, server args, classes, pool, aux rows, manager."""
 
-    def __init__(self, mode: str, bootstrap_port: int, extra: list[str]) -> None:
+    def __init__(self, mode: str, bootstrap_port: int, extra: list[str], mla: bool) -> None:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # SGLang's own loader: the kvservice entry point registers its hooks
@@ -86,12 +89,15 @@ class Rank:
             "--disaggregation-bootstrap-port", str(bootstrap_port), *extra])
         backend = TransferBackend(self.server_args.disaggregation_transfer_backend)
         self.classes = {t: get_kv_class(backend, t) for t in KVClassType}
-        self.k = [torch.zeros(NUM_PAGES * PAGE, HEADS, HEAD_DIM) for _ in range(LAYERS)]
-        self.v = [torch.zeros(NUM_PAGES * PAGE, HEADS, HEAD_DIM) for _ in range(LAYERS)]
+        self.mla = mla
+        if mla:  # MLATokenToKVPool: one latent buffer per layer
+            self.bufs = [torch.zeros(NUM_PAGES * PAGE, 1, LATENT) for _ in range(LAYERS)]
+        else:  # MHATokenToKVPool: k_buffer + v_buffer
+            self.bufs = [torch.zeros(NUM_PAGES * PAGE, HEADS, HEAD_DIM) for _ in range(2 * LAYERS)]
         self.meta = MetadataBuffers(AUX_ROWS, hidden_size=8, hidden_states_dtype=torch.float32,
                                     max_sampling_mask_tokens=4)
         kv_args = self.classes[KVClassType.KVARGS]()
-        bufs = self.k + self.v
+        bufs = self.bufs
         kv_args.engine_rank = 0
         kv_args.pp_rank = 0
         kv_args.system_dp_rank = 0
@@ -116,18 +122,21 @@ class Rank:
     def manager(self) -> Any:
         from sglang.srt.disaggregation.utils import KVClassType
 
-        return self.classes[KVClassType.MANAGER](self.kv_args, self.mode, self.server_args, False)
+        return self.classes[KVClassType.MANAGER](self.kv_args, self.mode, self.server_args, self.mla)
+
+    def _order(self) -> list[torch.Tensor]:
+        """The buffers in the pattern's order: per layer its K then its V (or its latent)."""
+        if self.mla:
+            return self.bufs
+        return [self.bufs[layer + j * LAYERS] for layer in range(LAYERS) for j in (0, 1)]
 
     def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        for layer in range(LAYERS):
+        for i, buf in enumerate(self._order()):
             for j, page in enumerate(pages):
-                self.k[layer][page * PAGE:(page + 1) * PAGE] = data[2 * layer, j]
-                self.v[layer][page * PAGE:(page + 1) * PAGE] = data[2 * layer + 1, j]
+                buf[page * PAGE:(page + 1) * PAGE] = data[i, j]
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
-        return torch.stack([
-            torch.stack([buf[layer][p * PAGE:(p + 1) * PAGE] for p in pages])
-            for layer in range(LAYERS) for buf in (self.k, self.v)])
+        return torch.stack([torch.stack([buf[p * PAGE:(p + 1) * PAGE] for p in pages]) for buf in self._order()])
 
 
 def failure(t: Any) -> dict[str, Any]:
@@ -192,7 +201,7 @@ def run_prefill(rank: Rank, args: argparse.Namespace) -> None:
                 keep.append(req)
             elif poll == KVPoll.WaitingForInput:
                 req.pages, req.aux = [rank.free.pop() for _ in range(req.n)], rank.aux_free.pop()
-                rank.write_pages(req.pages, pattern(req.room, req.n))
+                rank.write_pages(req.pages, pattern(req.room, req.n, rank.mla))
                 rank.meta.output_ids[req.aux].fill_(req.room % 1000)
                 rank.meta.bootstrap_room[req.aux, 0] = req.room
                 req.sender.init(req.n, req.aux)
@@ -287,7 +296,8 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
                     continue
                 req.pages, req.metadata_buffer_index = [rank.free.pop(0) for _ in range(req.n)], rank.aux_free.pop(0)
                 rank.meta.bootstrap_room[req.metadata_buffer_index].zero_()
-                req.receiver.send_metadata(torch.tensor(req.pages, dtype=torch.int32).numpy(), req.metadata_buffer_index)
+                pages = torch.tensor(req.pages, dtype=torch.int32).numpy()
+                req.receiver.send_metadata(pages, req.metadata_buffer_index)
                 emit(event="metadata", room=req.room)
                 transfer.append(req)
             elif poll == KVPoll.Failed:
@@ -305,7 +315,7 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
             elif poll == KVPoll.Success:
                 got = rank.read_pages(req.pages)
                 aux = req.metadata_buffer_index
-                verified = bool(torch.equal(got, pattern(req.room, req.n)))
+                verified = bool(torch.equal(got, pattern(req.room, req.n, rank.mla)))
                 aux_ok = int(rank.meta.bootstrap_room[aux, 0]) == req.room and \
                     int(rank.meta.output_ids[aux, 0]) == req.room % 1000
                 req.receiver.clear()
@@ -326,8 +336,9 @@ def main() -> None:
     parser.add_argument("role", choices=["prefill", "decode"])
     parser.add_argument("--bootstrap-port", type=int, required=True)
     parser.add_argument("--serve-bootstrap", action="store_true")
+    parser.add_argument("--mla", action="store_true")
     args = parser.parse_args()
-    rank = Rank(args.role, args.bootstrap_port, [])
+    rank = Rank(args.role, args.bootstrap_port, [], args.mla)
     (run_prefill if args.role == "prefill" else run_decode)(rank, args)
 
 
