@@ -23,4 +23,16 @@ fi
 # must-be-zero counters decide its exit code (docs/soak.md).
 echo "== soak"
 .venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
+# The SGLang transfer backend inside SGLang's own classes, in SGLang's own environment
+# (built once, cached outside the checkout: scripts/sglang-env.sh; docs/sglang.md).  Required
+# here, never skipped; only on a whole run (no pytest arguments given).
+if [ "$#" -eq 0 ]; then
+    echo "== sglang"
+    if sglang_env=$(bash scripts/sglang-env.sh); then
+        KVSERVICE_REQUIRE_SGLANG=1 "$sglang_env/bin/python" -m pytest tests/integrations/sglang || fail=1
+    else
+        echo "scripts/sglang-env.sh failed" >&2
+        fail=1
+    fi
+fi
 exit "$fail"
