@@ -82,6 +82,7 @@ class KVTransferEngine:
         self._close_timeout = close_timeout_s or self.config.drain_grace_s + 1.0 + _FINISH_GRACE_S + 5.0
         self._svc: TransferService | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_context = contextvars.Context()
         self._tg: anyio.abc.TaskGroup | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -93,9 +94,6 @@ class KVTransferEngine:
         self._live: dict[tuple[str, str], _Transfer] = {}  # (side, request id) -> not cleared
         self._tasks = 0  # facade tasks running (loop thread only)
         self._tasks_done: asyncio.Event | None = None
-        #: the loop thread's context: callbacks queued from the scheduler's thread run in it,
-        #: so anyio finds its event loop there (a callback carries its caller's context)
-        self._context: contextvars.Context | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
     def start(self) -> KVTransferEngine:
@@ -164,7 +162,11 @@ class KVTransferEngine:
                     self._svc = svc
                     self._stop = asyncio.Event()
                     self._loop = asyncio.get_running_loop()
-                    self._context = contextvars.copy_context()
+                    # Tasks started from the scheduler's thread start in a callback of the loop,
+                    # not in a task: run those callbacks in the loop's own context, in which
+                    # anyio.run named the async library (sniffio, when installed, looks there;
+                    # in the caller's thread's context it finds none and start_soon fails).
+                    self._loop_context = contextvars.copy_context()
                     with self._lock:
                         self._accepting = True
                     self._ready.set()
@@ -193,7 +195,7 @@ class KVTransferEngine:
             self._start_task(fn, svc)
             return True
         try:
-            loop.call_soon_threadsafe(self._start_task, fn, svc, context=self._context)
+            loop.call_soon_threadsafe(self._start_task, fn, svc, context=self._loop_context)
         except RuntimeError:  # the loop closed in between; _end_all ends the request
             return False
         return True

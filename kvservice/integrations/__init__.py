@@ -1,1 +1,1 @@
-"""Engine integrations: each imports its engine only inside its own package."""
+"""Engines loading kvservice: one folder per engine (``vllm``, ``sglang``)."""
