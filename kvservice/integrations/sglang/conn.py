@@ -35,6 +35,7 @@ draft-model KV, host (CPU) KV destinations on the decode.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -97,7 +98,7 @@ class KVManager(BaseKVManager):
     supports_host_destination = False
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
-                 is_mla_backend: bool | None = False, *, engine: KVTransferEngine | None = None) -> None:
+                 is_mla_backend: bool | None = False) -> None:
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
@@ -120,7 +121,7 @@ class KVManager(BaseKVManager):
                      if getattr(server_args, "enable_dp_attention", False) else 1,
                      "page_size": int(args.page_size), "kv_cache_dtype": str(args.kv_cache_dtype_str),
                      "is_mla": self.is_mla_backend}
-        self.engine = engine or KVTransferEngine(service_config(self.aux.row_bytes), memory=self.memory).start()
+        self.engine = KVTransferEngine(service_config(self.aux.row_bytes), memory=self.memory).start()
         #: bootstrap address -> the prefill's topology, as SGLang's decode scheduler reads it
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         self._prefill_ranks: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
@@ -130,17 +131,31 @@ class KVManager(BaseKVManager):
 
     # -- prefill ---------------------------------------------------------------------------------
     def register_to_bootstrap(self) -> None:
-        """Tell this prefill's bootstrap registry where this rank's kvservice listens.
-        Retries (bounded) while the registry starts; raises ``BootstrapError`` after that."""
+        """Tell this prefill's bootstrap registry where this rank's kvservice listens.  The
+        registry starts in the prefill's main process, maybe after this rank: one attempt
+        here, then a thread of its own retries for up to ``REGISTER_TIMEOUT_S`` (as SGLang's
+        backends, it logs an error then; decodes meanwhile find no rank and retry)."""
+        try:
+            self._register()
+            return
+        except bootstrap.BootstrapError as exc:
+            log.info("sglang.bootstrap.register_retrying", bootstrap=self.bootstrap_addr, error=str(exc))
+        threading.Thread(target=self._register_until, name="kvservice-sglang-register", daemon=True).start()
+
+    def _register(self) -> None:
+        bootstrap.register(self.bootstrap_addr, self.dp_rank, self.tp_rank, self.engine.address, self.info)
+
+    def _register_until(self) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
-        while True:
+        while self.engine.running:
+            time.sleep(0.5)
             try:
-                bootstrap.register(self.bootstrap_addr, self.dp_rank, self.tp_rank, self.engine.address, self.info)
+                self._register()
                 return
-            except bootstrap.BootstrapError:
+            except bootstrap.BootstrapError as exc:
                 if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+                    log.error("sglang.bootstrap.register_failed", bootstrap=self.bootstrap_addr, error=str(exc))
+                    return
 
     # -- decode ----------------------------------------------------------------------------------
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:

@@ -38,6 +38,7 @@ LAYERS, HEADS, HEAD_DIM, PAGE, NUM_PAGES = 2, 2, 8, 4, 64
 LATENT = 24  # an MLA pool's kv_lora_rank + rope dim
 AUX_ROWS = 16
 TICK_S = 0.01
+RETRY_S, TRIES = 0.5, 10  # the decode's lookups of a prefill: bounded, spaced retries
 
 
 def emit(**event: Any) -> None:
@@ -163,11 +164,15 @@ def run_prefill(rank: Rank, args: argparse.Namespace) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import KVClassType, poll_and_all_reduce_attn_cp_tp_group
 
-    if args.serve_bootstrap:  # what start_disagg_service does in the prefill's main process
-        server = rank.classes[KVClassType.BOOTSTRAP_SERVER](host="127.0.0.1", port=args.bootstrap_port)
+    def serve() -> Any:  # what start_disagg_service does in the prefill's main process
+        return rank.classes[KVClassType.BOOTSTRAP_SERVER](host="127.0.0.1", port=args.bootstrap_port)
+
+    server = serve() if args.serve_bootstrap and not args.bootstrap_delay else None
     mgr = rank.manager()
-    emit(event="ready", address=mgr.engine.address, bootstrap=getattr(server, "port", None)
-         if args.serve_bootstrap else None)
+    if args.serve_bootstrap and args.bootstrap_delay:  # the registry starts after this rank
+        time.sleep(args.bootstrap_delay)
+        server = serve()
+    emit(event="ready", address=mgr.engine.address, bootstrap=server.port if server else None)
     sender_cls = rank.classes[KVClassType.SENDER]
     cmds = commands()
     bootstrap_q: list[SimpleNamespace] = []
@@ -269,6 +274,7 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
             addr = cmd.get("bootstrap", f"127.0.0.1:{args.bootstrap_port}")
             req = SimpleNamespace(room=cmd["room"], n=cmd["pages"], hold_s=cmd.get("hold_s", 0.0),
                                   bootstrap_host=addr.rpartition(":")[0], ready_at=None, tries=0, addr=addr,
+                                  next_try=0.0,
                                   init_direct=cmd.get("init_direct", False))
             req.receiver = receiver_cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=cmd["room"])
             req.req, req.metadata_buffer_index = req, -1
@@ -277,11 +283,14 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
         for req in prealloc:
             if req.receiver.bootstrap_infos is not None or req.receiver.conclude_state is not None:
                 continue
+            if time.monotonic() < req.next_try:
+                continue
             if req.init_direct or mgr.try_ensure_parallel_info(req.addr):
                 req.receiver.init(0)
             else:
                 req.tries += 1
-                if req.tries >= 3:  # SGLang: "Could not fetch prefill parallel info ... after N attempts"
+                req.next_try = time.monotonic() + RETRY_S
+                if req.tries >= TRIES:  # SGLang: "Could not fetch prefill parallel info ... after N attempts"
                     req.receiver.abort()
         polls = poll_and_all_reduce([r.receiver for r in prealloc], rank.group)
         keep = []
@@ -337,6 +346,7 @@ def main() -> None:
     parser.add_argument("--bootstrap-port", type=int, required=True)
     parser.add_argument("--serve-bootstrap", action="store_true")
     parser.add_argument("--mla", action="store_true")
+    parser.add_argument("--bootstrap-delay", type=float, default=0.0)
     args = parser.parse_args()
     rank = Rank(args.role, args.bootstrap_port, [], args.mla)
     (run_prefill if args.role == "prefill" else run_decode)(rank, args)

@@ -66,12 +66,12 @@ class Role:
     count = 0
 
     def __init__(self, role: str, port: int, tmp_path: Path, *, serve: bool = False, mla: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 delay: float = 0.0, env: dict[str, str] | None = None) -> None:
         Role.count += 1
         self.name = f"{role}{Role.count}"
         self.log = tmp_path / f"{self.name}.log"
         args = [sys.executable, str(ROLES), role, "--bootstrap-port", str(port)]
-        args += ["--serve-bootstrap"] * serve + ["--mla"] * mla
+        args += ["--serve-bootstrap"] * serve + ["--mla"] * mla + ["--bootstrap-delay", str(delay)]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                          env=child_env(tmp_path, self.name, **(env or {})))
@@ -271,7 +271,9 @@ def test_prefill_restart_fails_its_requests_and_the_decode_finds_the_new_one(tmp
     """A prefill SIGKILLed mid-transfer: the decode's receiver fails at once (``PEER_LOST``)
     with the original error, its pages reported safe to reuse only once nothing can land;
     a new prefill on the same bootstrap port registers and the decode's next request
-    succeeds (it looks the prefill up again instead of dialling the dead one)."""
+    succeeds (it looks the prefill up again instead of dialling the dead one).  The new
+    prefill's rank comes up before its registry (as SGLang may start them): it registers
+    once the registry is there."""
     port = free_port()
     prefill, decode = roles(("prefill", port, tmp_path, {"serve": True}), ("decode", port, tmp_path, {}))
     prefill.send(room=301, pages=2)
@@ -284,10 +286,11 @@ def test_prefill_restart_fails_its_requests_and_the_decode_finds_the_new_one(tmp
     ended = decode.end(302, timeout=60)
     assert ended["poll"] == "Failed" and ended["reason"] == "PEER_LOST", ended
     assert ended["original"] is True and ended["release_safe"] is True, ended
-    (prefill2,) = roles(("prefill", port, tmp_path, {"serve": True}))
+    (prefill2,) = roles(("prefill", port, tmp_path, {"serve": True, "delay": 2.0}))
     assert prefill2.ready["address"] != prefill.ready["address"]
-    prefill2.send(room=303, pages=3)
+    assert "sglang.bootstrap.register_retrying" in prefill2.log.read_text()  # up before its registry
     decode.send(room=303, pages=3)
+    prefill2.send(room=303, pages=3)
     got = decode.end(303)
     assert got["poll"] == "Success" and got["verified"] and got["aux"], got
     assert prefill2.end(303)["poll"] == "Success"
