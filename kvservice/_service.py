@@ -490,6 +490,12 @@ class TransferService(ServiceCore):
             raise UnknownRequestError(f"unknown request {request_id!r}")
         return done.poll
 
+    def expected(self, request_id: str) -> bool:
+        """Whether a receiver's expect for ``request_id`` is here, held for the first
+        ``send()``: a scheduler that computes a request only once its receiver is ready
+        (SGLang's prefill) polls this.  Never blocks; safe from another thread."""
+        return bool(self._early.agents(request_id))
+
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:
         """Whether anything of ``request_id`` is still here: a live request on either

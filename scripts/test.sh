@@ -35,4 +35,17 @@ fi
 # must-be-zero counters decide its exit code (docs/soak.md).
 echo "== soak"
 .venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
+# The SGLang transfer backend under SGLang's own classes (tests/integrations/sglang): in SGLang's
+# environment, built once and cached outside the checkout (scripts/sglang-env.sh); the run above
+# skips those tests (no SGLang in .venv).
+if [ "${KVSERVICE_SKIP_SGLANG:-0}" != 1 ]; then
+    echo "== sglang"
+    if sglang_env=$(bash scripts/sglang-env.sh); then
+        KVSERVICE_REQUIRE_SGLANG=1 PYTHONPATH="$PWD" "$sglang_env/bin/python" -m pytest tests/integrations/sglang \
+            -p no:cacheprovider || fail=1
+    else
+        echo "the SGLang environment could not be built (scripts/sglang-env.sh)" >&2
+        fail=1
+    fi
+fi
 exit "$fail"

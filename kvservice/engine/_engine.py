@@ -264,6 +264,12 @@ class KVTransferEngine:
         self._register(("recv", request_id), transfer)
         return transfer
 
+    def expected(self, request_id: str) -> bool:
+        """Whether a receiver's expect for ``request_id`` has reached this engine and waits
+        for the first ``send()`` (``TransferService.expected``); never waits on the loop."""
+        svc = self._svc
+        return svc is not None and svc.expected(request_id)
+
     @property
     def running(self) -> bool:
         """The service is up and takes calls."""

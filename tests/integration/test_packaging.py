@@ -71,6 +71,9 @@ def test_wheel_holds_the_package_and_nothing_else(wheel: Path) -> None:
     for module in ("main", "run", "control", "listen", "remote", "raw_nixl", "kv_side", "report"):
         assert f"kvservice/bench/{module}.py" in names, module
     assert re.search(r"^\[console_scripts\]\s*\nkvservice = kvservice\.cli:main$", entry_points, re.MULTILINE)
+    # SGLang's plugin loader finds the transfer backend here (docs/sglang.md)
+    assert re.search(r"^\[sglang\.srt\.plugins\]\s*\nkvservice = kvservice\.integrations\.sglang\.plugin:register$",
+                     entry_points, re.MULTILINE)
     assert "License-Expression: Apache-2.0" in metadata
     assert f"{dist}/licenses/LICENSE" in names
 

@@ -1,0 +1,416 @@
+"""SGLang's transfer-backend interface over kvservice: manager, sender, receiver, bootstrap server.
+
+Like SGLang's own backends (``disaggregation/<backend>/conn.py``), one module holds the
+four classes ``get_kv_class`` hands out; they implement ``disaggregation/base/conn.py``.
+Each scheduler rank's ``KVManager`` runs one ``kvservice.engine.KVTransferEngine`` (the
+service on a loop thread of its own) over the rank's KV buffers as they are
+(``memory.kv_memory``); a request's sender and receiver are the facade's
+``KVSender`` / ``KVReceiver`` under the request id ``str(bootstrap_room)``.
+
+How the schedulers' calls map (the prefill's in ``disaggregation/prefill.py``, the
+decode's in ``disaggregation/decode.py``):
+
+* prefill ``KVSender(mgr, bootstrap_addr, room)``; ``poll()`` is ``Bootstrapping`` until
+  the decode's expect for the room has reached this rank (``KVTransferEngine.expected``),
+  then ``WaitingForInput``: the scheduler calls ``init(num_pages, aux_index)`` and
+  ``send(page_indices)`` per chunk; the chunk that reaches ``num_pages`` is the last and
+  carries the aux row as its payload.  After ``init`` the facade's ``Bootstrapping`` reads
+  ``WaitingForInput``: the prefill's inflight queue takes only ``WaitingForInput``,
+  ``Transferring``, ``Success`` and ``Failed`` (anything else raises in its loop).
+* decode ``KVReceiver(mgr, bootstrap_addr, room)``: ``Bootstrapping``; ``init(dp_rank)``
+  looks the prefill ranks up in the bootstrap registry (cached per prefill) and picks
+  the rank with this rank's heads: ``WaitingForInput``; ``send_metadata(kv_indices,
+  aux_index)`` sends the expect; ``Success`` once every chunk's notification is in and
+  the payload is in this rank's aux row.
+* Failure is sticky and never raises into a scheduler loop: ``poll()`` says ``Failed``
+  for good and ``failure_exception()`` raises the original error (NIXL's exception, the
+  registry's ``BootstrapError``, the service's ``ValueError``...), as SGLang's own
+  schedulers expect (``handle_inflight_transfer_failure`` calls it in a ``try``).
+
+Scope: equal attention-TP on both sides (MHA or MLA), DP attention, page-wise KV.
+Refused with a clear error: pipeline parallelism, Mamba/SWA state (``state_types``),
+draft-model KV, host (CPU) KV destinations on the decode.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from ..._log import get_logger
+from ..._results import FailureReason, KVPoll, TransferFailed
+from ...engine import KVReceiver as FacadeReceiver
+from ...engine import KVSender as FacadeSender
+from ...engine import KVTransferEngine
+from . import bootstrap
+from .memory import AuxRows, kv_memory
+
+log = get_logger("kvservice.sglang")
+
+#: how long a prefill rank keeps trying to register while its bootstrap server starts
+REGISTER_TIMEOUT_S = 60.0
+
+
+def service_config(aux_row_bytes: int) -> Any:
+    """The service's configuration: the file named by ``KVSERVICE_CONFIG`` (the sidecar's
+    TOML format; only ``[service]`` is used) with ``KVSERVICE_SERVICE_*`` overrides, its
+    payload bound raised to hold one aux row."""
+    from ...sidecar.settings import load
+
+    config = load(os.environ.get("KVSERVICE_CONFIG") or None).service
+    if aux_row_bytes > config.max_payload_bytes:
+        config = config.replace(max_payload_bytes=aux_row_bytes)
+    return config
+
+
+def _attn_tp_size(server_args: Any) -> int:
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    return tp // dp if getattr(server_args, "enable_dp_attention", False) and dp > 1 else tp
+
+
+def _bootstrap_host(server_args: Any) -> str:
+    dist = getattr(server_args, "dist_init_addr", None)
+    if dist:
+        return str(dist).rpartition(":")[0].strip("[]") or "127.0.0.1"
+    host = getattr(server_args, "host", None) or "127.0.0.1"
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else str(host)
+
+
+class KVManager(BaseKVManager):
+    """One scheduler rank's transfer engine, over the rank's own KV buffers."""
+
+    supports_host_destination = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: bool | None = False) -> None:
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        if int(getattr(server_args, "pp_size", 1) or 1) > 1:
+            raise ValueError("the kvservice transfer backend does not support pipeline parallelism (pp_size > 1)")
+        if getattr(args, "state_types", None):
+            raise ValueError(f"the kvservice transfer backend moves KV pages only; this model also has state "
+                             f"{[str(s) for s in args.state_types]} (Mamba/SWA/DSA) to transfer")
+        self.attn_tp_size = _attn_tp_size(server_args)
+        self.tp_rank = int(args.engine_rank) % self.attn_tp_size
+        self.dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        self.aux = AuxRows(args)
+        kinds = getattr(args, "kv_data_mem_kinds", None)
+        mem_type = kinds[0] if kinds else "DRAM" if str(getattr(server_args, "device", "cpu")) == "cpu" else "VRAM"
+        self.memory = kv_memory(args, is_mla=self.is_mla_backend, tp_size=self.attn_tp_size, tp_rank=self.tp_rank,
+                                mem_type=mem_type)
+        self.info = {"attn_tp_size": self.attn_tp_size,
+                     "dp_size": int(getattr(server_args, "dp_size", 1) or 1)
+                     if getattr(server_args, "enable_dp_attention", False) else 1,
+                     "page_size": int(args.page_size), "kv_cache_dtype": str(args.kv_cache_dtype_str),
+                     "is_mla": self.is_mla_backend}
+        self.engine = KVTransferEngine(service_config(self.aux.row_bytes), memory=self.memory).start()
+        #: bootstrap address -> the prefill's topology, as SGLang's decode scheduler reads it
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self._prefill_ranks: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+        self.bootstrap_addr = f"{_bootstrap_host(server_args)}:{int(server_args.disaggregation_bootstrap_port)}"
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.register_to_bootstrap()
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def register_to_bootstrap(self) -> None:
+        """Tell this prefill's bootstrap registry where this rank's kvservice listens.  The
+        registry starts in the prefill's main process, maybe after this rank: one attempt
+        here, then a thread of its own retries for up to ``REGISTER_TIMEOUT_S`` (as SGLang's
+        backends, it logs an error then; decodes meanwhile find no rank and retry)."""
+        try:
+            self._register()
+            return
+        except bootstrap.BootstrapError as exc:
+            log.info("sglang.bootstrap.register_retrying", bootstrap=self.bootstrap_addr, error=str(exc))
+        threading.Thread(target=self._register_until, name="kvservice-sglang-register", daemon=True).start()
+
+    def _register(self) -> None:
+        bootstrap.register(self.bootstrap_addr, self.dp_rank, self.tp_rank, self.engine.address, self.info)
+
+    def _register_until(self) -> None:
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while self.engine.running:
+            time.sleep(0.5)
+            try:
+                self._register()
+                return
+            except bootstrap.BootstrapError as exc:
+                if time.monotonic() > deadline:
+                    log.error("sglang.bootstrap.register_failed", bootstrap=self.bootstrap_addr, error=str(exc))
+                    return
+
+    # -- decode ----------------------------------------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt to learn the prefill's topology (SGLang's decode scheduler calls it
+        before ``_resolve_prefill_dp_rank``); False when the registry is not reachable yet."""
+        try:
+            self.prefill_ranks(bootstrap_addr)
+        except (bootstrap.BootstrapError, ValueError) as exc:
+            log.warning("sglang.bootstrap.lookup_failed", bootstrap=bootstrap_addr, error=str(exc))
+            return False
+        return True
+
+    def prefill_ranks(self, bootstrap_addr: str) -> tuple[dict[str, Any], dict[str, str]]:
+        """The prefill's pool description and ranks (cached; a restarted prefill registers
+        again and a receiver that fails to link drops the cache: ``forget_prefill``)."""
+        cached = self._prefill_ranks.get(bootstrap_addr)
+        if cached is None:
+            cached = bootstrap.lookup(bootstrap_addr)
+            info = cached[0]
+            self._prefill_ranks[bootstrap_addr] = cached
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=info["attn_tp_size"], attn_cp_size=1, dp_size=info["dp_size"], pp_size=1,
+                page_size=info["page_size"], kv_cache_dtype=info["kv_cache_dtype"], follow_bootstrap_room=True)
+        return cached
+
+    def forget_prefill(self, bootstrap_addr: str) -> None:
+        self._prefill_ranks.pop(bootstrap_addr, None)
+        self.prefill_info_table.pop(bootstrap_addr, None)
+
+    def prefill_address(self, bootstrap_addr: str, prefill_dp_rank: int) -> str:
+        """The kvservice address of the prefill rank that holds this rank's heads."""
+        info, ranks = self.prefill_ranks(bootstrap_addr)
+        mine = {**self.info, "dp_size": info["dp_size"]}
+        if info != mine:
+            raise ValueError(f"the prefill at {bootstrap_addr} has {info}, this decode rank {mine}: the kvservice "
+                             "backend needs the same attention TP size, page size, KV dtype and attention kind")
+        address = ranks.get(f"{prefill_dp_rank}/{self.tp_rank}")
+        if address is None:
+            raise ValueError(f"the prefill at {bootstrap_addr} has no rank dp={prefill_dp_rank} tp={self.tp_rank} "
+                             f"registered (ranks: {sorted(ranks)})")
+        return address
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _request_id(room: Any) -> str:
+    if not isinstance(room, (int, np.integer)) or isinstance(room, bool) or room < 0:
+        raise ValueError(f"bootstrap_room must be a non-negative int, got {room!r}")
+    return str(int(room))
+
+
+class _Side:
+    """What sender and receiver share: a sticky failure of our own (before or beside the
+    facade's), the facade object, and the calls that read them."""
+
+    _t: FacadeSender | FacadeReceiver | None
+
+    def __init__(self, mgr: KVManager, bootstrap_room: Any) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = bootstrap_room
+        self._failure: BaseException | None = None
+        self._t = None
+        try:
+            self.request_id = _request_id(bootstrap_room)
+        except ValueError as exc:
+            self.request_id = repr(bootstrap_room)
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Fail the request here (first failure wins) and abort the facade's, so the peer hears."""
+        if self._failure is None and (self._t is None or self._t.result is None or self._t.result.ok):
+            self._failure = exc
+            log.warning("sglang.request_failed", request_id=self.request_id, error=f"{type(exc).__name__}: {exc}")
+        if self._t is not None:
+            self._t.abort()
+
+    @property
+    def conclude_state(self) -> int | None:
+        return int(KVPoll.Failed) if self._failure is not None else None
+
+    def failure_exception(self) -> None:
+        """Raise the original error of a failed request (``RuntimeError`` if it has not failed)."""
+        if self._failure is not None:
+            raise self._failure
+        if self._t is None:
+            raise RuntimeError(f"request {self.request_id} has not failed")
+        self._t.failure_exception()
+
+    def abort(self) -> None:
+        if self._t is not None:
+            self._t.abort()
+        elif self._failure is None:
+            self._failure = TransferFailed(self.request_id, FailureReason.ABORTED, "aborted by the scheduler")
+
+    def clear(self) -> None:
+        if self._t is not None:
+            self._t.clear()
+
+
+class KVSender(_Side, BaseKVSender):
+    """The prefill side of one request."""
+
+    _t: FacadeSender | None
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        super().__init__(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self._created = time.monotonic()
+        self._deadline = self._created + mgr.engine.config.bootstrap_timeout_s
+        self._num_pages: int | None = None
+        self._pages_sent = 0
+        self._aux_index: int | None = None
+        if self._failure is None:
+            try:
+                self._t = mgr.engine.sender(self.request_id)
+            except ValueError as exc:  # a live sender of the same room on this rank
+                self._fail(exc)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        if self._t is None or self._failure is not None:
+            return
+        try:
+            self._t.init(int(num_kv_indices))
+        except (ValueError, RuntimeError) as exc:
+            self._fail(exc)
+            return
+        self._num_pages = int(num_kv_indices)
+        self._aux_index = aux_index
+
+    def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
+             num_kv_tokens: int | None = None) -> None:
+        if self._t is None or self._failure is not None:
+            return
+        try:
+            if self._num_pages is None:
+                raise RuntimeError(f"send() before init() for request {self.request_id}")
+            if state_indices and any(s is not None for s in state_indices):
+                raise ValueError("state_indices (Mamba/SWA state) are not supported by the kvservice backend")
+            pages = np.asarray(kv_indices)
+            last = self._pages_sent + len(pages) >= self._num_pages
+            payload = self.kv_mgr.aux.read(self._aux_index) if last and self._aux_index is not None else None
+            self._t.send(pages, last=last, payload=payload)
+            self._pages_sent += len(pages)
+        except (ValueError, RuntimeError) as exc:
+            self._fail(exc)
+
+    def poll(self) -> int:
+        if self._failure is not None or self._t is None:
+            return int(KVPoll.Failed)
+        state = self._t.poll()
+        if state is KVPoll.Bootstrapping:
+            if self._num_pages is not None:
+                return int(KVPoll.WaitingForInput)  # ours to send: no going back to Bootstrapping
+            if self.kv_mgr.engine.expected(self.request_id):
+                return int(KVPoll.WaitingForInput)
+            if time.monotonic() > self._deadline:
+                self._fail(TransferFailed(self.request_id, FailureReason.TIMEOUT,
+                                          f"no decode asked for it within bootstrap_timeout_s "
+                                          f"({self.kv_mgr.engine.config.bootstrap_timeout_s}s)"))
+                return int(KVPoll.Failed)
+        return int(state)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        result = self._t.result if self._t is not None else None
+        if result is None or not result.ok:
+            return KVTransferMetric()
+        return KVTransferMetric(transfer_latency_s=result.transfer_s, transfer_total_bytes=result.bytes)
+
+
+class KVReceiver(_Side, BaseKVReceiver):
+    """The decode side of one request."""
+
+    _t: FacadeReceiver | None
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        super().__init__(mgr, bootstrap_room)
+        self.bootstrap_addr = bootstrap_addr
+        self.abort_notified = False
+        self.require_staging = False
+        self.bootstrap_infos: list[dict[str, Any]] | None = None
+        self._aux_index: int | None = None
+        self._metadata_sent = False
+        self._delivered = False
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self._failure is not None or self._t is not None:
+            return
+        try:
+            address = self.kv_mgr.prefill_address(self.bootstrap_addr, int(prefill_dp_rank))
+            self._t = self.kv_mgr.engine.receiver(self.request_id, sender=address)
+        except (bootstrap.BootstrapError, ValueError) as exc:
+            self.kv_mgr.forget_prefill(self.bootstrap_addr)  # a restarted prefill registers anew
+            self._fail(exc)
+            return
+        self.bootstrap_infos = [{"address": address}]
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: list[Any] | None = None,
+                      decode_prefix_len: int | None = None,
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE) -> None:
+        if self._t is None or self._failure is not None:
+            return
+        try:
+            if destination != KVTransferDestination.DEVICE:
+                raise ValueError("the kvservice backend writes KV into the decode's device pool only")
+            if state_indices and any(s is not None for s in state_indices):
+                raise ValueError("state_indices (Mamba/SWA state) are not supported by the kvservice backend")
+            if decode_prefix_len:
+                raise ValueError("a decode-side prefix (decode radix cache) is not supported by the kvservice backend")
+            self._aux_index = aux_index
+            self._t.init(np.asarray(kv_indices))
+            self._metadata_sent = True
+        except (ValueError, RuntimeError) as exc:
+            self._fail(exc)
+
+    def poll(self) -> int:
+        if self._failure is not None:
+            return int(KVPoll.Failed)
+        if self._t is None:
+            return int(KVPoll.Bootstrapping)
+        if not self._metadata_sent:
+            return int(KVPoll.WaitingForInput)
+        state = self._t.poll()
+        if state is KVPoll.Success and not self._delivered:
+            result = self._t.result
+            try:
+                if self._aux_index is not None:
+                    self.kv_mgr.aux.write(self._aux_index, (result.payload if result else None) or b"")
+            except ValueError as exc:
+                self._fail(exc)
+                return int(KVPoll.Failed)
+            self._delivered = True
+        if state is KVPoll.Bootstrapping:
+            return int(KVPoll.WaitingForInput)
+        if state is KVPoll.Failed and self._t.result is not None and \
+                self._t.result.reason in (FailureReason.PEER_LOST, FailureReason.INCOMPATIBLE):
+            self.kv_mgr.forget_prefill(self.bootstrap_addr)  # look the prefill up again next time
+        return int(state)
+
+    def is_abort_release_safe(self) -> bool:
+        """Whether a failed request's pages may be reused: nothing of it can land any more."""
+        return self._t is None or not self._metadata_sent or self._t.settled
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """kvservice tells the prefill of an abort itself (``abort()``)."""
+
+
+class KVBootstrapServer(BaseKVBootstrapServer):
+    """The prefill's bootstrap registry (``bootstrap.Registry``), started by SGLang's
+    ``start_disagg_service`` in the prefill's main process."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.registry = bootstrap.Registry(host or "0.0.0.0", port)
+        self.port = self.registry.port
+
+    def close(self) -> None:
+        self.registry.close()

@@ -1,0 +1,131 @@
+"""SGLang's ``KVArgs`` as ``kvservice.memory``, and its aux buffers as a request's payload.
+
+SGLang hands a transfer backend raw buffers, not tensors (``KVArgs``):
+
+* ``kv_data_ptrs`` / ``kv_data_lens`` / ``kv_item_lens``: one entry per buffer, an item
+  being one page of that buffer.  An MHA pool lists every layer's K buffer, then every
+  layer's V buffer (``MHATokenToKVPool``: ``k_buffer + v_buffer``); an MLA pool one latent
+  buffer per layer.  kvservice wants regions in layer order (``L0.k, L0.v, L1.k ...``),
+  so the K and V halves are interleaved here.
+* ``kv_cache_dtype_str`` may be ``"auto"`` (the model's dtype, which ``KVArgs`` does not
+  carry), so a head is described in bytes: ``dtype="uint8"``, ``head_dim`` = bytes of one
+  head of one token.  Both sides describe their pools the same way, so the handshake's
+  region-by-region check still compares what matters: bytes per page, heads, layers.
+* ``aux_data_ptrs`` / ``aux_item_lens``: per-request metadata rows in CPU memory (the
+  first output token, its logprobs, the bootstrap room...), row ``aux_index`` of each
+  buffer.  kvservice carries them as the last chunk's payload (``send(payload=)``) and the
+  decode writes them into its own rows when the request succeeds: one fewer transfer, and
+  the metadata is authenticated with the rest.
+
+Nothing here imports SGLang: ``kv_args`` is any object with those attributes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+from ...memory import KVMemory, Region, from_regions
+
+
+def _ints(kv_args: Any, name: str) -> list[int]:
+    values = getattr(kv_args, name, None)
+    if values is None:
+        raise ValueError(f"KVArgs.{name} is not set")
+    out = [int(v) for v in values]
+    if any(v <= 0 for v in out):
+        raise ValueError(f"KVArgs.{name}: every entry must be positive, got {out}")
+    return out
+
+
+def _buffers(kv_args: Any) -> tuple[list[int], list[int], list[int]]:
+    ptrs, lens, items = (_ints(kv_args, n) for n in ("kv_data_ptrs", "kv_data_lens", "kv_item_lens"))
+    if not ptrs or len(ptrs) != len(lens) or len(ptrs) != len(items):
+        raise ValueError(f"KVArgs: kv_data_ptrs, kv_data_lens and kv_item_lens must be non-empty and as long "
+                         f"as each other, got {len(ptrs)}, {len(lens)}, {len(items)}")
+    return ptrs, lens, items
+
+
+def kv_memory(kv_args: Any, *, is_mla: bool, tp_size: int, tp_rank: int, mem_type: str = "DRAM") -> KVMemory:
+    """The KV buffers ``kv_args`` describes, as ``KVMemory`` (nothing is copied).
+
+    ``is_mla``: one latent buffer per layer, the same on every tensor-parallel rank;
+    otherwise K buffers then V buffers, this rank's ``kv_head_num`` heads each.
+    ``mem_type``: ``"VRAM"`` (GPU pools, device ``kv_args.gpu_id``) or ``"DRAM"``."""
+    if mem_type not in ("DRAM", "VRAM"):
+        raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
+    if getattr(kv_args, "num_draft_entries", 0):
+        raise ValueError("KVArgs: a draft model's KV (speculative decoding) is not supported by the kvservice backend")
+    ptrs, lens, items = _buffers(kv_args)
+    page_tokens = int(getattr(kv_args, "page_size", 0) or 0)
+    if page_tokens <= 0:
+        raise ValueError(f"KVArgs.page_size must be positive, got {page_tokens}")
+    num_pages = {n // i for n, i in zip(lens, items, strict=True)}
+    if any(n % i for n, i in zip(lens, items, strict=True)) or len(num_pages) != 1:
+        raise ValueError(f"KVArgs: every buffer must hold the same whole number of pages "
+                         f"(kv_data_lens {lens}, kv_item_lens {items})")
+    device = int(getattr(kv_args, "gpu_id", 0) or 0) if mem_type == "VRAM" else 0
+    if is_mla:
+        order = [(layer, "latent", i) for layer, i in enumerate(range(len(ptrs)))]
+        heads = 1
+    else:
+        if len(ptrs) % 2:
+            raise ValueError(f"KVArgs: an MHA pool lists K then V buffers, got an odd count ({len(ptrs)})")
+        half = len(ptrs) // 2
+        order = [(layer, kind, layer + j * half) for layer in range(half) for j, kind in enumerate(("k", "v"))]
+        heads = int(getattr(kv_args, "kv_head_num", 0) or 0)
+        if heads <= 0 or items[0] % (page_tokens * heads):
+            heads = 1  # unknown: the rank's heads as one (equal TP on both sides pairs whole pages)
+    regions = []
+    for layer, kind, i in order:
+        if items[i] != items[order[0][2]] or items[i] % (page_tokens * heads):
+            raise ValueError(f"KVArgs: buffer {i} has pages of {items[i]} bytes; every buffer must have pages of "
+                             f"{items[order[0][2]]} bytes, a multiple of page_size x heads ({page_tokens} x {heads})")
+        regions.append(Region(ptrs[i], items[i], layer, kind, "uint8", page_tokens, heads,
+                              items[i] // (page_tokens * heads), "NHD", device))
+    segments = [(p, n, device) for p, n in zip(ptrs, lens, strict=True)]
+    return from_regions(regions, num_pages.pop(), segments=segments, mem_type=mem_type,
+                        tp_size=tp_size, tp_rank=tp_rank)
+
+
+class AuxRows:
+    """Row ``index`` of each of SGLang's aux (metadata) buffers, read as one payload on
+    the prefill and written back on the decode.  The buffers are CPU memory the
+    scheduler owns; the row is the scheduler's for as long as the request holds it."""
+
+    def __init__(self, kv_args: Any) -> None:
+        ptrs = [int(p) for p in getattr(kv_args, "aux_data_ptrs", None) or ()]
+        lens = [int(n) for n in getattr(kv_args, "aux_data_lens", None) or ()]
+        items = [int(n) for n in getattr(kv_args, "aux_item_lens", None) or ()]
+        if len(ptrs) != len(lens) or len(ptrs) != len(items) or any(n <= 0 for n in items):
+            raise ValueError("KVArgs: aux_data_ptrs, aux_data_lens and aux_item_lens must be as long as each "
+                             "other, with positive item lengths")
+        self._buffers: Sequence[tuple[int, int, int]] = list(zip(ptrs, lens, items, strict=True))
+        self.row_bytes = sum(items)
+
+    def _rows(self, index: int) -> list[tuple[int, int]]:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"aux index must be a non-negative int, got {index!r}")
+        rows = []
+        for ptr, size, item in self._buffers:
+            if (index + 1) * item > size:
+                raise ValueError(f"aux index {index} is past the end of an aux buffer of {size // item} rows")
+            rows.append((ptr + index * item, item))
+        return rows
+
+    def read(self, index: int) -> bytes:
+        """Row ``index`` of every aux buffer, concatenated."""
+        return b"".join(ctypes.string_at(addr, n) for addr, n in self._rows(index))
+
+    def write(self, index: int, payload: bytes) -> None:
+        """Write ``payload`` (a peer's ``read``) into row ``index``; ``ValueError`` when
+        its length is not this side's row length (the two sides' aux layouts differ)."""
+        rows = self._rows(index)
+        if len(payload) != self.row_bytes:
+            raise ValueError(f"aux payload of {len(payload)} bytes, this side's aux row is {self.row_bytes} bytes "
+                             "(prefill and decode must run the same model and metadata layout)")
+        offset = 0
+        for addr, n in rows:
+            ctypes.memmove(addr, payload[offset:offset + n], n)
+            offset += n

@@ -1,0 +1,331 @@
+"""The kvservice transfer backend inside SGLang 0.5.23's own classes (docs/sglang.md).
+
+Runs in SGLang's environment (``scripts/sglang-env.sh``; ``scripts/test.sh`` runs this
+folder with that environment's python and ``KVSERVICE_REQUIRE_SGLANG=1``).  Elsewhere it
+skips, saying why; with ``KVSERVICE_REQUIRE_SGLANG`` set and SGLang missing it fails.
+
+Every SGLang process is a child (``roles.py``): a prefill or decode scheduler rank that
+loads the plugin with SGLang's ``load_plugins()``, parses ``--disaggregation-transfer-backend
+kvservice`` with SGLang's ``prepare_server_args``, and drives SGLang's sender and receiver
+the way its schedulers do, over CPU tensors, two real NIXL agents on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+ROLES = Path(__file__).with_name("roles.py")
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+PAGE_BYTES = 2 * 2 * 4 * 2 * 8 * 4  # roles.py: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x float32
+START_S = 120.0  # importing SGLang takes ~10 s per process here; more with the machine busy
+FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(autouse=True)
+def _sglang() -> None:
+    if HAVE_SGLANG:
+        return
+    why = "SGLang is not installed here: run with the python of scripts/sglang-env.sh"
+    if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
+        pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
+    pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "SGLANG_PLUGINS": "kvservice",
+            "KVSERVICE_TEST_GLOO_FILE": str(tmp_path / f"gloo-{name}"), **extra}
+
+
+class Role:
+    """One scheduler rank (``roles.py``) in a child process: commands in, events out."""
+
+    count = 0
+
+    def __init__(self, role: str, port: int, tmp_path: Path, *, serve: bool = False, mla: bool = False,
+                 delay: float = 0.0, env: dict[str, str] | None = None) -> None:
+        Role.count += 1
+        self.name = f"{role}{Role.count}"
+        self.log = tmp_path / f"{self.name}.log"
+        args = [sys.executable, str(ROLES), role, "--bootstrap-port", str(port)]
+        args += ["--serve-bootstrap"] * serve + ["--mla"] * mla + ["--bootstrap-delay", str(delay)]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env=child_env(tmp_path, self.name, **(env or {})))
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._ready: dict[str, Any] | None = None
+
+    @property
+    def ready(self) -> dict[str, Any]:
+        """The child's ``ready`` event (waits for it: children start side by side)."""
+        if self._ready is None:
+            self._ready = self.wait(lambda e: e["event"] == "ready", START_S)
+        return self._ready
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+        self.events.put({"event": "eof"})
+
+    def wait(self, pred: Any, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        for e in self.seen:
+            if pred(e):
+                return e
+        while time.monotonic() < deadline:
+            try:
+                e = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self.seen.append(e)
+            if e["event"] == "eof":
+                break
+            if pred(e):
+                return e
+        raise AssertionError(f"{self.name}: no such event within {timeout}s; seen {self.seen[-8:]}; "
+                             f"log tail:\n{self.tail()}")
+
+    def end(self, room: int, timeout: float = 60.0) -> dict[str, Any]:
+        return self.wait(lambda e: e["event"] == "end" and e["room"] == room, timeout)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def quit(self, timeout: float = 60.0) -> int:
+        """Stop after what is in flight; the exit code says whether the loop ever raised."""
+        self.send(quit=True)
+        self.wait(lambda e: e["event"] == "exit", timeout)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def tail(self) -> str:
+        lines = [ln for ln in self.log.read_text().splitlines() if "Warning" not in ln and "warnings.warn" not in ln]
+        return "\n".join(lines[-25:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+        self._reader.join(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except BrokenPipeError:  # stdin of a process that is gone: nothing to flush to
+                pass
+
+
+@pytest.fixture
+def roles() -> Any:
+    made: list[Role] = []
+
+    def make(*specs: tuple[Any, ...]) -> list[Role]:
+        """Start one rank per ``(role, port, tmp_path, kwargs)``, then wait until all are up."""
+        new = [Role(*spec[:-1], **spec[-1]) for spec in specs]
+        made.extend(new)
+        for r in new:
+            assert r.ready
+        return new
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def forward_only(states: list[int]) -> bool:
+    """Progress states only move forward, and a request ends where it ended."""
+    progress = [s for s in states if s != FAILED]
+    return progress == sorted(progress) and (FAILED not in states or states[-1] == FAILED)
+
+
+def run_sglang(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=START_S,
+                          env=child_env(tmp_path, "cli", **env))
+
+
+PARSE = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+args = prepare_server_args(["--model-path", "unused", "--device", "cpu", "--disaggregation-mode", "prefill",
+                            "--disaggregation-transfer-backend", "kvservice"])
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+from sglang.srt.managers import disagg_service
+backend = disagg_service.TransferBackend(args.disaggregation_transfer_backend)
+print(json.dumps({
+    "backend": args.disaggregation_transfer_backend,
+    "same_enum": disagg_service.TransferBackend is TransferBackend,
+    "classes": {t.value: getattr(get_kv_class(backend, t), "__module__", None) for t in KVClassType},
+    "server": disagg_service.get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER).__name__,
+    "rust_registry_stands_in": disagg_service.rust_server_serves_kv_bootstrap("kvservice"),
+    "nixl_sender": get_kv_class(TransferBackend.NIXL, KVClassType.SENDER).__name__,
+}))
+"""
+
+
+def test_the_flag_parses_through_the_plugin_and_picks_kvservice_classes(tmp_path: Path) -> None:
+    """SGLang's own loader and CLI parsing: the plugin adds the choice, the enum member and
+    the factory branch; SGLang's other backends are untouched.  Without the plugin the
+    same command line is refused by SGLang's argparse."""
+    done = run_sglang(PARSE, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["backend"] == "kvservice" and got["same_enum"]
+    assert got["classes"] == {"kvargs": "sglang.srt.disaggregation.base.conn",
+                              **{k: "kvservice.integrations.sglang.conn"
+                                 for k in ("manager", "sender", "receiver", "bootstrap_server")}}
+    assert got["server"] == "KVBootstrapServer" and got["rust_registry_stands_in"] is False
+    assert got["nixl_sender"] == "NixlKVSender"
+    without = run_sglang(PARSE, tmp_path, SGLANG_PLUGINS="none")
+    assert without.returncode == 2 and "invalid choice: 'kvservice'" in without.stderr, without.stderr[-2000:]
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+def test_bootstrap_then_chunked_transfer_bytes_and_aux_verified(tmp_path: Path, roles: Any, layout: str) -> None:
+    """The whole flow: the prefill registers in its bootstrap registry, the decode looks it
+    up, a sender stays ``Bootstrapping`` until its decode's metadata arrives (one decode
+    holds it back a second), then chunks go out one per forward step; the decode checks
+    every byte of every page and its aux row (through SGLang's own metadata gate)."""
+    port = free_port()
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True, "mla": layout == "mla"}),
+                            ("decode", port, tmp_path, {"mla": layout == "mla"}))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/kvservice/ranks", timeout=10) as resp:
+        registry = json.loads(resp.read())
+    assert registry["ranks"] == {"0/0": prefill.ready["address"]}
+    assert registry["info"]["is_mla"] is (layout == "mla")
+    rooms = {101: (5, 2, 0.0), 102: (3, 1, 1.0), 103: (8, 3, 0.0), 104: (1, 1, 0.0)}
+    for room, (pages, chunk, hold) in rooms.items():
+        prefill.send(room=room, pages=pages, chunk=chunk)
+        decode.send(room=room, pages=pages, hold_s=hold)
+    for room, (pages, _, _) in rooms.items():
+        sent, got = prefill.end(room), decode.end(room)
+        assert sent["poll"] == "Success" and got["poll"] == "Success", (sent, got)
+        assert got["verified"] and got["aux"], got
+        if layout == "mha":
+            assert sent["bytes"] == pages * PAGE_BYTES
+        assert sent["states"][0] == BOOTSTRAPPING and sent["states"][-1] == SUCCESS and forward_only(sent["states"])
+        assert forward_only(got["states"]) and got["states"][-1] == SUCCESS
+    # the held request: nothing was computed or sent before its decode's metadata arrived
+    seq = prefill.seen
+    first_chunk = next(i for i, e in enumerate(seq) if e["event"] == "chunk" and e["room"] == 102)
+    assert decode.wait(lambda e: e["event"] == "metadata" and e["room"] == 102)
+    assert WAITING in prefill.end(102)["states"] and first_chunk > 0
+    assert prefill.quit() == 0 and decode.quit() == 0
+
+
+def test_decode_sigkilled_mid_transfer_fails_the_sender_with_the_original_error(tmp_path: Path, roles: Any) -> None:
+    """A decode SIGKILLed after the first chunks: the prefill's later chunks post nothing,
+    ``poll()`` says ``Failed``, ``failure_exception()`` raises the error kvservice kept (the
+    very object), and the prefill's loop never sees an exception: it serves a new decode."""
+    port = free_port()
+    prefill, decode, decode2 = roles(("prefill", port, tmp_path, {"serve": True}), ("decode", port, tmp_path, {}),
+                                     ("decode", port, tmp_path, {}))
+    prefill.send(room=201, pages=12, chunk=1, step_s=0.4)
+    decode.send(room=201, pages=12)
+    prefill.wait(lambda e: e["event"] == "chunk" and e["room"] == 201 and e["sent"] >= 2)
+    decode.kill()
+    ended = prefill.end(201, timeout=90)
+    assert ended["poll"] == "Failed", ended
+    assert ended["reason"] in ("PEER_LOST", "REMOTE_DISCONNECT"), ended
+    assert ended["original"] is True and ended["error_type"] not in (None, "RuntimeError"), ended
+    assert forward_only(ended["states"])
+    prefill.send(room=202, pages=4, chunk=2)
+    decode2.send(room=202, pages=4)
+    assert prefill.end(202)["poll"] == "Success" and decode2.end(202)["verified"]
+    assert prefill.quit() == 0 and decode2.quit() == 0
+
+
+def test_prefill_restart_fails_its_requests_and_the_decode_finds_the_new_one(tmp_path: Path, roles: Any) -> None:
+    """A prefill SIGKILLed mid-transfer: the decode's receiver fails at once (``PEER_LOST``)
+    with the original error, its pages reported safe to reuse only once nothing can land;
+    a new prefill on the same bootstrap port registers and the decode's next request
+    succeeds (it looks the prefill up again instead of dialling the dead one).  The new
+    prefill's rank comes up before its registry (as SGLang may start them): it registers
+    once the registry is there."""
+    port = free_port()
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True}), ("decode", port, tmp_path, {}))
+    prefill.send(room=301, pages=2)
+    decode.send(room=301, pages=2)
+    assert decode.end(301)["poll"] == "Success"
+    prefill.send(room=302, pages=12, chunk=1, step_s=0.4)
+    decode.send(room=302, pages=12)
+    prefill.wait(lambda e: e["event"] == "chunk" and e["room"] == 302 and e["sent"] >= 2)
+    prefill.kill()
+    ended = decode.end(302, timeout=60)
+    assert ended["poll"] == "Failed" and ended["reason"] == "PEER_LOST", ended
+    assert ended["original"] is True and ended["release_safe"] is True, ended
+    (prefill2,) = roles(("prefill", port, tmp_path, {"serve": True, "delay": 2.0}))
+    assert prefill2.ready["address"] != prefill.ready["address"]
+    assert "sglang.bootstrap.register_retrying" in prefill2.log.read_text()  # up before its registry
+    decode.send(room=303, pages=3)
+    prefill2.send(room=303, pages=3)
+    got = decode.end(303)
+    assert got["poll"] == "Success" and got["verified"] and got["aux"], got
+    assert prefill2.end(303)["poll"] == "Success"
+    assert decode.quit() == 0 and prefill2.quit() == 0
+
+
+def test_bad_input_is_a_clear_failure_never_an_exception_in_the_loop(tmp_path: Path, roles: Any) -> None:
+    """A bogus bootstrap address (nothing listens; not an address at all), a bogus room,
+    a room no decode ever asks for, and garbage sent to the registry: each is ``Failed``
+    with an error that says what was wrong, or a 400; both loops run on and exit 0."""
+    port = free_port()
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True,
+                                                         "env": {"KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": "3"}}),
+                            ("decode", port, tmp_path, {}))
+    dead = f"127.0.0.1:{free_port()}"
+    decode.send(room=401, pages=2, bootstrap=dead)  # SGLang's path: lookups fail, then it aborts
+    decode.send(room=402, pages=2, bootstrap=dead, init_direct=True)
+    decode.send(room=403, pages=2, bootstrap="no-port-here", init_direct=True)
+    prefill.send(room=-5, pages=2)
+    prefill.send(room=404, pages=2)  # never asked for
+    assert decode.end(401)["poll"] == "Failed"
+    e402, e403 = decode.end(402), decode.end(403)
+    assert e402["error_type"] == "BootstrapError" and dead in e402["error"] and e402["original"], e402
+    assert e403["error_type"] == "ValueError" and "host:port" in e403["error"], e403
+    e_room = prefill.end(-5)
+    assert e_room["poll"] == "Failed" and e_room["error_type"] == "ValueError", e_room
+    assert "bootstrap_room" in e_room["error"] and e_room["original"], e_room
+    e404 = prefill.end(404, timeout=60)
+    assert e404["error_type"] == "TransferFailed" and "TIMEOUT" in e404["error"], e404
+    for body in (b"not json", b'{"dp_rank": -1, "tp_rank": 0, "address": "x:1", "info": {}}'):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/kvservice/ranks", data=body, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 400 and "error" in json.loads(refused.value.read())
+    prefill.send(room=405, pages=2)
+    decode.send(room=405, pages=2)
+    assert decode.end(405)["verified"] and prefill.end(405)["poll"] == "Success"
+    assert prefill.quit() == 0 and decode.quit() == 0
