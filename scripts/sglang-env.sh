@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build (once) and print the path of a Python environment with SGLang 0.5.23 and its own torch
 # pin (2.14.1, which runs on CPU), for the SGLang backend's tests and for trying it by hand.
-# The environment is cached outside the checkout, keyed by this script's contents and
-# pyproject.toml, so a fresh clone reuses it.
+# The environment is cached outside the checkout, keyed by this script's contents (which
+# name every package it installs), so a fresh clone reuses it.
 #
 #   SGLANG_PY=$(bash scripts/sglang-env.sh)/bin/python
 #
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CACHE=${KVSERVICE_ENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvservice/envs}
-KEY=$(cat scripts/sglang-env.sh pyproject.toml | sha256sum | cut -c1-12)
+KEY=$(sha256sum scripts/sglang-env.sh | cut -c1-12)
 ENV="$CACHE/sglang-$KEY"
 if [ -f "$ENV/.complete" ]; then
     echo "$ENV"
