@@ -496,6 +496,15 @@ class TransferService(ServiceCore):
         (SGLang's prefill) polls this.  Never blocks; safe from another thread."""
         return bool(self._early.agents(request_id))
 
+    def expected_pages(self, request_id: str) -> int | None:
+        """How many pages the receiver that will bind ``request_id`` reserved, while its
+        expect waits here for the first ``send()``; None before any expect.  A sender that
+        may send fewer pages than it holds (the receiver had the rest cached: vLLM's prefix
+        cache) reads it before sending.  Never blocks; safe from another thread."""
+        agents = self._early.agents(request_id)
+        pages = self._early.pages_of(request_id, agents[0]) if agents else None
+        return None if pages is None else int(pages.size)
+
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:
         """Whether anything of ``request_id`` is still here: a live request on either

@@ -270,6 +270,12 @@ class KVTransferEngine:
         svc = self._svc
         return svc is not None and svc.expected(request_id)
 
+    def expected_pages(self, request_id: str) -> int | None:
+        """``TransferService.expected_pages``: the pages a receiver's expect for
+        ``request_id`` reserved, while it waits here for the first ``send()``; never waits."""
+        svc = self._svc
+        return None if svc is None else svc.expected_pages(request_id)
+
     @property
     def running(self) -> bool:
         """The service is up and takes calls."""

@@ -136,7 +136,8 @@ def test_the_scheduler_side_hands_off_loads_and_frees_once() -> None:
 def test_the_scheduler_side_refuses_what_it_cannot_load() -> None:
     d = SchedulerSide(block_size=32, producer=False, consumer=True, senders=())
     params = Handoff("p0", ("127.0.0.1:7100",), 70, 32).to_params()
-    assert d.get_num_new_matched_tokens(Req("a", dict(params)), 32) == (0, False)  # a local prefix hit
+    assert d.get_num_new_matched_tokens(Req("a", dict(params)), 20) == (0, False)  # not whole blocks
+    assert d.get_num_new_matched_tokens(Req("f", dict(params)), 96) == (0, False)  # all cached here: not counted
     assert d.get_num_new_matched_tokens(Req("b", dict(params), prompt_token_ids=[1] * 40), 0) == (0, False)
     other = Handoff("p0", ("127.0.0.1:7100",), 70, 16).to_params()
     assert d.get_num_new_matched_tokens(Req("c", other), 0) == (0, False)
@@ -189,6 +190,10 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.made: dict[str, FakeTransfer] = {}
+        self.expects: dict[str, int] = {}  # request id -> pages a decode's expect reserved
+
+    def expected_pages(self, request_id: str) -> int | None:
+        return self.expects.get(request_id)
 
     def start(self) -> FakeEngine:
         return self
@@ -203,12 +208,12 @@ class FakeEngine:
         self.running = False
 
 
-def worker(tp_size: int, tp_rank: int) -> tuple[Any, FakeEngine]:
+def worker(tp_size: int, tp_rank: int, **config: Any) -> tuple[Any, FakeEngine]:
     from kvservice import ServiceConfig
     from kvservice.integrations.vllm.worker import WorkerSide
 
     engine = FakeEngine()
-    side = WorkerSide(ServiceConfig(), tp_size=tp_size, tp_rank=tp_rank, engine=lambda cfg, memory: engine)
+    side = WorkerSide(ServiceConfig(**config), tp_size=tp_size, tp_rank=tp_rank, engine=lambda cfg, memory: engine)
     side.register({"layer.0": torch.zeros(4, 2, 32, 64)})
     return side, engine
 
@@ -219,7 +224,11 @@ def test_the_worker_routes_tp_ranks_and_reports_a_failed_load_only_once_settled(
     # prefill rank 1 of 2 sends to the one decode rank; decode rank 0 of 1 loads from both
     p, pe = worker(2, 1)
     p.start(Work(sends=[SendSpec("r", (1, 2), decode_tp=1)]))
-    assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == ["send [1, 2] last=True"]
+    assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == []  # its decode has not asked
+    assert p.finished(set()) == (set(), set(), set())
+    pe.expects["r@tp1.0"] = 2
+    p.finished(set())
+    assert pe.made["r@tp1.0"].calls == ["send [1, 2] last=True"]
     pe.made["r@tp1.0"].state = "Success"
     assert p.finished(set()) == ({"r"}, set(), set()) and p.counts == {"sends_ok": 1}
 
@@ -248,3 +257,19 @@ def test_the_worker_refuses_a_load_whose_blocks_do_not_match_and_aborts_a_finish
     assert de.made["s@tp0.0"].calls[-1] == "abort"
     de.made["s@tp0.0"].settled = True
     assert d.finished(set()) == (set(), {"gone"}, {"gone"})
+
+
+def test_the_prefill_sends_what_its_decode_expects_and_gives_an_unclaimed_send_up() -> None:
+    from kvservice.integrations.vllm.scheduler import SendSpec, Work
+
+    p, pe = worker(1, 0, bootstrap_timeout_s=0.2)
+    p.start(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("big", (4, 5), 1), SendSpec("none", (6,), 1)]))
+    pe.expects.update({"tail@tp0.0": 1, "big@tp0.0": 3})  # the decode had two blocks cached; one asks too much
+    p.finished(set())
+    assert pe.made["tail@tp0.0"].calls == ["send [3] last=True"]
+    assert pe.made["big@tp0.0"].calls == ["abort", "clear"] and pe.made["none@tp0.0"].calls == []
+    import time
+    time.sleep(0.25)
+    p.finished(set())
+    assert pe.made["none@tp0.0"].calls == ["abort", "clear"]
+    assert p.counts == {"sends_partial": 1, "send_mismatch": 1, "send_unclaimed": 1, "send_failed": 2}

@@ -49,6 +49,8 @@ class RecvSpec:
     req_id: str
     handoff: Handoff
     blocks: tuple[int, ...]
+    #: the hand-off's first blocks this decode had in its prefix cache (not loaded)
+    cached: int = 0
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class SchedulerSide:
         self._work = Work()
         self._held: dict[str, int] = {}  # prefill: request -> blocks held for its decode
         self._loading: dict[str, Handoff] = {}  # decode: request -> its hand-off, until reported
+        self._cached: dict[str, int] = {}  # decode: request -> blocks its own prefix cache holds
         self.counts: Counter[str] = Counter()
         self._throttle = Throttle()
 
@@ -88,29 +91,36 @@ class SchedulerSide:
         why = None
         if handoff.block_size != self.block_size:
             why = f"block_size {handoff.block_size} there, {self.block_size} here"
-        elif num_computed_tokens:
-            why = f"{num_computed_tokens} tokens are cached here already (only a whole prompt loads)"
+        elif num_computed_tokens % self.block_size:
+            why = f"{num_computed_tokens} tokens cached here, not whole blocks"
         elif handoff.num_tokens > len(request.prompt_token_ids or ()):
             why = f"{handoff.num_tokens} tokens handed off, the prompt has {len(request.prompt_token_ids or ())}"
         if why is not None:
             self._refuse("handoff_unusable", request, why)
             return 0, False
-        return handoff.num_tokens, True
+        if num_computed_tokens >= handoff.num_tokens:
+            return 0, False  # all cached here (the prefill frees its copy after bootstrap_timeout_s)
+        # the decode's own prefix cache holds the first blocks: load the rest (the prefill
+        # sends the last blocks, as many as the decode expects)
+        self._cached[request.request_id] = num_computed_tokens // self.block_size
+        return handoff.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """``block_ids``: the request's blocks (one KV cache group)."""
+        """``block_ids``: the request's blocks (one KV cache group), those its prefix cache
+        supplied first."""
         if num_external_tokens <= 0 or request.request_id in self._loading:
             return
         handoff = self._handoff(request)
         if handoff is None:
             return
-        blocks = tuple(block_ids[: handoff.num_blocks])
+        cached = self._cached.pop(request.request_id, 0)
+        blocks = tuple(block_ids[cached: handoff.num_blocks])
         # fewer blocks than the hand-off: the worker fails the load at once (reported, recomputed)
         self._loading[request.request_id] = handoff
         # taken: a load fails at most once, then vLLM recomputes the request (rescheduled, it
         # is matched again; vLLM's own connectors mark their parameters the same way)
         request.kv_transfer_params["do_remote_prefill"] = False
-        self._work.recvs.append(RecvSpec(request.request_id, handoff, blocks))
+        self._work.recvs.append(RecvSpec(request.request_id, handoff, blocks, cached))
         self.counts["loads"] += 1
 
     # -- both: a finished request ---------------------------------------------------------

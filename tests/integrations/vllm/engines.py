@@ -43,9 +43,11 @@ class Engine:
     """One vLLM engine process; ``stop()`` (by PID) in the test's cleanup."""
 
     def __init__(self, name: str, model: Path, *, role: str | None = None, extra: dict[str, Any] | None = None,
-                 cpu: int = 0, log_dir: Path | None = None, connector: tuple[str, str] | None = None) -> None:
+                 cpu: int = 0, log_dir: Path | None = None, connector: tuple[str, str] | None = None,
+                 prefix_caching: bool = False) -> None:
         self.name = name
-        cfg = {"model": str(model), "role": role, "extra": extra or {}, "connector": connector}
+        cfg = {"model": str(model), "role": role, "extra": extra or {}, "connector": connector,
+               "prefix_caching": prefix_caching}
         self._stderr = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.vllm.engine_proc", "serve", json.dumps(cfg)],

@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def spawn(model: Path, logs: Path) -> Iterator[Any]:
     started: list[Engine] = []
 
-    def start(name: str, role: str, cpu: int, **service: Any) -> Engine:
-        connector = service.pop("connector", None)
+    def start(name: str, role: str, cpu: int, *, connector: tuple[str, str] | None = None,
+              prefix_caching: bool = False, **service: Any) -> Engine:
         engine = Engine(name, model, role=role, extra={"kvservice": service}, cpu=cpu, log_dir=logs,
-                        connector=connector)
+                        connector=connector, prefix_caching=prefix_caching)
         started.append(engine)
         return engine
 
@@ -173,3 +173,19 @@ def test_hostile_handoffs_are_refused_and_the_decode_prefills_locally(
     # the decode and the prefill are up: a legitimate hand-off still moves
     got = decode(d, prompts, prefill(p, prompts, "n"), "n")
     assert [g["tokens"] for g in got] == baseline
+
+
+def test_a_decode_with_the_prompts_first_blocks_in_its_prefix_cache_loads_only_the_rest(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    p = spawn("prefill", "kv_producer", 0, port=free_port())
+    d = spawn("decode", "kv_consumer", 1, prefix_caching=True)  # vLLM's default
+    prompt = prompts[2]  # 100 tokens: three whole blocks and four tokens
+    first = decode(d, [prompt], prefill(p, [prompt], "a"), "a")[0]
+    assert first["tokens"] == baseline[2] and first["cached"] == len(prompt)
+    # the same prompt again: the decode's own cache holds its three whole blocks now, so it
+    # asks for the last block only, and the prefill sends just that one
+    again = decode(d, [prompt], prefill(p, [prompt], "b"), "b")[0]
+    assert again["tokens"] == baseline[2] and again["cached"] == len(prompt)
+    ps, ds = settled(p), settled(d)
+    assert ps["worker"] == {"sends_ok": 2, "sends_partial": 1} and ps["held"] == {}, ps
+    assert ds["worker"] == {"loads_ok": 2} and ds["scheduler"] == {"loads": 2}, ds
