@@ -58,7 +58,8 @@ def serve(cfg: dict[str, Any]) -> None:
                                kv_connector_extra_config=cfg.get("extra", {}), kv_load_failure_policy="recompute")
     args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32,
                       enable_prefix_caching=bool(cfg.get("prefix_caching")), kv_cache_memory_bytes=64 << 20,
-                      enforce_eager=True, distributed_executor_backend="uni", skip_tokenizer_init=True, kv_transfer_config=kvt, seed=0, max_model_len=1024)
+                      enforce_eager=True, distributed_executor_backend="uni", skip_tokenizer_init=True,
+                      kv_transfer_config=kvt, seed=0, max_model_len=1024)
     engine = LLMEngine.from_engine_args(args)
     core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     scheduler = core.scheduler
