@@ -116,10 +116,13 @@ class Registry:
                     else:
                         log.info("discovery.etcd_back", endpoint=self._etcd.endpoint, members=len(self.members))
                     retry = RETRY_MIN_S
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(self._keepalive)
-                        tg.start_soon(self._judge_lapses)
-                        await self._watch(revision)
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._keepalive)
+                            tg.start_soon(self._judge_lapses)
+                            await self._watch(revision)
+                    except BaseExceptionGroup as group:  # the keep-alive's or the watch's: etcd is gone
+                        raise _unavailable(group) from None
                 finally:
                     self._watching = False
                     etcd, self._etcd = self._etcd, None
@@ -261,6 +264,18 @@ class Registry:
             except EtcdUnavailable as exc:
                 log.info("discovery.leave_failed", name=self.name, error=str(exc),
                          detail="the lease lapses on its own within the TTL")
+
+
+def _unavailable(group: BaseExceptionGroup[BaseException]) -> EtcdUnavailable:
+    """The first ``EtcdUnavailable`` of ``group``; the group itself when anything else is in it."""
+    unavailable, rest = group.split(EtcdUnavailable)
+    if rest is not None or unavailable is None:
+        raise group
+    first: BaseException = unavailable
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    assert isinstance(first, EtcdUnavailable)
+    return first
 
 
 def incarnation() -> int:
