@@ -118,3 +118,39 @@ async def test_lapsed_lease_fails_requests_and_settles_nothing(etcd: EtcdServer)
             with anyio.CancelScope(shield=True):
                 await prefill.stop(timeout=5)
             tg.cancel_scope.cancel()
+
+
+async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: EtcdServer) -> None:
+    """What a stopped etcd does to every lease when it resumes, done to one: etcd revokes
+    the sender's lease; the sender registers again (same incarnation) on its next
+    keep-alive, within the grace, so its link and its requests go on."""
+    import aetcd
+
+    fast = {"etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 3.0}
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
+        try:
+            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
+                                              **SLOW_LINK)) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await decode.expect("held", [1, 2], sender="prefill-0")
+                await expects_held(prefill, 1)
+                host, port = etcd.endpoint.split(":")
+                async with aetcd.Client(host=host, port=int(port)) as client:
+                    kv = await client.get(b"/kvservice/live/services/prefill-0")
+                    await client.revoke_lease(kv.lease)
+                await eventually(lambda: "prefill-0" not in [m.name for m in decode.live_peers()], timeout=GUARD_S)
+                await eventually(lambda: [m.agent for m in decode.live_peers()] == [prefill.agent], timeout=GUARD_S)
+                await anyio.sleep(decode.config.etcd_rejoin_grace_s + 0.5)  # past the grace: judged by now
+                assert decode.status()["peers"] == [prefill.address]
+                assert decode.status()["discovery"]["lapsed"] == []
+                await prefill.command(op="fill", rid="held", pages=[5, 6])
+                await prefill.event("filled", "held")
+                await prefill.command(op="send", rid="held", pages=[5, 6])
+                got = await decode.await_arrival("held", timeout=GUARD_S)
+                assert got.ok, got
+                assert torch.equal(decode.kv.pages([1, 2]), pattern(SMALL, "held", 2))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()
