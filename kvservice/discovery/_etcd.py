@@ -78,9 +78,15 @@ def _client_class(aetcd: Any) -> Any:
 
         async def connect(self) -> None:
             rpc = aetcd.rpc
-            secure = rpc.secure_channel
-            # aetcd opens its channel with rpc.insecure_channel: open this one with credentials
-            rpc.insecure_channel = lambda target, options: secure(target, self._credentials, options=options)
+            credentials = self._credentials
+
+            def secure_once(target: str, options: Any) -> Any:
+                rpc.insecure_channel = _INSECURE[0]  # at once: no other client's channel is made here
+                return rpc.secure_channel(target, credentials, options=options)
+
+            # aetcd opens its channel with rpc.insecure_channel, synchronously at the start of
+            # connect(): this one is opened with the credentials instead
+            rpc.insecure_channel = secure_once
             try:
                 await super().connect()
             finally:

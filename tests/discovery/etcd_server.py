@@ -46,7 +46,10 @@ class EtcdServer:
     data (a restart); ``pause``/``resume`` stop and continue the process."""
 
     def __init__(self, data_dir: Path, host: str = "127.0.0.1", prefix: Sequence[str] = (),
-                 client_port: int | None = None, peer_port: int | None = None) -> None:
+                 client_port: int | None = None, peer_port: int | None = None,
+                 tls: tuple[str, str, str] | None = None) -> None:
+        """``tls``: (CA, certificate, key) files: clients connect over https and must
+        present a certificate that CA signed."""
         self.binary = require_etcd()
         self.data_dir = data_dir
         self.host = host
@@ -54,6 +57,7 @@ class EtcdServer:
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tls = tls
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self._log_from = 0
 
@@ -62,12 +66,15 @@ class EtcdServer:
         return f"{self.host}:{self.client_port}"
 
     def start(self) -> None:
-        client = f"http://{self.host}:{self.client_port}"
+        client = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer = f"http://{self.host}:{self.peer_port}"
         argv = [*self.prefix, self.binary, "--name", "kv", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"kv={peer}", "--logger", "zap", "--log-outputs", "stderr"]
+        if self.tls:
+            ca, cert, key = self.tls
+            argv += ["--trusted-ca-file", ca, "--cert-file", cert, "--key-file", key, "--client-cert-auth"]
         self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
