@@ -84,7 +84,11 @@ class Registry:
 
     # -- what the service asks ------------------------------------------------------
     def address_of(self, name: str) -> str | None:
+        """Where ``name`` registered: a live member, or one whose lease lapsed and that is
+        not judged lost yet (within the grace: etcd resuming lapses every lease at once)."""
         m = self.members.get(name)
+        if m is None and name in self._lapsed:
+            m = self._lapsed[name].member
         if m is None and name == self.name:
             return self._me().address
         return m.address if m is not None else None

@@ -140,6 +140,9 @@ async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: 
                     kv = await client.get(b"/kvservice/live/services/prefill-0")
                     await client.revoke_lease(kv.lease)
                 await eventually(lambda: "prefill-0" not in [m.name for m in decode.live_peers()], timeout=GUARD_S)
+                # lapsed, not judged yet: its name still resolves (a request now is not refused)
+                await decode.expect("during", [3, 4], sender="prefill-0")
+                assert decode.poll_arrival("during").name != "Failed"
                 await eventually(lambda: [m.agent for m in decode.live_peers()] == [prefill.agent], timeout=GUARD_S)
                 await anyio.sleep(decode.config.etcd_rejoin_grace_s + 0.5)  # past the grace: judged by now
                 assert decode.status()["peers"] == [prefill.address]
@@ -150,6 +153,12 @@ async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: 
                 got = await decode.await_arrival("held", timeout=GUARD_S)
                 assert got.ok, got
                 assert torch.equal(decode.kv.pages([1, 2]), pattern(SMALL, "held", 2))
+                await prefill.command(op="fill", rid="during", pages=[7, 8])
+                await prefill.event("filled", "during")
+                await prefill.command(op="send", rid="during", pages=[7, 8])
+                got = await decode.await_arrival("during", timeout=GUARD_S)
+                assert got.ok, got
+                assert torch.equal(decode.kv.pages([3, 4]), pattern(SMALL, "during", 2))
         finally:
             with anyio.CancelScope(shield=True):
                 await prefill.stop(timeout=5)
