@@ -576,12 +576,6 @@ class TransferService(ServiceCore):
         Empty with static discovery."""
         return self._discovery.registry.live(role) if self._discovery is not None else []
 
-    def linked_peers(self) -> int:
-        return len(self._control.peer_addresses()) if self._control is not None else 0
-
-    def in_flight(self) -> int:
-        return len(self._sends) + len(self._recvs)
-
     def drop_agent(self, agent: str, cause: BaseException) -> None:
         """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked."""
         if self._control is not None and not self._closing:

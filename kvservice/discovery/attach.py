@@ -42,13 +42,16 @@ class Discovery:
         await tg.start(self.registry.run)
 
     def member(self) -> Member:
+        """What this service registers (read at each keep-alive: a status snapshot is cheap)."""
         svc = self._svc
         memory = svc.memory
+        status = svc.status()
         return Member(
             name=svc.config.discovery_name or svc.agent_name, address=svc.address, agent=svc.agent_name,
             incarnation=self.incarnation, role=svc.config.discovery_role,
             memory={"bytes": memory.nbytes, "pages": memory.num_pages, "regions": len(memory.regions)},
-            started_at=self.started_at, linked=svc.linked_peers(), inflight=svc.in_flight())
+            started_at=self.started_at, linked=len(status["peers"]),
+            inflight=status["sending"] + status["receiving"])
 
     def address_of(self, peer: str) -> str:
         """``peer`` as an address: a member's name resolves to where it registered; an
