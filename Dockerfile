@@ -36,6 +36,7 @@ COPY kvservice/ ./kvservice/
 RUN pip install $TORCH_PIP_ARGS "torch==2.13.0" \
     && pip install "nixl==1.5.1" "numpy==2.4.6" "anyio==4.16.0" "uvloop==0.23.0" \
         "structlog==26.1.0" "msgspec==0.23.0" \
+        "aetcd==1.0.0" "grpcio==1.85.3" "protobuf==7.36.2" \
     && pip install --no-deps /opt/kvservice \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvservice \
     && mkdir -p /run/kvservice \

@@ -10,6 +10,8 @@ from typing import Any
 from ._control.addresses import is_loopback_host, is_unspecified_host
 from ._results import ConfigError
 from ._trust.keys import ServiceKey, load_key, resolve_key
+from .discovery.settings import DiscoveryKind, Unreachable
+from .discovery.settings import check as check_discovery
 from .memory._layout import KVLayout
 
 __all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
@@ -101,6 +103,35 @@ class ServiceConfig:
     #: requests alive at once (both sides); send()/expect() beyond it raise ``Overloaded``
     max_live_requests: int = 100_000
 
+    # -- discovery (README "Discovery", docs/cluster.md) --------------------------------
+    #: "static": peers are named by host:port (nothing else consulted); "etcd": this service
+    #: registers in etcd on a lease and finds peers there by name and role
+    discovery: DiscoveryKind = "static"
+    #: the key prefix /kvservice/<cluster>/ that this service's cluster shares
+    cluster: str = "default"
+    #: the name this service registers under (None: its agent name); unique in the cluster
+    discovery_name: str | None = None
+    #: what it does ("prefill", "decode", ...): peers list live members by role
+    discovery_role: str = ""
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    #: the lease's time to live (whole seconds) and how often it is kept alive
+    etcd_ttl_s: float = 10.0
+    etcd_keepalive_s: float = 3.0
+    #: a peer whose lease lapsed and that registers again with the same incarnation within
+    #: this long was not lost (every lease lapses at once when etcd resumes after a stop)
+    etcd_rejoin_grace_s: float = 5.0
+    #: at start: how long one attempt to reach etcd may take, and then "fail" (raise) or
+    #: "wait" (retry until etcd answers, saying so in the log)
+    etcd_connect_timeout_s: float = 5.0
+    etcd_unreachable: Unreachable = "fail"
+    #: TLS: the CA of etcd's certificate; a client certificate and key; user name and a
+    #: file (mode 0600) holding the password
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_username: str | None = None
+    etcd_password_file: str | None = None
+
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"layout: expected KVLayout, got {type(self.layout).__name__}")
@@ -134,6 +165,9 @@ class ServiceConfig:
             )
 
         self._check_trust()
+        if isinstance(self.etcd_endpoints, list):  # from JSON or a table
+            object.__setattr__(self, "etcd_endpoints", tuple(self.etcd_endpoints))
+        check_discovery(self)
 
     def _check_trust(self) -> None:
         if self.auth_key_file is not None:

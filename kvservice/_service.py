@@ -49,6 +49,8 @@ from ._results import (
 from ._stats import Stats
 from ._trust.vetting import MetadataVetter
 from ._watchdog import Watchdog
+from .discovery.attach import Discovery, PeerUnknown
+from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
 
@@ -102,6 +104,7 @@ class TransferService(ServiceCore):
         self._control: ControlPlane | None = None
         self._vetter: MetadataVetter | None = None
         self._closing = False
+        self._discovery: Discovery | None = None  # discovery = "etcd"
         self.stats = Stats()
         self.address = ""
         self._init_state()
@@ -180,6 +183,9 @@ class TransferService(ServiceCore):
             self._vetter.start()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
+        if cfg.discovery == "etcd":
+            self._discovery = Discovery(self)
+            await self._discovery.start(self._tg)
         log.info("service.started", address=self.address, agent=self.agent_name,
                  kv_bytes=memory.nbytes, regions=len(memory.regions), authenticated=key is not None)
 
@@ -207,6 +213,8 @@ class TransferService(ServiceCore):
                 await self._watchdog.stop()
                 await self._watchdog.tick()  # the last releases (and what they settle), before the Bye
             await self._control.close_all(timeout=1.0)
+            if self._discovery is not None:
+                await self._discovery.registry.leave()
             self._tg.cancel_scope.cancel()
         try:
             await self._tg.__aexit__(exc_type, exc, tb)
@@ -273,6 +281,8 @@ class TransferService(ServiceCore):
             if req is not None or request_id in self._sends_done:
                 raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
             assert self._control is not None
+            if self._discovery is not None:  # a member's name: where it registered (PeerUnknown if none)
+                receiver = self._discovery.address_of(receiver)
             pinned = await self._control.canonical(receiver)  # ValueError when malformed
             self._check_open()
         if req is None:
@@ -383,7 +393,14 @@ class TransferService(ServiceCore):
         if request_id in self._recvs or request_id in self._recvs_done:
             raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
         assert self._control is not None
-        split_address(sender)  # ValueError naming the problem
+        unknown: PeerUnknown | None = None
+        if self._discovery is not None:  # a member's name: where it registered
+            try:
+                sender = self._discovery.address_of(sender)
+            except PeerUnknown as exc:
+                unknown = exc
+        if unknown is None:
+            split_address(sender)  # ValueError naming the problem
         self._check_capacity()
         now = time.monotonic()
         req = RecvRequest(
@@ -396,6 +413,9 @@ class TransferService(ServiceCore):
         # From now on the sender's WRITEs need this side to poll NIXL: wake the
         # watchdog out of its idle wait rather than leave them stalled until it ends.
         self._watchdog.wake()  # type: ignore[union-attr]
+        if unknown is not None:
+            self._fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
+            return
         try:
             link = await self._control.link_to(sender)
         except anyio.get_cancelled_exc_class():
@@ -562,4 +582,16 @@ class TransferService(ServiceCore):
             inflight_handles=wd.inflight if wd else 0,
             live_nixl_handles=wd.live_handles if wd else 0,
             peers=self._control.peer_addresses() if self._control else [],
+            **({"discovery": self._discovery.registry.status()} if self._discovery else {}),
         )
+
+    # -- discovery (discovery = "etcd"; kvservice.discovery) ---------------------------
+    def live_peers(self, role: str | None = None) -> list[Member]:
+        """The cluster's live members (not this service), by name; ``role`` filters.
+        Empty with static discovery."""
+        return self._discovery.registry.live(role) if self._discovery is not None else []
+
+    def drop_agent(self, agent: str, cause: BaseException) -> None:
+        """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked."""
+        if self._control is not None and not self._closing:
+            self._control.drop_peer(agent, cause)

@@ -48,8 +48,16 @@ def _keygen(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _cluster(argv: Sequence[str]) -> int:
+    from .discovery.cli import main
+
+    return main(argv)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "bench": ("measure kvservice against raw NIXL, on this host or between two (--listen / --peer)", _bench),
+    "cluster": ("the services registered in etcd: name, role, address, incarnation, age, links, in flight",
+                _cluster),
     "check-config": ("validate a sidecar config file and print the effective config", _check_config),
     "demo": ("two services, a few dozen verified requests, a decode crash and restart", _demo),
     "keygen": ("write a new cluster key file: kvservice keygen PATH [--force]", _keygen),

@@ -10,9 +10,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,etcd]"
 # The network-cut fault tests build network namespaces with iproute2 (ip, tc); as root on a
 # Debian machine without it, install it.
 if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null
+fi
+# The discovery tests (tests/discovery) start their own etcd server: Debian's etcd-server.
+if ! command -v etcd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq etcd-server >/dev/null
 fi

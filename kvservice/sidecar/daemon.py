@@ -39,6 +39,7 @@ from .._log import get_logger
 from .._results import NixlUnavailable
 from .._runtime import configure_logging, freeze_startup_objects, run
 from .._service import TransferService
+from ..discovery._etcd import EtcdMissing, EtcdUnavailable
 from . import metrics
 from .http import OpsServer
 from .server import SidecarServer
@@ -169,6 +170,8 @@ class Daemon:
         cause = exc
         if isinstance(cause, NixlUnavailable):
             return f"NIXL is unavailable: {cause}"
+        if isinstance(cause, EtcdUnavailable | EtcdMissing):  # says what and why, naming the key
+            return str(cause)
         if isinstance(cause, OSError):
             svc = self.cfg.service
             return f"service.port {svc.port} on {svc.host}: {cause.strerror or cause}"

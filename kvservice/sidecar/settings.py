@@ -52,6 +52,10 @@ MAX_ID = 2**32 - 2
 ENV_ALIASES = {
     f"{ENV_PREFIX}AUTH_KEY_FILE": "service.auth_key_file",
     f"{ENV_PREFIX}ALLOW_UNAUTHENTICATED": "service.allow_unauthenticated",
+    # discovery (docs/cluster.md): what a pod's manifest sets
+    f"{ENV_PREFIX}DISCOVERY": "service.discovery",
+    f"{ENV_PREFIX}CLUSTER": "service.cluster",
+    f"{ENV_PREFIX}ETCD_ENDPOINTS": "service.etcd_endpoints",
 }
 
 

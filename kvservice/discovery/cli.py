@@ -1,0 +1,93 @@
+"""``kvservice cluster``: the cluster as an operator wants to see it, read from etcd.
+
+    kvservice cluster --endpoints etcd-0:2379 --cluster prod
+    kvservice cluster --config /etc/kvservice/decode.toml [--json]
+
+One line per registered service: name, role, address, incarnation, age, linked peers,
+requests in flight (as the service last reported them, every few seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import anyio
+
+from .._config import ServiceConfig
+from .._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from .._results import ConfigError
+from ._etcd import Etcd, EtcdMissing, EtcdUnavailable
+from .member import Member, decode, services_prefix
+from .registry import options
+
+
+def _config(args: argparse.Namespace) -> ServiceConfig:
+    if args.config:
+        from ..sidecar.settings import load
+
+        cfg = load(args.config).service
+    else:
+        cfg = ServiceConfig()
+    changes: dict[str, object] = {"discovery": "etcd"}
+    if args.endpoints:
+        changes["etcd_endpoints"] = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
+    if args.cluster:
+        changes["cluster"] = args.cluster
+    return cfg.replace(**changes)
+
+
+async def _members(cfg: ServiceConfig) -> tuple[list[Member], int]:
+    etcd = await Etcd.connect(options(cfg))
+    try:
+        _, kvs = await etcd.list(services_prefix(cfg.cluster))
+    finally:
+        await etcd.close()
+    found, invalid = [], 0
+    for key, value in kvs:
+        try:
+            found.append(decode(key, value, services_prefix(cfg.cluster)))
+        except ValueError:
+            invalid += 1
+    return sorted(found, key=lambda m: (m.role, m.name)), invalid
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvservice cluster", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="a sidecar config file: its [service] etcd options")
+    parser.add_argument("--endpoints", help="etcd endpoints, comma-separated (over the config's)")
+    parser.add_argument("--cluster", help="cluster name (over the config's; default 'default')")
+    parser.add_argument("--json", action="store_true", help="one JSON array of the members")
+    args = parser.parse_args(list(argv))
+    try:
+        cfg = _config(args)
+        members, invalid = anyio.run(_members, cfg)
+    except ConfigError as exc:
+        print(f"kvservice cluster: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (EtcdUnavailable, EtcdMissing) as exc:
+        print(f"kvservice cluster: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    now = time.time()
+    if args.json:
+        print(json.dumps([{"name": m.name, "role": m.role, "address": m.address, "agent": m.agent,
+                           "incarnation": m.incarnation, "age_s": round(m.age_s(now), 1), "linked": m.linked,
+                           "inflight": m.inflight, "memory": m.memory} for m in members]))
+    else:
+        rows = [("NAME", "ROLE", "ADDRESS", "INCARNATION", "AGE", "LINKED", "IN-FLIGHT")]
+        rows += [(m.name, m.role or "-", m.address, str(m.incarnation), _age(m.age_s(now)), str(m.linked),
+                  str(m.inflight)) for m in members]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        print(f"{len(members)} services in cluster {cfg.cluster!r}" + (f"; {invalid} unreadable" if invalid else ""),
+              file=sys.stderr)
+    return EXIT_OK

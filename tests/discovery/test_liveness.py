@@ -1,0 +1,165 @@
+"""Liveness through etcd, each made to happen with real processes: a sender restarted
+under the same name (a new incarnation) is dropped at once, its old NIXL agent removed and
+the new one linked by name; a sender whose lease lapses (SIGSTOP: its keep-alives stop)
+is dropped once the grace has passed.  Either way its requests fail PEER_LOST and
+nothing is settled by it: the pages settle when the old process is gone (README "Settled").
+
+The receiver's own link liveness is set far beyond the test (``peer_timeout_s``), so
+only discovery can be what drops the sender."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from kvservice import FailureReason, TransferService
+from kvservice._peerproc import PeerProcess, pattern
+from tests.helpers import SMALL, config, eventually, peer_config
+
+from .etcd_server import EtcdServer
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+GUARD_S = 30.0  # a hang guard, never a timed assertion
+SLOW_LINK = {"heartbeat_interval_s": 0.5, "peer_timeout_s": 600.0}  # the link itself never times out here
+
+
+def etcd_opts(server: EtcdServer, name: str, role: str, **kw: Any) -> dict[str, Any]:
+    return {"discovery": "etcd", "etcd_endpoints": [server.endpoint], "cluster": "live", "discovery_name": name,
+            "discovery_role": role, **kw}
+
+
+async def expects_held(peer: PeerProcess, n: int) -> None:
+    """Until ``peer`` holds ``n`` Expects for requests it has not sent (it could write them)."""
+    with anyio.fail_after(GUARD_S):
+        while True:
+            await peer.command(op="status", id="st")
+            st = await peer.wait_for(lambda e: e["event"] == "status")
+            if st["expects_before_send"] >= n:
+                return
+            await anyio.sleep(0.05)
+
+
+async def verified_transfer(decode: TransferService, prefill: PeerProcess, rid: str, sender: str) -> None:
+    pages = [30, 31]
+    await prefill.command(op="fill", rid=rid, pages=[5, 6])
+    await prefill.event("filled", rid)
+    await decode.expect(rid, pages, sender=sender)
+    await prefill.command(op="send", rid=rid, pages=[5, 6])
+    got = await decode.await_arrival(rid, timeout=GUARD_S)
+    assert got.ok, got
+    assert torch.equal(decode.kv.pages(pages), pattern(SMALL, rid, 2))
+
+
+async def test_restart_under_the_same_name_drops_the_old_incarnation(etcd: EtcdServer) -> None:
+    async with anyio.create_task_group() as tg:
+        old = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill")))
+        new: PeerProcess | None = None
+        try:
+            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode"), **SLOW_LINK)) as decode:
+                await eventually(lambda: [m.agent for m in decode.live_peers("prefill")] == [old.agent],
+                                 timeout=GUARD_S)
+                await decode.expect("held", [1, 2], sender="prefill-0")
+                await expects_held(old, 1)
+                old.signal(signal.SIGSTOP)  # hung: its link stays open, its lease alive for a while
+                new = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill")))
+                lost = await decode.await_arrival("held", timeout=GUARD_S)
+                assert lost.reason is FailureReason.PEER_LOST, lost
+                assert "new incarnation" in lost.message
+                assert not lost.settled  # the old process may still write: nothing settled by this
+                assert decode.status()["unsettled_pages"] == 2
+                # the old agent is gone from the table (and NIXL); the name now means the new one
+                await eventually(lambda: decode.status()["peers"] == [], timeout=GUARD_S)
+                await verified_transfer(decode, new, "after", "prefill-0")
+                assert decode.status()["peers"] == [new.address]
+                # the old process gone: what it held settles (its address refuses connections)
+                old.signal(signal.SIGKILL)
+                settled = await decode.await_settled("held", timeout=GUARD_S)
+                assert settled.settled and decode.status()["unsettled_pages"] == 0
+        finally:
+            with anyio.CancelScope(shield=True):
+                for p in (old, new):
+                    if p is not None:
+                        await p.stop(timeout=5)
+            tg.cancel_scope.cancel()
+
+
+async def test_lapsed_lease_fails_requests_and_settles_nothing(etcd: EtcdServer) -> None:
+    fast = {"etcd_ttl_s": 2, "etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 1.0}
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
+        try:
+            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
+                                              **SLOW_LINK)) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await decode.expect("held", [1, 2], sender="prefill-0")
+                await expects_held(prefill, 1)
+                prefill.signal(signal.SIGSTOP)  # its keep-alives stop: its lease lapses in 2 s
+                lost = await decode.await_arrival("held", timeout=GUARD_S)
+                assert lost.reason is FailureReason.PEER_LOST, lost
+                assert "lease lapsed" in lost.message
+                assert decode.live_peers() == []
+                with anyio.move_on_after(1.0):  # nothing settles it while the process could still write
+                    await decode.await_settled("held")
+                assert decode.status()["unsettled_pages"] == 2
+                # resumed, it registers again on a new lease under its name, and is usable again
+                prefill.signal(signal.SIGCONT)
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await verified_transfer(decode, prefill, "again", "prefill-0")
+                assert decode.status()["unsettled_pages"] == 2  # re-linking proves nothing (README "Settled")
+                prefill.signal(signal.SIGKILL)
+                settled = await decode.await_settled("held", timeout=GUARD_S)
+                assert settled.settled
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()
+
+
+async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: EtcdServer) -> None:
+    """What a stopped etcd does to every lease when it resumes, done to one: etcd revokes
+    the sender's lease; the sender registers again (same incarnation) on its next
+    keep-alive, within the grace, so its link and its requests go on."""
+    import aetcd
+
+    fast = {"etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 3.0}
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
+        try:
+            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
+                                              **SLOW_LINK)) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await decode.expect("held", [1, 2], sender="prefill-0")
+                await expects_held(prefill, 1)
+                host, port = etcd.endpoint.split(":")
+                async with aetcd.Client(host=host, port=int(port)) as client:
+                    kv = await client.get(b"/kvservice/live/services/prefill-0")
+                    await client.revoke_lease(kv.lease)
+                await eventually(lambda: "prefill-0" not in [m.name for m in decode.live_peers()], timeout=GUARD_S)
+                # lapsed, not judged yet: its name still resolves (a request now is not refused)
+                await decode.expect("during", [3, 4], sender="prefill-0")
+                assert decode.poll_arrival("during").name != "Failed"
+                await eventually(lambda: [m.agent for m in decode.live_peers()] == [prefill.agent], timeout=GUARD_S)
+                await anyio.sleep(decode.config.etcd_rejoin_grace_s + 0.5)  # past the grace: judged by now
+                assert decode.status()["peers"] == [prefill.address]
+                assert decode.status()["discovery"]["lapsed"] == []
+                await prefill.command(op="fill", rid="held", pages=[5, 6])
+                await prefill.event("filled", "held")
+                await prefill.command(op="send", rid="held", pages=[5, 6])
+                got = await decode.await_arrival("held", timeout=GUARD_S)
+                assert got.ok, got
+                assert torch.equal(decode.kv.pages([1, 2]), pattern(SMALL, "held", 2))
+                await prefill.command(op="fill", rid="during", pages=[7, 8])
+                await prefill.event("filled", "during")
+                await prefill.command(op="send", rid="during", pages=[7, 8])
+                got = await decode.await_arrival("during", timeout=GUARD_S)
+                assert got.ok, got
+                assert torch.equal(decode.kv.pages([3, 4]), pattern(SMALL, "during", 2))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()

@@ -1,0 +1,164 @@
+"""etcd is not on the data path, each case made to happen to the etcd process the test
+started: stopped (SIGSTOP) for 30 s while linked peers transfer, killed and replaced by an
+empty one, and unreachable when a service starts ("fail" refuses to start, saying why;
+"wait" starts once etcd answers)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+import torch
+
+from kvservice import TransferService
+from kvservice._peerproc import PeerProcess, pattern
+from kvservice.discovery.registry import DiscoveryUnavailable
+from tests.helpers import SMALL, config, eventually, peer_config
+
+from .etcd_server import EtcdServer, require_etcd
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+GUARD_S = 30.0  # a hang guard, never a timed assertion
+OUTAGE_S = 30.0  # how long etcd stays stopped (the issue's "30 s or more")
+MAX_REQUESTS = 2000  # bounds the traffic loop in count as well as in time
+
+
+def etcd_opts(endpoint: str, name: str, role: str, **kw: Any) -> dict[str, Any]:
+    return {"discovery": "etcd", "etcd_endpoints": [endpoint], "cluster": "outage", "discovery_name": name,
+            "discovery_role": role, **kw}
+
+
+class Traffic:
+    """Requests from a child prefill to the in-process decode, one after another, each
+    byte-verified, until stopped."""
+
+    def __init__(self, decode: TransferService, prefill: PeerProcess) -> None:
+        self.decode, self.prefill = decode, prefill
+        self.ok = 0
+        self.failed: list[str] = []
+        self._stop = anyio.Event()
+
+    async def run(self) -> None:
+        src = [0, 1, 2, 3]
+        await self.prefill.command(op="fill", rid="pat", pages=src)
+        await self.prefill.event("filled", "pat")
+        for n in range(MAX_REQUESTS):
+            if self._stop.is_set():
+                return
+            rid, dst = f"r{n}", [8 + 4 * (n % 8) + i for i in range(4)]
+            await self.decode.expect(rid, dst, sender="prefill-0")
+            await self.prefill.command(op="send", rid=rid, pages=src)
+            got = await self.decode.await_arrival(rid, timeout=GUARD_S)
+            if got.ok and torch.equal(self.decode.kv.pages(dst), pattern(SMALL, "pat", 4)):
+                self.ok += 1
+            else:
+                self.failed.append(f"{rid}: {got.status} {got.reason} {got.message}")
+            await anyio.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+async def test_etcd_stopped_30s_drops_nothing_and_registrations_return(etcd: EtcdServer) -> None:
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")))
+        try:
+            async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                traffic = Traffic(decode, prefill)
+                async with anyio.create_task_group() as running:
+                    running.start_soon(traffic.run)
+                    await eventually(lambda: traffic.ok >= 5, timeout=GUARD_S)
+                    before = traffic.ok
+                    etcd.pause()
+                    paused = time.monotonic()
+                    await anyio.sleep(OUTAGE_S)
+                    during = traffic.ok - before
+                    etcd.resume()
+                    print(f"etcd stopped {time.monotonic() - paused:.1f} s: {during} requests completed meanwhile")
+                    # every lease lapses when a stopped etcd resumes; each service registers again
+                    await eventually(lambda: decode.status()["discovery"]["outages"] >= 1
+                                     and decode.status()["discovery"]["registered"]
+                                     and [m.agent for m in decode.live_peers()] == [prefill.agent],
+                                     timeout=GUARD_S)
+                    await anyio.sleep(decode.config.etcd_rejoin_grace_s + 1)  # past any lapse's grace
+                    await eventually(lambda: traffic.ok >= before + during + 5, timeout=GUARD_S)
+                    traffic.stop()
+                print(f"after etcd resumed: {decode.status()['discovery']['registrations']} registrations "
+                      f"(a second one: etcd had revoked the lease)")
+                assert during > 0, "no transfer completed while etcd was stopped"
+                assert traffic.failed == []
+                outcomes = decode.status()["outcomes"]
+                assert not [k for k in outcomes if k != "recv.SUCCESS"], outcomes
+                assert decode.status()["peers"] == [prefill.address]  # the same link all along
+                assert [m.agent for m in decode.live_peers()] == [prefill.agent]
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()
+
+
+async def test_etcd_replaced_by_an_empty_one_registrations_return(etcd: EtcdServer) -> None:
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")))
+        try:
+            async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                traffic = Traffic(decode, prefill)
+                async with anyio.create_task_group() as running:
+                    running.start_soon(traffic.run)
+                    await eventually(lambda: traffic.ok >= 5, timeout=GUARD_S)
+                    etcd.kill()
+                    shutil.rmtree(etcd.data_dir)  # its keys and leases are gone with it
+                    before = traffic.ok
+                    await eventually(lambda: traffic.ok >= before + 5, timeout=GUARD_S)  # without etcd
+                    etcd.start()  # the same ports, empty
+                    await eventually(lambda: decode.status()["discovery"]["registrations"] == 2
+                                     and [m.agent for m in decode.live_peers()] == [prefill.agent],
+                                     timeout=GUARD_S)
+                    traffic.stop()
+                assert traffic.failed == []
+                assert decode.status()["peers"] == [prefill.address]
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()
+
+
+async def test_unreachable_at_start_fails_saying_so(etcd: EtcdServer) -> None:
+    etcd.kill()
+    cfg = config(**etcd_opts(etcd.endpoint, "decode-0", "decode", etcd_connect_timeout_s=1.0))
+    with pytest.raises(DiscoveryUnavailable) as info:
+        async with TransferService(cfg):
+            pytest.fail("started without etcd")
+    message = str(info.value)
+    assert f"cannot reach etcd at {etcd.endpoint}" in message and 'etcd_unreachable = "fail"' in message
+
+
+async def test_unreachable_at_start_waits_by_config(tmp_path: Path) -> None:
+    require_etcd()
+    late = EtcdServer(tmp_path / "etcd")  # ports chosen, not started yet
+    cfg = config(**etcd_opts(late.endpoint, "decode-0", "decode", etcd_unreachable="wait",
+                             etcd_connect_timeout_s=1.0))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                async def start_etcd_later() -> None:
+                    await eventually(lambda: any(e["event"] == "discovery.etcd_unreachable" for e in logs),
+                                     timeout=GUARD_S)
+                    await anyio.to_thread.run_sync(late.start)
+
+                tg.start_soon(start_etcd_later)
+                with anyio.fail_after(GUARD_S):
+                    async with TransferService(cfg) as svc:
+                        assert svc.status()["discovery"]["registered"]
+        missed = [e for e in logs if e["event"] == "discovery.etcd_unreachable"]
+        assert missed and missed[0]["endpoints"] == [late.endpoint] and not missed[0]["registered"]
+    finally:
+        late.stop()
