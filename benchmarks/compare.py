@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from kvservice.bench import _lines
 from kvservice.bench._lines import ChildError
 from kvservice.bench.methods import KvService, Method, RawNixl
 from kvservice.bench.stats import median, ratios, summarize_sample
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases, page_bytes
-from kvservice.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
 def shadow(package: Path, into: Path) -> Path:

@@ -525,6 +525,12 @@ class TransferService(ServiceCore):
         pages = self._early.pages_of(request_id, agents[0]) if agents else None
         return None if pages is None else int(pages.size)
 
+    def expect_dropped(self, request_id: str) -> bool:
+        """Whether a receiver's expect for ``request_id`` came and was dropped before any
+        ``send()`` (its peer was lost, it timed out or aborted): a ``send()`` now fails at
+        once, with that reason.  Never blocks; safe from another thread."""
+        return bool(self._dropped.get(request_id))
+
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:
         """Whether anything of ``request_id`` is still here: a live request on either

@@ -276,6 +276,12 @@ class KVTransferEngine:
         svc = self._svc
         return None if svc is None else svc.expected_pages(request_id)
 
+    def expect_dropped(self, request_id: str) -> bool:
+        """``TransferService.expect_dropped``: an expect for ``request_id`` came and was
+        dropped before any ``send()``, which now fails at once; never waits."""
+        svc = self._svc
+        return svc is not None and svc.expect_dropped(request_id)
+
     @property
     def running(self) -> bool:
         """The service is up and takes calls."""

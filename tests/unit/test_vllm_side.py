@@ -191,9 +191,13 @@ class FakeEngine:
     def __init__(self) -> None:
         self.made: dict[str, FakeTransfer] = {}
         self.expects: dict[str, int] = {}  # request id -> pages a decode's expect reserved
+        self.dropped: set[str] = set()  # request ids whose expect came and was dropped
 
     def expected_pages(self, request_id: str) -> int | None:
         return self.expects.get(request_id)
+
+    def expect_dropped(self, request_id: str) -> bool:
+        return request_id in self.dropped
 
     def start(self) -> FakeEngine:
         return self
@@ -263,10 +267,13 @@ def test_the_prefill_sends_what_its_decode_expects_and_gives_an_unclaimed_send_u
     from kvservice.integrations.vllm.scheduler import SendSpec, Work
 
     p, pe = worker(1, 0, bootstrap_timeout_s=0.2)
-    p.start(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("big", (4, 5), 1), SendSpec("none", (6,), 1)]))
+    p.start(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("big", (4, 5), 1), SendSpec("none", (6,), 1),
+                        SendSpec("lost", (7, 8), 1)]))
     pe.expects.update({"tail@tp0.0": 1, "big@tp0.0": 3})  # the decode had two blocks cached; one asks too much
+    pe.dropped.add("lost@tp0.0")  # its decode asked, then died before this step: send, to fail at once
     p.finished(set())
     assert pe.made["tail@tp0.0"].calls == ["send [3] last=True"]
+    assert pe.made["lost@tp0.0"].calls == ["send [7, 8] last=True"]
     assert pe.made["big@tp0.0"].calls == ["abort", "clear"] and pe.made["none@tp0.0"].calls == []
     import time
     time.sleep(0.25)

@@ -109,6 +109,8 @@ class WorkerSide:
             for sender in list(entry.waiting):
                 n = engine.expected_pages(sender.request_id) if engine is not None else None
                 blocks = entry.spec.blocks
+                if n is None and engine is not None and engine.expect_dropped(sender.request_id):
+                    n = len(blocks)  # its decode asked, then was lost: the send fails at once, saying why
                 if n is None and now < entry.deadline:
                     continue
                 entry.waiting.remove(sender)

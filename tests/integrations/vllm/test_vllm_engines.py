@@ -127,6 +127,8 @@ def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the
     p.signal(signal.SIGCONT)
     ps = settled(p)
     assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
+    # each send failed at once (PEER_LOST): the decode's expects had reached the prefill and went
+    # with the decode, and the prefill's worker did not wait for them to come back
     assert ps["worker"] == {"sends_ok": 1, "send_failed": len(prompts)}, ps
 
     # the prefill stays up and serves the next request, to a decode started afresh
