@@ -6,6 +6,7 @@ server that is gone costs the client nothing (the decode prefills by itself)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -57,8 +58,10 @@ def servers(model: Path, logs: Path) -> Iterator[Any]:
 
     def start(name: str, args: list[str], cpu: int, health: str) -> subprocess.Popen[bytes]:
         out = open(logs / f"{name}.log", "wb")  # closed at teardown
+        # a session of its own: vLLM's server runs its engine in a child process, and a server
+        # "SIGKILLed" is its whole group (as when its container dies), never an orphaned engine
         proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=engine_env(cpu), cwd=ROOT)
+                                env=engine_env(cpu), cwd=ROOT, start_new_session=True)
         procs.append((proc, out))
         wait_up(health, proc)
         return proc
@@ -89,7 +92,16 @@ def servers(model: Path, logs: Path) -> Iterator[Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
+        kill_group(proc)  # whatever the server left behind (its engine process)
         out.close()
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (its session, started for it), by its id."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
@@ -107,7 +119,7 @@ def test_two_vllm_servers_and_the_proxy_answer_as_one_engine(
     assert [complete(front, model, prompt) for prompt in prompts] == baseline
     assert http(f"{front}/stats") == {"handed_off": len(prompts)}
 
-    p_proc.send_signal(signal.SIGKILL)  # the prefill server is gone: the client still gets its tokens
+    kill_group(p_proc)  # the prefill server is gone (and its engine): the client still gets its tokens
     p_proc.wait(timeout=30)
     assert complete(front, model, prompts[0]) == baseline[0]
     assert http(f"{front}/stats") == {"handed_off": len(prompts), "prefill_unreachable": 1}
