@@ -104,7 +104,10 @@ class _Child:
     #: endpoint for that agent name), so the answers after it are not trusted; it is replaced
     tainted: bool = False
     pending: dict[int, _Pending] = field(default_factory=dict)  # in the order sent: the first is loading
-    write_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: one load at a time: a load's timeout is its own, never the queue's in front of it (a
+    #: burst of new peers on a busy machine queued past the timeout, and the one loading was
+    #: then blamed, killed and remembered as unsafe)
+    turn: anyio.Lock = field(default_factory=anyio.Lock)
 
 
 class MetadataVetter:
@@ -186,22 +189,26 @@ class MetadataVetter:
         return child
 
     async def _ask(self, child: _Child, metadata: bytes, digest: bytes) -> _Pending:
-        rid = next(self._ids)
-        pending = child.pending[rid] = _Pending(digest)
-        assert child.stream is not None
-        try:
-            async with child.write_lock:
+        async with child.turn:
+            if child.ended.is_set() or child.tainted:  # replaced while this one waited its turn
+                pending = _Pending(digest, retry=True)
+                pending.done.set()
+                return pending
+            rid = next(self._ids)
+            pending = child.pending[rid] = _Pending(digest)
+            assert child.stream is not None
+            try:
                 await child.stream.send(REQUEST.pack(rid, len(metadata)) + metadata)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass  # it died: its supervisor resolves every pending request
-        with anyio.move_on_after(self._load_timeout):
-            await pending.done.wait()
-        if not pending.done.is_set():  # hung in NIXL or UCX: replace it; the supervisor resolves this one
-            self._kill(child, f"did not load within {self._load_timeout:g} s")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass  # it died: its supervisor resolves every pending request
             with anyio.move_on_after(self._load_timeout):
                 await pending.done.wait()
-            if not pending.done.is_set():
-                pending.retry = True
+            if not pending.done.is_set():  # hung in NIXL or UCX: replace it; the supervisor resolves this one
+                self._kill(child, f"did not load within {self._load_timeout:g} s")
+                with anyio.move_on_after(self._load_timeout):
+                    await pending.done.wait()
+                if not pending.done.is_set():
+                    pending.retry = True
         return pending
 
     def _kill(self, child: _Child, why: str | None = None) -> None:
