@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,31 @@ LOOPS = ("auto", "asyncio", "uvloop")
 #: on stderr they sit with the warnings Python writes there.  UCX's level stays its own
 #: default (``UCX_LOG_LEVEL=warn``).
 UCX_ENV_DEFAULTS: Mapping[str, str] = {"UCX_LOG_FILE": "stderr"}
+#: where Linux lists RDMA devices (InfiniBand, RoCE, EFA)
+RDMA_DEVICES = "/sys/class/infiniband"
+#: UCX's modules that drive RDMA devices, left unloaded on a host that has none
+#: (``host_ucx_defaults``)
+UCX_RDMA_MODULES = "^ib,ib_mlx5,ib_efa,ib_mlx5_gda,rdmacm"
+
+
+@functools.cache
+def host_ucx_defaults() -> Mapping[str, str]:
+    """UCX settings this host needs, applied like ``UCX_ENV_DEFAULTS``.
+
+    On a host with ``libibverbs`` installed but no RDMA device (a cloud VM with
+    rdma-core, a container built from a GPU image), UCX loads its InfiniBand
+    module, finds nothing, and leaves the ``libnl-route`` it pulled in to crash in
+    its destructor when the process exits: every process that created a NIXL
+    agent then ends with SIGSEGV (exit code -11 / 139) after a clean shutdown.
+    Without a device those modules have nothing to drive, so they are not loaded
+    (``UCX_MODULES``); a host with RDMA devices keeps UCX's default."""
+    try:
+        with os.scandir(RDMA_DEVICES) as entries:
+            if any(True for _ in entries):
+                return {}
+    except OSError:
+        pass
+    return {"UCX_MODULES": UCX_RDMA_MODULES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +216,10 @@ class ServiceConfig:
 
     @property
     def ucx_environment(self) -> dict[str, str]:
-        """What the agent starts with: ``ucx_env`` over ``UCX_ENV_DEFAULTS`` (a variable
-        already set in the process's environment wins over both)."""
-        return {**UCX_ENV_DEFAULTS, **self.ucx_env}
+        """What the agent starts with: ``ucx_env`` over ``UCX_ENV_DEFAULTS`` and this host's
+        ``host_ucx_defaults`` (a variable already set in the process's environment wins
+        over all)."""
+        return {**UCX_ENV_DEFAULTS, **host_ucx_defaults(), **self.ucx_env}
 
     def resolve_key(self) -> ServiceKey:
         """The key this service authenticates with; may create this user's key (file I/O)."""

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvservice._config import host_ucx_defaults
+
 #: environment every child gets: loopback only, quiet logs (two-host runs replace the UCX part)
 CHILD_ENV: dict[str, str | None] = {"UCX_NET_DEVICES": "lo", "KVSERVICE_LOG_LEVEL": "error",
                                     "PYTHONUNBUFFERED": "1"}
@@ -27,6 +29,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 def child_environ(extra: dict[str, str | None] | None = None) -> dict[str, str]:
     """This process's environment with ``CHILD_ENV`` and ``extra`` applied; ``None`` removes a variable."""
     env = dict(os.environ)
+    for name, default in host_ucx_defaults().items():  # the raw baselines' agents too (not through ServiceConfig)
+        env.setdefault(name, default)
     for key, value in {**CHILD_ENV, **(extra or {})}.items():
         if value is None:
             env.pop(key, None)
