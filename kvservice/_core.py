@@ -177,8 +177,10 @@ class ServiceCore:
         req.notif_key = self._control.notif_key_to(peer) or b""
         req.kv = kv
         req.dest = pages
+        filed = req.bootstrap_deadline  # its entry in the deadlines (due_at() until now)
         req.deadline = time.monotonic() + (req.timeout or self.config.transfer_timeout_s)
-        self._deadlines.push(req)  # due_at() is now the transfer deadline
+        if req.deadline < filed:  # a later deadline is filed again when the old entry pops
+            self._deadlines.push(req)
         if req.pending:
             self._watchdog.schedule(req)  # type: ignore[union-attr]
 

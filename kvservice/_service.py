@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -315,6 +316,8 @@ class TransferService(ServiceCore):
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
             req = self._new_send(request_id, timeout, pinned)
+        if req.pending is None:
+            req.pending = deque()
         req.pending.append(Chunk(src, pos, lo, hi))
         req.pages_queued = queued
         req.cursors = cursors

@@ -30,7 +30,7 @@ import anyio.lowlevel
 
 from ._control.protocol import FENCE, ChunkNotif, encode_notif
 from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
-from ._requests import Chunk, SendRequest
+from ._requests import SendRequest
 from ._results import FailureReason
 from .memory._regions import KVMemory
 
@@ -112,7 +112,7 @@ class Watchdog:
         for xid in req.inflight:
             self._inflight.pop(xid, None)
             self._release(req, xid)
-        req.inflight.clear()
+        req.inflight = None
         self.wake()
 
     def fence(self, req: SendRequest) -> bool:
@@ -126,7 +126,7 @@ class Watchdog:
                 or req.kv is None or req.kv.indexer is None):
             return False
         local_idx, remote_idx = req.kv.indexer.indices(
-            fence.src, req.dest[fence.pos : fence.pos + 1], fence.lo, fence.hi)
+            fence.src[:1], req.dest[fence.pos : fence.pos + 1], fence.lo, fence.lo + 1)
         self._fences.append(PostOp(
             key=(req, FENCE), peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
             notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE), req.notif_key),
@@ -253,7 +253,10 @@ class Watchdog:
                 self._owner.chunk_done(req, nbytes)
             else:
                 self._inflight[got] = (req, nbytes)
-                req.inflight.add(got)
+                if req.inflight is None:
+                    req.inflight = {got}
+                else:
+                    req.inflight.add(got)
             if req.finished:
                 self._settle_if_released(req)
         self._fences_forgotten.clear()
@@ -268,7 +271,8 @@ class Watchdog:
                 if state_or_err is not XferState.DONE:  # an error, or released behind our back
                     self._owner.fence_failed(req, state_or_err if isinstance(state_or_err, DoorError) else None)
                 continue
-            req.inflight.discard(xid)
+            if req.inflight is not None:
+                req.inflight.discard(xid)
             if isinstance(state_or_err, DoorError):
                 self._owner.chunk_failed(req, state_or_err)
             elif state_or_err is XferState.DONE:
@@ -310,10 +314,13 @@ class Watchdog:
         kv = req.kv
         assert req.dest is not None and req.peer is not None and kv is not None and kv.indexer is not None
         assert kv.out is not None
+        assert req.pending is not None
         chunk = req.pending.popleft()
+        if not req.pending:
+            req.pending = None
         src = chunk.src
         if req.fence_src is None:
-            req.fence_src = Chunk(src[:1], chunk.pos, chunk.lo, chunk.lo + 1)
+            req.fence_src = chunk
         dst = req.dest[chunk.pos : chunk.pos + src.size]
         local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)
         number = req.chunks_posted

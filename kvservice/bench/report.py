@@ -101,7 +101,9 @@ def table(results: dict[str, Any]) -> str:
     if mem:
         lines.append("")
         lines.append(f"kvservice state per request (tracemalloc, n={mem['n']}): "
-                     f"{mem['queued_per_request']:.0f} B queued, {mem['peak_per_request']:.0f} B peak in flight")
+                     f"{mem['queued_per_request']:.0f} B queued, {mem['peak_per_request']:.0f} B peak in flight"
+                     + (f"; {mem['gc_objects_per_request']:.1f} GC-tracked objects per queued request"
+                        if "gc_objects_per_request" in mem else ""))
     kill = results.get("kill")
     if kill:
         lines.append(f"SIGKILL of the receiver, {len(kill['tries'])} tries, ~{kill['inflight_per_try']:.0f} "
