@@ -1,0 +1,150 @@
+"""Where each request's CPU goes, per process: a diagnostic, not part of ``kvservice bench``.
+
+    .venv/bin/python -m benchmarks.cpu --cases w2/c1,w3/c64 --repeats 3
+    .venv/bin/python -m benchmarks.cpu --cases w3/c64 --profile /tmp/prof   # and py-spy's stacks
+
+Runs the benchmark's methods (raw NIXL, kvservice in process, the sidecar) on the
+same cases, as ``kvservice bench`` does, and reads every process's CPU time
+(``/proc/PID/stat``, user + system, all its threads) around each measured run:
+microseconds of CPU per request on the sending and the receiving side (the
+sidecar's side is its worker and its daemon together, each also shown alone).
+Wall time per request and the method's own throughput are printed beside them.
+
+``--profile DIR`` also samples the kvservice and sidecar processes with py-spy
+(``pip install py-spy``; 1 kHz, idle threads left out) during one more run of
+each case and folds the samples into the parts of a request's path
+(``benchmarks/cpu_parts.py``): per part, microseconds per request, and the
+raw stacks are kept in DIR for flame graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cpu_parts import fold
+from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar
+from kvservice.bench.run import warm_up
+from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
+
+TICK = os.sysconf("SC_CLK_TCK")
+PROFILE_RATE_HZ = 1000
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (every thread)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def processes(m: Method) -> dict[str, int]:
+    """The method's processes by role."""
+    out: dict[str, int] = {}
+    for role in ("send", "recv"):
+        child = getattr(m, role, None)
+        if child is not None:
+            out[role] = child.pid
+    for d in getattr(m, "daemons", []):
+        out[f"{d.role}-daemon"] = d.pid
+    return out
+
+
+@contextmanager
+def sampled(pids: dict[str, int], out: Path | None) -> Iterator[dict[str, Path]]:
+    """py-spy on each of ``pids`` while the block runs (nothing when ``out`` is None)."""
+    spies: list[subprocess.Popen[bytes]] = []
+    files: dict[str, Path] = {}
+    if out is not None:
+        exe = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        if exe is None:
+            raise SystemExit("--profile needs py-spy (pip install py-spy)")
+        for role, pid in pids.items():
+            files[role] = out / f"{role}.txt"
+            spies.append(subprocess.Popen(
+                [exe, "record", "--pid", str(pid), "--rate", str(PROFILE_RATE_HZ), "--format", "raw",
+                 "--output", str(files[role]), "--nonblocking", "--full-filenames"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1.0)  # py-spy attaches
+    try:
+        yield files
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for spy in spies:
+            try:
+                spy.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+
+
+def measure(m: Method, case: Case, repeats: int) -> dict[str, Any]:
+    pids = processes(m)
+    per: dict[str, list[float]] = {role: [] for role in pids}
+    walls: list[float] = []
+    for i in range(repeats):
+        before = {role: cpu_s(pid) for role, pid in pids.items()}
+        sample = m.measure(case, f"cpu{i}")
+        after = {role: cpu_s(pid) for role, pid in pids.items()}
+        n = len(case.requests)
+        for role in pids:
+            per[role].append((after[role] - before[role]) / n * 1e6)
+        walls.append((sample["end"] - sample["start"]) / n * 1e6)
+    return {"cpu_us": {role: statistics.median(v) for role, v in per.items()},
+            "wall_us": statistics.median(walls)}
+
+
+def profile(m: Method, case: Case, out: Path) -> dict[str, dict[str, float]]:
+    """Per process, µs per request in each part of the path (py-spy samples)."""
+    out.mkdir(parents=True, exist_ok=True)
+    pids = processes(m)
+    with sampled(pids, out) as files:
+        m.measure(case, "prof")
+    n = len(case.requests)
+    return {role: fold(path.read_text(), PROFILE_RATE_HZ, n) for role, path in files.items() if path.exists()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="w2/c1,w3/c64")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default="raw_nixl,kvservice,sidecar")
+    p.add_argument("--profile", type=Path, metavar="DIR", help="also sample with py-spy, stacks kept in DIR")
+    args = p.parse_args(argv)
+    cases = {c.key: c for c in all_cases(FULL, 1)}
+    chosen = [cases[k] for k in args.cases.split(",")]
+    makers = {"raw_nixl": lambda: RawNixl(LLAMA3_8B, FULL.pool_pages, env={"UCX_NET_DEVICES": "lo"}),
+              "kvservice": lambda: KvService(LLAMA3_8B, FULL.pool_pages, env={"UCX_NET_DEVICES": "lo"}),
+              "sidecar": lambda: Sidecar(LLAMA3_8B, FULL.pool_pages)}
+    for name in args.methods.split(","):
+        m: Method = makers[name]()
+        m.start()
+        try:
+            warm_up([m], chosen)
+            for case in chosen:
+                got = measure(m, case, args.repeats)
+                cpu = "  ".join(f"{role} {us:6.0f}" for role, us in got["cpu_us"].items())
+                print(f"{name:<10} {case.key:<8} wall {got['wall_us']:6.0f} us/req | CPU us/req: {cpu}", flush=True)
+                if args.profile is not None and name != "raw_nixl":
+                    parts = profile(m, case, args.profile / name / case.key.replace("/", "-"))
+                    for role, by_part in parts.items():
+                        shown = "  ".join(f"{k} {v:.0f}" for k, v in by_part.items() if v >= 0.5)
+                        print(f"    {role:<15} {shown}", flush=True)
+        finally:
+            m.close()
+
+
+if __name__ == "__main__":
+    main()
