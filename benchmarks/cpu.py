@@ -5,7 +5,7 @@
 
 Runs the benchmark's methods (raw NIXL, kvservice in process, the sidecar) on the
 same cases, as ``kvservice bench`` does, and reads every process's CPU time
-(``/proc/PID/stat``, user + system, all its threads) around each measured run:
+(``/proc/PID/task/*/schedstat``, every thread) around each measured run:
 microseconds of CPU per request on the sending and the receiving side (the
 sidecar's side is its worker and its daemon together, each also shown alone).
 Wall time per request and the method's own throughput are printed beside them.
@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,15 +37,21 @@ from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar
 from kvservice.bench.run import warm_up
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
 
-TICK = os.sysconf("SC_CLK_TCK")
 PROFILE_RATE_HZ = 1000
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (every thread)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """CPU seconds ``pid``'s threads have run (the scheduler's nanosecond count of each
+    thread alive now: ``/proc/PID/stat``'s ticks are 10 ms, too coarse for a few
+    hundred requests)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def processes(m: Method) -> dict[str, int]:
@@ -95,7 +101,7 @@ def measure(m: Method, case: Case, repeats: int) -> dict[str, Any]:
     walls: list[float] = []
     for i in range(repeats):
         before = {role: cpu_s(pid) for role, pid in pids.items()}
-        sample = m.measure(case, f"cpu{i}")
+        sample = m.measure(case, f"cpu-{case.key}-{i}")
         after = {role: cpu_s(pid) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
@@ -110,7 +116,7 @@ def profile(m: Method, case: Case, out: Path) -> dict[str, dict[str, float]]:
     out.mkdir(parents=True, exist_ok=True)
     pids = processes(m)
     with sampled(pids, out) as files:
-        m.measure(case, "prof")
+        m.measure(case, f"prof-{case.key}")
     n = len(case.requests)
     return {role: fold(path.read_text(), PROFILE_RATE_HZ, n) for role, path in files.items() if path.exists()}
 
@@ -125,9 +131,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     cases = {c.key: c for c in all_cases(FULL, 1)}
     chosen = [cases[k] for k in args.cases.split(",")]
-    makers = {"raw_nixl": lambda: RawNixl(LLAMA3_8B, FULL.pool_pages, env={"UCX_NET_DEVICES": "lo"}),
-              "kvservice": lambda: KvService(LLAMA3_8B, FULL.pool_pages, env={"UCX_NET_DEVICES": "lo"}),
-              "sidecar": lambda: Sidecar(LLAMA3_8B, FULL.pool_pages)}
+    lo: dict[str, str | None] = {"UCX_NET_DEVICES": "lo"}
+    makers: dict[str, Callable[[], Method]] = {
+        "raw_nixl": lambda: RawNixl(LLAMA3_8B, FULL.pool_pages, env=lo),
+        "kvservice": lambda: KvService(LLAMA3_8B, FULL.pool_pages, env=lo),
+        "sidecar": lambda: Sidecar(LLAMA3_8B, FULL.pool_pages)}
     for name in args.methods.split(","):
         m: Method = makers[name]()
         m.start()

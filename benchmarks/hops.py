@@ -27,6 +27,7 @@ import anyio.to_thread
 
 from kvservice import TransferService, _door, _nixl, _watchdog
 from kvservice._control import protocol
+from kvservice._trust.handshake import NOTIF_MAC_BYTES
 from kvservice.bench._lines import Child
 from kvservice.bench.kv_side import make_config, quiet_logs
 from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases
@@ -38,7 +39,7 @@ _posting: list[str] = []  # the request whose tick the loop is waiting for (one 
 
 def _request_of(notif: bytes) -> Any:
     """The notification's body, its MAC not checked (we built it)."""
-    body = notif[len(protocol.NOTIF_MAGIC):-protocol.NOTIF_MAC_BYTES]
+    body = notif[len(protocol.NOTIF_MAGIC):-NOTIF_MAC_BYTES]
     return protocol._notif_decoder.decode(body)
 
 
