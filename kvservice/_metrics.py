@@ -42,7 +42,7 @@ _READ_TRIES = 3
 def _snapshot(svc: Measured) -> tuple[Any, dict[str, Any]]:
     stats = svc.stats
     return stats, {**svc.status(), "outcomes_by_key": dict(stats.outcomes), "bytes_by_side": dict(stats.bytes),
-                   "latency_buckets": list(stats.latency_buckets)}
+                   "latency_buckets": list(stats.latency_buckets), "peer_histograms": stats.peers.histograms()}
 
 
 def _read(svc: Measured) -> tuple[Any, dict[str, Any]]:
@@ -88,7 +88,7 @@ def service_families(svc: Measured) -> list[Metric]:
     lag.add_metric(["0.99"], snap["loop_lag_p99_s"])
     lag.add_metric(["1"], snap["loop_lag_max_s"])
     return [
-        *peer_families(snap["peer_times"]),
+        *peer_families(snap["peer_histograms"]),
         transfers, moved, in_flight,
         GaugeMetricFamily("kvservice_nixl_handles_live", "NIXL transfer handles not yet released",
                           value=snap["live_nixl_handles"]),
@@ -104,8 +104,8 @@ def service_families(svc: Measured) -> list[Metric]:
     ]
 
 
-def peer_families(peer_times: dict[str, Any]) -> list[Metric]:
-    """The per-peer histograms (``_peertimes``) from ``status()["peer_times"]``."""
+def peer_families(histograms: dict[str, Any]) -> list[Metric]:
+    """The per-peer histograms from ``PeerTimes.histograms()`` (``_peertimes``)."""
     xfer = HistogramMetricFamily(
         "kvservice_xfer_time_seconds",
         "Time per successful transfer, by side and peer: the sender's from its first NIXL post to "
@@ -117,12 +117,12 @@ def peer_families(peer_times: dict[str, Any]) -> list[Metric]:
         "(NIXL's agent_xfer_post_time)", labels=["peer"])
     failed = CounterMetricFamily("kvservice_xfer_failed_total", "Failed transfers, by side and peer",
                                  labels=["side", "peer"])
-    for peer, series in peer_times.items():
-        for side, h in series["xfer_time"].items():
-            xfer.add_metric([side, peer], list(h["buckets"].items()), h["sum_s"])
+    for peer, series in histograms.items():
+        for side, (buckets, total) in series["xfer_time"].items():
+            xfer.add_metric([side, peer], buckets, total)
             failed.add_metric([side, peer], series["failed"][side])
-        h = series["post_time"]
-        post.add_metric([peer], list(h["buckets"].items()), h["sum_s"])
+        buckets, total = series["post_time"]
+        post.add_metric([peer], buckets, total)
     return [xfer, post, failed]
 
 

@@ -67,16 +67,18 @@ class Histogram:
         self.count += other.count
 
     def cumulative(self) -> list[tuple[str, int]]:
-        """``(le, count)`` pairs as Prometheus wants them, ``+Inf`` last (= ``count``)."""
+        """``(le, count)`` pairs as Prometheus wants them, ``+Inf`` last (the count).  Summed
+        from one copy of the buckets, so a scrape racing the loop still reads them monotone."""
         out, total = [], 0
-        for bound, n in zip(self.bounds, self.buckets, strict=False):
+        buckets = list(self.buckets)
+        for bound, n in zip(self.bounds, buckets, strict=False):
             total += n
             out.append((repr(bound), total))
-        out.append(("+Inf", self.count))
+        out.append(("+Inf", total + buckets[-1]))
         return out
 
     def snapshot(self) -> dict[str, Any]:
-        return {"count": self.count, "sum_s": self.sum, "buckets": dict(self.cumulative())}
+        return {"count": self.count, "sum_s": self.sum}
 
 
 class PeerSeries:
@@ -98,8 +100,14 @@ class PeerSeries:
         self.post.add(other.post)
 
     def snapshot(self) -> dict[str, Any]:
+        """Counts and sums only (``status()`` is polled, and sent to sidecar workers)."""
         return {"xfer_time": {side: h.snapshot() for side, h in self.xfer.items()},
                 "post_time": self.post.snapshot(), "failed": dict(self.failed)}
+
+    def histograms(self) -> dict[str, Any]:
+        """Everything, buckets cumulative (``_metrics.peer_families``)."""
+        return {"xfer_time": {side: (h.cumulative(), h.sum) for side, h in self.xfer.items()},
+                "post_time": (self.post.cumulative(), self.post.sum), "failed": dict(self.failed)}
 
 
 class PeerTimes:
@@ -155,4 +163,9 @@ class PeerTimes:
             self._of(agent).post.observe(seconds)
 
     def snapshot(self) -> dict[str, Any]:
+        """By label: counts and sums (``status()["peer_times"]``)."""
         return {label: series.snapshot() for label, series in sorted(self.series.items())}
+
+    def histograms(self) -> dict[str, Any]:
+        """By label: the histograms with their buckets, copied (read at scrape time)."""
+        return {label: series.histograms() for label, series in sorted(self.series.items())}

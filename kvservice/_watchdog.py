@@ -231,7 +231,8 @@ class Watchdog:
     def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
         self.live_handles = outcome.live
-        self._owner.stats.peers.posts(outcome.post_times)
+        if outcome.post_times:
+            self._owner.stats.peers.posts(outcome.post_times)
         for xid in outcome.released:
             owner = self._releasing.pop(xid, None)
             if owner is not None:
