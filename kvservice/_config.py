@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._control.addresses import is_loopback_host, is_unspecified_host
+from ._peertimes import PEER_LABELS
 from ._results import ConfigError
 from ._trust.keys import ServiceKey, load_key, resolve_key
 from .discovery.settings import DiscoveryKind, Unreachable
@@ -19,6 +20,8 @@ from .memory._layout import KVLayout
 __all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
 
 LOOPS = ("auto", "asyncio", "uvloop")
+#: the most ``metrics_peer_labels`` may be: each label costs ~60 series in ``/metrics``
+MAX_PEER_LABELS = 1024
 
 #: UCX settings applied unless ``ucx_env`` or the process's environment sets them.  UCX
 #: writes its log lines (``UCX ERROR connect(...) failed`` when a peer dies) to stdout by
@@ -159,6 +162,10 @@ class ServiceConfig:
     etcd_username: str | None = None
     etcd_password_file: str | None = None
 
+    # -- metrics (README "Metrics") --------------------------------------------------------
+    #: peers with series of their own in the per-peer histograms; later ones share peer="other"
+    metrics_peer_labels: int = PEER_LABELS
+
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"layout: expected KVLayout, got {type(self.layout).__name__}")
@@ -195,6 +202,10 @@ class ServiceConfig:
         if isinstance(self.etcd_endpoints, list):  # from JSON or a table
             object.__setattr__(self, "etcd_endpoints", tuple(self.etcd_endpoints))
         check_discovery(self)
+        labels = self.metrics_peer_labels
+        if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_PEER_LABELS:
+            raise ConfigError(f"metrics_peer_labels: must be a whole number 0..{MAX_PEER_LABELS} "
+                              f"(0: every peer under peer=\"other\"), got {labels!r}")
 
     def _check_trust(self) -> None:
         if self.auth_key_file is not None:

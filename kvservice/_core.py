@@ -207,7 +207,7 @@ class ServiceCore:
                 assert req.peer is not None and req.pages is not None
                 self._settlement.hold(req.request_id, req.peer, int(req.pages.size))
         side = "send" if isinstance(req, SendRequest) else "recv"
-        self.stats.record(side, result)
+        self.stats.record(side, result, req.peer)
         if result.ok:
             log.debug("transfer.completed", request_id=req.request_id, side=side, bytes=result.bytes)
         else:

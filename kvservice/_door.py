@@ -135,6 +135,8 @@ class TickOutcome:
     live: int = 0
     #: the plan's releases, all done by the time the outcome exists
     released: list[XferId] = field(default_factory=list)
+    #: (peer, seconds) of each post call above, timed here (``Stats.peers.posts``)
+    post_times: list[tuple[str, float]] = field(default_factory=list)
 
 
 def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
@@ -154,11 +156,14 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     for xfer in plan.releases:
         door.release(xfer)
     for op in plan.posts:
+        t0 = time.monotonic()
         try:
             xid, state = door.post(op.peer, op.local_idx, op.remote_idx, op.notif)
         except DoorError as err:
+            out.post_times.append((op.peer, time.monotonic() - t0))
             out.posted.append((op.key, err, None))
         else:
+            out.post_times.append((op.peer, time.monotonic() - t0))
             out.posted.append((op.key, xid, state))
     running = _check(door, plan.checks, out)
     out.notifs = door.notifs()

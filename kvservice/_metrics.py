@@ -33,7 +33,7 @@ class Measured(Protocol):
     def stats(self) -> Stats: ...
     def status(self) -> dict[str, Any]: ...
 
-__all__ = ["ServiceCollector", "refused_family", "service_families", "service_refusals"]
+__all__ = ["ServiceCollector", "peer_families", "refused_family", "service_families", "service_refusals"]
 
 #: a scrape from another thread may meet a dict or deque the loop is changing; read again
 _READ_TRIES = 3
@@ -42,7 +42,7 @@ _READ_TRIES = 3
 def _snapshot(svc: Measured) -> tuple[Any, dict[str, Any]]:
     stats = svc.stats
     return stats, {**svc.status(), "outcomes_by_key": dict(stats.outcomes), "bytes_by_side": dict(stats.bytes),
-                   "latency_buckets": list(stats.latency_buckets)}
+                   "latency_buckets": list(stats.latency_buckets), "peer_histograms": stats.peers.histograms()}
 
 
 def _read(svc: Measured) -> tuple[Any, dict[str, Any]]:
@@ -88,6 +88,7 @@ def service_families(svc: Measured) -> list[Metric]:
     lag.add_metric(["0.99"], snap["loop_lag_p99_s"])
     lag.add_metric(["1"], snap["loop_lag_max_s"])
     return [
+        *peer_families(snap["peer_histograms"]),
         transfers, moved, in_flight,
         GaugeMetricFamily("kvservice_nixl_handles_live", "NIXL transfer handles not yet released",
                           value=snap["live_nixl_handles"]),
@@ -101,6 +102,28 @@ def service_families(svc: Measured) -> list[Metric]:
         CounterMetricFamily("kvservice_stale_notifications_total", "NIXL notifications matching no live request",
                             value=snap["stale_notifs"]),
     ]
+
+
+def peer_families(histograms: dict[str, Any]) -> list[Metric]:
+    """The per-peer histograms from ``PeerTimes.histograms()`` (``_peertimes``)."""
+    xfer = HistogramMetricFamily(
+        "kvservice_xfer_time_seconds",
+        "Time per successful transfer, by side and peer: the sender's from its first NIXL post to "
+        "completion, the receiver's from its Expect to arrival (NIXL's agent_xfer_time)",
+        labels=["side", "peer"])
+    post = HistogramMetricFamily(
+        "kvservice_xfer_post_time_seconds",
+        "Time each NIXL post call (make the handle, post the WRITE) took on the door thread, by peer "
+        "(NIXL's agent_xfer_post_time)", labels=["peer"])
+    failed = CounterMetricFamily("kvservice_xfer_failed_total", "Failed transfers, by side and peer",
+                                 labels=["side", "peer"])
+    for peer, series in histograms.items():
+        for side, (buckets, total) in series["xfer_time"].items():
+            xfer.add_metric([side, peer], buckets, total)
+            failed.add_metric([side, peer], series["failed"][side])
+        buckets, total = series["post_time"]
+        post.add_metric([peer], buckets, total)
+    return [xfer, post, failed]
 
 
 def refused_family(samples: Iterable[tuple[str, str, int]]) -> CounterMetricFamily:

@@ -29,6 +29,7 @@ from ._core import LOCAL, ServiceCore
 from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
 from ._metrics import ServiceCollector
+from ._peertimes import PeerTimes
 from ._requests import (
     Chunk,
     RecvRequest,
@@ -106,7 +107,7 @@ class TransferService(ServiceCore):
         self._vetter: MetadataVetter | None = None
         self._closing = False
         self._discovery: Discovery | None = None  # discovery = "etcd"
-        self.stats = Stats()
+        self.stats = Stats(peers=PeerTimes(self.config.metrics_peer_labels))
         self.address = ""
         self._init_state()
 

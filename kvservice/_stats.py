@@ -12,6 +12,7 @@ import anyio
 import anyio.abc
 
 from ._log import Throttle
+from ._peertimes import PEER_LABELS, PeerTimes
 from ._results import TransferResult
 
 #: upper bounds (seconds) of the transfer-latency histogram buckets
@@ -36,8 +37,11 @@ class Stats:
     log_throttle: Throttle = field(default_factory=Throttle)
     lag_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=3000))
     max_lag_s: float = 0.0
+    #: time per transfer and time to post, by peer (``_peertimes``)
+    peers: PeerTimes = field(default_factory=lambda: PeerTimes(PEER_LABELS))
 
-    def record(self, side: str, result: TransferResult) -> None:
+    def record(self, side: str, result: TransferResult, peer: str | None = None) -> None:
+        """Count how ``result`` ended; ``peer``: the agent it went to or came from, if known."""
         key = "SUCCESS" if result.ok else (result.reason.value if result.reason else "UNKNOWN")
         self.outcomes[(side, key)] += 1
         if result.ok:
@@ -47,6 +51,8 @@ class Stats:
                 self.latency_sum += d
                 self.latency_count += 1
                 self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, d)] += 1
+        if peer is not None:
+            self.peers.transfer(side, peer, result)
 
     def refuse(self, what: str) -> int | None:
         """Count one refusal of kind ``what``.  Returns whether to log it (``Throttle``):
@@ -80,5 +86,6 @@ class Stats:
             "refused": dict(sorted(self.refused.items())),
             "loop_lag_p99_s": self.lag_quantile(0.99),
             "loop_lag_max_s": self.max_lag_s,
+            "peer_times": self.peers.snapshot(),
             **extra,
         }

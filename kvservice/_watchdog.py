@@ -32,6 +32,7 @@ from ._control.protocol import FENCE, ChunkNotif, encode_notif
 from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
 from ._requests import SendRequest
 from ._results import FailureReason
+from ._stats import Stats
 from .memory._regions import KVMemory
 
 DEADLINE_SCAN_S = 0.01
@@ -51,6 +52,8 @@ class Owner(Protocol):
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
     def check_deadlines(self, now: float) -> None: ...
     def busy(self) -> bool: ...
+    @property
+    def stats(self) -> Stats: ...
 
 
 class Watchdog:
@@ -228,6 +231,8 @@ class Watchdog:
     def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
         self.live_handles = outcome.live
+        if outcome.post_times:
+            self._owner.stats.peers.posts(outcome.post_times)
         for xid in outcome.released:
             owner = self._releasing.pop(xid, None)
             if owner is not None:

@@ -410,6 +410,7 @@ class ControlPlane:
             )
             peer = Peer(agent, hello.address, kv, link, secrets)
             self._peers[agent] = peer
+            self._stats.peers.linked(agent, hello.address)
             self._book.linked(agent, canon, dialled)
             keys = self._notif_in.get(agent) or []
             self._notif_in.put(agent, [secrets.notif_in, *keys][:_NOTIF_KEYS_PER_AGENT])
@@ -504,6 +505,7 @@ class ControlPlane:
         if not graceful and not gone:
             gone = await self._thread.call(endpoint_gone, self._door, agent)
         self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, proven)
+        self._stats.peers.lost(agent)  # after its requests' ends were recorded under it
         peer.link.close(cause)
         released = await self._thread.call(self._door.remove_peer, agent)
         self._events.released_by_door(released)

@@ -81,6 +81,12 @@ async def test_bytes_travel_worker_to_worker_and_metrics_count_them(pair: tuple[
     assert delta(after_p, before_p, "kvservice_transfer_duration_seconds_count") == n
     assert delta(after_p, before_p, 'kvservice_transfer_duration_seconds_bucket{le="+Inf"}') == n
     assert delta(after_p, before_p, 'kvservice_sidecar_calls_total{op="send"}') == n + 1
+    # the per-peer series, re-exported by the daemon: labelled by the other daemon's address
+    to_decode, from_prefill = f'peer="{decode.address}",side="send"', f'peer="{prefill.address}",side="recv"'
+    assert delta(after_p, before_p, f"kvservice_xfer_time_seconds_count{{{to_decode}}}") == n
+    assert delta(after_d, before_d, f"kvservice_xfer_time_seconds_count{{{from_prefill}}}") == n
+    assert delta(after_d, before_d, f'kvservice_xfer_time_seconds_bucket{{le="+Inf",{from_prefill}}}') == n
+    assert delta(after_p, before_p, f'kvservice_xfer_post_time_seconds_count{{peer="{decode.address}"}}') == n + 1
     assert delta(after_d, before_d, 'kvservice_sidecar_calls_total{op="expect"}') == n
     assert after_p['kvservice_transfers_in_flight{side="send"}'] == 0
     assert after_p["kvservice_peers_connected"] == 1 and after_d["kvservice_peers_connected"] == 1
@@ -274,6 +280,9 @@ KVSERVICE_FAMILIES = {
     "kvservice_transfers_in_flight": ("gauge", {"side"}),
     "kvservice_nixl_handles_live": ("gauge", set()),
     "kvservice_transfer_duration_seconds": ("histogram", set()),
+    "kvservice_xfer_time_seconds": ("histogram", {"side", "peer"}),
+    "kvservice_xfer_post_time_seconds": ("histogram", {"peer"}),
+    "kvservice_xfer_failed": ("counter", {"side", "peer"}),
     "kvservice_peers_connected": ("gauge", set()),
     "kvservice_unsettled_pages": ("gauge", set()),
     "kvservice_event_loop_lag_seconds": ("gauge", {"quantile"}),
