@@ -9,12 +9,16 @@ and workload sizes).
 
 The sender computes every request's (source, destination, length) lists before
 the clock starts, adjacent descriptors merged as NIXL's ``make_prepped_xfer``
-merges them, then posts each request as one ``batch_transfer_async_write``
-and keeps ``concurrency`` of them in flight, waiting for the oldest with
-``get_batch_transfer_status([batch])``, which returns once every entry of the
-batch is done (it releases the GIL and spins in C++).  Not
-``transfer_check_status``: it looks at a batch's first entry only, so a
-multi-entry request would count as done while its later entries still move.
+merges them, and keeps ``concurrency`` requests in flight.  Each entry is its
+own batch (``transfer_submit_write``), and the in-flight ones are swept with
+the non-blocking ``transfer_check_status``, sleeping ``POLL_SLEEP_S`` when
+none completed.  That check looks at a batch's first entry only, which is why
+batches hold one entry: a multi-entry batch would count as done while its
+later entries still move.  The other way, one ``batch_transfer_async_write``
+per request awaited with ``get_batch_transfer_status`` (which does wait for
+every entry), spins a core in C++ while it waits, the core the TCP
+transport's threads need: measured here it was slower (``poll: false`` in
+the config selects it; see docs/perf/README.md).
 
 Arrival: Mooncake's WRITE is one-sided and has no completion event on the
 target for an asynchronous batch (its notify rides only the blocking
@@ -49,11 +53,15 @@ EXTRA = "kvservice[mooncake]"
 #: the transport this host runs it over (loopback, no RDMA devices): the label of its rows
 PROTOCOL = "tcp"
 POLL_TIMEOUT_S = 120.0
+BAD_BATCH = 2**64 - 1
 IMPORT_TIMEOUT_S = 60.0
 #: entries per posted batch, and entries queued at once (below the transport's 1,024 slices
 #: per peer: ``ENV`` makes a slice as large as the largest merged entry, so an entry is a slice)
 BATCH_ENTRIES = 256
 INFLIGHT_ENTRIES = 512
+#: the default wait: every entry its own batch, swept with non-blocking checks, sleeping this
+#: long when none completed (``poll: false``: multi-entry batches, the oldest awaited blocking)
+POLL_SLEEP_S = 0.0005
 #: the engine's settings for the children: one slice per entry (the largest merged entry of
 #: the workloads is 4 MiB); its INFO lines (one per batch) off
 ENV: dict[str, str | None] = {"MC_TCP_SLICE_SIZE": str(4 << 20), "GLOG_minloglevel": "1"}
@@ -80,11 +88,11 @@ def available() -> str | None:
 Entries = tuple[list[int], list[int], list[int]]
 
 
-def chunked(request: Entries) -> collections.deque[Entries]:
-    """A request's entries in batches of at most ``BATCH_ENTRIES``."""
+def chunked(request: Entries, size: int) -> collections.deque[Entries]:
+    """A request's entries in batches of at most ``size``."""
     srcs, dsts, lens = request
-    return collections.deque((srcs[i:i + BATCH_ENTRIES], dsts[i:i + BATCH_ENTRIES], lens[i:i + BATCH_ENTRIES])
-                             for i in range(0, len(lens), BATCH_ENTRIES))
+    return collections.deque((srcs[i:i + size], dsts[i:i + size], lens[i:i + size])
+                             for i in range(0, len(lens), size))
 
 
 def entries(src: list[int], dst: list[int], src_base: int, dst_base: int, planes: int,
@@ -127,6 +135,10 @@ class Side:
         if rc != 0:
             raise RuntimeError(f"register_memory returned {rc}")
         self.address = f"{host}:{self.engine.get_rpc_port()}"
+        self.batch_entries = int(cfg.get("batch_entries", BATCH_ENTRIES))
+        self.inflight_entries = int(cfg.get("inflight_entries", INFLIGHT_ENTRIES))
+        self.poll = bool(cfg.get("poll", True))
+        self.poll_sleep = float(cfg.get("poll_sleep_s", POLL_SLEEP_S))
         self.target = ""
         self.remote_base = 0
         self.remote_pages = 0
@@ -149,15 +161,16 @@ class Side:
         """Keep ``concurrency`` requests in flight until all are done; per request its
         completion time (the receiver's arrival, see the module's docstring).
 
-        A request is posted as batches of at most ``BATCH_ENTRIES`` entries, and at most
-        ``INFLIGHT_ENTRIES`` entries are queued at once: the TCP transport fails what
-        does not fit its per-peer queue (1,024 slices by default) instead of waiting."""
+        At most ``INFLIGHT_ENTRIES`` entries are queued at once: the TCP transport fails
+        what does not fit its per-peer queue (1,024 slices by default) instead of waiting.
+        Without ``poll``, a request is posted as batches of at most ``BATCH_ENTRIES``."""
         todo = collections.deque(
             chunked(entries(r["src"], r["dst"], self.base, self.remote_base, self.planes, self.num_pages,
-                            self.remote_pages, self.pbytes))
+                            self.remote_pages, self.pbytes), 1 if self.poll else self.batch_entries)
             for r in requests)
         engine, target = self.engine, self.target
         post, wait = engine.batch_transfer_async_write, engine.get_batch_transfer_status
+        submit, check = engine.transfer_submit_write, engine.transfer_check_status
         start = time.monotonic()
         slots = collections.deque([start] * min(concurrency, len(todo)))  # when each slot freed
         # posted batches, oldest first: (batch, entries, its request's [batches left, start])
@@ -175,28 +188,44 @@ class Side:
                     break
                 chunks, state = current
                 n = len(chunks[0][2])
-                if inflight and queued + n > INFLIGHT_ENTRIES:
+                if inflight and queued + n > self.inflight_entries:
                     break
                 srcs, dsts, lens = chunks.popleft()
-                batch = post(target, srcs, dsts, lens)
-                if not batch or batch < 0:
-                    raise RuntimeError(f"batch_transfer_async_write returned {batch}")
+                batch = submit(target, srcs[0], dsts[0], lens[0]) if self.poll else post(target, srcs, dsts, lens)
+                if not 0 < batch < BAD_BATCH:  # 0 or -1 (as a signed or an unsigned 64-bit id): refused
+                    raise RuntimeError(f"posting a WRITE to {target} returned {batch}")
                 inflight.append((batch, n, state))
                 queued += n
                 if not chunks:
                     current = None
-            batch, n, state = inflight.popleft()
-            rc = wait([batch])  # the oldest: every entry of its batch done
-            if rc != 0:
-                raise RuntimeError(f"get_batch_transfer_status returned {rc}")
-            queued -= n
-            state[0] -= 1
-            if state[0] == 0:
-                now = time.monotonic()
-                lat.append(now - state[1])
-                slots.append(now)
-                if now > deadline:
-                    raise TimeoutError("mooncake sender: requests not done in time")
+            if self.poll:  # single-entry batches: a sweep of non-blocking checks, completions in any order
+                done: list[tuple[int, int, list[Any]]] = []
+                still: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
+                for item in inflight:
+                    rc = check(item[0])
+                    if rc == 1:
+                        done.append(item)
+                    elif rc == 0:
+                        still.append(item)
+                    else:
+                        raise RuntimeError(f"transfer_check_status returned {rc}")
+                inflight = still
+                if not done and self.poll_sleep:
+                    time.sleep(self.poll_sleep)
+            else:
+                done = [inflight.popleft()]
+                rc = wait([done[0][0]])  # the oldest: every entry of its batch done
+                if rc != 0:
+                    raise RuntimeError(f"get_batch_transfer_status returned {rc}")
+            for _batch, n, state in done:
+                queued -= n
+                state[0] -= 1
+                if state[0] == 0:
+                    now = time.monotonic()
+                    lat.append(now - state[1])
+                    slots.append(now)
+            if time.monotonic() > deadline:
+                raise TimeoutError("mooncake sender: requests not done in time")
         end = time.monotonic()
         return {"event": "done", "start": start, "end": end, "latencies": lat, "ok": len(lat)}
 
