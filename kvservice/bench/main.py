@@ -208,10 +208,13 @@ def _select(names: str, methods: list[Method], skipped: dict[str, str],
         raise UsageError(f"--methods takes a comma-separated subset of {','.join(sorted(known))}, got {names!r}")
     if only & {"memory", "kill"} and "kvservice" not in want:
         raise UsageError("memory and kill measure kvservice: add it to --methods, or leave them out of --only")
+    kept, why = [m for m in methods if m.name in want], {k: v for k, v in skipped.items() if k in want}
+    if not kept:
+        raise UsageError("nothing of --methods can run here: " + "; ".join(f"{k}: {v}" for k, v in why.items()))
     for m in methods:
         if m.name not in want:
             m.close()
-    return [m for m in methods if m.name in want], {k: v for k, v in skipped.items() if k in want}
+    return kept, why
 
 
 def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[str, int] | None = None,

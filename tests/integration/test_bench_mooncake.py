@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvservice._exits import EXIT_USAGE
 from kvservice.bench import mooncake_side
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -87,3 +88,21 @@ def test_bench_without_a_working_mooncake_says_why_and_measures_the_rest(tmp_pat
         assert MOONCAKE not in case["methods"]
         for method in TCP:
             assert case["methods"][method]["req_s"] > 0
+
+
+def test_methods_that_cannot_run_are_refused_with_the_reason(tmp_path: Path) -> None:
+    def usage(*args: str, env: dict[str, str] | None = None) -> str:
+        proc = subprocess.run([sys.executable, "-m", "kvservice.cli", "bench", "--out", str(tmp_path / "out"), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert proc.returncode == EXIT_USAGE, (proc.returncode, proc.stderr[-2000:])
+        return proc.stderr
+
+    assert "--methods takes a comma-separated subset of" in usage("--methods", "mooncake")
+    assert "memory and kill measure kvservice" in usage("--methods", MOONCAKE)
+    broken = tmp_path / "site" / "mooncake"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('no libibverbs here')\n")
+    env = {**os.environ, "PYTHONPATH": f"{broken.parent}:{REPO}"}
+    why = usage("--methods", MOONCAKE, "--only", "w2", env=env)
+    assert "nothing of --methods can run here: mooncake/tcp: import mooncake.engine failed" in why, why
+    assert not (tmp_path / "out").exists()
