@@ -83,6 +83,9 @@ def table(results: dict[str, Any]) -> str:
     titles = {"ratio": "/raw", "lat": " p50/p99"}
     if not results.get("cases"):
         return "\n".join(lines[:2 + bool(two)] + engine_lines(results) + target_lines(results))
+    if not gb:  # only the same-transport methods (--methods): their table alone
+        return "\n".join(lines[:2 + bool(two)] + tcp_lines(results) + skipped_lines(results)
+                         + engine_lines(results) + target_lines(results))
     head = f"{'case':<16}{'reqs':>6}"
     for cols, width, unit in groups:
         head += " | " + " ".join(f"{SHORT[x] + titles.get(k, ''):>{width}}" for x, k, _ in cols) + (
@@ -97,9 +100,7 @@ def table(results: dict[str, Any]) -> str:
         lag = _f(kv.get("lag_p99_ms"), ".1f") + "/" + _f(kv.get("lag_max_ms"), ".1f")
         floor = _f(kv.get("probe_lag_p99_ms"), ".1f") + "/" + _f(kv.get("probe_lag_max_ms"), ".1f")
         lines.append(f"{row} | {lag:>12} {floor:>11} {_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}")
-    lines += tcp_lines(results)
-    for name, why in results.get("skipped", {}).items():
-        lines.append(f"{name}: skipped ({why})")
+    lines += tcp_lines(results) + skipped_lines(results)
     mem = results.get("memory")
     if mem:
         lines.append("")
@@ -112,6 +113,10 @@ def table(results: dict[str, Any]) -> str:
                      f"p99 {kill['p99_ms']:.1f} ms, max {kill['max_ms']:.1f} ms; none left pending: "
                      f"{_f(kill['all_failed'])}")
     return "\n".join(lines + engine_lines(results) + target_lines(results))
+
+
+def skipped_lines(results: dict[str, Any]) -> list[str]:
+    return [f"{name}: skipped ({why})" for name, why in results.get("skipped", {}).items()]
 
 
 #: the same-transport comparison's methods (``kvservice bench`` without ``--no-tcp``) and short names
