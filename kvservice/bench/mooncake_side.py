@@ -139,6 +139,7 @@ class Side:
         self.inflight_entries = int(cfg.get("inflight_entries", INFLIGHT_ENTRIES))
         self.poll = bool(cfg.get("poll", True))
         self.poll_sleep = float(cfg.get("poll_sleep_s", POLL_SLEEP_S))
+        self.head = bool(cfg.get("head", False))
         self.target = ""
         self.remote_base = 0
         self.remote_pages = 0
@@ -207,9 +208,16 @@ class Side:
                         done.append(item)
                     elif rc == 0:
                         still.append(item)
+                        if self.head:  # entries complete about in order: stop at the first pending
+                            break
                     else:
                         raise RuntimeError(f"transfer_check_status returned {rc}")
-                inflight = still
+                if self.head:
+                    for _ in range(len(done) + len(still)):
+                        inflight.popleft()
+                    inflight.extendleft(reversed(still))
+                else:
+                    inflight = still
                 if not done and self.poll_sleep:
                     time.sleep(self.poll_sleep)
             else:
