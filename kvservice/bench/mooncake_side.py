@@ -11,8 +11,9 @@ The sender computes every request's (source, destination, length) lists before
 the clock starts, adjacent descriptors merged as NIXL's ``make_prepped_xfer``
 merges them, and keeps ``concurrency`` requests in flight.  Each entry is its
 own batch (``transfer_submit_write``), and the in-flight ones are swept with
-the non-blocking ``transfer_check_status``, sleeping ``POLL_SLEEP_S`` when
-none completed.  That check looks at a batch's first entry only, which is why
+the non-blocking ``transfer_check_status`` oldest first up to the first one
+still pending (entries complete about in order), sleeping ``POLL_SLEEP_S``
+when none completed.  That check looks at a batch's first entry only, which is why
 batches hold one entry: a multi-entry batch would count as done while its
 later entries still move.  The other way, one ``batch_transfer_async_write``
 per request awaited with ``get_batch_transfer_status`` (which does wait for
@@ -139,7 +140,7 @@ class Side:
         self.inflight_entries = int(cfg.get("inflight_entries", INFLIGHT_ENTRIES))
         self.poll = bool(cfg.get("poll", True))
         self.poll_sleep = float(cfg.get("poll_sleep_s", POLL_SLEEP_S))
-        self.head = bool(cfg.get("head", False))
+        self.head = bool(cfg.get("head", True))
         self.target = ""
         self.remote_base = 0
         self.remote_pages = 0
