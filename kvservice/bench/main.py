@@ -37,7 +37,7 @@ from kvservice.bench import _lines, control, engines, report
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import ControlError
 from kvservice.bench.listen import ListenOptions, listen
-from kvservice.bench.methods import SETUP_TIMEOUT_S, KvService, Limit, Method, RawNixl, Sidecar
+from kvservice.bench.methods import SETUP_TIMEOUT_S, TCP_ENV, KvService, Limit, Method, Mooncake, RawNixl, Sidecar
 from kvservice.bench.remote import Link, dial
 from kvservice.bench.run import (
     PARTS,
@@ -72,6 +72,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "no automatic collection (a diagnostic for GC pauses in the loop lag)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
+    p.add_argument("--methods", metavar="LIST",
+                   help="one host: measure only these methods (comma-separated, e.g. "
+                        "kvservice/tcp,mooncake/tcp); memory and kill need kvservice")
+    p.add_argument("--no-tcp", action="store_true",
+                   help="one host: skip the same-transport comparison (Mooncake's Transfer Engine over TCP "
+                        "against raw NIXL and kvservice with UCX_TLS=tcp)")
     two = p.add_argument_group("two hosts")
     where = two.add_mutually_exclusive_group()
     where.add_argument("--listen", metavar="HOST:PORT",
@@ -175,6 +181,42 @@ def _connect(args: argparse.Namespace, peer: tuple[str, int], key: bytes | None,
     return link
 
 
+def _tcp_methods(args: argparse.Namespace, plan: Plan, env: dict[str, str | None],
+                 skipped: dict[str, str]) -> list[Method]:
+    """Raw NIXL and kvservice with UCX restricted to TCP, and Mooncake (over TCP here):
+    like for like; Mooncake is skipped, with the reason, without its optional package."""
+    tcp = {**env, **TCP_ENV}
+    out: list[Method] = [RawNixl(LLAMA3_8B, plan.pool_pages, env=tcp, name="raw_nixl/tcp"),
+                         KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc, env=tcp,
+                                   name="kvservice/tcp")]
+    mooncake = Mooncake(LLAMA3_8B, plan.pool_pages)
+    why_not = mooncake.unavailable()
+    if why_not is None:
+        out.append(mooncake)
+    else:
+        skipped[mooncake.name] = why_not
+        log(f"  {mooncake.name}: skipped ({why_not})")
+    return out
+
+
+def _select(names: str, methods: list[Method], skipped: dict[str, str],
+            only: set[str]) -> tuple[list[Method], dict[str, str]]:
+    """``--methods``: the methods named (a skipped one stays skipped, with its reason)."""
+    want = set(names.split(","))
+    known = {m.name for m in methods} | set(skipped)
+    if not want <= known:
+        raise UsageError(f"--methods takes a comma-separated subset of {','.join(sorted(known))}, got {names!r}")
+    if only & {"memory", "kill"} and "kvservice" not in want:
+        raise UsageError("memory and kill measure kvservice: add it to --methods, or leave them out of --only")
+    kept, why = [m for m in methods if m.name in want], {k: v for k, v in skipped.items() if k in want}
+    if not kept:
+        raise UsageError("nothing of --methods can run here: " + "; ".join(f"{k}: {v}" for k, v in why.items()))
+    for m in methods:
+        if m.name not in want:
+            m.close()
+    return kept, why
+
+
 def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[str, int] | None = None,
            key: bytes | None = None, key_file: str | None = None) -> int:
     """Run the bench and write its report: on this host, or driving a listener at ``peer``."""
@@ -204,6 +246,10 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
                 methods.append(sidecar)
             else:
                 skipped[sidecar.name] = why_not
+            if not args.no_tcp:
+                methods += _tcp_methods(args, plan, env, skipped)
+            if args.methods:
+                methods, skipped = _select(args.methods, methods, skipped, only)
         else:
             link = _connect(args, peer, key, plan)
             service: dict[str, Any] = {"host": link.local_ip, "ucx_env": {k: v for k, v in env.items() if v}}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvservice import KVLayout
-from kvservice.bench import _lines
+from kvservice.bench import _lines, mooncake_side
 from kvservice.bench._lines import CHILD_ENV, Child, ChildError
 from kvservice.bench.limit import CopyLimit
 from kvservice.bench.workloads import Case
@@ -107,7 +107,8 @@ class RawNixl(_TwoChildren):
     name = "raw_nixl"
 
     def __init__(self, layout: dict[str, Any], num_pages: int, *, env: dict[str, str | None] | None = None,
-                 remote: Link | None = None, **options: Any) -> None:
+                 remote: Link | None = None, name: str = "raw_nixl", **options: Any) -> None:
+        self.name = name
         self._cfg = {"layout": layout, "num_pages": num_pages, "progress_thread": False, **options}
         self._env, self._remote = env, remote
         self.send: Endpoint | None = None
@@ -243,3 +244,40 @@ class Sidecar(_ApiChildren):
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+
+#: UCX restricted to TCP (loopback included): NIXL over the transport Mooncake runs here
+TCP_ENV: dict[str, str | None] = {"UCX_TLS": "tcp"}
+
+
+class Mooncake(_TwoChildren):
+    """Mooncake's Transfer Engine in two child processes (``kvservice.bench.mooncake_side``).
+
+    Its rows are labelled by the transport that ran (``mooncake/tcp``).  The receiver is
+    the passive target of one-sided WRITEs: a request has arrived when the sender's batch
+    for it completed (the module's docstring says why and what that favours)."""
+
+    def __init__(self, layout: dict[str, Any], num_pages: int) -> None:
+        self.name = f"mooncake/{mooncake_side.PROTOCOL}"
+        self._cfg: dict[str, Any] = {"layout": layout, "num_pages": num_pages}
+        self.send: Endpoint | None = None
+        self.recv: Endpoint | None = None
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why Mooncake cannot be measured here (its package is an optional extra), or ``None``."""
+        return mooncake_side.available()
+
+    def start(self) -> None:
+        env = mooncake_side.ENV
+        self.send = Child("kvservice.bench.mooncake_side", "send", self._cfg, env=env)
+        self.recv = Child("kvservice.bench.mooncake_side", "recv", self._cfg, env=env)
+        self.send.wait("ready", SETUP_TIMEOUT_S)
+        hr = self.recv.wait("ready", SETUP_TIMEOUT_S)
+        self.send.call("connect", "connected", target=hr["target"], base=hr["base"], num_pages=hr["num_pages"])
+
+    def measure(self, case: Case, prefix: str) -> dict[str, Any]:
+        assert self.send is not None
+        reqs = case.with_prefix(prefix)
+        sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency)
+        return _two_sided(sample, {"last": sample["end"]}, len(reqs))

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 METHOD_LABELS = {"limit": "limit (torch copy)", "raw_nixl": "raw NIXL", "kvservice": "kvservice",
-                 "sidecar": "sidecar"}
-COLORS = {"limit": "#9e9e9e", "raw_nixl": "#1f77b4", "kvservice": "#d62728", "sidecar": "#2ca02c"}
+                 "sidecar": "sidecar", "raw_nixl/tcp": "raw NIXL, TCP", "kvservice/tcp": "kvservice, TCP",
+                 "mooncake/tcp": "Mooncake TE, TCP"}
+COLORS = {"limit": "#9e9e9e", "raw_nixl": "#1f77b4", "kvservice": "#d62728", "sidecar": "#2ca02c",
+          "raw_nixl/tcp": "#aec7e8", "kvservice/tcp": "#ff9896", "mooncake/tcp": "#9467bd"}
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
@@ -81,6 +83,9 @@ def table(results: dict[str, Any]) -> str:
     titles = {"ratio": "/raw", "lat": " p50/p99"}
     if not results.get("cases"):
         return "\n".join(lines[:2 + bool(two)] + engine_lines(results) + target_lines(results))
+    if not gb:  # only the same-transport methods (--methods): their table alone
+        return "\n".join(lines[:2 + bool(two)] + tcp_lines(results) + skipped_lines(results)
+                         + engine_lines(results) + target_lines(results))
     head = f"{'case':<16}{'reqs':>6}"
     for cols, width, unit in groups:
         head += " | " + " ".join(f"{SHORT[x] + titles.get(k, ''):>{width}}" for x, k, _ in cols) + (
@@ -95,8 +100,7 @@ def table(results: dict[str, Any]) -> str:
         lag = _f(kv.get("lag_p99_ms"), ".1f") + "/" + _f(kv.get("lag_max_ms"), ".1f")
         floor = _f(kv.get("probe_lag_p99_ms"), ".1f") + "/" + _f(kv.get("probe_lag_max_ms"), ".1f")
         lines.append(f"{row} | {lag:>12} {floor:>11} {_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}")
-    for name, why in results.get("skipped", {}).items():
-        lines.append(f"{name}: skipped ({why})")
+    lines += tcp_lines(results) + skipped_lines(results)
     mem = results.get("memory")
     if mem:
         lines.append("")
@@ -111,6 +115,38 @@ def table(results: dict[str, Any]) -> str:
                      f"p99 {kill['p99_ms']:.1f} ms, max {kill['max_ms']:.1f} ms; none left pending: "
                      f"{_f(kill['all_failed'])}")
     return "\n".join(lines + engine_lines(results) + target_lines(results))
+
+
+def skipped_lines(results: dict[str, Any]) -> list[str]:
+    return [f"{name}: skipped ({why})" for name, why in results.get("skipped", {}).items()]
+
+
+#: the same-transport comparison's methods (``kvservice bench`` without ``--no-tcp``) and short names
+TCP_SHORT = {"raw_nixl/tcp": "raw", "kvservice/tcp": "kv", "mooncake/tcp": "mc"}
+TCP_RATIOS = {"kv/raw": "kv_over_raw_tcp", "kv/mc": "kv_over_mooncake"}
+
+
+def tcp_lines(results: dict[str, Any]) -> list[str]:
+    """Raw NIXL and kvservice with UCX_TLS=tcp beside Mooncake over TCP: one table, per case
+    the case's own metric (GB/s for w1, requests/s otherwise), the ratios and latencies."""
+    methods = [m for m in TCP_SHORT if m in measured(results)]
+    if not methods or not results.get("cases"):
+        return []
+    head = (f"{'case':<16}{'reqs':>6} | " + " ".join(f"{TCP_SHORT[m]:>8}" for m in methods) + " GB/s|req/s | "
+            + " ".join(f"{r:>6}" for r in TCP_RATIOS) + " | "
+            + " ".join(f"{TCP_SHORT[m] + ' p50/p99':>13}" for m in methods) + " ms")
+    lines = ["", "over TCP on both sides: NIXL with UCX_TLS=tcp (raw, kv), Mooncake's Transfer Engine over TCP "
+             "(mc; a request arrives when the sender's batch completes); GB/s for w1, requests/s otherwise", head,
+             "-" * len(head)]
+    for c in results["cases"]:
+        key = "gbps" if c["workload"] == "w1" else "req_s"
+        fmt = ".2f" if key == "gbps" else ".0f"
+        row = f"{c['key']:<16}{c['requests']:>6} | " + " ".join(
+            f"{_f(c['methods'].get(m, {}).get(key), fmt):>8}" for m in methods) + " " * 11 + " | "
+        row += " ".join(f"{_f(c.get(r, {}).get('median')):>6}" for r in TCP_RATIOS.values()) + " | "
+        row += " ".join(f"{_cell(c, m, 'lat', '.1f'):>13}" for m in methods)
+        lines.append(row)
+    return lines
 
 
 def target_lines(results: dict[str, Any]) -> list[str]:

@@ -29,7 +29,16 @@ KILL_POOL_PAGES = 32
 TARGETS = {
     "w1_ratio": 0.9, "w2_ratio": 0.9, "w3_ratio": 0.9, "sidecar_ratio": 0.85, "lag_p99_ms": 2.0,
     "lag_max_ms": 10.0, "gc_pause_ms": 10.0, "state_per_request_bytes": 4096, "kill_p99_ms": 100.0,
+    "kv_over_mooncake": 1.0,
 }
+UNITS = {"gbps": "GB/s", "req_s": "req/s"}
+#: (method, over method, where ``aggregate`` keeps the per-case ratio); the ``/tcp`` methods ran
+#: over TCP alike (NIXL with ``UCX_TLS=tcp``, Mooncake's TCP transport)
+RATIOS = (
+    ("kvservice", "raw_nixl", "kv_over_raw"), ("sidecar", "raw_nixl", "sidecar_over_raw"),
+    ("kvservice/tcp", "raw_nixl/tcp", "kv_over_raw_tcp"), ("kvservice/tcp", "mooncake/tcp", "kv_over_mooncake"),
+    ("raw_nixl/tcp", "mooncake/tcp", "raw_over_mooncake"),
+)
 
 
 def log(msg: str) -> None:
@@ -179,9 +188,9 @@ def aggregate(cases: list[Case], runs: dict[str, dict[str, list[dict[str, Any]]]
             "runs": per,
         }
         key = "gbps" if case.workload == "w1" else "req_s"
-        for method, ratio in (("kvservice", "kv_over_raw"), ("sidecar", "sidecar_over_raw")):
-            if method in per and "raw_nixl" in per:
-                r = ratios(per[method], per["raw_nixl"], key)
+        for method, base, ratio in RATIOS:
+            if method in per and base in per:
+                r = ratios(per[method], per[base], key)
                 entry[ratio] = {"metric": key, "median": median(r), "per_repeat": r}
         out.append(entry)
     return out
@@ -206,6 +215,10 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"{key} kv/raw req/s", c["kv_over_raw"]["median"], TARGETS[f"{c['workload']}_ratio"], "higher")
         if "sidecar_over_raw" in c and c["concurrency"] > 1:  # one request at a time: no sidecar goal
             add(f"{key} sidecar/raw req/s", c["sidecar_over_raw"]["median"], TARGETS["sidecar_ratio"], "higher")
+    for key, c in cases.items():
+        if "kv_over_mooncake" in c:
+            add(f"{key} kv/mooncake {UNITS[c['kv_over_mooncake']['metric']]}, both over TCP",
+                c["kv_over_mooncake"]["median"], TARGETS["kv_over_mooncake"], "higher")
     for label, wl in (("256 MiB requests (w1)", "w1"), ("in-flight scaling (w3)", "w3")):
         kvr = [r for c in cases.values() if c["workload"] == wl for r in c["runs"].get("kvservice", [])]
         if kvr:

@@ -68,7 +68,7 @@ def test_wheel_holds_the_package_and_nothing_else(wheel: Path) -> None:
     for forbidden in ("tests/", "benchmarks/", "docs/", "examples/", "config/"):
         assert not [n for n in names if f"/{forbidden}" in f"/{n}"], forbidden
     assert not [n for n in names if Path(n).name in ("bench.json", "bench.png", "results.md")]
-    for module in ("main", "run", "control", "listen", "remote", "raw_nixl", "kv_side", "report"):
+    for module in ("main", "run", "control", "listen", "remote", "raw_nixl", "kv_side", "report", "mooncake_side"):
         assert f"kvservice/bench/{module}.py" in names, module
     assert re.search(r"^\[console_scripts\]\s*\nkvservice = kvservice\.cli:main$", entry_points, re.MULTILINE)
     # SGLang's plugin loader finds the transfer backend here (docs/sglang.md)
@@ -95,6 +95,9 @@ def test_bench_runs_from_the_wheel_alone(wheel: Path, tmp_path: Path) -> None:
                cwd=outside, timeout=240, env=env)
     assert "chart: skipped (matplotlib is not installed" in log
     assert "kv/raw" in log
+    # the Mooncake baseline is an extra: without it, its rows are skipped with the reason, the rest runs
+    assert ("mooncake/tcp: skipped (Mooncake's Transfer Engine is not installed: "
+            "pip install 'kvservice[mooncake]')") in log
     results = json.loads((outside / "report" / "bench.json").read_text())
     assert {c["workload"] for c in results["cases"]} == {"w1", "w2"}
     assert (outside / "report" / "results.md").is_file() and not (outside / "report" / "bench.png").exists()
