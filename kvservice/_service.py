@@ -252,7 +252,9 @@ class TransferService(ServiceCore):
         request from the moment its destination is known.  ``receiver``
         ("host:port", on the first chunk) pins the request to that decode: an
         Expect for it from any other peer is refused (``REFUSED`` there) and
-        counted.  Without it the first Expect for the id binds it.
+        counted.  Without it the first Expect for the id binds it.  With etcd
+        discovery it may be a member's name; a name no live member has fails
+        the request ``PEER_LOST`` at once, as ``expect(sender=)`` does.
 
         ``layers`` (a ``range``; default all) sends only those layers of the pages,
         so a prefill can send each layer as its forward pass produces it.  Each
@@ -277,13 +279,18 @@ class TransferService(ServiceCore):
                                  f"({self.config.max_payload_bytes})")
         req = self._sends.get(request_id)
         pinned: str | None = None
+        unknown: PeerUnknown | None = None
         if receiver is not None:
             if req is not None or request_id in self._sends_done:
                 raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
             assert self._control is not None
-            if self._discovery is not None:  # a member's name: where it registered (PeerUnknown if none)
-                receiver = self._discovery.address_of(receiver)
-            pinned = await self._control.canonical(receiver)  # ValueError when malformed
+            if self._discovery is not None:  # a member's name: where it registered
+                try:
+                    receiver = self._discovery.address_of(receiver)
+                except PeerUnknown as exc:  # as expect(sender=): the request fails PEER_LOST
+                    unknown = exc
+            if unknown is None:
+                pinned = await self._control.canonical(receiver)  # ValueError when malformed
             self._check_open()
         if req is None:
             done = self._sends_done.get(request_id)
@@ -314,7 +321,9 @@ class TransferService(ServiceCore):
                 raise ValueError(
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
-            req = self._new_send(request_id, timeout, pinned)
+            req = self._new_send(request_id, timeout, pinned, unknown)
+            if req.result is not None:
+                return TransferHandle(req)
         req.pending.append(Chunk(src, pos, lo, hi))
         req.pages_queued = queued
         req.cursors = cursors
@@ -329,7 +338,8 @@ class TransferService(ServiceCore):
             self._watchdog.schedule(req)  # type: ignore[union-attr]
         return TransferHandle(req)
 
-    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None) -> SendRequest:
+    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None,
+                  unknown: PeerUnknown | None = None) -> SendRequest:
         self._check_capacity()
         now = time.monotonic()
         cfg = self.config
@@ -340,7 +350,10 @@ class TransferService(ServiceCore):
         )
         self._sends[request_id] = req
         self._deadlines.push(req)
-        self._match_early(req)
+        if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
+            self._fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
+        else:
+            self._match_early(req)
         return req
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
