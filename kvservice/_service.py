@@ -156,6 +156,12 @@ class TransferService(ServiceCore):
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port "
                                f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
+        # The vetting child boots (~2 s of CPU) while the pool and the agent are made; the port
+        # opens once it serves, so no peer's first handshake waits for it (_trust/vetting.py).
+        # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
+        if self._door_factory is _nixl_door:
+            self._vetter = MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
+            self._vetter.start()
         # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
         # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
         if self._memory is None:
@@ -173,14 +179,11 @@ class TransferService(ServiceCore):
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
             max_post_bytes=cfg.max_post_bytes_per_tick,
         )
-        # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
-        self._vetter = (MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
-                        if self._door_factory is _nixl_door else None)
         self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
                                      self._transport, self._vetter)
-        self.address = await self._control.listen()
         if self._vetter is not None:
-            self._vetter.start()
+            await self._vetter.ready()
+        self.address = await self._control.listen()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         if cfg.discovery == "etcd":
