@@ -24,13 +24,14 @@ GUARD_S = 30.0  # a hang guard for each wait, never a timed assertion
 @contextlib.asynccontextmanager
 async def started_together(n: int, cfg: dict[str, Any]) -> AsyncIterator[list[PeerProcess]]:
     """``n`` child services, started concurrently (each import of torch and NIXL takes
-    a second or two); each one stopped, or killed, on the way out."""
+    a second or two, and each is up once its vetting child has booted too: 2n such boots
+    at once); each one stopped, or killed, on the way out."""
     async with anyio.create_task_group() as tg:
         started: list[PeerProcess | None] = [None] * n
         try:
             async with anyio.create_task_group() as starting:
                 async def one(i: int) -> None:
-                    started[i] = await PeerProcess.start(tg, cfg, ready_timeout=60)
+                    started[i] = await PeerProcess.start(tg, cfg, ready_timeout=120)  # a hang guard
 
                 for i in range(n):
                     starting.start_soon(one, i)
