@@ -158,6 +158,13 @@ class TransferService(ServiceCore):
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port "
                                f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
+        # The vetting child boots (~2 s of CPU) while the pool and the agent are made, so a
+        # peer's first handshake waits for less of it (_trust/vetting.py).  The port does not
+        # wait for it: every service start would then take the boot (seconds on a busy machine).
+        # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
+        if self._door_factory is _nixl_door:
+            self._vetter = MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
+            self._vetter.start()
         # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
         # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
         if self._memory is None:
@@ -175,14 +182,9 @@ class TransferService(ServiceCore):
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
             max_post_bytes=cfg.max_post_bytes_per_tick,
         )
-        # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
-        self._vetter = (MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
-                        if self._door_factory is _nixl_door else None)
         self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
                                      self._transport, self._vetter)
         self.address = await self._control.listen()
-        if self._vetter is not None:
-            self._vetter.start()
         await self._tg.start(self._watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         if cfg.discovery == "etcd":
@@ -254,7 +256,9 @@ class TransferService(ServiceCore):
         request from the moment its destination is known.  ``receiver``
         ("host:port", on the first chunk) pins the request to that decode: an
         Expect for it from any other peer is refused (``REFUSED`` there) and
-        counted.  Without it the first Expect for the id binds it.
+        counted.  Without it the first Expect for the id binds it.  With etcd
+        discovery it may be a member's name; a name no live member has fails
+        the request ``PEER_LOST`` at once, as ``expect(sender=)`` does.
 
         ``layers`` (a ``range``; default all) sends only those layers of the pages,
         so a prefill can send each layer as its forward pass produces it.  Each
@@ -279,13 +283,18 @@ class TransferService(ServiceCore):
                                  f"({self.config.max_payload_bytes})")
         req = self._sends.get(request_id)
         pinned: str | None = None
+        unknown: PeerUnknown | None = None
         if receiver is not None:
             if req is not None or request_id in self._sends_done:
                 raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
             assert self._control is not None
-            if self._discovery is not None:  # a member's name: where it registered (PeerUnknown if none)
-                receiver = self._discovery.address_of(receiver)
-            pinned = await self._control.canonical(receiver)  # ValueError when malformed
+            if self._discovery is not None:  # a member's name: where it registered
+                try:
+                    receiver = self._discovery.address_of(receiver)
+                except PeerUnknown as exc:  # as expect(sender=): the request fails PEER_LOST
+                    unknown = exc
+            if unknown is None:
+                pinned = await self._control.canonical(receiver)  # ValueError when malformed
             self._check_open()
         if req is None:
             done = self._sends_done.get(request_id)
@@ -316,7 +325,9 @@ class TransferService(ServiceCore):
                 raise ValueError(
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
-            req = self._new_send(request_id, timeout, pinned)
+            req = self._new_send(request_id, timeout, pinned, unknown)
+            if req.result is not None:
+                return TransferHandle(req)
         if req.pending is None:
             req.pending = deque()
         req.pending.append(Chunk(src, pos, lo, hi))
@@ -333,7 +344,8 @@ class TransferService(ServiceCore):
             self._watchdog.schedule(req)  # type: ignore[union-attr]
         return TransferHandle(req)
 
-    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None) -> SendRequest:
+    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None,
+                  unknown: PeerUnknown | None = None) -> SendRequest:
         self._check_capacity()
         now = time.monotonic()
         cfg = self.config
@@ -344,7 +356,10 @@ class TransferService(ServiceCore):
         )
         self._sends[request_id] = req
         self._deadlines.push(req)
-        self._match_early(req)
+        if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
+            self._fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
+        else:
+            self._match_early(req)
         return req
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:

@@ -16,11 +16,14 @@ every request of every peer.  No ``try`` can catch that, so before the door's
 Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
 the same agent is not loaded twice); so is metadata that killed a child.
 
-The child starts in the background as the service starts: importing NIXL and
-creating an agent take ~2 s of CPU here and it holds ~250 MB, which a service
-that never peers pays too; started on demand instead, a peer's first handshake
-waited for it, past short handshake deadlines under load.  A handshake still
-waits for a child that is starting (or restarting) before its deadline begins.
+The child starts as the service starts: importing NIXL and creating an agent
+take ~2 s of CPU here and it holds ~250 MB, which a service that never peers
+pays too.  It boots while the service makes its pool and agent, and the service
+opens its port only once the child serves: a peer's handshake waits for the
+acceptor's child inside that peer's ``connect_timeout_s``, so a child still
+booting there cost first links their deadline under load.  A child that died
+after serving is replaced at once, in the background; a handshake waits for a
+child that is (re)starting before its own deadline begins.
 The child is spawned without ``fork()`` (see ``_supervise``), talks over a
 socket pair, and is stopped and reaped when the service's task group ends,
 cancelled or not.
@@ -134,13 +137,23 @@ class MetadataVetter:
             return None
         return child.proc.pid
 
+    @property
+    def serving(self) -> bool:
+        """Whether a child has said it is ready and serves now."""
+        child = self._child
+        return (child is not None and child.ready.is_set() and child.broken is None
+                and not child.ended.is_set())
+
     def start(self) -> None:
         """Start the child in the background (if none runs)."""
         self._current()
 
     async def ready(self) -> None:
-        """Start the child if none runs, and wait until it serves (or could not start)."""
-        await self._ready()
+        """Wait until a child that is starting serves (or could not start); at once when none
+        is starting: ``vet`` starts one then (a child that could not start is not started
+        again twice for one peer)."""
+        if self._child is not None:
+            await self._ready()
 
     async def _ready(self) -> _Child:
         child = self._current()
@@ -297,10 +310,13 @@ class MetadataVetter:
                 pending.retry = True
             pending.done.set()
         child.pending.clear()
+        served = child.broken is None and child.ready.is_set()
         child.ready.set()
         child.ended.set()
         if self._child is child:
             self._child = None
+        if served and not closing and not self._tg.cancel_scope.cancel_called:
+            self.start()  # its replacement boots now, not in the next peer's handshake
 
     @staticmethod
     async def _reap(proc: subprocess.Popen[bytes], stream: anyio.abc.SocketStream | socket.socket) -> None:

@@ -19,6 +19,8 @@ from .._control.addresses import split_address
 MAX_VALUE_BYTES = 4096
 PREFIX = "/kvservice"
 
+#: the longest role a service registers under
+MAX_ROLE_CHARS = 63
 _Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 _Text = Annotated[str, msgspec.Meta(max_length=255)]
 
@@ -31,7 +33,7 @@ class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     address: _Text
     agent: _Text
     incarnation: Annotated[int, msgspec.Meta(ge=0)]
-    role: Annotated[str, msgspec.Meta(max_length=63)] = ""
+    role: Annotated[str, msgspec.Meta(max_length=MAX_ROLE_CHARS)] = ""
     #: KV memory: bytes, pages, regions, kind
     memory: dict[str, int | str] = msgspec.field(default_factory=dict)
     started_at: float = 0.0

@@ -25,6 +25,8 @@ from .wire import (
     Done,
     Expect,
     Finished,
+    LivePeers,
+    PeersReply,
     Poll,
     PollReply,
     ResultReply,
@@ -118,6 +120,8 @@ class WorkerCalls:
             return PollReply(msg.call, int(known.poll()))
         if isinstance(msg, Status):
             return StatusReply(msg.call, self.status())
+        if isinstance(msg, LivePeers):
+            return PeersReply(msg.call, svc.live_peers(msg.role))
         raise ProtocolError(f"unexpected {type(msg).__name__}")  # pragma: no cover - schema forbids
 
     def _check_open(self, role: str) -> None:

@@ -18,6 +18,7 @@ them from), ``layout``, ``address``, ``send``, ``await_completion``, ``expect``,
   ``Success``/``Failed``; ``poll_arrival`` is a coroutine.
 * ``status()`` is the daemon's snapshot as of the last refresh
   (``status_interval`` seconds); ``await fetch_status()`` asks for a fresh one.
+* ``live_peers(role)`` is a coroutine: the daemon's discovery holds the members.
 * If the daemon goes away, every unfinished request ends ``Failed`` with
   ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
   raise ``KVServiceError``.
@@ -58,6 +59,7 @@ from .._results import (
     UnknownRequestError,
 )
 from .._trust.peercred import PeerCred
+from ..discovery.member import MAX_ROLE_CHARS, Member
 from ..memory._layout import KVLayout
 from ..memory._pool import KVPool
 from .dial import handshake, map_pool
@@ -76,6 +78,8 @@ from .wire import (
     Error,
     Expect,
     Finished,
+    LivePeers,
+    PeersReply,
     Poll,
     PollReply,
     ResultReply,
@@ -348,6 +352,16 @@ class SidecarClient:
         assert isinstance(reply, StatusReply)
         self._status = reply.status
         return dict(reply.status)
+
+    async def live_peers(self, role: str | None = None) -> list[Member]:
+        """Like ``TransferService.live_peers``, but a coroutine: the daemon's discovery
+        knows the cluster's live members (not the daemon itself); ``role`` filters.
+        Empty with static discovery."""
+        if role is not None and len(role) > MAX_ROLE_CHARS:
+            return []  # no member has such a role (and the wire would refuse the frame)
+        reply = await self._call(lambda n: LivePeers(n, role))
+        assert isinstance(reply, PeersReply)
+        return reply.members
 
     # -- the connection ---------------------------------------------------------------------
     async def _call(self, make: Callable[[int], Call]) -> ServerMessage:

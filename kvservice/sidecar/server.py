@@ -49,6 +49,7 @@ from .wire import (
     Cancel,
     Error,
     Hello,
+    LivePeers,
     Poll,
     Send,
     ServerMessage,
@@ -69,7 +70,7 @@ MAX_CALLS_PER_CONNECTION = 10_000
 #: at shutdown, how long to wait for the last Finished frames before Bye
 FLUSH_TIMEOUT_S = 2.0
 #: calls that complete without waiting on anything: run in the reader, saving a task per call
-_INLINE = (Send, Abort, Poll, Status)
+_INLINE = (Send, Abort, Poll, Status, LivePeers)
 
 
 class SidecarServer:

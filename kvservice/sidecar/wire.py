@@ -8,7 +8,8 @@ length above the limit is refused before the body is read.
 Conversation::
 
     worker -> Hello                       sidecar -> Welcome | Error (then closes)
-    worker -> Send | Expect | AwaitCompletion | AwaitArrival | AwaitSettled | Abort | Poll | Status | Cancel
+    worker -> Send | Expect | AwaitCompletion | AwaitArrival | AwaitSettled | Abort | Poll | Status
+              | LivePeers | Cancel
     sidecar -> the call's reply (same ``call`` number) or Error
     sidecar -> Finished     whenever a request this worker sent or expected ends
     sidecar -> Bye          when it shuts down (after the last Finished)
@@ -32,6 +33,7 @@ import msgspec
 from .._control.links import FramedStream
 from .._control.protocol import HEADER_BYTES, decode_with, frame, frame_length
 from .._results import FailureReason, TransferResult, TransferStatus
+from ..discovery.member import MAX_ROLE_CHARS, Member
 
 SIDECAR_PROTOCOL_VERSION = 1
 
@@ -106,11 +108,18 @@ class Status(msgspec.Struct, tag="status", frozen=True, forbid_unknown_fields=Tr
     call: CallId
 
 
+class LivePeers(msgspec.Struct, tag="live_peers", frozen=True, forbid_unknown_fields=True):
+    """``TransferService.live_peers``: the cluster's live members; ``role`` filters."""
+
+    call: CallId
+    role: Annotated[str, msgspec.Meta(max_length=MAX_ROLE_CHARS)] | None = None
+
+
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
     call: CallId
 
 
-Call = Send | AwaitCompletion | Expect | AwaitArrival | AwaitSettled | Abort | Poll | Status | Cancel
+Call = Send | AwaitCompletion | Expect | AwaitArrival | AwaitSettled | Abort | Poll | Status | LivePeers | Cancel
 ClientMessage = Hello | Call
 
 
@@ -172,6 +181,11 @@ class StatusReply(msgspec.Struct, tag="status_reply", frozen=True):
     status: dict[str, Any]
 
 
+class PeersReply(msgspec.Struct, tag="peers", frozen=True):
+    call: int
+    members: list[Member]  # bounded and checked on decode, as a registration read from etcd
+
+
 class Error(msgspec.Struct, tag="error", frozen=True):
     """A call raised (``kind`` names the exception class), or call 0: the connection is refused."""
 
@@ -191,7 +205,8 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: str = ""
 
 
-ServerMessage = Welcome | SendReply | Done | ResultReply | PollReply | StatusReply | Error | Finished | Bye
+ServerMessage = (Welcome | SendReply | Done | ResultReply | PollReply | StatusReply | PeersReply | Error | Finished
+                 | Bye)
 
 M = TypeVar("M")
 

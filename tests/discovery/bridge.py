@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
-from tests.faults.netns import Host, NetnsError, _run
+from tests.faults.netns import Host, NetnsError, _run, delete
 
 _PREFIX = "kvbr"
 SUBNET = "10.214.0"
@@ -63,11 +63,4 @@ def switch(names: Sequence[str]) -> Iterator[Switch]:
             hosts[name] = host
         yield Switch(hosts, sw)
     finally:
-        errors = []
-        for ns in reversed(created):  # the veths go with their namespaces
-            try:
-                _run("ip", "netns", "del", ns)
-            except NetnsError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise NetnsError("; ".join(errors))
+        delete(created[::-1])  # the veths go with their namespaces

@@ -9,7 +9,9 @@ only discovery can be what drops the sender."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -45,14 +47,40 @@ async def expects_held(peer: PeerProcess, n: int) -> None:
 
 
 async def verified_transfer(decode: TransferService, prefill: PeerProcess, rid: str, sender: str) -> None:
-    pages = [30, 31]
-    await prefill.command(op="fill", rid=rid, pages=[5, 6])
+    await decode.expect(rid, [30, 31], sender=sender)
+    await delivered(decode, prefill, rid, src=[5, 6], dst=[30, 31])
+
+
+async def delivered(decode: TransferService, prefill: PeerProcess, rid: str, src: list[int],
+                    dst: list[int]) -> None:
+    """``prefill`` fills ``src`` and sends it for ``rid``, which the decode already expects
+    into ``dst``: it arrives, byte-exact."""
+    await prefill.command(op="fill", rid=rid, pages=src)
     await prefill.event("filled", rid)
-    await decode.expect(rid, pages, sender=sender)
-    await prefill.command(op="send", rid=rid, pages=[5, 6])
+    await prefill.command(op="send", rid=rid, pages=src)
     got = await decode.await_arrival(rid, timeout=GUARD_S)
     assert got.ok, got
-    assert torch.equal(decode.kv.pages(pages), pattern(SMALL, rid, 2))
+    assert torch.equal(decode.kv.pages(dst), pattern(SMALL, rid, len(src)))
+
+
+@contextlib.asynccontextmanager
+async def holding(etcd: EtcdServer, **fast: float) -> AsyncIterator[tuple[TransferService, PeerProcess]]:
+    """A child prefill and an in-process decode that found it through etcd (both with
+    ``fast``), the decode expecting "held" into pages 1-2 from it, the prefill holding that
+    Expect; the prefill is stopped when the block ends."""
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
+        try:
+            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
+                                              **SLOW_LINK)) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await decode.expect("held", [1, 2], sender="prefill-0")
+                await expects_held(prefill, 1)
+                yield decode, prefill
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()
 
 
 async def test_restart_under_the_same_name_drops_the_old_incarnation(etcd: EtcdServer) -> None:
@@ -89,35 +117,23 @@ async def test_restart_under_the_same_name_drops_the_old_incarnation(etcd: EtcdS
 
 
 async def test_lapsed_lease_fails_requests_and_settles_nothing(etcd: EtcdServer) -> None:
-    fast = {"etcd_ttl_s": 2, "etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 1.0}
-    async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
-        try:
-            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
-                                              **SLOW_LINK)) as decode:
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
-                await decode.expect("held", [1, 2], sender="prefill-0")
-                await expects_held(prefill, 1)
-                prefill.signal(signal.SIGSTOP)  # its keep-alives stop: its lease lapses in 2 s
-                lost = await decode.await_arrival("held", timeout=GUARD_S)
-                assert lost.reason is FailureReason.PEER_LOST, lost
-                assert "lease lapsed" in lost.message
-                assert decode.live_peers() == []
-                with anyio.move_on_after(1.0):  # nothing settles it while the process could still write
-                    await decode.await_settled("held")
-                assert decode.status()["unsettled_pages"] == 2
-                # resumed, it registers again on a new lease under its name, and is usable again
-                prefill.signal(signal.SIGCONT)
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
-                await verified_transfer(decode, prefill, "again", "prefill-0")
-                assert decode.status()["unsettled_pages"] == 2  # re-linking proves nothing (README "Settled")
-                prefill.signal(signal.SIGKILL)
-                settled = await decode.await_settled("held", timeout=GUARD_S)
-                assert settled.settled
-        finally:
-            with anyio.CancelScope(shield=True):
-                await prefill.stop(timeout=5)
-            tg.cancel_scope.cancel()
+    async with holding(etcd, etcd_ttl_s=2, etcd_keepalive_s=0.5, etcd_rejoin_grace_s=1.0) as (decode, prefill):
+        prefill.signal(signal.SIGSTOP)  # its keep-alives stop: its lease lapses in 2 s
+        lost = await decode.await_arrival("held", timeout=GUARD_S)
+        assert lost.reason is FailureReason.PEER_LOST, lost
+        assert "lease lapsed" in lost.message
+        assert decode.live_peers() == []
+        with anyio.move_on_after(1.0):  # nothing settles it while the process could still write
+            await decode.await_settled("held")
+        assert decode.status()["unsettled_pages"] == 2
+        # resumed, it registers again on a new lease under its name, and is usable again
+        prefill.signal(signal.SIGCONT)
+        await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+        await verified_transfer(decode, prefill, "again", "prefill-0")
+        assert decode.status()["unsettled_pages"] == 2  # re-linking proves nothing (README "Settled")
+        prefill.signal(signal.SIGKILL)
+        settled = await decode.await_settled("held", timeout=GUARD_S)
+        assert settled.settled
 
 
 async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: EtcdServer) -> None:
@@ -126,40 +142,18 @@ async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: 
     keep-alive, within the grace, so its link and its requests go on."""
     import aetcd
 
-    fast = {"etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 3.0}
-    async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
-        try:
-            async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
-                                              **SLOW_LINK)) as decode:
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
-                await decode.expect("held", [1, 2], sender="prefill-0")
-                await expects_held(prefill, 1)
-                host, port = etcd.endpoint.split(":")
-                async with aetcd.Client(host=host, port=int(port)) as client:
-                    kv = await client.get(b"/kvservice/live/services/prefill-0")
-                    await client.revoke_lease(kv.lease)
-                await eventually(lambda: "prefill-0" not in [m.name for m in decode.live_peers()], timeout=GUARD_S)
-                # lapsed, not judged yet: its name still resolves (a request now is not refused)
-                await decode.expect("during", [3, 4], sender="prefill-0")
-                assert decode.poll_arrival("during").name != "Failed"
-                await eventually(lambda: [m.agent for m in decode.live_peers()] == [prefill.agent], timeout=GUARD_S)
-                await anyio.sleep(decode.config.etcd_rejoin_grace_s + 0.5)  # past the grace: judged by now
-                assert decode.status()["peers"] == [prefill.address]
-                assert decode.status()["discovery"]["lapsed"] == []
-                await prefill.command(op="fill", rid="held", pages=[5, 6])
-                await prefill.event("filled", "held")
-                await prefill.command(op="send", rid="held", pages=[5, 6])
-                got = await decode.await_arrival("held", timeout=GUARD_S)
-                assert got.ok, got
-                assert torch.equal(decode.kv.pages([1, 2]), pattern(SMALL, "held", 2))
-                await prefill.command(op="fill", rid="during", pages=[7, 8])
-                await prefill.event("filled", "during")
-                await prefill.command(op="send", rid="during", pages=[7, 8])
-                got = await decode.await_arrival("during", timeout=GUARD_S)
-                assert got.ok, got
-                assert torch.equal(decode.kv.pages([3, 4]), pattern(SMALL, "during", 2))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await prefill.stop(timeout=5)
-            tg.cancel_scope.cancel()
+    async with holding(etcd, etcd_keepalive_s=0.5, etcd_rejoin_grace_s=3.0) as (decode, prefill):
+        host, port = etcd.endpoint.split(":")
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            kv = await client.get(b"/kvservice/live/services/prefill-0")
+            await client.revoke_lease(kv.lease)
+        await eventually(lambda: "prefill-0" not in [m.name for m in decode.live_peers()], timeout=GUARD_S)
+        # lapsed, not judged yet: its name still resolves (a request now is not refused)
+        await decode.expect("during", [3, 4], sender="prefill-0")
+        assert decode.poll_arrival("during").name != "Failed"
+        await eventually(lambda: [m.agent for m in decode.live_peers()] == [prefill.agent], timeout=GUARD_S)
+        await anyio.sleep(decode.config.etcd_rejoin_grace_s + 0.5)  # past the grace: judged by now
+        assert decode.status()["peers"] == [prefill.address]
+        assert decode.status()["discovery"]["lapsed"] == []
+        await delivered(decode, prefill, "held", src=[5, 6], dst=[1, 2])
+        await delivered(decode, prefill, "during", src=[7, 8], dst=[3, 4])

@@ -1,7 +1,8 @@
 """Membership with a real etcd: services register on a lease under
 /kvservice/<cluster>/services/<name>, see each other by name and role, a receiver names
 its sender (``expect(sender="prefill-0")``) and the bytes arrive; an unknown name fails
-the request PEER_LOST at once; leaving deregisters."""
+the request PEER_LOST at once, on the receiver's side and on the sender's
+(``send(receiver=)``); leaving deregisters."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import anyio
 import pytest
 import torch
 
-from kvservice import FailureReason, TransferService
+from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._peerproc import pattern
 from kvservice.discovery._etcd import Etcd, EtcdOptions
 from kvservice.discovery.member import decode as decode_member
@@ -59,10 +60,18 @@ async def test_register_resolve_by_name_and_transfer(etcd: EtcdServer) -> None:
         assert sent.ok and got.ok, (sent, got)
         assert torch.equal(decode.kv.pages(dst), pattern(SMALL, "r1", 3))
 
-        # a name no live member has: the request fails at once, PEER_LOST, naming it
+        # a name no live member has: the request fails at once, PEER_LOST, naming it, on either side
         await decode.expect("r2", [20], sender="prefill-9")
         failed = await decode.await_arrival("r2", timeout=GUARD_S)
         assert failed.reason is FailureReason.PEER_LOST and "prefill-9" in failed.message
+        gone = await prefill.send("r3", [4], last=True, receiver="decode-9")
+        assert gone.poll() is KVPoll.Failed
+        failed = await prefill.await_completion(gone, timeout=GUARD_S)
+        assert failed.reason is FailureReason.PEER_LOST and "decode-9" in failed.message and failed.settled
+        again = await prefill.send("r3", [5], last=True)  # sticky, as any failure: nothing posted
+        assert again.result == failed
+        with pytest.raises(ValueError, match="out of range"):  # a caller's error still raises first
+            await prefill.send("r4", [10**6], last=True, receiver="decode-9")
 
         status = decode.status()["discovery"]
         assert status["registered"] and status["members"] == 1 and status["registrations"] == 1

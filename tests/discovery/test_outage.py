@@ -5,8 +5,10 @@ empty one, and unreachable when a service starts ("fail" refuses to start, sayin
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,15 @@ class Traffic:
         self.ok = 0
         self.failed: list[str] = []
         self._stop = anyio.Event()
+        self._finished = anyio.Event()
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self._finished.set()
+
+    async def _run(self) -> None:
         src = [0, 1, 2, 3]
         await self.prefill.command(op="fill", rid="pat", pages=src)
         await self.prefill.event("filled", "pat")
@@ -61,74 +70,76 @@ class Traffic:
                 self.failed.append(f"{rid}: {got.status} {got.reason} {got.message}")
             await anyio.sleep(0.05)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """Stop after the request in flight, and wait for it."""
         self._stop.set()
+        with anyio.fail_after(GUARD_S):
+            await self._finished.wait()
+
+
+@contextlib.asynccontextmanager
+async def flowing(etcd: EtcdServer) -> AsyncIterator[tuple[TransferService, PeerProcess, Traffic]]:
+    """A child prefill and an in-process decode that found it through etcd, with Traffic
+    between them already past its first 5 requests; the traffic stops with the block."""
+    async with anyio.create_task_group() as tg:
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")))
+        try:
+            async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
+                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                traffic = Traffic(decode, prefill)
+                tg.start_soon(traffic.run)
+                try:
+                    await eventually(lambda: traffic.ok >= 5, timeout=GUARD_S)
+                    yield decode, prefill, traffic
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await traffic.stop()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await prefill.stop(timeout=5)
+            tg.cancel_scope.cancel()
 
 
 async def test_etcd_stopped_30s_drops_nothing_and_registrations_return(etcd: EtcdServer) -> None:
-    async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")))
-        try:
-            async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
-                traffic = Traffic(decode, prefill)
-                async with anyio.create_task_group() as running:
-                    running.start_soon(traffic.run)
-                    await eventually(lambda: traffic.ok >= 5, timeout=GUARD_S)
-                    before = traffic.ok
-                    etcd.pause()
-                    paused = time.monotonic()
-                    await anyio.sleep(OUTAGE_S)
-                    during = traffic.ok - before
-                    etcd.resume()
-                    print(f"etcd stopped {time.monotonic() - paused:.1f} s: {during} requests completed meanwhile")
-                    # every lease lapses when a stopped etcd resumes; each service registers again
-                    await eventually(lambda: decode.status()["discovery"]["outages"] >= 1
-                                     and decode.status()["discovery"]["registered"]
-                                     and [m.agent for m in decode.live_peers()] == [prefill.agent],
-                                     timeout=GUARD_S)
-                    await anyio.sleep(decode.config.etcd_rejoin_grace_s + 1)  # past any lapse's grace
-                    await eventually(lambda: traffic.ok >= before + during + 5, timeout=GUARD_S)
-                    traffic.stop()
-                print(f"after etcd resumed: {decode.status()['discovery']['registrations']} registrations "
-                      f"(a second one: etcd had revoked the lease)")
-                assert during > 0, "no transfer completed while etcd was stopped"
-                assert traffic.failed == []
-                outcomes = decode.status()["outcomes"]
-                assert not [k for k in outcomes if k != "recv.SUCCESS"], outcomes
-                assert decode.status()["peers"] == [prefill.address]  # the same link all along
-                assert [m.agent for m in decode.live_peers()] == [prefill.agent]
-        finally:
-            with anyio.CancelScope(shield=True):
-                await prefill.stop(timeout=5)
-            tg.cancel_scope.cancel()
+    async with flowing(etcd) as (decode, prefill, traffic):
+        before = traffic.ok
+        etcd.pause()
+        paused = time.monotonic()
+        await anyio.sleep(OUTAGE_S)
+        during = traffic.ok - before
+        etcd.resume()
+        print(f"etcd stopped {time.monotonic() - paused:.1f} s: {during} requests completed meanwhile")
+        # every lease lapses when a stopped etcd resumes; each service registers again
+        await eventually(lambda: decode.status()["discovery"]["outages"] >= 1
+                         and decode.status()["discovery"]["registered"]
+                         and [m.agent for m in decode.live_peers()] == [prefill.agent],
+                         timeout=GUARD_S)
+        await anyio.sleep(decode.config.etcd_rejoin_grace_s + 1)  # past any lapse's grace
+        await eventually(lambda: traffic.ok >= before + during + 5, timeout=GUARD_S)
+        await traffic.stop()
+        print(f"after etcd resumed: {decode.status()['discovery']['registrations']} registrations "
+              f"(a second one: etcd had revoked the lease)")
+        assert during > 0, "no transfer completed while etcd was stopped"
+        assert traffic.failed == []
+        outcomes = decode.status()["outcomes"]
+        assert not [k for k in outcomes if k != "recv.SUCCESS"], outcomes
+        assert decode.status()["peers"] == [prefill.address]  # the same link all along
+        assert [m.agent for m in decode.live_peers()] == [prefill.agent]
 
 
 async def test_etcd_replaced_by_an_empty_one_registrations_return(etcd: EtcdServer) -> None:
-    async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")))
-        try:
-            async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
-                traffic = Traffic(decode, prefill)
-                async with anyio.create_task_group() as running:
-                    running.start_soon(traffic.run)
-                    await eventually(lambda: traffic.ok >= 5, timeout=GUARD_S)
-                    etcd.kill()
-                    shutil.rmtree(etcd.data_dir)  # its keys and leases are gone with it
-                    before = traffic.ok
-                    await eventually(lambda: traffic.ok >= before + 5, timeout=GUARD_S)  # without etcd
-                    etcd.start()  # the same ports, empty
-                    await eventually(lambda: decode.status()["discovery"]["registrations"] == 2
-                                     and [m.agent for m in decode.live_peers()] == [prefill.agent],
-                                     timeout=GUARD_S)
-                    traffic.stop()
-                assert traffic.failed == []
-                assert decode.status()["peers"] == [prefill.address]
-        finally:
-            with anyio.CancelScope(shield=True):
-                await prefill.stop(timeout=5)
-            tg.cancel_scope.cancel()
+    async with flowing(etcd) as (decode, prefill, traffic):
+        etcd.kill()
+        shutil.rmtree(etcd.data_dir)  # its keys and leases are gone with it
+        before = traffic.ok
+        await eventually(lambda: traffic.ok >= before + 5, timeout=GUARD_S)  # without etcd
+        etcd.start()  # the same ports, empty
+        await eventually(lambda: decode.status()["discovery"]["registrations"] == 2
+                         and [m.agent for m in decode.live_peers()] == [prefill.agent],
+                         timeout=GUARD_S)
+        await traffic.stop()
+        assert traffic.failed == []
+        assert decode.status()["peers"] == [prefill.address]
 
 
 async def test_unreachable_at_start_fails_saying_so(etcd: EtcdServer) -> None:

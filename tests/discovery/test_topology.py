@@ -10,7 +10,6 @@ per peer and memory per linked peer (figures, never assertions)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import time
@@ -46,11 +45,7 @@ FAST = {"etcd_ttl_s": 4, "etcd_keepalive_s": 1.0, "etcd_rejoin_grace_s": 2.0, "e
 
 @pytest.fixture(scope="module")
 def namespaces_usable() -> None:
-    why = netns.unavailable()
-    if why is not None:
-        if os.environ.get("KVSERVICE_REQUIRE_NETNS"):
-            pytest.fail(f"KVSERVICE_REQUIRE_NETNS is set, but {why}")
-        pytest.skip(why)
+    netns.require()
 
 
 def rss_kib(pid: int) -> int:

@@ -31,6 +31,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import pytest
+
 _PREFIX = "kvcut"
 _SUBNET = "10.213.0"
 _names = itertools.count(1)
@@ -138,6 +140,16 @@ def unavailable() -> str | None:
     return None
 
 
+def require() -> None:
+    """Skip the calling test, saying why, where namespaces cannot be used here; fail it
+    instead when ``KVSERVICE_REQUIRE_NETNS`` is set (a CI machine that must run them)."""
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("KVSERVICE_REQUIRE_NETNS"):
+            pytest.fail(f"KVSERVICE_REQUIRE_NETNS is set, but {why}")
+        pytest.skip(why)
+
+
 @contextlib.contextmanager
 def wire() -> Iterator[Wire]:
     """Create two namespaces joined by a veth pair; remove both whatever happens."""
@@ -162,11 +174,16 @@ def wire() -> Iterator[Wire]:
 
 
 def _remove(namespaces: Sequence[str], dev: str) -> None:
-    errors: list[str] = []
     if namespaces:
         # The veth goes with its namespace, unless a process still lives in it: delete it first.
         with contextlib.suppress(NetnsError):
             _run("ip", "-n", namespaces[0], "link", "del", "dev", dev)
+    delete(namespaces)
+
+
+def delete(namespaces: Sequence[str]) -> None:
+    """Delete every namespace named, in order, even after one fails; then raise what failed."""
+    errors: list[str] = []
     for ns in namespaces:
         try:
             _run("ip", "netns", "del", ns)

@@ -285,7 +285,7 @@ def gone(pid: int) -> bool:
 
 
 async def test_the_vetting_child_is_reaped_with_the_service_however_it_ends() -> None:
-    # left while the child is still starting (importing NIXL)
+    # left with no peer ever linked
     async with TransferService(config()) as idle:
         assert idle._vetter is not None
         await eventually(lambda: idle._vetter is not None and idle._vetter.pid is not None)
@@ -309,6 +309,56 @@ async def test_the_vetting_child_is_reaped_with_the_service_however_it_ends() ->
                 scope.cancel()
                 await anyio.sleep(5)
         assert pid is not None and gone(pid)
+
+
+def vetting_children() -> set[int]:
+    """This process's vetting children, live or zombie (``/proc``: parent pid and command line)."""
+    import kvservice._trust.vetting as vetting
+
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == os.getpid() and vetting.CHILD_MODULE.encode() in cmdline:
+            found.add(int(entry))
+    return found
+
+
+async def test_a_services_vetting_child_boots_as_it_starts() -> None:
+    """The child boots (~2 s of CPU) from the start of the service's start, while the pool and
+    the agent are made, not at a peer's first handshake (inside that peer's
+    connect_timeout_s); one child, serving without a peer ever asking, reaped at the end."""
+    before = vetting_children()
+    async with TransferService(config()) as svc:
+        vetter = svc._vetter
+        assert vetter is not None and vetter.pid is not None, "up without a vetting child started"
+        assert vetting_children() - before == {vetter.pid}
+        with anyio.fail_after(60):
+            await vetter.ready()
+        assert vetter.serving and vetter.children_started == 1
+        pid = vetter.pid
+    assert gone(pid) and vetting_children() == before
+
+
+async def test_a_failed_start_leaves_no_vetting_child() -> None:
+    """A start that fails after the child was started (here: etcd unreachable) reaps it."""
+    pytest.importorskip("aetcd")
+    from kvservice.discovery.registry import DiscoveryUnavailable
+
+    before = vetting_children()
+    cfg = config(discovery="etcd", etcd_endpoints=["127.0.0.1:9"], etcd_connect_timeout_s=0.5,
+                 discovery_name="decode-0", discovery_role="decode")
+    with pytest.raises(DiscoveryUnavailable):
+        async with TransferService(cfg):
+            pytest.fail("started without etcd")
+    assert vetting_children() == before
 
 
 async def test_a_sidecar_daemon_refuses_it_too() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -65,11 +64,7 @@ METHODS = ["link_down", "loss"]
 
 @pytest.fixture(scope="module")
 def namespaces_usable() -> None:
-    why = netns.unavailable()
-    if why is not None:
-        if os.environ.get("KVSERVICE_REQUIRE_NETNS"):
-            pytest.fail(f"KVSERVICE_REQUIRE_NETNS is set, but {why}")
-        pytest.skip(why)
+    netns.require()
 
 
 @pytest.fixture
@@ -340,3 +335,28 @@ def test_refused_namespaces_give_a_skip_reason(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(netns, "_run", refuse)
     why = netns.unavailable()
     assert why is not None and "'ip netns add' refused" in why and "not permitted" in why
+
+
+def test_require_skips_with_the_reason_or_fails_when_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "unavailable", lambda: "needs Linux with iproute2 (ip, tc, ss)")
+    monkeypatch.delenv("KVSERVICE_REQUIRE_NETNS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs Linux with iproute2"):
+        netns.require()
+    monkeypatch.setenv("KVSERVICE_REQUIRE_NETNS", "1")
+    with pytest.raises(pytest.fail.Exception, match="KVSERVICE_REQUIRE_NETNS is set, but needs Linux"):
+        netns.require()
+
+
+def test_delete_tries_every_namespace_and_reports_each_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[str] = []
+
+    def run(*argv: str) -> str:
+        tried.append(argv[-1])
+        if argv[-1] in ("ns-a", "ns-c"):
+            raise NetnsError(f"{' '.join(argv)}: exit 1: busy")
+        return ""
+
+    monkeypatch.setattr(netns, "_run", run)
+    with pytest.raises(NetnsError, match=r"ns-a.*; .*ns-c"):
+        netns.delete(["ns-a", "ns-b", "ns-c"])
+    assert tried == ["ns-a", "ns-b", "ns-c"]

@@ -69,7 +69,7 @@ async def test_abort_then_reuse_after_settle_keeps_the_reused_pages(delay_ms: in
 async def send_then_stop(prefill: PeerProcess, decode: TransferService, rid: str) -> None:
     """``rid`` expected with a short arrival deadline, sent, and its sender SIGSTOPped mid-copy.
     The two are linked first (a small request), so the deadline is the copy's alone, not
-    also a first link's (which waits for the services' metadata vetting children)."""
+    also a first link's (which vets both sides' NIXL metadata)."""
     warm = f"{rid}-warm"
     await prefill.command(op="fill", rid=warm, pages=[0])
     await prefill.event("filled", warm)

@@ -24,13 +24,14 @@ GUARD_S = 30.0  # a hang guard for each wait, never a timed assertion
 @contextlib.asynccontextmanager
 async def started_together(n: int, cfg: dict[str, Any]) -> AsyncIterator[list[PeerProcess]]:
     """``n`` child services, started concurrently (each import of torch and NIXL takes
-    a second or two); each one stopped, or killed, on the way out."""
+    a second or two, and each is up once its vetting child has booted too: 2n such boots
+    at once); each one stopped, or killed, on the way out."""
     async with anyio.create_task_group() as tg:
         started: list[PeerProcess | None] = [None] * n
         try:
             async with anyio.create_task_group() as starting:
                 async def one(i: int) -> None:
-                    started[i] = await PeerProcess.start(tg, cfg, ready_timeout=60)
+                    started[i] = await PeerProcess.start(tg, cfg, ready_timeout=120)  # a hang guard
 
                 for i in range(n):
                     starting.start_soon(one, i)
@@ -53,10 +54,11 @@ def spread(n: int, width: int, stride: int, offset: int = 0) -> list[list[int]]:
 async def test_one_prefill_serves_eight_decodes_at_once() -> None:
     decodes, per_peer, width = 8, 3, 2
     # Nine services started at once each boot a metadata-vetting child (~2 s of CPU each,
-    # _trust.vetting), and the prefill vets its eight decodes' metadata one after another: on 2
-    # cores the first handshakes can pass the default connect_timeout_s (5 s), which bounds the
-    # dial on one side and the handshake on the other (CI runs saw both).  What is tested is the
-    # fan-out, not the boot: give the first links room, on both sides.
+    # _trust.vetting; a service is up once its child is), and the prefill vets its eight
+    # decodes' metadata one after another: on 2 cores the first handshakes can pass the default
+    # connect_timeout_s (5 s), which bounds the dial on one side and the handshake on the other
+    # (CI runs saw both).  What is tested is the fan-out, not the boot: give the first links
+    # room, on both sides.
     async with started_together(decodes, peer_config(connect_timeout_s=30.0)) as peers, \
             TransferService(config(connect_timeout_s=30.0)) as svc:
         assert len(peers) == decodes
@@ -103,7 +105,7 @@ async def test_one_prefill_serves_eight_decodes_at_once() -> None:
 
 async def test_one_decode_receives_from_four_prefills_at_once() -> None:
     prefills, per_peer, width = 4, 3, 3
-    # as above: the first links wait for vetting children booting at once
+    # as above: the first links wait for the serial vetting on a machine still busy with boots
     async with started_together(prefills, peer_config(connect_timeout_s=30.0)) as peers, \
             TransferService(config(connect_timeout_s=30.0)) as svc:
         assert len(peers) == prefills

@@ -140,3 +140,22 @@ def test_a_send_with_malformed_layers_or_payload_is_refused_at_decoding(fields: 
     body = msgspec.msgpack.encode({"type": "send", "call": 1, "request_id": "r", "pages": [1], **fields})
     with pytest.raises(FrameError):
         decode_client(body)
+
+
+def test_live_peers_frames_are_bounded_at_decoding() -> None:
+    """A role longer than any member's, and a member the daemon could not have read from etcd
+    (a name etcd's key could not hold), are malformed frames, as a bad registration is."""
+    import msgspec
+
+    from kvservice.discovery.member import Member
+    from kvservice.sidecar.wire import LivePeers, PeersReply
+
+    assert decode_client(encode(LivePeers(1, "decode"))[4:]) == LivePeers(1, "decode")
+    with pytest.raises(FrameError):
+        decode_client(msgspec.msgpack.encode({"type": "live_peers", "call": 1, "role": "r" * 64}))
+    member = Member(name="prefill-0", address="127.0.0.1:7100", agent="a", incarnation=1, role="prefill")
+    assert decode_server(encode(PeersReply(2, [member]))[4:]) == PeersReply(2, [member])
+    bad = msgspec.to_builtins(PeersReply(2, [member]))
+    bad["members"][0]["name"] = "../etc"
+    with pytest.raises(FrameError):
+        decode_server(msgspec.msgpack.encode(bad))

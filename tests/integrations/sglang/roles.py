@@ -54,17 +54,33 @@ def pattern(room: int, pages: int, mla: bool) -> torch.Tensor:
     return torch.rand(shape, generator=g)
 
 
-def commands() -> queue.Queue[dict[str, Any]]:
-    q: queue.Queue[dict[str, Any]] = queue.Queue()
+class Inbox:
+    """The test's commands, one JSON object a line on stdin, read by a thread of their own;
+    ``{"quit": true}`` or the end of stdin asks the role to finish what it holds and exit."""
 
-    def read() -> None:
+    def __init__(self) -> None:
+        self._q: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.quitting = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
         for line in sys.stdin:
             if line.strip():
-                q.put(json.loads(line))
-        q.put({"quit": True})
+                self._q.put(json.loads(line))
+        self._q.put({"quit": True})
 
-    threading.Thread(target=read, daemon=True).start()
-    return q
+    def new(self) -> list[dict[str, Any]]:
+        """The commands that came since the last call, without blocking."""
+        got: list[dict[str, Any]] = []
+        while True:
+            try:
+                cmd = self._q.get_nowait()
+            except queue.Empty:
+                return got
+            if cmd.get("quit"):
+                self.quitting = True
+            else:
+                got.append(cmd)
 
 
 class Rank:
@@ -174,21 +190,13 @@ def run_prefill(rank: Rank, args: argparse.Namespace) -> None:
         server = serve()
     emit(event="ready", address=mgr.engine.address, bootstrap=server.port if server else None)
     sender_cls = rank.classes[KVClassType.SENDER]
-    cmds = commands()
+    inbox = Inbox()
     bootstrap_q: list[SimpleNamespace] = []
     running: list[SimpleNamespace] = []  # computing chunk by chunk
     inflight: list[SimpleNamespace] = []
     states: dict[int, list[int]] = {}
-    quitting = False
-    while not (quitting and not bootstrap_q and not running and not inflight):
-        while True:
-            try:
-                cmd = cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd.get("quit"):
-                quitting = True
-                continue
+    while not (inbox.quitting and not bootstrap_q and not running and not inflight):
+        for cmd in inbox.new():
             room = cmd["room"]
             req = SimpleNamespace(room=room, n=cmd["pages"], chunk=cmd.get("chunk", 2), step_s=cmd.get("step_s", 0.0),
                                   sent=0, last_step=0.0, pages=None, aux=None)
@@ -257,20 +265,12 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
     mgr = rank.manager()
     emit(event="ready", address=mgr.engine.address)
     receiver_cls = rank.classes[KVClassType.RECEIVER]
-    cmds = commands()
+    inbox = Inbox()
     prealloc: list[SimpleNamespace] = []
     transfer: list[SimpleNamespace] = []
     states: dict[int, list[int]] = {}
-    quitting = False
-    while not (quitting and not prealloc and not transfer):
-        while True:
-            try:
-                cmd = cmds.get_nowait()
-            except queue.Empty:
-                break
-            if cmd.get("quit"):
-                quitting = True
-                continue
+    while not (inbox.quitting and not prealloc and not transfer):
+        for cmd in inbox.new():
             addr = cmd.get("bootstrap", f"127.0.0.1:{args.bootstrap_port}")
             req = SimpleNamespace(room=cmd["room"], n=cmd["pages"], hold_s=cmd.get("hold_s", 0.0),
                                   bootstrap_host=addr.rpartition(":")[0], ready_at=None, tries=0, addr=addr,
