@@ -53,6 +53,7 @@ from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
+from .memory._staging import staging_for
 
 log = get_logger("kvservice")
 
@@ -164,14 +165,17 @@ class TransferService(ServiceCore):
         memory = self._memory
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
-        await self._thread.call(self._door.register, memory.segments, memory.mem_type, table)
+        staging = await self._thread.call(staging_for, memory, cfg.staging_bytes, self.stats.staging)
+        segments = memory.segments + ((staging.segment,) if staging is not None else ())
+        await self._thread.call(self._door.register, segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
-        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key)
+        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key,
+                          staging.area if staging is not None else None)
         self._watchdog = Watchdog(
             self._thread, self._door, memory, self,
             poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
-            max_post_bytes=cfg.max_post_bytes_per_tick,
+            max_post_bytes=cfg.max_post_bytes_per_tick, staging=staging,
         )
         # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
         self._vetter = (MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
@@ -587,6 +591,7 @@ class TransferService(ServiceCore):
             unsettled_pages=self._settlement.unsettled_pages,
             inflight_handles=wd.inflight if wd else 0,
             live_nixl_handles=wd.live_handles if wd else 0,
+            staging_held_bytes=wd.staging_held if wd else 0,
             peers=self._control.peer_addresses() if self._control else [],
             **({"discovery": self._discovery.registry.status()} if self._discovery else {}),
         )

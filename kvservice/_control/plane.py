@@ -366,7 +366,7 @@ class ControlPlane:
             if theirs is not None:  # a real peer of another model: its engine waits on us
                 self._events.on_incompatible(hello.agent, dialled or hello.address, dialled is not None, why)
             raise IncompatiblePeer(why, theirs or why)
-        kv = PeerKV.of(self._local.memory, memory)
+        kv = PeerKV.of(self._local.memory, memory, self._local.staging)
         try:
             canon = await self.canonical(hello.address)
         except (OSError, ValueError) as exc:

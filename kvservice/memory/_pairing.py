@@ -9,15 +9,23 @@ region, which bytes of a source page go to which bytes of a destination page:
   pages (``HND``) keep a head range contiguous, so still one descriptor per page;
   token-major pages (``NHD``) hold it as one run per token, so the pair uses
   ``tokens`` descriptors per page per region on *both* sides (entry *i* of the
-  source list always pairs with entry *i* of the destination list).  No staging
-  copy: NIXL moves the runs directly (the benchmark's TP cases measure the cost).
+  source list always pairs with entry *i* of the destination list).  When only the
+  source is sliced (it holds more heads than the destination, e.g. prefill tp 1 ->
+  decode tp 2) and the service has a staging buffer (``_staging``), the pair can
+  also *gather*: the shared heads of a send's pages are copied into staging, laid
+  out as the destination's pages, and move as one descriptor per page per region.
+  The per-token descriptors stay in the tables: a send that finds no staging room
+  (and the settle fence) uses them.  A destination that is sliced is written by
+  the per-token descriptors (the benchmark's TP cases measure the cost).
 
 A pair's descriptor tables are region-major, then page, then run::
 
     index(region, page, run) = (region * num_pages + page) * runs + run
 
 so a request's index arrays are one broadcast add, and a run of adjacent pages
-of one region stays adjacent in the list.
+of one region stays adjacent in the list.  A gathering pair's tables go on: the
+local one with the staging buffer's cells, the remote one with every whole page
+of every destination region (``Gather.local_base``, ``remote_base``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy.typing as npt
 
 from ._layout import PageIndex
 from ._regions import KVMemory, Region, View, regions_table, views_table
+from ._staging import Gather, StagingArea
 
 
 def head_range(memory: KVMemory) -> tuple[int, int]:
@@ -77,6 +86,9 @@ class Pair:
     src_views: tuple[View, ...]
     dst_views: tuple[View, ...]
     runs: int
+    #: only the source is sliced, token-major: byte offset of the shared heads in each of
+    #: its tokens (a gather through staging may serve it); None otherwise
+    gather_col: int | None = None
     #: bytes moved per page across every layer (read on every post: computed once)
     page_bytes: int = field(init=False)
     #: the source side moves whole pages: its plain regions table serves
@@ -138,7 +150,10 @@ def pair(src: KVMemory, dst: KVMemory) -> Pair | str:
     if len(src.regions) * src.num_pages * runs > np.iinfo(np.int32).max or \
             len(dst.regions) * dst.num_pages * runs > np.iinfo(np.int32).max:
         return "descriptor indices of this pair overflow int32"
-    return Pair(src, dst, src_views, dst_views, runs)
+    gather_col = None
+    if runs > 1 and hi_d - lo_d == first_d.heads and len({r.page_bytes for r in dst.regions}) == 1:
+        gather_col = src_views[0].offset  # every source region slices the same heads
+    return Pair(src, dst, src_views, dst_views, runs, gather_col)
 
 
 class Indexer:
@@ -177,24 +192,40 @@ class PeerKV:
     indexer: Indexer | None
     #: bytes per page (all layers) a request it sends us moves
     inbound_page_bytes: int
+    #: sends to it may gather through this staging buffer (``_staging``)
+    staging: StagingArea | None = None
+    gather: Gather | None = None
 
     @classmethod
-    def of(cls, local: KVMemory, remote: KVMemory) -> PeerKV:
+    def of(cls, local: KVMemory, remote: KVMemory, staging: StagingArea | None = None) -> PeerKV:
         out = pair(local, remote)
         back = pair(remote, local)
         inbound = back.page_bytes if isinstance(back, Pair) else 0
-        if isinstance(out, Pair):
-            return cls(remote, out, None, Indexer(out), inbound)
-        return cls(remote, None, out, None, inbound)
+        if not isinstance(out, Pair):
+            return cls(remote, None, out, None, inbound)
+        gather = None
+        if staging is not None and out.gather_col is not None:
+            cell = remote.regions[0].page_bytes
+            local_base = len(local.regions) * local.num_pages * out.runs
+            remote_base = len(remote.regions) * remote.num_pages * out.runs
+            if max(local_base + staging.cells(cell), remote_base + len(remote.regions) * remote.num_pages) \
+                    <= np.iinfo(np.int32).max and staging.cells(cell) > 0:
+                gather = Gather(cell, out.gather_col, local_base, remote_base, remote.num_pages)
+        return cls(remote, out, None, Indexer(out), inbound, staging if gather else None, gather)
 
     def tables(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64] | None]:
         """The peer's descriptor table, and ours for this peer when it is not the plain one
         (built on the door thread: a large pool's tables take milliseconds)."""
         if self.out is None:  # nothing will be posted to it: its plain table (for NIXL's sake)
             return regions_table(self.memory.regions, self.memory.num_pages), None
+        if self.gather is not None and self.staging is not None:
+            return (np.concatenate([self.out.dst_table(), regions_table(self.memory.regions, self.memory.num_pages)]),
+                    np.concatenate([self.out.src_table(), self.staging.table(self.gather.cell)]))
         return self.out.dst_table(), None if self.out.whole else self.out.src_table()
 
     @property
-    def local_key(self) -> tuple[View, ...] | None:
+    def local_key(self) -> tuple[object, ...] | None:
         """Identifies our table for this peer among peers (None: the plain one)."""
-        return None if self.out is None or self.out.whole else self.out.src_views
+        if self.out is None or self.out.whole:
+            return None
+        return self.out.src_views if self.gather is None else (*self.out.src_views, self.gather.cell)
