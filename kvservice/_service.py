@@ -53,7 +53,7 @@ from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
-from .memory._staging import staging_for
+from .memory._staging import NO_CELL, Stager, staging_for
 
 log = get_logger("kvservice")
 
@@ -166,16 +166,19 @@ class TransferService(ServiceCore):
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
         staging = await self._thread.call(staging_for, memory, cfg.staging_bytes, self.stats.staging)
+        self._stager = Stager(staging, cfg.max_live_requests)  # memory._staging
+        self._settlement.on_settled = self._stager.received
         segments = memory.segments + ((staging.segment,) if staging is not None else ())
         await self._thread.call(self._door.register, segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
-        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key,
+        wire = memory_to_wire(memory, (staging.area.addr, staging.area.nbytes) if staging is not None else (0, 0))
+        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=wire), key,
                           staging.area if staging is not None else None)
         self._watchdog = Watchdog(
             self._thread, self._door, memory, self,
             poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
-            max_post_bytes=cfg.max_post_bytes_per_tick, staging=staging,
+            max_post_bytes=cfg.max_post_bytes_per_tick, stager=self._stager,
         )
         # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
         self._vetter = (MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
@@ -440,7 +443,8 @@ class TransferService(ServiceCore):
         if req.result is None:
             req.peer = link.agent
             req.started_at = time.monotonic()
-            link.send(Expect(request_id, dst.tolist()))
+            cell = self._stager.take(request_id, self._control.peer_kv(link.agent), dst) if self._stager else NO_CELL
+            link.send(Expect(request_id, dst.tolist(), cell))
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed.

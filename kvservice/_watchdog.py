@@ -33,7 +33,7 @@ from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, X
 from ._requests import Chunk, SendRequest
 from ._results import FailureReason
 from .memory._regions import KVMemory
-from .memory._staging import Staging
+from .memory._staging import Stager
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop
@@ -59,7 +59,7 @@ class Watchdog:
         self, thread: DoorThread, door: Door, memory: KVMemory, owner: Owner, *,
         poll_interval: float, idle_interval: float, max_posts: int, max_checks: int,
         max_post_bytes: int,
-        clock: Callable[[], float] | None = None, staging: Staging | None = None,
+        clock: Callable[[], float] | None = None, stager: Stager | None = None,
     ) -> None:
         self._thread = thread
         self._door = door
@@ -71,7 +71,7 @@ class Watchdog:
         self._max_post_bytes = max_post_bytes
         self._max_checks = max_checks
         self._clock = clock or time.monotonic  # looked up now, so the simulation's patched clock applies
-        self._staging = staging  # sends that gather hold a range of it until released
+        self._stager = stager  # sends through staging hold a range of it until released
         self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []
@@ -153,8 +153,8 @@ class Watchdog:
 
     def _settle_if_released(self, req: SendRequest) -> None:
         if req.finished and req.posting == 0 and req.releasing == 0:
-            if self._staging is not None:  # nothing of it is posted any more: its range is free
-                self._staging.release(req)
+            if self._stager is not None:  # nothing of it is posted any more: its range is free
+                self._stager.sent(req)
             self._owner.released(req)
 
     def wake(self) -> None:
@@ -168,7 +168,7 @@ class Watchdog:
     @property
     def staging_held(self) -> int:
         """Bytes of the staging buffer that sends hold now."""
-        return self._staging.arena.used if self._staging is not None else 0
+        return self._stager.held_bytes if self._stager is not None else 0
 
     # -- the task -------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -325,12 +325,11 @@ class Watchdog:
             req.fence_src = Chunk(src[:1], chunk.pos, chunk.lo, chunk.lo + 1)
         dst = req.dest[chunk.pos : chunk.pos + src.size]
         prepare = None
-        held = (self._staging.hold(req, kv.gather, int(req.dest.size))
-                if self._staging is not None and kv.gather is not None else None)
-        if held is not None:
-            assert self._staging is not None
-            local_idx, remote_idx, prepare = self._staging.chunk(
-                held, src, dst, chunk.pos, chunk.lo, chunk.hi, kv.out.src.per_layer)
+        staged = (self._stager.indices(req, req.peer, req.request_id, kv, src, dst, chunk.pos, chunk.lo, chunk.hi,
+                                       int(req.dest.size))
+                  if self._stager is not None and (kv.gather is not None or kv.scatter is not None) else None)
+        if staged is not None:  # memory._staging
+            local_idx, remote_idx, prepare = staged
         else:
             local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)
         number = req.chunks_posted

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from ._layout import PageIndex
 from ._regions import KVMemory, Region, View, regions_table, views_table
-from ._staging import Gather, StagingArea
+from ._staging import Route, StagingArea, route
 
 
 def head_range(memory: KVMemory) -> tuple[int, int]:
@@ -89,6 +89,9 @@ class Pair:
     #: only the source is sliced, token-major: byte offset of the shared heads in each of
     #: its tokens (a gather through staging may serve it); None otherwise
     gather_col: int | None = None
+    #: only the destination is sliced, token-major: the same offset in its tokens (the
+    #: receiver may scatter from its staging)
+    scatter_col: int | None = None
     #: bytes moved per page across every layer (read on every post: computed once)
     page_bytes: int = field(init=False)
     #: the source side moves whole pages: its plain regions table serves
@@ -150,10 +153,12 @@ def pair(src: KVMemory, dst: KVMemory) -> Pair | str:
     if len(src.regions) * src.num_pages * runs > np.iinfo(np.int32).max or \
             len(dst.regions) * dst.num_pages * runs > np.iinfo(np.int32).max:
         return "descriptor indices of this pair overflow int32"
-    gather_col = None
+    gather_col = scatter_col = None
     if runs > 1 and hi_d - lo_d == first_d.heads and len({r.page_bytes for r in dst.regions}) == 1:
         gather_col = src_views[0].offset  # every source region slices the same heads
-    return Pair(src, dst, src_views, dst_views, runs, gather_col)
+    if runs > 1 and hi_s - lo_s == first_s.heads and len({r.page_bytes for r in src.regions}) == 1:
+        scatter_col = dst_views[0].offset
+    return Pair(src, dst, src_views, dst_views, runs, gather_col, scatter_col)
 
 
 class Indexer:
@@ -192,40 +197,48 @@ class PeerKV:
     indexer: Indexer | None
     #: bytes per page (all layers) a request it sends us moves
     inbound_page_bytes: int
-    #: sends to it may gather through this staging buffer (``_staging``)
-    staging: StagingArea | None = None
-    gather: Gather | None = None
+    #: sends to it gather through our staging (``_staging``); or scatter: write into its
+    #: staging (``remote_staging``), from which it copies into its pages
+    gather: Route | None = None
+    scatter: Route | None = None
+    remote_staging: StagingArea | None = None
+    gather_area: StagingArea | None = None  # ours, when sends to it gather
+    #: requests it sends us may land in our staging (``_staging``: the receiver's scatter)
+    scatter_in: Route | None = None
 
     @classmethod
-    def of(cls, local: KVMemory, remote: KVMemory, staging: StagingArea | None = None) -> PeerKV:
+    def of(cls, local: KVMemory, remote: KVMemory, staging: StagingArea | None = None,
+           remote_staging: StagingArea | None = None) -> PeerKV:
         out = pair(local, remote)
         back = pair(remote, local)
         inbound = back.page_bytes if isinstance(back, Pair) else 0
+        scatter_in = route(back, staging, gather=False) if isinstance(back, Pair) else None
         if not isinstance(out, Pair):
-            return cls(remote, None, out, None, inbound)
-        gather = None
-        if staging is not None and out.gather_col is not None:
-            cell = remote.regions[0].page_bytes
-            local_base = len(local.regions) * local.num_pages * out.runs
-            remote_base = len(remote.regions) * remote.num_pages * out.runs
-            if max(local_base + staging.cells(cell), remote_base + len(remote.regions) * remote.num_pages) \
-                    <= np.iinfo(np.int32).max and staging.cells(cell) > 0:
-                gather = Gather(cell, out.gather_col, local_base, remote_base, remote.num_pages)
-        return cls(remote, out, None, Indexer(out), inbound, staging if gather else None, gather)
+            return cls(remote, None, out, None, inbound, scatter_in=scatter_in)
+        gather = route(out, staging, gather=True)
+        scatter = route(out, remote_staging, gather=False)
+        return cls(remote, out, None, Indexer(out), inbound, gather, scatter, remote_staging,
+                   staging if gather is not None else None, scatter_in)
 
     def tables(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64] | None]:
         """The peer's descriptor table, and ours for this peer when it is not the plain one
         (built on the door thread: a large pool's tables take milliseconds)."""
         if self.out is None:  # nothing will be posted to it: its plain table (for NIXL's sake)
             return regions_table(self.memory.regions, self.memory.num_pages), None
-        if self.gather is not None and self.staging is not None:
-            return (np.concatenate([self.out.dst_table(), regions_table(self.memory.regions, self.memory.num_pages)]),
-                    np.concatenate([self.out.src_table(), self.staging.table(self.gather.cell)]))
-        return self.out.dst_table(), None if self.out.whole else self.out.src_table()
+        out = self.out
+        if self.gather is not None and self.gather_area is not None:
+            return (np.concatenate([out.dst_table(), regions_table(out.dst.regions, out.dst.num_pages)]),
+                    np.concatenate([out.src_table(), self.gather_area.table(self.gather.cell)]))
+        if self.scatter is not None and self.remote_staging is not None:
+            return (np.concatenate([out.dst_table(), self.remote_staging.table(self.scatter.cell)]),
+                    np.concatenate([out.src_table(), regions_table(out.src.regions, out.src.num_pages)]))
+        return out.dst_table(), None if out.whole else out.src_table()
 
     @property
     def local_key(self) -> tuple[object, ...] | None:
         """Identifies our table for this peer among peers (None: the plain one)."""
-        if self.out is None or self.out.whole:
+        if self.out is None or (self.out.whole and self.gather is None and self.scatter is None):
             return None
-        return self.out.src_views if self.gather is None else (*self.out.src_views, self.gather.cell)
+        if self.gather is not None:
+            return (*self.out.src_views, "gather", self.gather.cell)
+        return (*self.out.src_views, "scatter") if self.scatter is not None else self.out.src_views
