@@ -41,7 +41,9 @@ T = TypeVar("T")
 #: 3: Join describes the KV memory as regions (``MemoryWire``); ChunkNotif carries a payload
 #: 4: the Join travels as ``Sealed`` (encrypted when keyed); notifications carry a MAC;
 #:    ``Hello.probe``
-PROTOCOL_VERSION = 4
+#: 5: ``MemoryWire`` names the staging buffer, ``Expect.staging`` a range of it (a peer of
+#:    version 4 would ignore the range and write where the receiver does not look)
+PROTOCOL_VERSION = 5
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 #: the largest frame read before the peer has proved the key (Hello, Proof, Reject)

@@ -9,14 +9,14 @@ region, which bytes of a source page go to which bytes of a destination page:
   pages (``HND``) keep a head range contiguous, so still one descriptor per page;
   token-major pages (``NHD``) hold it as one run per token, so the pair uses
   ``tokens`` descriptors per page per region on *both* sides (entry *i* of the
-  source list always pairs with entry *i* of the destination list).  When only the
-  source is sliced (it holds more heads than the destination, e.g. prefill tp 1 ->
-  decode tp 2) and the service has a staging buffer (``_staging``), the pair can
-  also *gather*: the shared heads of a send's pages are copied into staging, laid
-  out as the destination's pages, and move as one descriptor per page per region.
-  The per-token descriptors stay in the tables: a send that finds no staging room
-  (and the settle fence) uses them.  A destination that is sliced is written by
-  the per-token descriptors (the benchmark's TP cases measure the cost).
+  source list always pairs with entry *i* of the destination list).  Through a
+  staging buffer (``_staging``) the same bytes move as one descriptor per page per
+  region: when only the source is sliced (it holds more heads, e.g. prefill tp 1
+  -> decode tp 2) the sender *gathers* them into its staging; when only the
+  destination is, the sender writes whole pages into the receiver's staging and the
+  receiver *scatters* them.  The per-token descriptors stay in the tables: a
+  request that finds no staging room, and the settle fence, use them (the
+  benchmark's TP cases measure both).
 
 A pair's descriptor tables are region-major, then page, then run::
 

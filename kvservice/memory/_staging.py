@@ -270,11 +270,15 @@ class Staging:
         """Copy a receiver's range into its pages (the sender's WRITEs have all landed)."""
         held = self._held.get(key)
         assert held is not None and held.pages is not None
-        index = torch.from_numpy(held.pages.astype(np.int64))
         n, col = int(held.pages.size), held.route.col
+        # A strided destination copies ~25x faster by slices than by index_copy_: one per run
+        # of consecutive pages (an engine's pages often come in runs).
+        runs = _runs(held.pages)
         for r in range(len(self._memory.regions)):
             cells = self._cells(held, r, 0, n)
-            self._pages[r][:, :, col : col + cells.shape[2]].index_copy_(0, index, cells)
+            heads = self._pages[r][:, :, col : col + cells.shape[2]]
+            for pos, page, length in runs:
+                heads[page : page + length].copy_(cells[pos : pos + length])
 
 
 def area_from_wire(addr: int, nbytes: int) -> StagingArea | None:
@@ -285,6 +289,14 @@ def area_from_wire(addr: int, nbytes: int) -> StagingArea | None:
     if addr <= 0 or addr + nbytes > 1 << 64:
         raise ValueError(f"staging buffer at {addr:#x} of {nbytes} bytes overflows the address space")
     return StagingArea(addr, nbytes)
+
+
+def _runs(pages: PageIndex) -> list[tuple[int, int, int]]:
+    """``pages`` as runs of consecutive pages: (position, first page, length)."""
+    breaks = np.flatnonzero(np.diff(pages.astype(np.int64)) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [pages.size]])
+    return [(int(a), int(pages[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
 def staging_for(memory: KVMemory, nbytes: int, counts: collections.Counter[str]) -> Staging | None:
