@@ -385,10 +385,6 @@ class Stager:
         if self.staging is not None:
             self.staging.release(req)
 
-    def forget_peer(self, agent: str) -> None:
-        for key in [k for k in self._named if k[0] == agent]:
-            del self._named[key]
-
     # -- receiver --------------------------------------------------------------------------
     def take(self, rid: str, kv: PeerKV | None, pages: PageIndex) -> int:
         """The first cell of the range an expect of ``pages`` from ``kv``'s peer holds (named in
