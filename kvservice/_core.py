@@ -312,9 +312,10 @@ class ServiceCore:
             await self._thread.call(self._stager.scatter, rid)
         except (RuntimeError, ValueError) as exc:
             self._fail(req, FailureReason.BACKEND, f"staging scatter failed: {exc}", error=exc)
-        finally:
+        else:  # (cancelled: the service is closing, which fails it)
             if req.result is None:
                 self._arrived_now(req, agent)
+        finally:
             self._settlement.settle_recv(rid, SCATTERING)
 
     def _arrived_now(self, req: RecvRequest, agent: str) -> None:
