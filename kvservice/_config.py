@@ -22,6 +22,8 @@ __all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
 LOOPS = ("auto", "asyncio", "uvloop")
 #: the most ``metrics_peer_labels`` may be: each label costs ~60 series in ``/metrics``
 MAX_PEER_LABELS = 1024
+#: the largest staging buffer (64 GiB): past it, a typo
+MAX_STAGING_BYTES = 1 << 36
 
 #: UCX settings applied unless ``ucx_env`` or the process's environment sets them.  UCX
 #: writes its log lines (``UCX ERROR connect(...) failed`` when a peer dies) to stdout by
@@ -166,6 +168,11 @@ class ServiceConfig:
     #: peers with series of their own in the per-peer histograms; later ones share peer="other"
     metrics_peer_labels: int = PEER_LABELS
 
+    # -- staging (README "Tensor parallelism", kvservice/memory/_staging.py) ------------
+    #: bytes of the buffer a sender gathers sliced token-major pages through (registered
+    #: once at start, DRAM, token-major pools only); 0: no staging (per-token descriptors)
+    staging_bytes: int = 256 * 1024 * 1024
+
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"layout: expected KVLayout, got {type(self.layout).__name__}")
@@ -198,6 +205,10 @@ class ServiceConfig:
                 f"agent_prefix: letters, digits and '-' only, got {self.agent_prefix!r}"
             )
 
+        if isinstance(self.staging_bytes, bool) or not isinstance(self.staging_bytes, int) \
+                or not 0 <= self.staging_bytes <= MAX_STAGING_BYTES:
+            raise ConfigError(f"staging_bytes: must be an int in 0..{MAX_STAGING_BYTES} (0: no staging), "
+                              f"got {self.staging_bytes!r}")
         self._check_trust()
         if isinstance(self.etcd_endpoints, list):  # from JSON or a table
             object.__setattr__(self, "etcd_endpoints", tuple(self.etcd_endpoints))

@@ -23,13 +23,14 @@ from ._config import ServiceConfig
 from ._control.plane import ControlPlane
 from ._control.protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
 from ._deadlines import Deadlines
-from ._door import DoorError
+from ._door import DoorError, DoorThread
 from ._log import get_logger
 from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from ._settle import Settlement
 from ._stats import Stats
 from ._watchdog import Watchdog
+from .memory._staging import Stager
 
 log = get_logger("kvservice")
 
@@ -39,6 +40,8 @@ PROBE_MAX_S = 5.0
 FENCE_TRIES = 3
 #: the "agent" of a dropped-expect record made by this service's own ``abort()``
 LOCAL = ""
+#: the "agent" a receiver's request is held for while its scatter copies (``memory._staging``)
+SCATTERING = ""
 
 
 class ServiceCore:
@@ -51,6 +54,8 @@ class ServiceCore:
     _watchdog: Watchdog | None
     _control: ControlPlane | None
     _closing: bool
+    _thread: DoorThread | None
+    _stager: Stager | None = None  # memory._staging: this service's staging and its requests
 
     def _init_state(self) -> None:
         results_kept = self.config.results_kept
@@ -206,6 +211,8 @@ class ServiceCore:
             if not result.settled:
                 assert req.peer is not None and req.pages is not None
                 self._settlement.hold(req.request_id, req.peer, int(req.pages.size))
+            elif self._stager is not None:
+                self._stager.received(req.request_id)
         side = "send" if isinstance(req, SendRequest) else "recv"
         self.stats.record(side, result, req.peer)
         if result.ok:
@@ -292,6 +299,28 @@ class ServiceCore:
                     self._arrived(req, agent)
 
     def _arrived(self, req: RecvRequest, agent: str) -> None:
+        if self._stager is not None and self._stager.scatters(req.request_id) and self._tg is not None:
+            self._tg.start_soon(self._scatter, req, agent)  # its pages are in staging yet
+            return
+        self._arrived_now(req, agent)
+
+    async def _scatter(self, req: RecvRequest, agent: str) -> None:
+        """Copy an arrived request from staging into its pages (door thread), then finish it.
+        Held meanwhile: a failure now is not settled before the copy ends."""
+        assert self._stager is not None and self._thread is not None
+        rid = req.request_id
+        self._settlement.hold(rid, SCATTERING, 0)
+        try:
+            await self._thread.call(self._stager.scatter, rid)
+        except (RuntimeError, ValueError) as exc:
+            self._fail(req, FailureReason.BACKEND, f"staging scatter failed: {exc}", error=exc)
+        else:  # (cancelled: the service is closing, which fails it)
+            if req.result is None:
+                self._arrived_now(req, agent)
+        finally:
+            self._settlement.settle_recv(rid, SCATTERING)
+
+    def _arrived_now(self, req: RecvRequest, agent: str) -> None:
         assert req.pages is not None and self._control is not None
         kv = self._control.peer_kv(agent)
         npages = int(req.pages.size)
@@ -366,6 +395,10 @@ class ServiceCore:
             pages = kv.memory.check_pages(msg.pages)
         except ValueError as exc:
             self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, str(exc))
+            return
+        if self._stager is not None and (why := self._stager.expected(agent, rid, kv, msg.staging,
+                                                                      int(pages.size))) is not None:
+            self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, why)  # memory._staging
             return
         req = self._sends.get(rid)
         if req is not None:

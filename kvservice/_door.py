@@ -112,6 +112,8 @@ class PostOp:
     local_idx: npt.NDArray[np.int32]
     remote_idx: npt.NDArray[np.int32]
     notif: bytes
+    #: run on the door thread just before the post (a staging gather: ``memory._staging``)
+    prepare: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -158,6 +160,8 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     for op in plan.posts:
         t0 = time.monotonic()
         try:
+            if op.prepare is not None:
+                _prepare(op.prepare)
             xid, state = door.post(op.peer, op.local_idx, op.remote_idx, op.notif)
         except DoorError as err:
             out.post_times.append((op.peer, time.monotonic() - t0))
@@ -171,6 +175,14 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
         _linger(door, plan, running, out)
     out.live = door.live_xfers()
     return out
+
+
+def _prepare(prepare: Callable[[], None]) -> None:
+    """A post's copy before it (a staging gather); its failure fails that post alone."""
+    try:
+        prepare()
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise DoorError(FailureReason.BACKEND, exc, "staging gather") from exc
 
 
 def _check(door: Door, xfers: list[XferId], out: TickOutcome) -> list[XferId]:

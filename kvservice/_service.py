@@ -55,6 +55,7 @@ from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
+from .memory._staging import NO_CELL, Stager, staging_for
 
 log = get_logger("kvservice")
 
@@ -173,14 +174,20 @@ class TransferService(ServiceCore):
         memory = self._memory
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
-        await self._thread.call(self._door.register, memory.segments, memory.mem_type, table)
+        staging = await self._thread.call(staging_for, memory, cfg.staging_bytes, self.stats.staging)
+        self._stager = Stager(staging, cfg.max_live_requests)  # memory._staging
+        self._settlement.on_settled = self._stager.received
+        segments = memory.segments + ((staging.segment,) if staging is not None else ())
+        await self._thread.call(self._door.register, segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
-        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=memory_to_wire(memory)), key)
+        wire = memory_to_wire(memory, (staging.area.addr, staging.area.nbytes) if staging is not None else (0, 0))
+        local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=wire), key,
+                          staging.area if staging is not None else None)
         self._watchdog = Watchdog(
             self._thread, self._door, memory, self,
             poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
             max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
-            max_post_bytes=cfg.max_post_bytes_per_tick,
+            max_post_bytes=cfg.max_post_bytes_per_tick, stager=self._stager,
         )
         self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
                                      self._transport, self._vetter)
@@ -455,7 +462,8 @@ class TransferService(ServiceCore):
         if req.result is None:
             req.peer = link.agent
             req.started_at = time.monotonic()
-            link.send(Expect(request_id, dst.tolist()))
+            cell = self._stager.take(request_id, self._control.peer_kv(link.agent), dst) if self._stager else NO_CELL
+            link.send(Expect(request_id, dst.tolist(), cell))
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed.
@@ -606,6 +614,7 @@ class TransferService(ServiceCore):
             unsettled_pages=self._settlement.unsettled_pages,
             inflight_handles=wd.inflight if wd else 0,
             live_nixl_handles=wd.live_handles if wd else 0,
+            staging_held_bytes=wd.staging_held if wd else 0,
             peers=self._control.peer_addresses() if self._control else [],
             **({"discovery": self._discovery.registry.status()} if self._discovery else {}),
         )

@@ -35,6 +35,7 @@ and wakes ``await_settled`` callers; the service decides when to settle.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import anyio
 
@@ -50,6 +51,8 @@ class Settlement:
         self._held: dict[tuple[str, str], int] = {}
         self._waiters: dict[tuple[str, str], set[anyio.Event]] = {}  # (side, request id) -> one per waiter
         self.unsettled_pages = 0
+        #: called with a receiver's request id once it is settled (frees its staging range)
+        self.on_settled: Callable[[str], None] | None = None
 
     # -- receiving side ------------------------------------------------------------------
     def hold(self, request_id: str, agent: str, pages: int) -> None:
@@ -89,6 +92,8 @@ class Settlement:
                 result = dataclasses.replace(result, settled=True)
             self._recvs_done.put(request_id, result)
         self._wake("recv", request_id)
+        if self.on_settled is not None:
+            self.on_settled(request_id)
         return True
 
     def settle_agent(self, agent: str) -> int:

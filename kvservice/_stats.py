@@ -33,6 +33,9 @@ class Stats:
     #: "frame", "outbox_overflow", "accept_error", ...): see README "Security"
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     forced_releases: int = 0
+    #: sends through the staging buffer ("gathered") and those that could not ("fallback_full":
+    #: no free range; "fallback_too_large": more than the buffer): memory._staging
+    staging: collections.Counter[str] = field(default_factory=collections.Counter)
     #: refusals are all counted, but logged at most ``Throttle``'s burst per kind and window
     log_throttle: Throttle = field(default_factory=Throttle)
     lag_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=3000))
@@ -83,6 +86,7 @@ class Stats:
             "bytes_received": self.bytes["recv"],
             "stale_notifs": self.stale_notifs,
             "forced_releases": self.forced_releases,
+            "staging": dict(sorted(self.staging.items())),
             "refused": dict(sorted(self.refused.items())),
             "loop_lag_p99_s": self.lag_quantile(0.99),
             "loop_lag_max_s": self.max_lag_s,

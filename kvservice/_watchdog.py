@@ -34,6 +34,7 @@ from ._requests import SendRequest
 from ._results import FailureReason
 from ._stats import Stats
 from .memory._regions import KVMemory
+from .memory._staging import Stager
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop
@@ -61,7 +62,7 @@ class Watchdog:
         self, thread: DoorThread, door: Door, memory: KVMemory, owner: Owner, *,
         poll_interval: float, idle_interval: float, max_posts: int, max_checks: int,
         max_post_bytes: int,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float] | None = None, stager: Stager | None = None,
     ) -> None:
         self._thread = thread
         self._door = door
@@ -73,6 +74,7 @@ class Watchdog:
         self._max_post_bytes = max_post_bytes
         self._max_checks = max_checks
         self._clock = clock or time.monotonic  # looked up now, so the simulation's patched clock applies
+        self._stager = stager  # sends through staging hold a range of it until released
         self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []
@@ -154,6 +156,8 @@ class Watchdog:
 
     def _settle_if_released(self, req: SendRequest) -> None:
         if req.finished and req.posting == 0 and req.releasing == 0:
+            if self._stager is not None:  # nothing of it is posted any more: its range is free
+                self._stager.sent(req)
             self._owner.released(req)
 
     def wake(self) -> None:
@@ -163,6 +167,11 @@ class Watchdog:
     @property
     def inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def staging_held(self) -> int:
+        """Bytes of the staging buffer that sends hold now."""
+        return self._stager.held_bytes if self._stager is not None else 0
 
     # -- the task -------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -327,7 +336,14 @@ class Watchdog:
         if req.fence_src is None:
             req.fence_src = chunk
         dst = req.dest[chunk.pos : chunk.pos + src.size]
-        local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)
+        prepare = None
+        staged = (self._stager.indices(req, req.peer, req.request_id, kv, src, dst, chunk.pos, chunk.lo, chunk.hi,
+                                       int(req.dest.size))
+                  if self._stager is not None and (kv.gather is not None or kv.scatter is not None) else None)
+        if staged is not None:  # memory._staging
+            local_idx, remote_idx, prepare = staged
+        else:
+            local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)
         number = req.chunks_posted
         req.chunks_posted += 1
         req.posting += 1
@@ -340,4 +356,5 @@ class Watchdog:
             peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
             notif=encode_notif(ChunkNotif(req.request_id, number, total, req.payload if last else None),
                                req.notif_key),
+            prepare=prepare,
         )

@@ -19,6 +19,7 @@ from .._trust import checks
 from .._trust.handshake import NONCE_BYTES, LinkSecrets
 from ..memory._pairing import PeerKV
 from ..memory._regions import KVMemory
+from ..memory._staging import StagingArea
 from .links import PeerLink
 from .preauth import EVICTED, LIMIT, SOURCE_LIMIT
 from .protocol import PROTOCOL_VERSION, Hello, Join, Message, Reject
@@ -47,6 +48,7 @@ class LocalPeer:
     memory: KVMemory
     join: Join  # our NIXL metadata and KV memory, sent to authenticated peers only
     key: bytes | None  # the cluster's shared key; None: unauthenticated (loopback)
+    staging: StagingArea | None = None  # sends may gather through it (memory._staging)
 
 
 @dataclass(eq=False)

@@ -62,6 +62,7 @@ from .._trust.handshake import (
 )
 from .._trust.vetting import MetadataVetter
 from ..memory._pairing import PeerKV
+from ..memory._staging import area_from_wire
 from .accept import accept_loop
 from .addressbook import AddressBook
 from .addresses import join_address
@@ -366,7 +367,11 @@ class ControlPlane:
             if theirs is not None:  # a real peer of another model: its engine waits on us
                 self._events.on_incompatible(hello.agent, dialled or hello.address, dialled is not None, why)
             raise IncompatiblePeer(why, theirs or why)
-        kv = PeerKV.of(self._local.memory, memory)
+        try:
+            staging_there = area_from_wire(join.memory.staging_addr, join.memory.staging_bytes)
+        except ValueError as exc:
+            raise ProtocolError(f"invalid KV memory: {exc}", "incompatible") from exc
+        kv = PeerKV.of(self._local.memory, memory, self._local.staging, staging_there)
         try:
             canon = await self.canonical(hello.address)
         except (OSError, ValueError) as exc:

@@ -41,7 +41,9 @@ T = TypeVar("T")
 #: 3: Join describes the KV memory as regions (``MemoryWire``); ChunkNotif carries a payload
 #: 4: the Join travels as ``Sealed`` (encrypted when keyed); notifications carry a MAC;
 #:    ``Hello.probe``
-PROTOCOL_VERSION = 4
+#: 5: ``MemoryWire`` names the staging buffer, ``Expect.staging`` a range of it (a peer of
+#:    version 4 would ignore the range and write where the receiver does not look)
+PROTOCOL_VERSION = 5
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 #: the largest frame read before the peer has proved the key (Hello, Proof, Reject)
@@ -109,6 +111,9 @@ class MemoryWire(msgspec.Struct, frozen=True):
     mem_type: _Name = "DRAM"
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     tp_rank: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
+    #: its staging buffer (``memory._staging``: sliced token-major pages land there); 0 bytes: none
+    staging_addr: _U64 = 0
+    staging_bytes: _U64 = 0
 
 
 class Join(msgspec.Struct, tag="join", frozen=True):
@@ -135,6 +140,8 @@ class Expect(msgspec.Struct, tag="expect", frozen=True):
 
     request_id: RequestId
     pages: list[int]
+    #: the first cell of the receiver's staging this request lands in (``memory._staging``); -1: none
+    staging: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):

@@ -185,7 +185,8 @@ def engine_lines(results: dict[str, Any]) -> list[str]:
                 f"{_f(raw.get('jain'), '.3f'):>8} {_f(kv.get('jain'), '.3f'):>5} "
                 f"{_f(raw.get('min_over_max')):>11} {_f(kv.get('min_over_max')):>5}")
         lines.append("descs: index entries posted per run (before NIXL merges adjacent ones); nhd/hnd: GB/s of "
-                     "token-major (sliced: a run per token) over head-major pages at the same TP pair; "
+                     "token-major (sliced: raw posts a run per token, kvservice goes through staging) over "
+                     "head-major pages at the same TP pair; "
                      "fair: Jain's index of per-peer GB/s")
     for c in eng["cases"]:
         if c["part"] == "layerwise":

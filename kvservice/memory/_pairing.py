@@ -9,15 +9,23 @@ region, which bytes of a source page go to which bytes of a destination page:
   pages (``HND``) keep a head range contiguous, so still one descriptor per page;
   token-major pages (``NHD``) hold it as one run per token, so the pair uses
   ``tokens`` descriptors per page per region on *both* sides (entry *i* of the
-  source list always pairs with entry *i* of the destination list).  No staging
-  copy: NIXL moves the runs directly (the benchmark's TP cases measure the cost).
+  source list always pairs with entry *i* of the destination list).  Through a
+  staging buffer (``_staging``) the same bytes move as one descriptor per page per
+  region: when only the source is sliced (it holds more heads, e.g. prefill tp 1
+  -> decode tp 2) the sender *gathers* them into its staging; when only the
+  destination is, the sender writes whole pages into the receiver's staging and the
+  receiver *scatters* them.  The per-token descriptors stay in the tables: a
+  request that finds no staging room, and the settle fence, use them (the
+  benchmark's TP cases measure both).
 
 A pair's descriptor tables are region-major, then page, then run::
 
     index(region, page, run) = (region * num_pages + page) * runs + run
 
 so a request's index arrays are one broadcast add, and a run of adjacent pages
-of one region stays adjacent in the list.
+of one region stays adjacent in the list.  A gathering pair's tables go on: the
+local one with the staging buffer's cells, the remote one with every whole page
+of every destination region (``Gather.local_base``, ``remote_base``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy.typing as npt
 
 from ._layout import PageIndex
 from ._regions import KVMemory, Region, View, regions_table, views_table
+from ._staging import Route, StagingArea, route
 
 
 def head_range(memory: KVMemory) -> tuple[int, int]:
@@ -77,6 +86,12 @@ class Pair:
     src_views: tuple[View, ...]
     dst_views: tuple[View, ...]
     runs: int
+    #: only the source is sliced, token-major: byte offset of the shared heads in each of
+    #: its tokens (a gather through staging may serve it); None otherwise
+    gather_col: int | None = None
+    #: only the destination is sliced, token-major: the same offset in its tokens (the
+    #: receiver may scatter from its staging)
+    scatter_col: int | None = None
     #: bytes moved per page across every layer (read on every post: computed once)
     page_bytes: int = field(init=False)
     #: the source side moves whole pages: its plain regions table serves
@@ -138,7 +153,12 @@ def pair(src: KVMemory, dst: KVMemory) -> Pair | str:
     if len(src.regions) * src.num_pages * runs > np.iinfo(np.int32).max or \
             len(dst.regions) * dst.num_pages * runs > np.iinfo(np.int32).max:
         return "descriptor indices of this pair overflow int32"
-    return Pair(src, dst, src_views, dst_views, runs)
+    gather_col = scatter_col = None
+    if runs > 1 and hi_d - lo_d == first_d.heads and len({r.page_bytes for r in dst.regions}) == 1:
+        gather_col = src_views[0].offset  # every source region slices the same heads
+    if runs > 1 and hi_s - lo_s == first_s.heads and len({r.page_bytes for r in src.regions}) == 1:
+        scatter_col = dst_views[0].offset
+    return Pair(src, dst, src_views, dst_views, runs, gather_col, scatter_col)
 
 
 class Indexer:
@@ -177,24 +197,48 @@ class PeerKV:
     indexer: Indexer | None
     #: bytes per page (all layers) a request it sends us moves
     inbound_page_bytes: int
+    #: sends to it gather through our staging (``_staging``); or scatter: write into its
+    #: staging (``remote_staging``), from which it copies into its pages
+    gather: Route | None = None
+    scatter: Route | None = None
+    remote_staging: StagingArea | None = None
+    gather_area: StagingArea | None = None  # ours, when sends to it gather
+    #: requests it sends us may land in our staging (``_staging``: the receiver's scatter)
+    scatter_in: Route | None = None
 
     @classmethod
-    def of(cls, local: KVMemory, remote: KVMemory) -> PeerKV:
+    def of(cls, local: KVMemory, remote: KVMemory, staging: StagingArea | None = None,
+           remote_staging: StagingArea | None = None) -> PeerKV:
         out = pair(local, remote)
         back = pair(remote, local)
         inbound = back.page_bytes if isinstance(back, Pair) else 0
-        if isinstance(out, Pair):
-            return cls(remote, out, None, Indexer(out), inbound)
-        return cls(remote, None, out, None, inbound)
+        scatter_in = route(back, staging, gather=False) if isinstance(back, Pair) else None
+        if not isinstance(out, Pair):
+            return cls(remote, None, out, None, inbound, scatter_in=scatter_in)
+        gather = route(out, staging, gather=True)
+        scatter = route(out, remote_staging, gather=False)
+        return cls(remote, out, None, Indexer(out), inbound, gather, scatter, remote_staging,
+                   staging if gather is not None else None, scatter_in)
 
     def tables(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64] | None]:
         """The peer's descriptor table, and ours for this peer when it is not the plain one
         (built on the door thread: a large pool's tables take milliseconds)."""
         if self.out is None:  # nothing will be posted to it: its plain table (for NIXL's sake)
             return regions_table(self.memory.regions, self.memory.num_pages), None
-        return self.out.dst_table(), None if self.out.whole else self.out.src_table()
+        out = self.out
+        if self.gather is not None and self.gather_area is not None:
+            return (np.concatenate([out.dst_table(), regions_table(out.dst.regions, out.dst.num_pages)]),
+                    np.concatenate([out.src_table(), self.gather_area.table(self.gather.cell)]))
+        if self.scatter is not None and self.remote_staging is not None:
+            return (np.concatenate([out.dst_table(), self.remote_staging.table(self.scatter.cell)]),
+                    np.concatenate([out.src_table(), regions_table(out.src.regions, out.src.num_pages)]))
+        return out.dst_table(), None if out.whole else out.src_table()
 
     @property
-    def local_key(self) -> tuple[View, ...] | None:
+    def local_key(self) -> tuple[object, ...] | None:
         """Identifies our table for this peer among peers (None: the plain one)."""
-        return None if self.out is None or self.out.whole else self.out.src_views
+        if self.out is None or (self.out.whole and self.gather is None and self.scatter is None):
+            return None
+        if self.gather is not None:
+            return (*self.out.src_views, "gather", self.gather.cell)
+        return (*self.out.src_views, "scatter") if self.scatter is not None else self.out.src_views

@@ -237,9 +237,11 @@ def regions_table(regions: Sequence[Region], num_pages: int) -> npt.NDArray[np.u
     return views_table(regions, tuple(View(0, 1, 0, r.page_bytes) for r in regions), num_pages)
 
 
-def memory_to_wire(memory: KVMemory) -> MemoryWire:
+def memory_to_wire(memory: KVMemory, staging: tuple[int, int] = (0, 0)) -> MemoryWire:
+    """``memory`` as peers see it; ``staging``: this service's staging buffer (address, bytes)."""
     return MemoryWire(
         num_pages=memory.num_pages, mem_type=memory.mem_type, tp_size=memory.tp_size, tp_rank=memory.tp_rank,
+        staging_addr=staging[0], staging_bytes=staging[1],
         regions=[RegionWire(r.addr, r.page_stride, r.layer, r.kind, r.dtype, r.tokens, r.heads, r.head_dim,
                             r.order, r.device_id) for r in memory.regions])
 
