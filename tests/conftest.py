@@ -2,15 +2,27 @@
 
 The two-process integration tests run the in-process service on both event
 loops kvservice supports, asyncio's default loop and uvloop (child processes
-use uvloop when installed, through ``kvservice._runtime.run``)."""
+use uvloop when installed, through ``kvservice._runtime.run``).
+
+Every NIXL agent the tests make, in this process or a child, starts with this host's
+UCX defaults (``kvservice._config.host_ucx_defaults``): a service applies them to
+its own agent, but raw agents (the forger, the door tests, the bench's raw baseline)
+would otherwise load UCX's RDMA modules on a host with libibverbs and no device,
+and the process that made one (pytest itself, too) would crash as it exits."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Mapping
 
 import pytest
 import uvloop
+
+from kvservice._config import host_ucx_defaults
+
+for _name, _value in host_ucx_defaults().items():
+    os.environ.setdefault(_name, _value)
 
 BOTH_LOOPS = {"tests/integration/test_two_process.py", "tests/faults/test_bad_input.py"}
 
