@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvservice._config import host_ucx_defaults
-
 #: environment every child gets: loopback only, quiet logs (two-host runs replace the UCX part)
 CHILD_ENV: dict[str, str | None] = {"UCX_NET_DEVICES": "lo", "KVSERVICE_LOG_LEVEL": "error",
                                     "PYTHONUNBUFFERED": "1"}
@@ -28,6 +26,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 
 def child_environ(extra: dict[str, str | None] | None = None) -> dict[str, str]:
     """This process's environment with ``CHILD_ENV`` and ``extra`` applied; ``None`` removes a variable."""
+    # imported here, in the driver: children import this module under another kvservice
+    # version too (benchmarks/compare), which may not have it
+    from kvservice._config import host_ucx_defaults
+
     env = dict(os.environ)
     for name, default in host_ucx_defaults().items():  # the raw baselines' agents too (not through ServiceConfig)
         env.setdefault(name, default)
