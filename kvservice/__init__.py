@@ -6,7 +6,6 @@ and the original error, never an exception that takes the caller down.
 """
 
 from ._config import ServiceConfig
-from ._requests import TransferHandle
 from ._results import (
     AuthenticationError,
     ConfigError,
@@ -24,6 +23,7 @@ from ._results import (
 from ._runtime import freeze_startup_objects
 from ._service import TransferService
 from ._tp import TensorParallel
+from ._transfer.requests import TransferHandle
 from .memory import KVMemory
 from .memory._layout import KVLayout
 from .memory._pool import KVPool

@@ -25,20 +25,10 @@ from ._control.peers import LocalPeer
 from ._control.plane import ControlPlane
 from ._control.protocol import Abort, Expect, Join, Settled
 from ._control.transport import Transport
-from ._core import LOCAL, ServiceCore
-from ._door import Door, DoorError, DoorThread
 from ._log import get_logger
 from ._metrics import ServiceCollector
+from ._nixl.door import Door, DoorError, DoorThread
 from ._peertimes import PeerTimes
-from ._requests import (
-    Chunk,
-    RecvRequest,
-    SendRequest,
-    TransferHandle,
-    check_request_id,
-    make_result,
-    place,
-)
 from ._results import (
     ConfigError,
     FailureReason,
@@ -49,8 +39,18 @@ from ._results import (
     UnknownRequestError,
 )
 from ._stats import Stats
+from ._transfer.plane import LOCAL, ServiceCore
+from ._transfer.requests import (
+    Chunk,
+    RecvRequest,
+    SendRequest,
+    TransferHandle,
+    check_request_id,
+    make_result,
+    place,
+)
+from ._transfer.watchdog import Watchdog
 from ._trust.vetting import MetadataVetter
-from ._watchdog import Watchdog
 from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
@@ -64,7 +64,7 @@ Pages = Sequence[int] | npt.NDArray[Any]
 
 
 def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:
-    from ._nixl import NixlDoor
+    from ._nixl.agent import NixlDoor
 
     return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_environment)
 

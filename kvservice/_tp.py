@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._requests import TransferHandle
 from ._results import TransferResult, TransferStatus
+from ._transfer.requests import TransferHandle
 
 if TYPE_CHECKING:
     from ._service import Pages, TransferService

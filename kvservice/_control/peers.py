@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from .._door import Door, DoorError
+from .._nixl.door import Door, DoorError
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._trust import checks
 from .._trust.handshake import NONCE_BYTES, LinkSecrets

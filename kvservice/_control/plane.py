@@ -45,11 +45,11 @@ import anyio
 import anyio.abc
 
 from .._config import ServiceConfig
-from .._door import Door, DoorError, DoorThread
 from .._log import get_logger
-from .._requests import Recent
+from .._nixl.door import Door, DoorError, DoorThread
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._stats import Stats
+from .._transfer.requests import Recent
 from .._trust import checks
 from .._trust.handshake import (
     ACCEPTOR,

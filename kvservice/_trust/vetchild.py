@@ -58,7 +58,7 @@ def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[2]))
     requests = sock.makefile("rb")
     try:
-        from .._nixl import TrialLoader
+        from .._nixl.agent import TrialLoader
 
         loader = TrialLoader(config["agent"], ucx_env=config["ucx_env"])
         loader.warm_up()  # an error here shows in the first real load's answer

@@ -48,7 +48,6 @@ import numpy.typing as npt
 from .._control.addresses import split_address
 from .._control.links import CONNECTION_ERRORS, FramedStream
 from .._control.protocol import FrameError
-from .._requests import Recent, check_request_id
 from .._results import (
     FailureReason,
     KVPoll,
@@ -58,6 +57,7 @@ from .._results import (
     TransferStatus,
     UnknownRequestError,
 )
+from .._transfer.requests import Recent, check_request_id
 from .._trust.peercred import PeerCred
 from ..discovery.member import MAX_ROLE_CHARS, Member
 from ..memory._layout import KVLayout

@@ -9,7 +9,7 @@ import anyio
 import anyio.abc
 
 from .._log import Throttle
-from .._requests import Recent, TransferHandle
+from .._transfer.requests import Recent, TransferHandle
 from .._trust.peercred import PeerCred
 from .wire import ClientMessage, SocketFrames
 

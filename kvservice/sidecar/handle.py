@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from .._requests import HandleBase
 from .._results import KVPoll, TransferResult
+from .._transfer.requests import HandleBase
 from .wire import ServerMessage
 
 

@@ -33,9 +33,9 @@ from .._control.accept import accept_loop
 from .._control.links import CONNECTION_ERRORS
 from .._control.protocol import FrameError
 from .._log import get_logger
-from .._requests import Recent
 from .._results import KVServiceError, UnknownRequestError
 from .._service import TransferService
+from .._transfer.requests import Recent
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
 from .calls import WorkerCalls
 from .connection import Connection, ServerCounters

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from kvservice import KVLayout, ServiceConfig, TransferService
-from kvservice._nixl import NixlDoor
+from kvservice._nixl.agent import NixlDoor
 from kvservice._peerproc import pattern
 from kvservice._runtime import run
 

@@ -23,8 +23,8 @@ import structlog
 
 from kvservice import FailureReason, ServiceConfig, TransferService
 from kvservice._control.protocol import MAX_REGIONS, Expect, Hello, Join, Ping, Proof, frame
-from kvservice._door import DoorThread
-from kvservice._nixl import NixlDoor
+from kvservice._nixl.agent import NixlDoor
+from kvservice._nixl.door import DoorThread
 from kvservice._peerproc import PeerProcess, pattern
 from kvservice._trust.handshake import DIALER, prove
 from kvservice._trust.keys import generate_key, load_key

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from kvservice import KVPoll, TransferService
 from kvservice._control.addresses import split_address
 from kvservice._control.protocol import NOTIF_MAGIC, PROTOCOL_VERSION, ChunkNotif, encode_notif, frame
-from kvservice._door import DoorThread
-from kvservice._nixl import NixlDoor
+from kvservice._nixl.agent import NixlDoor
+from kvservice._nixl.door import DoorThread
 from kvservice._peerproc import pattern
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, config, register_pool

@@ -27,8 +27,8 @@ import pytest
 
 from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Join, Message, Reject
-from kvservice._door import DoorThread
-from kvservice._nixl import NixlDoor
+from kvservice._nixl.agent import NixlDoor
+from kvservice._nixl.door import DoorThread
 from kvservice._peerproc import PeerProcess
 from kvservice.memory._pool import KVPool
 from tests.faults.test_hostile_peers import legit_transfer

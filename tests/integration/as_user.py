@@ -20,7 +20,7 @@ def warm_up() -> None:
     import anyio
     import torch  # noqa: F401
 
-    import kvservice._nixl
+    import kvservice._nixl.agent
     import kvservice._runtime
     import kvservice._service
     import kvservice.memory.synthetic

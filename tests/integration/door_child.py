@@ -9,7 +9,7 @@ import select
 import sys
 import time
 
-from kvservice._nixl import NixlDoor
+from kvservice._nixl.agent import NixlDoor
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, register_pool
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvservice import FailureReason
-from kvservice._door import DoorError, XferState
-from kvservice._nixl import NixlDoor
+from kvservice._nixl.agent import NixlDoor
+from kvservice._nixl.door import DoorError, XferState
 from kvservice.memory._pool import KVPool
 from tests.helpers import LOOPBACK_UCX, SMALL, plane_indices, pool_table, register_pool
 

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvservice._door import Door, TickOutcome, TickPlan, XferId, _check, run_tick
+from kvservice._nixl.door import Door, TickOutcome, TickPlan, XferId, _check, run_tick
 
 T = TypeVar("T")
 

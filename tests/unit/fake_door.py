@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvservice._config import ServiceConfig
-from kvservice._door import DoorError, LocalTable, XferId, XferState
+from kvservice._nixl.door import DoorError, LocalTable, XferId, XferState
 from kvservice._results import FailureReason
 
 

@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, Overloaded
-from kvservice._requests import EarlyExpects
+from kvservice._transfer.requests import EarlyExpects
 from kvservice.memory._layout import KVLayout
 from tests.helpers import eventually
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice._door import DoorError
-from kvservice._nixl import NIXL_ERRORS, classify
+from kvservice._nixl.agent import NIXL_ERRORS, classify
+from kvservice._nixl.door import DoorError
 from kvservice._results import FailureReason
 
 nb = pytest.importorskip("nixl._bindings")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import anyio
 
 from kvservice import FailureReason, KVPoll, TransferStatus
-from kvservice._deadlines import Deadlines
+from kvservice._transfer.deadlines import Deadlines
 
 from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, two_services, unit_config

@@ -8,7 +8,7 @@ import gc
 import anyio
 import anyio.lowlevel
 
-from kvservice._requests import RecvRequest, SendRequest
+from kvservice._transfer.requests import RecvRequest, SendRequest
 
 
 def _req() -> SendRequest:

@@ -9,7 +9,7 @@ import torch
 
 from kvservice import KVPool
 from kvservice._control.protocol import ChunkNotif, encode_notif
-from kvservice._door import DoorError, PostOp, TickPlan, XferState, run_tick
+from kvservice._nixl.door import DoorError, PostOp, TickPlan, XferState, run_tick
 from kvservice._results import FailureReason
 from tests.helpers import SMALL, plane_indices, pool_table, register_pool
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvservice import TensorParallel, TransferService
-from kvservice._requests import place
+from kvservice._transfer.requests import place
 from kvservice.memory import KVMemory, Region, from_regions, mla, sglang_mha, vllm_blocks, vllm_cpu_blocks
 from kvservice.memory._pairing import Indexer, Pair, compare, pair
 from kvservice.memory._regions import memory_from_wire, memory_to_wire, regions_table

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvservice import ConfigError, ServiceConfig
-from kvservice._door import DoorError, PostOp, TickPlan, run_tick
+from kvservice._nixl.door import DoorError, PostOp, TickPlan, run_tick
 from kvservice._peertimes import OTHER, POST_BUCKETS, XFER_BUCKETS, PeerTimes
 from kvservice._results import FailureReason, TransferResult, TransferStatus
 from kvservice._stats import Stats

@@ -6,9 +6,9 @@ from __future__ import annotations
 import anyio
 
 from kvservice import FailureReason, TransferStatus
-from kvservice._requests import Recent
 from kvservice._results import TransferResult
-from kvservice._settle import Settlement
+from kvservice._transfer.requests import Recent
+from kvservice._transfer.settle import Settlement
 
 
 def book() -> tuple[Settlement, Recent[str, TransferResult]]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._control.addresses import split_address
-from ..._requests import check_request_id
+from ..._transfer.requests import check_request_id
 
 #: the key of the hand-off inside ``kv_transfer_params``
 KEY = "kvservice"

@@ -10,15 +10,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Generic, NoReturn, Protocol, TypeVar
 
-from ._door import XferId
-from ._results import (
+from .._nixl.door import XferId
+from .._results import (
     FailureReason,
     KVPoll,
     TransferResult,
     TransferStatus,
 )
-from .memory._layout import PageIndex
-from .memory._pairing import PeerKV
+from ..memory._layout import PageIndex
+from ..memory._pairing import PeerKV
 
 
 class DoneEvent(Protocol):

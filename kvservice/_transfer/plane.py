@@ -19,18 +19,18 @@ import anyio.abc
 import numpy as np
 import numpy.typing as npt
 
-from ._config import ServiceConfig
-from ._control.plane import ControlPlane
-from ._control.protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
-from ._deadlines import Deadlines
-from ._door import DoorError, DoorThread
-from ._log import get_logger
-from ._requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
-from ._results import FailureReason, Overloaded, TransferResult, TransferStatus
-from ._settle import Settlement
-from ._stats import Stats
-from ._watchdog import Watchdog
-from .memory._staging import Stager
+from .._config import ServiceConfig
+from .._control.plane import ControlPlane
+from .._control.protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
+from .._log import get_logger
+from .._nixl.door import DoorError, DoorThread
+from .._results import FailureReason, Overloaded, TransferResult, TransferStatus
+from .._stats import Stats
+from ..memory._staging import Stager
+from .deadlines import Deadlines
+from .requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
+from .settle import Settlement
+from .watchdog import Watchdog
 
 log = get_logger("kvservice")
 

@@ -28,13 +28,13 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from ._control.protocol import FENCE, ChunkNotif, encode_notif
-from ._door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
-from ._requests import SendRequest
-from ._results import FailureReason
-from ._stats import Stats
-from .memory._regions import KVMemory
-from .memory._staging import Stager
+from .._control.protocol import FENCE, ChunkNotif, encode_notif
+from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
+from .._results import FailureReason
+from .._stats import Stats
+from ..memory._regions import KVMemory
+from ..memory._staging import Stager
+from .requests import SendRequest
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop

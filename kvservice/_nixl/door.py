@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ._results import FailureReason
+from .._results import FailureReason
 
 XferId = int
 T = TypeVar("T")

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._door import DoorError, LocalTable, Segment, XferId, XferState
-from ._log import get_logger
-from ._results import FailureReason, NixlUnavailable
+from .._log import get_logger
+from .._results import FailureReason, NixlUnavailable
+from .door import DoorError, LocalTable, Segment, XferId, XferState
 
 log = get_logger("kvservice.nixl")
 

@@ -39,8 +39,8 @@ from collections.abc import Callable
 
 import anyio
 
-from ._requests import Recent
-from ._results import FailureReason, TransferResult, TransferStatus
+from .._results import FailureReason, TransferResult, TransferStatus
+from .requests import Recent
 
 
 class Settlement:

@@ -1,0 +1,20 @@
+"""The one door to NIXL: the only package of kvservice that imports ``nixl``.
+
+Everything above it speaks kvservice's types; nothing above it ever holds a NIXL
+handle, and no NIXL exception crosses it except as the ``original`` of a
+``DoorError`` (which carries a ``FailureReason``).
+
+- ``door``: the interface every layer above NIXL speaks (``Door``, a protocol), its
+  errors (``DoorError``), the tick the watchdog runs in one door call (``run_tick``), and
+  ``DoorThread``, the one thread every door call runs on.  No ``nixl`` import.
+- ``agent``: ``NixlDoor``, the door over a real ``nixl_agent``; NIXL's exceptions mapped
+  to failure reasons (``classify``); ``TrialLoader``, what the vetting child
+  (``_trust.vetchild``) loads peers' metadata with, so that child too reaches NIXL only
+  here.  It imports ``nixl``, lazily where it can: ``import kvservice`` never needs it.
+
+Who may call it: the request plane (``_transfer``: the watchdog posts and checks), the
+control plane (``_control``: loading and unloading peers), the service's lifetime
+(``_service``: creating and closing the agent) and the vetting child.  Unit tests put a
+scripted fake behind the same interface (``kvservice.testing``); integration and fault
+tests drive the real one.
+"""

@@ -1,0 +1,1 @@
+"""The request plane (being moved here); see plane.py."""
