@@ -22,6 +22,7 @@ from ._results import (
 )
 from ._runtime import freeze_startup_objects
 from ._service import TransferService
+from ._stats import ServiceStatus
 from ._tp import TensorParallel
 from ._transfer.requests import TransferHandle
 from .memory import KVMemory
@@ -44,6 +45,7 @@ __all__ = [
     "Overloaded",
     "ProtocolError",
     "ServiceConfig",
+    "ServiceStatus",
     "SidecarClient",
     "TensorParallel",
     "TransferFailed",

@@ -15,7 +15,7 @@ docs/sidecar.md ("Operations").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -31,7 +31,7 @@ class Measured(Protocol):
 
     @property
     def stats(self) -> Stats: ...
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> Mapping[str, Any]: ...
 
 __all__ = ["ServiceCollector", "peer_families", "refused_family", "service_families", "service_refusals"]
 

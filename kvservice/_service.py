@@ -1,16 +1,16 @@
-"""``TransferService``: the public API and the service's lifetime (the request state
-machine it drives is ``_core.ServiceCore``).
+"""``TransferService``: the public API and the service's lifetime.
 
-Threading: everything here runs on the event loop.  NIXL is reached only
-through the ``Door``, on the ``DoorThread``.  Peer links live in ``_control``.
+It checks arguments, resolves names, and owns the lifetime (``async with``): entering
+creates the NIXL agent (``_nixl``), registers the KV memory and builds the request
+plane (``_transfer.RequestPlane``), which builds the watchdog and the control plane;
+every request operation is handed to that plane.  Everything here runs on the event
+loop; NIXL is reached only through the door, on the ``DoorThread``.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -22,40 +22,23 @@ import numpy.typing as npt
 from ._config import ServiceConfig
 from ._control.addresses import split_address
 from ._control.peers import LocalPeer
-from ._control.plane import ControlPlane
-from ._control.protocol import Abort, Expect, Join, Settled
+from ._control.protocol import Join
 from ._control.transport import Transport
 from ._log import get_logger
 from ._metrics import ServiceCollector
-from ._nixl.door import Door, DoorError, DoorThread
+from ._nixl.door import Door, DoorThread
 from ._peertimes import PeerTimes
-from ._results import (
-    ConfigError,
-    FailureReason,
-    KVPoll,
-    KVServiceError,
-    TransferResult,
-    TransferStatus,
-    UnknownRequestError,
-)
-from ._stats import Stats
-from ._transfer.plane import LOCAL, ServiceCore
-from ._transfer.requests import (
-    Chunk,
-    RecvRequest,
-    SendRequest,
-    TransferHandle,
-    check_request_id,
-    make_result,
-    place,
-)
-from ._transfer.watchdog import Watchdog
+from ._results import ConfigError, KVPoll, KVServiceError, TransferResult, UnknownRequestError
+from ._stats import RequestCounts, ServiceStatus, Stats
+from ._transfer.inbound import Inbound
+from ._transfer.plane import RequestPlane
+from ._transfer.requests import RecvRequest, TransferHandle, check_request_id
 from ._trust.vetting import MetadataVetter
 from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
-from .memory._staging import NO_CELL, Stager, staging_for
+from .memory._staging import Stager, staging_for
 
 log = get_logger("kvservice")
 
@@ -69,7 +52,7 @@ def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:
     return NixlDoor(agent_name, progress_thread=config.progress_thread, ucx_env=config.ucx_environment)
 
 
-class TransferService(ServiceCore):
+class TransferService:
     """Moves KV pages between services over NIXL; every transfer ends as a result.
 
     Use as ``async with TransferService(config) as svc:``.  Entering creates the
@@ -103,14 +86,11 @@ class TransferService(ServiceCore):
         self._thread: DoorThread | None = None
         self._door: Door | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._watchdog: Watchdog | None = None
-        self._control: ControlPlane | None = None
         self._vetter: MetadataVetter | None = None
-        self._closing = False
+        self._plane: RequestPlane | None = None  # built once the door and the memory are
         self._discovery: Discovery | None = None  # discovery = "etcd"
         self.stats = Stats(peers=PeerTimes(self.config.metrics_peer_labels))
         self.address = ""
-        self._init_state()
 
     @property
     def kv(self) -> KVPool:
@@ -142,8 +122,8 @@ class TransferService(ServiceCore):
                 await self._tg.__aexit__(None, None, None)
             finally:
                 self._close_door()
-                if self._control is not None:
-                    await self._control.close_listeners()
+                if self._plane is not None:
+                    await self._plane.control.close_listeners()
             raise
         return self
 
@@ -175,27 +155,21 @@ class TransferService(ServiceCore):
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
         staging = await self._thread.call(staging_for, memory, cfg.staging_bytes, self.stats.staging)
-        self._stager = Stager(staging, cfg.max_live_requests)  # memory._staging
-        self._settlement.on_settled = self._stager.received
         segments = memory.segments + ((staging.segment,) if staging is not None else ())
         await self._thread.call(self._door.register, segments, memory.mem_type, table)
         metadata = await self._thread.call(self._door.metadata)
         wire = memory_to_wire(memory, (staging.area.addr, staging.area.nbytes) if staging is not None else (0, 0))
         local = LocalPeer(self.agent_name, memory, Join(metadata=metadata, memory=wire), key,
                           staging.area if staging is not None else None)
-        self._watchdog = Watchdog(
-            self._thread, self._door, memory, self,
-            poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
-            max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
-            max_post_bytes=cfg.max_post_bytes_per_tick, stager=self._stager,
-        )
-        self._control = ControlPlane(cfg, self._thread, self._door, self, local, self.stats, self._tg,
-                                     self._transport, self._vetter)
-        self.address = await self._control.listen()
-        await self._tg.start(self._watchdog.run)
+        plane = self._plane = RequestPlane(
+            cfg, self.stats, self._tg, self._thread, self._door, local, Stager(staging, cfg.max_live_requests),
+            Inbound, transport=self._transport, vetter=self._vetter)
+        self.address = await plane.control.listen()
+        await self._tg.start(plane.watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         if cfg.discovery == "etcd":
-            self._discovery = Discovery(self)
+            self._discovery = Discovery(cfg, self.stats, agent=self.agent_name, address=self.address,
+                                        memory=memory, load=self._load, drop=plane.drop_agent)
             await self._discovery.start(self._tg)
         log.info("service.started", address=self.address, agent=self.agent_name,
                  kv_bytes=memory.nbytes, regions=len(memory.regions), authenticated=key is not None)
@@ -204,26 +178,17 @@ class TransferService(ServiceCore):
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        assert self._tg is not None and self._control is not None
-        self._closing = True
+        assert self._tg is not None and self._plane is not None
+        plane = self._plane
+        plane.closing = True
         grace = self.config.drain_grace_s if exc is None else 0.0
         with anyio.CancelScope(shield=True):
             # New peers are refused (Reject "shutting_down") but the port stays open until
             # our NIXL agent is closed: a peer that finds it refusing connections may take
             # us for gone (what it holds of ours settles then).
-            self._control.refuse_new_peers()
-            with anyio.move_on_after(grace):
-                while self._sends or self._recvs:
-                    self._idle = anyio.Event()
-                    await self._idle.wait()
-            for sreq in list(self._sends.values()):
-                self._fail(sreq, FailureReason.SHUTDOWN, "service shut down before completion")
-            for rreq in list(self._recvs.values()):
-                self._fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival")
-            if self._watchdog is not None:
-                await self._watchdog.stop()
-                await self._watchdog.tick()  # the last releases (and what they settle), before the Bye
-            await self._control.close_all(timeout=1.0)
+            plane.control.refuse_new_peers()
+            await plane.drain(grace)  # the last releases (and what they settle), before the Bye
+            await plane.control.close_all(timeout=1.0)
             if self._discovery is not None:
                 await self._discovery.registry.leave()
             self._tg.cancel_scope.cancel()
@@ -233,10 +198,10 @@ class TransferService(ServiceCore):
             self._close_door()
             # Only now does the port close: a peer that finds it refusing may take our
             # agent for gone, and it is (README "Settled").
-            await self._control.close_listeners()
+            await plane.control.close_listeners()
             # Our NIXL agent (and its registration of the pool) is gone: nothing can land in
             # the pool any more, whatever a lost or hung sender still held.
-            self._settlement.settle_all()
+            plane.settlement.settle_all()
             log.info("service.stopped", address=self.address)
         return False
 
@@ -247,11 +212,25 @@ class TransferService(ServiceCore):
             self._thread.shutdown()
             self._thread = None
 
-    def _check_open(self) -> None:
-        if self._tg is None or self._watchdog is None:
+    def _running(self) -> RequestPlane:
+        """The plane, for a call that starts work: refused before start and once closing."""
+        plane = self._plane
+        if plane is None or self._tg is None:
             raise KVServiceError("service is not running (use 'async with TransferService(...)')")
-        if self._closing:
+        if plane.closing:
             raise KVServiceError("service is shutting down")
+        return plane
+
+    def _started(self, request_id: str) -> RequestPlane:
+        """The plane, for a call about a request (answered after the service has closed too)."""
+        if self._plane is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (the service has not started)")
+        return self._plane
+
+    def _load(self) -> tuple[int, int]:
+        """(peers linked, requests in flight): what discovery registers of this service's load."""
+        plane = self._plane
+        return (0, 0) if plane is None else (len(plane.control.peer_addresses()), len(plane.sends) + len(plane.recvs))
 
     # -- sending side -------------------------------------------------------------
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
@@ -275,7 +254,7 @@ class TransferService(ServiceCore):
         receiver's page count.  ``payload`` (with ``last=True``; at most
         ``max_payload_bytes``) reaches the receiver's result with its success.
         """
-        self._check_open()
+        plane = self._running()
         check_request_id(request_id)
         memory = self.memory
         src = memory.check_pages(pages)
@@ -288,86 +267,21 @@ class TransferService(ServiceCore):
             if len(payload) > self.config.max_payload_bytes:
                 raise ValueError(f"payload of {len(payload)} bytes exceeds max_payload_bytes "
                                  f"({self.config.max_payload_bytes})")
-        req = self._sends.get(request_id)
         pinned: str | None = None
         unknown: PeerUnknown | None = None
         if receiver is not None:
-            if req is not None or request_id in self._sends_done:
+            if plane.sent_before(request_id):
                 raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
-            assert self._control is not None
             if self._discovery is not None:  # a member's name: where it registered
                 try:
                     receiver = self._discovery.address_of(receiver)
                 except PeerUnknown as exc:  # as expect(sender=): the request fails PEER_LOST
                     unknown = exc
             if unknown is None:
-                pinned = await self._control.canonical(receiver)  # ValueError when malformed
-            self._check_open()
-        if req is None:
-            done = self._sends_done.get(request_id)
-            if done is not None:
-                if done.ok:
-                    raise ValueError(f"request {request_id!r} already completed; send after last")
-                # sticky failure, not posted; until it has settled, the request itself
-                unsettled = self._unsettled_sends.get(request_id)
-                return TransferHandle(unsettled if unsettled is not None else SendRequest.ended(done))
-        elif req.last:
-            raise ValueError(f"request {request_id!r}: send after last=True")
-        try:
-            pos, cursors, queued = place(req.pages_queued if req else 0, req.cursors if req else None,
-                                         int(src.size), lo, hi, memory.layers)
-        except ValueError as exc:
-            raise ValueError(f"request {request_id!r}: {exc}") from None
-        if last and cursors is not None:
-            raise ValueError(f"request {request_id!r}: the last chunk leaves layers at different pages "
-                             f"({cursors}); every layer must reach the same page count")
-        dest = req.dest if req else None
-        if dest is None and req is None:
-            dest = self._early_dest(request_id, pinned)
-        if dest is not None:
-            if queued > dest.size:
-                raise ValueError(
-                    f"request {request_id!r}: {queued} pages sent, receiver expects {dest.size}")
-            if last and queued != dest.size:
-                raise ValueError(
-                    f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
-        if req is None:
-            req = self._new_send(request_id, timeout, pinned, unknown)
-            if req.result is not None:
-                return TransferHandle(req)
-        if req.pending is None:
-            req.pending = deque()
-        req.pending.append(Chunk(src, pos, lo, hi))
-        req.pages_queued = queued
-        req.cursors = cursors
-        req.last = last
-        req.payload = payload
-        if timeout is not None:
-            req.timeout = timeout
-            if req.peer is not None:  # bound: from now; else the bind starts it
-                req.deadline = time.monotonic() + timeout
-                self._deadlines.push(req)
-        if req.peer is not None:
-            self._watchdog.schedule(req)  # type: ignore[union-attr]
-        return TransferHandle(req)
-
-    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None,
-                  unknown: PeerUnknown | None = None) -> SendRequest:
-        self._check_capacity()
-        now = time.monotonic()
-        cfg = self.config
-        req = SendRequest(
-            request_id=request_id, created=now,
-            deadline=now + (timeout or cfg.transfer_timeout_s) + cfg.bootstrap_timeout_s,
-            bootstrap_deadline=now + cfg.bootstrap_timeout_s, receiver=receiver,
-        )
-        self._sends[request_id] = req
-        self._deadlines.push(req)
-        if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
-            self._fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
-        else:
-            self._match_early(req)
-        return req
+                pinned = await plane.control.canonical(receiver)  # ValueError when malformed
+            self._running()
+        return TransferHandle(plane.send(request_id, src, lo, hi, last=last, timeout=timeout, pinned=pinned,
+                                         unknown=unknown, payload=payload))
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
         """Wait for the request behind ``handle`` to end.
@@ -381,17 +295,9 @@ class TransferService(ServiceCore):
         the request (``result.settled``): from then on nothing reads the source
         pages, and they may be reused.
         """
-        req = handle._req
-        if timeout is None:
-            await req.done.wait()
-        else:
-            with anyio.move_on_after(timeout):
-                await req.done.wait()
-            if req.result is None:
-                self._fail(req, FailureReason.TIMEOUT, f"not complete within await_completion timeout {timeout}s")
-                await req.done.wait()  # the release: one watchdog tick
-        assert req.result is not None
-        return req.result
+        plane = self._started(handle.request_id)
+        return await plane.await_done(handle._req, timeout,
+                                      f"not complete within await_completion timeout {timeout}s")
 
     # -- receiving side -------------------------------------------------------------
     async def expect(self, request_id: str, pages: Pages, *, sender: str,
@@ -413,12 +319,11 @@ class TransferService(ServiceCore):
         ``WaitingForInput`` when the first chunk lands; a sender that refuses the
         Expect answers ``Failed`` (with its reason) at once.
         """
-        self._check_open()
+        plane = self._running()
         check_request_id(request_id)
         dst = self.memory.check_pages(pages)
-        if request_id in self._recvs or request_id in self._recvs_done:
+        if request_id in plane.recvs or request_id in plane.recvs_done:
             raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
-        assert self._control is not None
         unknown: PeerUnknown | None = None
         if self._discovery is not None:  # a member's name: where it registered
             try:
@@ -427,43 +332,7 @@ class TransferService(ServiceCore):
                 unknown = exc
         if unknown is None:
             split_address(sender)  # ValueError naming the problem
-        self._check_capacity()
-        now = time.monotonic()
-        req = RecvRequest(
-            request_id=request_id, created=now,
-            deadline=now + (timeout or self.config.arrival_timeout_s),
-            sender=sender, pages=dst,
-        )
-        self._recvs[request_id] = req
-        self._deadlines.push(req)
-        # From now on the sender's WRITEs need this side to poll NIXL: wake the
-        # watchdog out of its idle wait rather than leave them stalled until it ends.
-        self._watchdog.wake()  # type: ignore[union-attr]
-        if unknown is not None:
-            self._fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
-            return
-        try:
-            link = await self._control.link_to(sender)
-        except anyio.get_cancelled_exc_class():
-            self._fail(req, FailureReason.ABORTED, "expect() was cancelled")
-            raise
-        except Exception as exc:  # noqa: BLE001 - classified in ControlPlane.dial_failure
-            reason = self._control.dial_failure(exc)
-            original = exc.original if isinstance(exc, DoorError) else exc  # NIXL's own exception
-            self._fail(req, reason, f"cannot reach sender {sender}: {exc}", error=original)
-            return
-        if self._closing:
-            self._fail(req, FailureReason.SHUTDOWN, "service shut down before the expect was sent")
-            return
-        if req.result is not None:  # aborted (or timed out) while dialling: the sender fails it at once
-            assert req.result.reason is not None
-            link.send(Abort(request_id, req.result.reason.value, req.result.message))
-            return
-        if req.result is None:
-            req.peer = link.agent
-            req.started_at = time.monotonic()
-            cell = self._stager.take(request_id, self._control.peer_kv(link.agent), dst) if self._stager else NO_CELL
-            link.send(Expect(request_id, dst.tolist(), cell))
+        await plane.expect(request_id, sender, dst, timeout, unknown)
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed.
@@ -473,21 +342,11 @@ class TransferService(ServiceCore):
         WRITE already posted may still land in them.  Reuse them only once
         ``await_settled`` says so (``result.settled``); a success is settled.
         """
-        req = self._recvs.get(request_id)
-        if req is None:
-            done = self._recvs_done.get(request_id)
-            if done is None:
-                raise UnknownRequestError(f"unknown request {request_id!r} (call expect() first)")
-            return done
-        if timeout is None:
-            await req.done.wait()
-        else:
-            with anyio.move_on_after(timeout):
-                await req.done.wait()
-            if req.result is None:
-                self._fail(req, FailureReason.TIMEOUT, f"not arrived within {timeout}s")
-        assert req.result is not None
-        return req.result
+        plane = self._started(request_id)
+        found = plane.arrival(request_id)
+        if isinstance(found, RecvRequest):
+            return await plane.await_done(found, timeout, f"not arrived within {timeout}s")
+        return found
 
     async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until ``request_id`` has ended and nothing of it can be written any more;
@@ -502,69 +361,40 @@ class TransferService(ServiceCore):
         a sender that hangs (SIGSTOP) settles only when it is killed or resumes.
         Looks at the receiving side first when this service both sent and received
         ``request_id``."""
-        side = "recv" if request_id in self._recvs or request_id in self._recvs_done else "send"
-        live: RecvRequest | SendRequest | None = self._recvs.get(request_id) if side == "recv" else \
-            self._sends.get(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if live is not None:
-            with anyio.move_on_after(timeout):
-                await live.done.wait()
-            if live.result is None:
-                return await self._settled_or_unknown(side, request_id)
-        result = await self._settled_or_unknown(side, request_id)
-        if not result.settled:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await self._settlement.wait(side, request_id, left)
-        return await self._settled_or_unknown(side, request_id)
-
-    async def _settled_or_unknown(self, side: str, request_id: str) -> TransferResult:
-        live = self._recvs.get(request_id) if side == "recv" else self._sends.get(request_id)
-        result = (live.result if live is not None else None) or \
-            (self._recvs_done if side == "recv" else self._sends_done).get(request_id)
-        if result is None:
-            if live is not None:  # still running: report where it stands
-                return make_result(live, TransferStatus.FAILED, reason=FailureReason.TIMEOUT,
-                                   message="still in progress when await_settled's timeout passed")
-            raise UnknownRequestError(f"unknown request {request_id!r}")
-        return result
+        return await self._started(request_id).await_settled(request_id, timeout)
 
     def poll_arrival(self, request_id: str) -> KVPoll:
-        req = self._recvs.get(request_id)
-        if req is not None:
-            return req.poll()
-        done = self._recvs_done.get(request_id)
-        if done is None:
-            raise UnknownRequestError(f"unknown request {request_id!r}")
-        return done.poll
+        """Where ``request_id``'s arrival stands (``KVPoll``); never blocks."""
+        found = self._started(request_id).arrival(request_id)
+        return found.poll() if isinstance(found, RecvRequest) else found.poll
 
     def expected(self, request_id: str) -> bool:
         """Whether a receiver's expect for ``request_id`` is here, held for the first
         ``send()``: a scheduler that computes a request only once its receiver is ready
         (SGLang's prefill) polls this.  Never blocks; safe from another thread."""
-        return bool(self._early.agents(request_id))
+        return self._plane is not None and bool(self._plane.early.agents(request_id))
 
     def expected_pages(self, request_id: str) -> int | None:
         """How many pages the receiver that will bind ``request_id`` reserved, while its
         expect waits here for the first ``send()``; None before any expect.  A sender that
         may send fewer pages than it holds (the receiver had the rest cached: vLLM's prefix
         cache) reads it before sending.  Never blocks; safe from another thread."""
-        agents = self._early.agents(request_id)
-        pages = self._early.pages_of(request_id, agents[0]) if agents else None
+        pages = self._plane.early_pages(request_id) if self._plane is not None else None
         return None if pages is None else int(pages.size)
 
     def expect_dropped(self, request_id: str) -> bool:
         """Whether a receiver's expect for ``request_id`` came and was dropped before any
         ``send()`` (its peer was lost, it timed out or aborted): a ``send()`` now fails at
         once, with that reason.  Never blocks; safe from another thread."""
-        return bool(self._dropped.get(request_id))
+        return self._plane is not None and bool(self._plane.dropped.get(request_id))
 
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:
         """Whether anything of ``request_id`` is still here: a live request on either
         side, either side's result (among the ``results_kept`` most recent of its side),
-        or an expect dropped before its send (the failure that send will get)."""
-        return (request_id in self._sends or request_id in self._recvs or request_id in self._sends_done
-                or request_id in self._recvs_done or request_id in self._dropped)
+        or an expect dropped before its send (the failure that send will get).  The
+        sidecar keeps a worker's ownership of an id exactly this long."""
+        return self._plane is not None and self._plane.remembers(request_id)
 
     async def abort(self, request_id: str) -> TransferResult | None:
         """Abandon ``request_id`` here and tell the peer.  Returns its result
@@ -576,28 +406,7 @@ class TransferService(ServiceCore):
         Either side's abort can lose the race with the last chunk: then the
         settled result (``await_settled``; on the sender also ``await_completion``)
         is the SUCCESS both sides agree on, not the ``ABORTED`` returned here."""
-        sreq = self._sends.get(request_id)
-        rreq = self._recvs.get(request_id)
-        early = self._early.agents(request_id) if sreq is None and rreq is None else []
-        if early:
-            self._drop_expect(request_id, LOCAL, FailureReason.ABORTED)  # a later send() fails at once
-            for peer in early:
-                self._early.pop(request_id, peer)
-                self._send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
-                self._send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
-            return None
-        if sreq is not None:
-            self._fail(sreq, FailureReason.ABORTED, "aborted locally")
-        if rreq is not None:
-            self._fail(rreq, FailureReason.ABORTED, "aborted locally")
-        if sreq is None and rreq is None:
-            done = self._sends_done.get(request_id) or self._recvs_done.get(request_id)
-            if done is None:
-                raise UnknownRequestError(f"unknown request {request_id!r}")
-            return done
-        req = sreq or rreq
-        assert req is not None
-        return req.result
+        return self._started(request_id).abort(request_id)
 
     @functools.cached_property
     def metrics(self) -> ServiceCollector:
@@ -605,27 +414,23 @@ class TransferService(ServiceCore):
         path updates them): ``registry.register(svc.metrics)`` once (see ``_metrics``)."""
         return ServiceCollector(self)
 
-    def status(self) -> dict[str, Any]:
-        """A snapshot for operators: counts, peers, loop lag."""
-        wd = self._watchdog
-        return self.stats.snapshot(
-            sending=len(self._sends), receiving=len(self._recvs),
-            expects_before_send=len(self._early),
-            unsettled_pages=self._settlement.unsettled_pages,
-            inflight_handles=wd.inflight if wd else 0,
-            live_nixl_handles=wd.live_handles if wd else 0,
-            staging_held_bytes=wd.staging_held if wd else 0,
-            peers=self._control.peer_addresses() if self._control else [],
-            **({"discovery": self._discovery.registry.status()} if self._discovery else {}),
-        )
+    def status(self) -> ServiceStatus:
+        """A snapshot for operators: counts, peers, loop lag (see ``ServiceStatus``)."""
+        plane = self._plane
+        discovery = self._discovery.registry.status() if self._discovery is not None else None
+        if plane is None:
+            return self.stats.snapshot(RequestCounts(
+                sending=0, receiving=0, expects_before_send=0, unsettled_pages=0, inflight_handles=0,
+                live_nixl_handles=0, staging_held_bytes=0), [], discovery)
+        wd = plane.watchdog
+        return self.stats.snapshot(RequestCounts(
+            sending=len(plane.sends), receiving=len(plane.recvs), expects_before_send=len(plane.early),
+            unsettled_pages=plane.settlement.unsettled_pages, inflight_handles=wd.inflight,
+            live_nixl_handles=wd.live_handles, staging_held_bytes=wd.staging_held,
+        ), plane.control.peer_addresses(), discovery)
 
     # -- discovery (discovery = "etcd"; kvservice.discovery) ---------------------------
     def live_peers(self, role: str | None = None) -> list[Member]:
         """The cluster's live members (not this service), by name; ``role`` filters.
         Empty with static discovery."""
         return self._discovery.registry.live(role) if self._discovery is not None else []
-
-    def drop_agent(self, agent: str, cause: BaseException) -> None:
-        """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked."""
-        if self._control is not None and not self._closing:
-            self._control.drop_peer(agent, cause)

@@ -6,7 +6,7 @@ import bisect
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import anyio
 import anyio.abc
@@ -18,6 +18,36 @@ from ._results import TransferResult
 #: upper bounds (seconds) of the transfer-latency histogram buckets
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LAG_INTERVAL_S = 0.01
+
+
+class RequestCounts(TypedDict):
+    """What the request plane holds now (``ServiceStatus``'s share of it)."""
+
+    sending: int  #: live sends
+    receiving: int  #: live receives
+    expects_before_send: int  #: early expects held for a send() not made yet
+    unsettled_pages: int  #: pages of failed receives a WRITE may still land in
+    inflight_handles: int  #: NIXL transfer handles the watchdog holds
+    live_nixl_handles: int  #: handles the door's table holds (released ones leave it)
+    staging_held_bytes: int  #: staging buffer bytes held by requests
+
+
+class ServiceStatus(RequestCounts):
+    """``TransferService.status()``: a snapshot for operators, cheap enough to poll (a
+    dict, typed: it crosses the sidecar's wire and goes into JSON as it is)."""
+
+    outcomes: dict[str, int]  #: "send.SUCCESS", "recv.PEER_LOST", ... -> count
+    bytes_sent: int
+    bytes_received: int
+    stale_notifs: int  #: notifications for no live request of their sender
+    forced_releases: int  #: handles the door released when their peer was unloaded
+    staging: dict[str, int]  #: "gathered", "fallback_full", "fallback_too_large" -> count
+    refused: dict[str, int]  #: what peers and workers tried and was refused, by kind (README "Security")
+    loop_lag_p99_s: float
+    loop_lag_max_s: float
+    peer_times: dict[str, Any]  #: by peer label: time per transfer and to post, counts and sums
+    peers: list[str]  #: linked peers' addresses
+    discovery: NotRequired[dict[str, object]]  #: with ``discovery = "etcd"``: the registry's own
 
 
 @dataclass
@@ -79,17 +109,28 @@ class Stats:
         ordered = sorted(self.lag_samples)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    def snapshot(self, **extra: Any) -> dict[str, Any]:
-        return {
-            "outcomes": {f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
-            "bytes_sent": self.bytes["send"],
-            "bytes_received": self.bytes["recv"],
-            "stale_notifs": self.stale_notifs,
-            "forced_releases": self.forced_releases,
-            "staging": dict(sorted(self.staging.items())),
-            "refused": dict(sorted(self.refused.items())),
-            "loop_lag_p99_s": self.lag_quantile(0.99),
-            "loop_lag_max_s": self.max_lag_s,
-            "peer_times": self.peers.snapshot(),
-            **extra,
-        }
+    def snapshot(self, requests: RequestCounts, peers: list[str],
+                 discovery: dict[str, object] | None = None) -> ServiceStatus:
+        status = ServiceStatus(
+            outcomes={f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
+            bytes_sent=self.bytes["send"],
+            bytes_received=self.bytes["recv"],
+            stale_notifs=self.stale_notifs,
+            forced_releases=self.forced_releases,
+            staging=dict(sorted(self.staging.items())),
+            refused=dict(sorted(self.refused.items())),
+            loop_lag_p99_s=self.lag_quantile(0.99),
+            loop_lag_max_s=self.max_lag_s,
+            peer_times=self.peers.snapshot(),
+            peers=peers,
+            sending=requests["sending"],
+            receiving=requests["receiving"],
+            expects_before_send=requests["expects_before_send"],
+            unsettled_pages=requests["unsettled_pages"],
+            inflight_handles=requests["inflight_handles"],
+            live_nixl_handles=requests["live_nixl_handles"],
+            staging_held_bytes=requests["staging_held_bytes"],
+        )
+        if discovery is not None:
+            status["discovery"] = discovery
+        return status

@@ -1,7 +1,7 @@
 """The control plane: how services find, prove and talk to each other.
 
 One concern, one folder.  Everything a peer says before and after authentication
-travels here; what the requests *mean* lives in the service core (``_core``).
+travels here; what the requests *mean* lives in the request plane (``_transfer``).
 
 - ``protocol``: the messages (msgspec structs whose fields carry their bounds), their
   framing, and the NIXL notification format with its MAC.

@@ -496,7 +496,7 @@ class ControlPlane:
 
         Before unloading it, NIXL is asked whether its process is gone (a notification
         to a dead endpoint fails ``REMOTE_DISCONNECT``): what it could still write into
-        our pages depends on it (``_settle``)."""
+        our pages depends on it (``_transfer.settle``)."""
         peer = self._peers.get(agent)
         if peer is None or (link is not None and peer.link is not link):
             return

@@ -1,6 +1,6 @@
-"""The one door to NIXL: the only module of kvservice that imports ``nixl``.
+"""NixlDoor: the door over a real NIXL agent (the one module of ``_nixl`` that imports ``nixl``).
 
-It implements ``_door.Door`` over a real ``nixl_agent`` and maps NIXL's
+It implements ``door.Door`` over a real ``nixl_agent`` and maps NIXL's
 exceptions to ``FailureReason`` (see ``classify``).  Behaviour it relies on,
 measured with nixl 1.5.1 (see the README's "How NIXL behaves" section):
 

@@ -1,1 +1,49 @@
-"""The request plane (being moved here); see plane.py."""
+"""The request plane: every request of a running service, on both sides, from the call
+that makes it to the moment nothing of it can be written any more.
+
+One concern, one folder.  ``TransferService`` (``kvservice._service``) checks the
+caller's arguments, resolves names and owns the lifetime; once started it builds one
+``RequestPlane`` and hands it every request operation.  The plane builds its
+collaborators (the watchdog here, the control plane in ``_control``) so that none of
+them is ever missing while it exists.  Nothing here imports ``nixl``: NIXL is reached
+through the door (``_nixl.door``) on its one thread.  Everything runs on the event loop
+except what the door thread runs for it.
+
+Reading path:
+
+- ``requests``: a request's state on each side (``SendRequest``, ``RecvRequest``), the
+  public ``TransferHandle``, results made from requests, and the bounded tables
+  (``Recent``, ``EarlyExpects``).
+- ``plane``: ``RequestPlane``: the tables, the entry points (send, expect, wait, abort,
+  drain), the transitions (bind, finish, fail) and the watchdog's callbacks; a sender's
+  failure against its receiver's outcome; settle fences.
+- ``inbound``: ``Inbound``: what peers say (Expect, Abort, Failed, Outcome, Settled, the
+  chunks' notifications, a link lost or made) turned into the plane's transitions.
+- ``watchdog``: the one task that posts chunks, checks handles, releases them and
+  polls notifications, one bounded door call per tick.
+- ``settle``: ``Settlement``: which failed receiver requests are unsettled, and why
+  each piece of evidence may settle them.
+- ``deadlines``: the heap of request deadlines the watchdog pops each tick.
+
+Glossary:
+
+- **bound**: a send is bound once a receiver's Expect gave it its destination pages;
+  before that it is *bootstrapping* and its chunks queue.
+- **early expect**: an Expect that arrived before the ``send()`` of its id; held
+  (bounded per peer and in total, with a TTL) for the first send to bind.
+- **pinned**: a send made with ``receiver=``: only the agent proven to answer at that
+  address may bind it; any other peer's Expect is refused (``REFUSED``) and counted.
+- **proven**: an agent is proven at an address when this service dialled that address
+  and the agent answering there proved its identity in the handshake; a claim (an
+  address a peer advertises) is never acted on.
+- **outcome**: a receiver's answer to a sender's ``Failed``: whether it had every page
+  already.  A send whose chunks were posted waits for it (bounded), so both sides agree
+  on how the request ended.
+- **fence**: one more page WRITE a sender posts, after its door released every handle
+  of a failed request, on the same link; its notification arrives only after every
+  earlier WRITE of that endpoint has landed.
+- **settled**: nothing of the request can be written any more.  A success is settled; a
+  receiver's failure is settled by the sender's fence, its ``Settled``, or its process
+  gone; a sender's failure once its handles are released.  Only a settled request's
+  pages may be reused.
+"""

@@ -1,10 +1,9 @@
-"""The request state machine behind ``TransferService``: its tables, its transitions
-(bind, finish, fail), and the callbacks of its collaborators.
+"""``RequestPlane``: the request tables, the entry points the service hands work to, the
+transitions (bind, finish, fail), and what the watchdog calls back.
 
-``TransferService`` (``_service``) is the public API and the service's lifetime;
-this base class is what the watchdog (``Owner``) and the control plane
-(``PeerEvents``) call into, and what settles failed requests (``_settle``).
-Everything here runs on the event loop.
+What peers say (the control plane's callbacks) is turned into these transitions by
+``inbound.Inbound``; the plane builds it (from the factory it is given), the watchdog and
+the control plane, so none of them is ever missing once the plane exists.  Everything here runs on the event loop.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import anyio
@@ -20,99 +20,338 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import ServiceConfig
+from .._control.peers import LocalPeer, PeerEvents
 from .._control.plane import ControlPlane
-from .._control.protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif, text
+from .._control.protocol import Abort, Expect, Failed, Message, Settled, text
+from .._control.transport import Transport
 from .._log import get_logger
-from .._nixl.door import DoorError, DoorThread
-from .._results import FailureReason, Overloaded, TransferResult, TransferStatus
+from .._nixl.door import Door, DoorError, DoorThread
+from .._results import FailureReason, Overloaded, TransferResult, TransferStatus, UnknownRequestError
 from .._stats import Stats
-from ..memory._staging import Stager
+from .._trust.vetting import MetadataVetter
+from ..memory._layout import PageIndex
+from ..memory._staging import NO_CELL, Stager
 from .deadlines import Deadlines
-from .requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
+from .ends import SendEnds
+from .requests import Chunk, EarlyExpects, Recent, RecvRequest, SendRequest, make_result, place
 from .settle import Settlement
 from .watchdog import Watchdog
 
 log = get_logger("kvservice")
 
-#: longest wait between two dials that try to settle a lost sender's requests
-PROBE_MAX_S = 5.0
-#: settle fences posted for one request before giving up (each failed one is a NIXL error)
-FENCE_TRIES = 3
 #: the "agent" of a dropped-expect record made by this service's own ``abort()``
 LOCAL = ""
-#: the "agent" a receiver's request is held for while its scatter copies (``memory._staging``)
-SCATTERING = ""
 
 
-class ServiceCore:
-    """Request tables and transitions; see the module docstring.  ``TransferService``
-    creates the state (``_init_state``) and the collaborators."""
+class RequestPlane:
+    """The requests of one running service, on both sides; see the module docstring
+    and the package's glossary (``kvservice._transfer``)."""
 
-    config: ServiceConfig
-    stats: Stats
-    _tg: anyio.abc.TaskGroup | None
-    _watchdog: Watchdog | None
-    _control: ControlPlane | None
-    _closing: bool
-    _thread: DoorThread | None
-    _stager: Stager | None = None  # memory._staging: this service's staging and its requests
-
-    def _init_state(self) -> None:
-        results_kept = self.config.results_kept
-        self._sends: dict[str, SendRequest] = {}
-        self._recvs: dict[str, RecvRequest] = {}
+    def __init__(self, config: ServiceConfig, stats: Stats, tg: anyio.abc.TaskGroup, thread: DoorThread,
+                 door: Door, local: LocalPeer, stager: Stager, events: Callable[[RequestPlane], PeerEvents], *,
+                 transport: Transport | None = None, vetter: MetadataVetter | None = None) -> None:
+        """``events`` makes what turns peers' words into this plane's transitions
+        (``inbound.Inbound``), given the plane: the control plane is built with it."""
+        cfg = self.config = config
+        self.stats = stats
+        self.tg = tg
+        self.thread = thread
+        self.stager = stager
+        self.memory = local.memory
+        self.closing = False
+        results_kept = cfg.results_kept
+        self.sends: dict[str, SendRequest] = {}
+        self.recvs: dict[str, RecvRequest] = {}
         # Ended requests keep only their result: one object each for the cyclic GC
         # to walk, not the request's events, queues and sets.
-        self._sends_done: Recent[str, TransferResult] = Recent(results_kept)
-        self._recvs_done: Recent[str, TransferResult] = Recent(results_kept)
-        self._deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
-        cfg = self.config
+        self.sends_done: Recent[str, TransferResult] = Recent(results_kept)
+        self.recvs_done: Recent[str, TransferResult] = Recent(results_kept)
+        self.deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
         # Expects that arrived before the matching send()
-        self._early = EarlyExpects(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s,
-                                   cfg.max_unknown_expect_pages, cfg.max_unknown_expect_pages_total)
+        self.early = EarlyExpects(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s,
+                                  cfg.max_unknown_expect_pages, cfg.max_unknown_expect_pages_total)
         # Expects dropped (peer lost / aborted) before any send(), per peer, with the
         # addresses it was proven at: a later send that peer may receive fails at once.
-        self._dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)
+        self.dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)
         # the peer an ended request was bound to ((side, id) -> agent): only it hears of it
-        self._done_peers: Recent[tuple[str, str], str] = Recent(2 * results_kept)
+        self.done_peers: Recent[tuple[str, str], str] = Recent(2 * results_kept)
+        self.settlement = Settlement(self.recvs_done, self.sends_done)
+        self.settlement.on_settled = stager.received
         # (agent, id) of Expects waiting for the proof of the agent's address
-        self._proving: set[tuple[str, str]] = set()
-        self._settlement = Settlement(self._recvs_done, self._sends_done)
-        # Failed sends whose receiver's Outcome is awaited (see _fail)
-        self._outcomes: dict[str, SendRequest] = {}
-        # Failed sends not settled yet (their handles are being released): a send() of
-        # the same id meanwhile returns the request itself, done once it has settled
-        self._unsettled_sends: dict[str, SendRequest] = {}
+        self.proving: set[tuple[str, str]] = set()
         self._idle = anyio.Event()
+        self.watchdog = Watchdog(
+            thread, door, local.memory, self,
+            poll_interval=cfg.poll_interval_s, idle_interval=cfg.idle_poll_interval_s,
+            max_posts=cfg.max_posts_per_tick, max_checks=cfg.max_checks_per_tick,
+            max_post_bytes=cfg.max_post_bytes_per_tick, stager=stager,
+        )
+        self.inbound = events(self)
+        self.control = ControlPlane(cfg, thread, door, self.inbound, local, stats, tg, transport, vetter)
+        # how a failed send ends: its release, the receiver's Outcome, its settle fence
+        # (its messages go through send_to, looked up at each call)
+        self.ends = SendEnds(cfg, self.settlement, self.sends_done, self.watchdog, self.control,
+                             lambda agent, msg: self.send_to(agent, msg))
 
+    # -- entry points (TransferService has checked the arguments) -------------------------
+    def send(self, request_id: str, src: PageIndex, lo: int, hi: int, *, last: bool, timeout: float | None,
+             pinned: str | None, unknown: BaseException | None, payload: bytes | None) -> SendRequest:
+        """Queue pages ``src`` of layers ``lo:hi`` of ``request_id`` (the first chunk makes
+        the request): the request itself, or the ended stand-in of a sticky failure.
+        ``ValueError`` for a chunk the request's state refuses (nothing changes then)."""
+        req = self.sends.get(request_id)
+        if req is None:
+            done = self.sends_done.get(request_id)
+            if done is not None:
+                if done.ok:
+                    raise ValueError(f"request {request_id!r} already completed; send after last")
+                # sticky failure, not posted; until it has settled, the request itself
+                unsettled = self.ends.unsettled.get(request_id)
+                return unsettled if unsettled is not None else SendRequest.ended(done)
+        elif req.last:
+            raise ValueError(f"request {request_id!r}: send after last=True")
+        try:
+            pos, cursors, queued = place(req.pages_queued if req else 0, req.cursors if req else None,
+                                         int(src.size), lo, hi, self.memory.layers)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
+        if last and cursors is not None:
+            raise ValueError(f"request {request_id!r}: the last chunk leaves layers at different pages "
+                             f"({cursors}); every layer must reach the same page count")
+        dest = req.dest if req else self.early_dest(request_id, pinned)
+        if dest is not None:
+            if queued > dest.size:
+                raise ValueError(f"request {request_id!r}: {queued} pages sent, receiver expects {dest.size}")
+            if last and queued != dest.size:
+                raise ValueError(
+                    f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
+        if req is None:
+            req = self._new_send(request_id, timeout, pinned, unknown)
+            if req.result is not None:
+                return req
+        if req.pending is None:
+            req.pending = deque()
+        req.pending.append(Chunk(src, pos, lo, hi))
+        req.pages_queued = queued
+        req.cursors = cursors
+        req.last = last
+        req.payload = payload
+        if timeout is not None:
+            req.timeout = timeout
+            if req.peer is not None:  # bound: from now; else the bind starts it
+                req.deadline = time.monotonic() + timeout
+                self.deadlines.push(req)
+        if req.peer is not None:
+            self.watchdog.schedule(req)
+        return req
+
+    def sent_before(self, request_id: str) -> bool:
+        """Whether a send of ``request_id`` is live or has ended here."""
+        return request_id in self.sends or request_id in self.sends_done
+
+    def _new_send(self, request_id: str, timeout: float | None, receiver: str | None,
+                  unknown: BaseException | None) -> SendRequest:
+        self._check_capacity()
+        now = time.monotonic()
+        cfg = self.config
+        req = SendRequest(
+            request_id=request_id, created=now,
+            deadline=now + (timeout or cfg.transfer_timeout_s) + cfg.bootstrap_timeout_s,
+            bootstrap_deadline=now + cfg.bootstrap_timeout_s, receiver=receiver,
+        )
+        self.sends[request_id] = req
+        self.deadlines.push(req)
+        if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
+            self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
+        else:
+            self.match_early(req)
+        return req
+
+    async def expect(self, request_id: str, sender: str, pages: PageIndex, timeout: float | None,
+                     unknown: BaseException | None) -> None:
+        """Register the receiving side of ``request_id`` and queue its Expect on the link
+        to ``sender`` (dialled first if needed); a failure ends the request."""
+        self._check_capacity()
+        now = time.monotonic()
+        req = RecvRequest(request_id=request_id, created=now,
+                          deadline=now + (timeout or self.config.arrival_timeout_s), sender=sender, pages=pages)
+        self.recvs[request_id] = req
+        self.deadlines.push(req)
+        # From now on the sender's WRITEs need this side to poll NIXL: wake the
+        # watchdog out of its idle wait rather than leave them stalled until it ends.
+        self.watchdog.wake()
+        if unknown is not None:
+            self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
+            return
+        try:
+            link = await self.control.link_to(sender)
+        except anyio.get_cancelled_exc_class():
+            self.fail(req, FailureReason.ABORTED, "expect() was cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified in ControlPlane.dial_failure
+            reason = self.control.dial_failure(exc)
+            original = exc.original if isinstance(exc, DoorError) else exc  # NIXL's own exception
+            self.fail(req, reason, f"cannot reach sender {sender}: {exc}", error=original)
+            return
+        if self.closing:
+            self.fail(req, FailureReason.SHUTDOWN, "service shut down before the expect was sent")
+            return
+        if req.result is not None:  # aborted (or timed out) while dialling: the sender fails it at once
+            assert req.result.reason is not None
+            link.send(Abort(request_id, req.result.reason.value, req.result.message))
+            return
+        req.peer = link.agent
+        req.started_at = time.monotonic()
+        cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
+        link.send(Expect(request_id, pages.tolist(), cell))
+
+    async def await_done(self, req: SendRequest | RecvRequest, timeout: float | None, why: str) -> TransferResult:
+        """Wait for ``req`` to end; a ``timeout`` that passes first fails it ``TIMEOUT``
+        (``why``).  A send's failure is returned once settled (its release: one tick)."""
+        if timeout is None:
+            await req.done.wait()
+        else:
+            with anyio.move_on_after(timeout):
+                await req.done.wait()
+            if req.result is None:
+                self.fail(req, FailureReason.TIMEOUT, why)
+                if isinstance(req, SendRequest):
+                    await req.done.wait()
+        assert req.result is not None
+        return req.result
+
+    def arrival(self, request_id: str) -> RecvRequest | TransferResult:
+        """The live receiving request, or the result it ended with."""
+        req = self.recvs.get(request_id)
+        if req is not None:
+            return req
+        done = self.recvs_done.get(request_id)
+        if done is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (call expect() first)")
+        return done
+
+    async def await_settled(self, request_id: str, timeout: float | None) -> TransferResult:
+        """See ``TransferService.await_settled``."""
+        side = "recv" if request_id in self.recvs or request_id in self.recvs_done else "send"
+        live: RecvRequest | SendRequest | None = self.recvs.get(request_id) if side == "recv" else \
+            self.sends.get(request_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if live is not None:
+            with anyio.move_on_after(timeout):
+                await live.done.wait()
+            if live.result is None:
+                return self._settled_or_unknown(side, request_id)
+        result = self._settled_or_unknown(side, request_id)
+        if not result.settled:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await self.settlement.wait(side, request_id, left)
+        return self._settled_or_unknown(side, request_id)
+
+    def _settled_or_unknown(self, side: str, request_id: str) -> TransferResult:
+        live = self.recvs.get(request_id) if side == "recv" else self.sends.get(request_id)
+        result = (live.result if live is not None else None) or \
+            (self.recvs_done if side == "recv" else self.sends_done).get(request_id)
+        if result is None:
+            if live is not None:  # still running: report where it stands
+                return make_result(live, TransferStatus.FAILED, reason=FailureReason.TIMEOUT,
+                                   message="still in progress when await_settled's timeout passed")
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        return result
+
+    def abort(self, request_id: str) -> TransferResult | None:
+        """See ``TransferService.abort``."""
+        sreq = self.sends.get(request_id)
+        rreq = self.recvs.get(request_id)
+        early = self.early.agents(request_id) if sreq is None and rreq is None else []
+        if early:
+            self.drop_expect(request_id, LOCAL, FailureReason.ABORTED)  # a later send() fails at once
+            for peer in early:
+                self.early.pop(request_id, peer)
+                self.send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
+                self.send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
+            return None
+        if sreq is not None:
+            self.fail(sreq, FailureReason.ABORTED, "aborted locally")
+        if rreq is not None:
+            self.fail(rreq, FailureReason.ABORTED, "aborted locally")
+        if sreq is None and rreq is None:
+            done = self.sends_done.get(request_id) or self.recvs_done.get(request_id)
+            if done is None:
+                raise UnknownRequestError(f"unknown request {request_id!r}")
+            return done
+        req = sreq or rreq
+        assert req is not None
+        return req.result
+
+    async def drain(self, grace: float) -> None:
+        """The service is closing: wait up to ``grace`` for what is in flight, fail the
+        rest ``SHUTDOWN``, and let the watchdog release every handle (what that settles
+        is told before the Bye).  Call shielded."""
+        self.closing = True
+        with anyio.move_on_after(grace):
+            while self.sends or self.recvs:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        for sreq in list(self.sends.values()):
+            self.fail(sreq, FailureReason.SHUTDOWN, "service shut down before completion")
+        for rreq in list(self.recvs.values()):
+            self.fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival")
+        await self.watchdog.stop()
+        await self.watchdog.tick()
+
+    # -- what the service asks of it -------------------------------------------------------
+    def early_pages(self, request_id: str) -> PageIndex | None:
+        """The pages the first early Expect for ``request_id`` reserved, if one waits."""
+        agents = self.early.agents(request_id)
+        return self.early.pages_of(request_id, agents[0]) if agents else None
+
+    def remembers(self, request_id: str) -> bool:
+        """Whether anything of ``request_id`` is still here: a live request on either
+        side, either side's result (among the ``results_kept`` most recent of its side),
+        or an expect dropped before its send (the failure that send will get)."""
+        return (request_id in self.sends or request_id in self.recvs or request_id in self.sends_done
+                or request_id in self.recvs_done or request_id in self.dropped)
+
+    def drop_agent(self, agent: str, cause: BaseException) -> None:
+        """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked."""
+        if not self.closing:
+            self.control.drop_peer(agent, cause)
+
+    # -- sends meet receivers ------------------------------------------------------------
     def _check_capacity(self) -> None:
-        live = len(self._sends) + len(self._recvs)
+        live = len(self.sends) + len(self.recvs)
         if live >= self.config.max_live_requests:
             self.stats.refuse("live_request_limit")
             raise Overloaded(f"{live} requests alive, the limit (max_live_requests) is "
                              f"{self.config.max_live_requests}")
 
-    def _may_receive(self, req: SendRequest, agent: str) -> bool | None:
+    def may_receive(self, req: SendRequest, agent: str) -> bool | None:
         """Whether ``agent`` may receive ``req``: any peer unless it is pinned; then only
         the agent proven to answer at that address (None: not proven either way yet)."""
         if req.receiver is None:
             return True
-        assert self._control is not None
-        return self._control.at_address(agent, req.receiver)
+        return self.control.at_address(agent, req.receiver)
 
-    def _refuse_receiver(self, req: SendRequest, agent: str) -> None:
+    def refuse_receiver(self, req: SendRequest, agent: str) -> None:
         """``agent`` is not the receiver ``req`` is pinned to: it is told (``REFUSED``) and it is counted."""
         if (unlogged := self.stats.refuse("receiver_mismatch")) is not None:
             log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver,
                         unlogged=unlogged)
-        self._refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
+        self.refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
 
-    def _after_proof(self, agent: str, canon: str, then: Callable[[], None],
-                     finally_: Callable[[], None] | None = None) -> None:
+    def refuse_expect(self, agent: str, rid: str, reason: FailureReason, message: str) -> None:
+        """Tell ``agent`` its Expect for ``rid`` is refused; nothing of ours was or will be
+        written there for it, so it is settled too (unless ``rid`` is bound to that agent)."""
+        self.send_to(agent, Failed(rid, reason.value, text(message)))
+        bound = self.sends.get(rid)
+        if bound is None or bound.peer != agent:
+            self.send_to(agent, Settled(rid))
+
+    def after_proof(self, agent: str, canon: str, then: Callable[[], None],
+                    finally_: Callable[[], None] | None = None) -> None:
         """Prove whether ``agent`` answers at ``canon`` (one probe, shared), then call
         ``then`` if its link is still the one that asked; ``finally_`` in any case."""
-        assert self._control is not None and self._tg is not None
-        control = self._control
+        control = self.control
         generation = control.generation_of(agent)
 
         async def prove() -> None:
@@ -121,20 +360,19 @@ class ServiceCore:
             finally:
                 if finally_ is not None:
                     finally_()
-            if control.generation_of(agent) == generation and not self._closing:
+            if control.generation_of(agent) == generation and not self.closing:
                 then()
 
-        self._tg.start_soon(prove)
+        self.tg.start_soon(prove)
 
-    def _early_dest(self, rid: str, receiver: str | None) -> npt.NDArray[np.int32] | None:
+    def early_dest(self, rid: str, receiver: str | None) -> npt.NDArray[np.int32] | None:
         """The pages of the early Expect that a send of ``rid`` (pinned to ``receiver``) would bind."""
-        assert self._control is not None
-        for agent in self._early.agents(rid):
-            if receiver is None or self._control.at_address(agent, receiver):
-                return self._early.pages_of(rid, agent)
+        for agent in self.early.agents(rid):
+            if receiver is None or self.control.at_address(agent, receiver):
+                return self.early.pages_of(rid, agent)
         return None
 
-    def _match_early(self, req: SendRequest) -> None:
+    def match_early(self, req: SendRequest) -> None:
         """A new (or still unbound) send meets the Expects that came before it: the first
         from a peer that may receive it binds it; those from peers proven not to are
         refused; an Expect such a peer dropped fails it; the rest wait for their proof."""
@@ -142,78 +380,85 @@ class ServiceCore:
             return
         rid = req.request_id
         unknown: list[str] = []
-        for agent in self._early.agents(rid):
-            ok = self._may_receive(req, agent)
+        for agent in self.early.agents(rid):
+            ok = self.may_receive(req, agent)
             if ok is None:
                 unknown.append(agent)
                 continue
-            pages = self._early.pop(rid, agent)
+            pages = self.early.pop(rid, agent)
             assert pages is not None
             if ok:
-                self._bind(req, agent, pages)
+                self.bind(req, agent, pages)
                 return
-            self._refuse_receiver(req, agent)
-        dropped = self._dropped.get(rid)
+            self.refuse_receiver(req, agent)
+        dropped = self.dropped.get(rid)
         for agent, (reason, proven) in list((dropped or {}).items()):
             if agent == LOCAL or req.receiver is None or req.receiver in proven:
                 del dropped[agent]  # type: ignore[union-attr]
-                self._fail(req, reason, "the receiver's expect was dropped before this send")
+                self.fail(req, reason, "the receiver's expect was dropped before this send")
                 return
         for agent in unknown:
             assert req.receiver is not None
-            self._after_proof(agent, req.receiver, lambda: self._match_early(req))
+            self.after_proof(agent, req.receiver, lambda: self.match_early(req))
 
-    # -- state changes (event loop; called by API, watchdog and control plane) ---------
-    def _bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32]) -> None:
+    def drop_expect(self, rid: str, agent: str, why: FailureReason) -> None:
+        """Remember that ``agent``'s Expect for ``rid`` (not sent yet) was dropped."""
+        dropped = self.dropped.get(rid)
+        if dropped is None:
+            dropped = {}
+            self.dropped.put(rid, dropped)
+        dropped[agent] = (why, self.control.proven_addresses(agent))
+
+    # -- transitions -----------------------------------------------------------------------
+    def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32]) -> None:
         if req.pages_queued > pages.size or (req.last and req.pages_queued != pages.size):
-            self._fail(req, FailureReason.INCOMPATIBLE,
-                       f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)
+            self.fail(req, FailureReason.INCOMPATIBLE,
+                      f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)
             return
-        assert self._control is not None
-        kv = self._control.peer_kv(peer)
+        kv = self.control.peer_kv(peer)
         if kv is None:  # the peer is gone (its loss fails what was bound to it)
-            self._fail(req, FailureReason.PEER_LOST, "receiver lost before the request was bound", peer=peer)
+            self.fail(req, FailureReason.PEER_LOST, "receiver lost before the request was bound", peer=peer)
             return
         if kv.out is None:  # e.g. tensor-parallel ranks that hold none of each other's KV heads
-            self._fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer)
+            self.fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer)
             return
         req.peer = peer
-        req.link_generation = self._control.generation_of(peer)
-        req.notif_key = self._control.notif_key_to(peer) or b""
+        req.link_generation = self.control.generation_of(peer)
+        req.notif_key = self.control.notif_key_to(peer) or b""
         req.kv = kv
         req.dest = pages
         filed = req.bootstrap_deadline  # its entry in the deadlines (due_at() until now)
         req.deadline = time.monotonic() + (req.timeout or self.config.transfer_timeout_s)
         if req.deadline < filed:  # a later deadline is filed again when the old entry pops
-            self._deadlines.push(req)
+            self.deadlines.push(req)
         if req.pending:
-            self._watchdog.schedule(req)  # type: ignore[union-attr]
+            self.watchdog.schedule(req)
 
-    def _finish(self, req: SendRequest | RecvRequest, result: TransferResult) -> None:
+    def finish(self, req: SendRequest | RecvRequest, result: TransferResult) -> None:
         if isinstance(req, RecvRequest) and not result.ok and (req.peer is None or req.fenced):
             # no sender ever had these pages, or its fence has landed already
             result = dataclasses.replace(result, settled=True)
         req.result = result
+        side = "send" if isinstance(req, SendRequest) else "recv"
         if req.peer is not None:
-            self._done_peers.put(("send" if isinstance(req, SendRequest) else "recv", req.request_id), req.peer)
+            self.done_peers.put((side, req.request_id), req.peer)
         if isinstance(req, SendRequest):
-            self._sends.pop(req.request_id, None)
-            self._sends_done.put(req.request_id, result)
+            self.sends.pop(req.request_id, None)
+            self.sends_done.put(req.request_id, result)
             if result.ok:
                 req.done.set()
             else:  # done once the door released every handle of it (released())
-                self._unsettled_sends[req.request_id] = req
-            self._watchdog.forget(req)  # type: ignore[union-attr]
+                self.ends.unsettled[req.request_id] = req
+            self.watchdog.forget(req)
         else:
             req.done.set()
-            self._recvs.pop(req.request_id, None)
-            self._recvs_done.put(req.request_id, result)
+            self.recvs.pop(req.request_id, None)
+            self.recvs_done.put(req.request_id, result)
             if not result.settled:
                 assert req.peer is not None and req.pages is not None
-                self._settlement.hold(req.request_id, req.peer, int(req.pages.size))
-            elif self._stager is not None:
-                self._stager.received(req.request_id)
-        side = "send" if isinstance(req, SendRequest) else "recv"
+                self.settlement.hold(req.request_id, req.peer, int(req.pages.size))
+            else:
+                self.stager.received(req.request_id)
         self.stats.record(side, result, req.peer)
         if result.ok:
             log.debug("transfer.completed", request_id=req.request_id, side=side, bytes=result.bytes)
@@ -222,11 +467,11 @@ class ServiceCore:
             log.warning("transfer.failed", request_id=req.request_id, side=side,
                         peer=req.peer, reason=result.reason.value, message=result.message,
                         error=repr(result.error) if result.error else None)
-        if not self._sends and not self._recvs:
+        if not self.sends and not self.recvs:
             self._idle.set()
 
-    def _fail(self, req: SendRequest | RecvRequest, reason: FailureReason, message: str, *,
-              error: BaseException | None = None, from_peer: bool = False, peer: str | None = None) -> None:
+    def fail(self, req: SendRequest | RecvRequest, reason: FailureReason, message: str, *,
+             error: BaseException | None = None, from_peer: bool = False, peer: str | None = None) -> None:
         """End ``req`` as Failed and, unless the peer told us, tell the peer."""
         if req.result is not None:
             return
@@ -234,407 +479,62 @@ class ServiceCore:
         target = peer or req.peer
         if not from_peer and target is not None:  # first: a Settled the finish may send follows it
             if isinstance(req, SendRequest):
-                self._send_to(target, Failed(req.request_id, reason.value, message))
+                self.send_to(target, Failed(req.request_id, reason.value, message))
                 if req.chunks_posted and req.peer == target:
                     # Its last WRITE may have landed, and the receiver succeeded, before it
                     # hears this: its Outcome decides how the request ended (both sides agree).
-                    req.outcome_due = time.monotonic()
-                    self._outcomes[req.request_id] = req
+                    self.ends.await_outcome(req)
             else:
-                self._send_to(target, Abort(req.request_id, reason.value, message))
-        self._finish(req, make_result(req, TransferStatus.FAILED, reason=reason, error=error,
-                                      message=message))
+                self.send_to(target, Abort(req.request_id, reason.value, message))
+        self.finish(req, make_result(req, TransferStatus.FAILED, reason=reason, error=error, message=message))
 
-    def _send_to(self, agent: str, msg: Message) -> None:
-        if self._control is not None:
-            self._control.send_to(agent, msg)
+    def send_to(self, agent: str, msg: Message) -> None:
+        self.control.send_to(agent, msg)
 
-    # -- watchdog callbacks (Owner) ---------------------------------------------------
+    # -- the watchdog's callbacks (watchdog.Owner) -------------------------------------------
     def chunk_done(self, req: SendRequest, nbytes: int) -> None:
         req.chunks_done += 1
         req.bytes_done += nbytes
         if req.complete and req.result is None:
-            self._finish(req, make_result(req, TransferStatus.SUCCESS, nbytes=req.bytes_done,
-                                          pages=req.pages_queued))
+            self.finish(req, make_result(req, TransferStatus.SUCCESS, nbytes=req.bytes_done, pages=req.pages_queued))
 
     def chunk_failed(self, req: SendRequest, err: DoorError) -> None:
         peer = req.peer
-        self._fail(req, err.reason, str(err), error=err.original)
-        if err.reason is FailureReason.REMOTE_DISCONNECT and peer is not None and self._control is not None:
+        self.fail(req, err.reason, str(err), error=err.original)
+        if err.reason is FailureReason.REMOTE_DISCONNECT and peer is not None:
             # NIXL keeps a disconnected agent loaded and fails every later post to
             # it; drop the peer now so its other requests fail at once (PEER_LOST)
             # and a reconnect loads it afresh.
-            self._control.drop_peer(peer, err.original)
+            self.control.drop_peer(peer, err.original)
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
-        for agent, messages in notifs.items():
-            keys = self._control.notif_keys_from(agent) if self._control is not None else []
-            for raw in messages:
-                n = decode_notif(raw, keys)
-                if n is FORGED:  # ours by its magic, but not sealed by this agent's link
-                    if (unlogged := self.stats.refuse("notif_forged")) is not None:
-                        log.warning("transfer.notif_forged", agent=agent, unlogged=unlogged)
-                    continue
-                if n is not None and n.chunk == FENCE:
-                    if not self._settlement.settle_recv(n.request_id, agent):
-                        live = self._recvs.get(n.request_id)
-                        if live is not None and live.peer == agent:
-                            live.fenced = True  # its Failed is still on the control link: settled then
-                    continue
-                req = self._recvs.get(n.request_id) if n else None
-                if n is None or req is None or req.peer != agent:
-                    self.stats.stale_notifs += 1
-                    continue
-                req.chunks_seen += 1
-                if n.total:
-                    req.total_chunks = n.total
-                    if n.payload is not None and len(n.payload) > self.config.max_payload_bytes:
-                        self.stats.refuse("payload_limit")
-                        self._fail(req, FailureReason.INCOMPATIBLE, (
-                            f"payload of {len(n.payload)} bytes exceeds max_payload_bytes "
-                            f"({self.config.max_payload_bytes})"))
-                        continue
-                    req.payload = n.payload
-                if req.total_chunks is not None and req.chunks_seen >= req.total_chunks:
-                    self._arrived(req, agent)
-
-    def _arrived(self, req: RecvRequest, agent: str) -> None:
-        if self._stager is not None and self._stager.scatters(req.request_id) and self._tg is not None:
-            self._tg.start_soon(self._scatter, req, agent)  # its pages are in staging yet
-            return
-        self._arrived_now(req, agent)
-
-    async def _scatter(self, req: RecvRequest, agent: str) -> None:
-        """Copy an arrived request from staging into its pages (door thread), then finish it.
-        Held meanwhile: a failure now is not settled before the copy ends."""
-        assert self._stager is not None and self._thread is not None
-        rid = req.request_id
-        self._settlement.hold(rid, SCATTERING, 0)
-        try:
-            await self._thread.call(self._stager.scatter, rid)
-        except (RuntimeError, ValueError) as exc:
-            self._fail(req, FailureReason.BACKEND, f"staging scatter failed: {exc}", error=exc)
-        else:  # (cancelled: the service is closing, which fails it)
-            if req.result is None:
-                self._arrived_now(req, agent)
-        finally:
-            self._settlement.settle_recv(rid, SCATTERING)
-
-    def _arrived_now(self, req: RecvRequest, agent: str) -> None:
-        assert req.pages is not None and self._control is not None
-        kv = self._control.peer_kv(agent)
-        npages = int(req.pages.size)
-        self._finish(req, make_result(
-            req, TransferStatus.SUCCESS, nbytes=npages * (kv.inbound_page_bytes if kv else 0), pages=npages,
-            payload=req.payload))
+        self.inbound.on_notifs(notifs)
 
     def check_deadlines(self, now: float) -> None:
-        for req in self._deadlines.pop_due(now):
+        for req in self.deadlines.pop_due(now):
             if isinstance(req, RecvRequest):
                 why = "arrival deadline passed"
             elif req.peer is None:
                 why = f"no expect from a receiver within {self.config.bootstrap_timeout_s}s"
             else:
                 why = "transfer deadline passed"
-            self._fail(req, FailureReason.TIMEOUT, why)
-        for rid, agent in self._early.expire(now):
+            self.fail(req, FailureReason.TIMEOUT, why)
+        for rid, agent in self.early.expire(now):
             self.stats.refuse("unknown_expect_expired")
-            self._refuse_expect(agent, rid, FailureReason.TIMEOUT,
-                                f"no send() for this request within {self.config.unknown_expect_ttl_s}s")
-        if self._outcomes:
-            self._outcomes_lost(None, now)
-        live = len(self._sends) + len(self._recvs)
-        self._deadlines.compact(itertools.chain(self._sends.values(), self._recvs.values()), live)
+            self.refuse_expect(agent, rid, FailureReason.TIMEOUT,
+                               f"no send() for this request within {self.config.unknown_expect_ttl_s}s")
+        self.ends.outcomes_lost(None, now)
+        live = len(self.sends) + len(self.recvs)
+        self.deadlines.compact(itertools.chain(self.sends.values(), self.recvs.values()), live)
 
     def busy(self) -> bool:
         # Receivers keep the watchdog polling: with NIXL's progress thread off, a
         # sender's WRITE completes only while this side calls into NIXL.
-        return bool(self._recvs) or bool(self._sends)
-
-    # -- control-plane callbacks ------------------------------------------------------
-    def on_message(self, agent: str, msg: Message) -> None:
-        if isinstance(msg, Expect):
-            self._on_expect(agent, msg)
-        elif isinstance(msg, Abort):
-            self._on_peer_abort(agent, msg.request_id, msg.reason, msg.message)
-        elif isinstance(msg, Failed):
-            rid = msg.request_id
-            rreq = self._recvs.get(rid)
-            if rreq is not None and rreq.peer == agent:
-                self._fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True)
-            if (rreq.peer if rreq is not None else self._done_peers.get(("recv", rid))) != agent:
-                self._foreign(agent, rid, "failed")  # not its request: it learns nothing of it
-                return
-            done = self._recvs_done.get(rid)
-            self._send_to(agent, Outcome(rid, ok=done is not None and done.ok))
-        elif isinstance(msg, Outcome):
-            self._on_outcome(agent, msg)
-        elif isinstance(msg, Settled):
-            self._settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
-
-    def _foreign(self, agent: str, rid: str, what: str) -> None:
-        """``agent`` spoke of a request that is not bound (or pinned) to it: ignored, counted."""
-        if (unlogged := self.stats.refuse("foreign_request")) is not None:
-            log.warning("transfer.foreign_request", agent=agent, request_id=rid, message=what, unlogged=unlogged)
-
-    def _refuse_expect(self, agent: str, rid: str, reason: FailureReason, message: str) -> None:
-        """Tell ``agent`` its Expect for ``rid`` is refused; nothing of ours was or will be
-        written there for it, so it is settled too (unless ``rid`` is bound to that agent)."""
-        self._send_to(agent, Failed(rid, reason.value, text(message)))
-        bound = self._sends.get(rid)
-        if bound is None or bound.peer != agent:
-            self._send_to(agent, Settled(rid))
-
-    def _on_expect(self, agent: str, msg: Expect) -> None:
-        assert self._control is not None
-        rid = msg.request_id
-        kv = self._control.peer_kv(agent)
-        if kv is None:
-            return  # its link is being dropped
-        try:
-            pages = kv.memory.check_pages(msg.pages)
-        except ValueError as exc:
-            self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, str(exc))
-            return
-        if self._stager is not None and (why := self._stager.expected(agent, rid, kv, msg.staging,
-                                                                      int(pages.size))) is not None:
-            self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, why)  # memory._staging
-            return
-        req = self._sends.get(rid)
-        if req is not None:
-            if req.peer is not None:
-                self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "request already bound to a receiver")
-                return
-            ok = self._may_receive(req, agent)
-            if ok:
-                self._bind(req, agent, pages)
-            elif ok is False:
-                self._refuse_receiver(req, agent)
-            elif (agent, rid) in self._proving:
-                self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
-            else:
-                assert req.receiver is not None
-                self._proving.add((agent, rid))
-                self._after_proof(agent, req.receiver, lambda: self._on_expect(agent, msg),
-                                  lambda: self._proving.discard((agent, rid)))
-        elif rid in self._sends_done:
-            done = self._sends_done.get(rid)
-            assert done is not None
-            self._refuse_expect(agent, rid, done.reason or FailureReason.INCOMPATIBLE,
-                                "request already ended on the sender")
-        elif self._early.has(rid, agent):
-            self._refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
-        elif (why := self._early.add(rid, agent, pages, time.monotonic())) is not None:
-            self.stats.refuse("unknown_expect_limit")
-            self._refuse_expect(agent, rid, FailureReason.REFUSED, f"too many expects for requests not sent yet: {why}")
-
-    def _on_peer_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
-        why = _reason(reason)  # the peer's own reason: ABORTED, SHUTDOWN, TIMEOUT, ...
-        sreq = self._sends.get(rid)
-        rreq = self._recvs.get(rid)
-        if sreq is not None:
-            # Its own (bound to it, or pinned to its proven address), or nobody's yet and
-            # not pinned: then, as with an Expect, the first peer to speak of it decides.
-            if sreq.peer == agent or (sreq.peer is None and self._may_receive(sreq, agent)):
-                # Its release, then a Settled to the receiver, follow (released()).
-                self._fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
-            elif rreq is None or rreq.peer != agent:
-                self._foreign(agent, rid, "abort")
-        elif (done := self._sends_done.get(rid)) is not None:
-            # Ended: settled once released.  Only its receiver hears how it ended.
-            if self._done_peers.get(("send", rid)) == agent:
-                if done.ok:  # every WRITE landed (a failure settles by its fence, or said Settled)
-                    self._send_to(agent, Settled(rid, ok=True))
-            elif rreq is None or rreq.peer != agent:
-                self._foreign(agent, rid, "abort")
-        else:
-            # Not sent yet: this peer's Expect (if any) is dropped, and a later send() it
-            # may receive fails at once.  Nothing of it is or will be in flight to it.
-            self._early.pop(rid, agent)
-            self._drop_expect(rid, agent, why)
-            self._send_to(agent, Settled(rid))
-        if rreq is not None and rreq.peer == agent:
-            self._fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
-
-    def _drop_expect(self, rid: str, agent: str, why: FailureReason) -> None:
-        """Remember that ``agent``'s Expect for ``rid`` (not sent yet) was dropped."""
-        assert self._control is not None
-        dropped = self._dropped.get(rid)
-        if dropped is None:
-            dropped = {}
-            self._dropped.put(rid, dropped)
-        dropped[agent] = (why, self._control.proven_addresses(agent))
-
-    def on_peer_lost(self, agent: str, address: str, cause: BaseException | None, graceful: bool,
-                     gone: bool, proven: frozenset[str]) -> None:
-        reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
-        what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
-        for sreq in [r for r in self._sends.values() if r.peer == agent]:
-            self._fail(sreq, reason, what, error=cause, from_peer=True)
-        for rreq in [r for r in self._recvs.values() if r.peer == agent]:
-            self._fail(rreq, reason, what, error=cause, from_peer=True)
-        for rid in self._early.drop_peer(agent):
-            self._drop_expect(rid, agent, reason)
-        self._outcomes_lost(agent, time.monotonic())
-        if self._watchdog is not None:
-            self._watchdog.forget_fences(agent)  # its unloading releases them
-        if gone:  # its process is gone (ours leaving settles all once our agent is gone: __aexit__)
-            if self._settlement.settle_agent(agent):
-                log.info("transfer.settled_by_loss", peer=address, agent=agent,
-                         why="NIXL reports its endpoint disconnected")
-        elif self._settlement.held_by(agent) and proven and self._tg is not None and not self._closing:
-            self._tg.start_soon(self._settle_by_probing, agent, proven)
-
-    def on_peer_linked(self, agent: str) -> None:
-        """A new link with ``agent`` settles nothing it held: its peer table dropped the
-        old link (releasing every handle to us) before admitting this one, but NIXL's
-        release does not stop a zero-copy WRITE already under way (measured: a resumed
-        SIGSTOPped sender's released WRITE still landed after it re-linked).  What it
-        held settles when its process is gone."""
-
-    async def _settle_by_probing(self, agent: str, addresses: frozenset[str]) -> None:
-        """``agent``'s link was lost but not proven gone (hung, or cut off): probe the
-        addresses it was proven at until that settles what it held (see ``_settle``):
-        nobody listens there any more, or another agent proves itself there (a service
-        closes its port only after its NIXL agent).  A claim never counts: only what
-        answers where this service itself found ``agent``.  Ends when nothing of
-        ``agent`` is held any more, or with the service."""
-        assert self._control is not None
-        wait = self.config.heartbeat_interval_s
-        while self._settlement.held_by(agent) and not self._closing:
-            await anyio.sleep(wait)
-            wait = min(wait * 2, PROBE_MAX_S)
-            for address in sorted(addresses):
-                try:
-                    answered = await self._control.probe(address)
-                except ConnectionRefusedError:  # nobody listens there any more: the process is gone
-                    why = "its address refuses connections"
-                except Exception as exc:  # noqa: BLE001 - still unknown (hung, cut off): try again later
-                    log.debug("peer.settle_probe_failed", agent=agent, address=address, error=repr(exc))
-                    continue
-                else:
-                    if answered == agent:  # the same process, alive: keep probing for its exit
-                        continue
-                    why = f"another agent ({answered}) proved itself at its address"
-                log.info("transfer.settled_by_loss", peer=address, agent=agent, why=why)
-                self._settlement.settle_agent(agent)
-                return
-
-    def on_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None:
-        """A peer's KV memory did not pair with ours: sends pinned to it fail now, with
-        the reason, rather than wait for their bootstrap deadline."""
-        if self._tg is not None and not self._closing and any(
-                r.peer is None and r.receiver is not None for r in self._sends.values()):
-            self._tg.start_soon(self._fail_incompatible, agent, address, proven, why)
-
-    async def _fail_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None:
-        assert self._control is not None
-        try:
-            canon = await self._control.canonical(address)
-            if not proven and await self._control.probe(address) != agent:
-                return  # it claimed an address that is not its own: nothing of ours is its
-        except Exception as exc:  # noqa: BLE001 - unproven: its sends wait as before
-            log.debug("peer.incompatible_unproven", agent=agent, address=address, error=repr(exc))
-            return
-        for req in [r for r in self._sends.values() if r.peer is None and r.receiver == canon]:
-            self._fail(req, FailureReason.INCOMPATIBLE, f"receiver {address} cannot pair with this service: {why}")
+        return bool(self.recvs) or bool(self.sends)
 
     def released(self, req: SendRequest) -> None:
-        """Watchdog: the door released every handle of ``req``.  A failure is settled
-        now: its caller may reuse the source pages, and the receiver is told."""
-        result = req.result
-        if self._unsettled_sends.get(req.request_id) is req:
-            del self._unsettled_sends[req.request_id]
-        if result is None or result.settled:
-            return
-        # A failure, or one the receiver's Outcome has already turned into SUCCESS.
-        req.result = self._settlement.settled_send(result)
-        self._maybe_done(req)
-        if req.outcome_due is None:
-            self._tell_settled(req)
-        # else: the receiver's Outcome comes first (_on_outcome, _outcomes_lost).  If it
-        # had every page, its request succeeded and may already be reused there: no
-        # fence may land in it.
-
-    def _tell_settled(self, req: SendRequest) -> None:
-        """A released failure: let its receiver settle.  A released handle's bytes may
-        still be on the wire (a TCP stream, a queue pair): the receiver settles on the
-        fence's notification, which NIXL sends only after flushing the endpoint.
-        Nothing ever posted: nothing to wait for."""
-        if req.peer is None or req.result is None or req.result.ok:  # it has every page: nothing to fence
-            return
-        if not req.posted:
-            self._send_to(req.peer, Settled(req.request_id))
-        else:
-            self._fence(req)
-
-    def _fence(self, req: SendRequest) -> None:
-        """Post ``req``'s settle fence, on the link it was bound on only: a fence on a
-        newer link (endpoint) proves nothing about the old one, whose receiver settles
-        when this process is gone."""
-        assert self._watchdog is not None and self._control is not None and req.peer is not None
-        if self._control.generation_of(req.peer) == req.link_generation and req.fences < FENCE_TRIES:
-            req.fences += 1
-            self._watchdog.fence(req)
+        """The door released every handle of ``req`` (see ``ends.SendEnds.released``)."""
+        self.ends.released(req)
 
     def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
-        """Watchdog: a fence did not land.  Post another on the same link (a transient
-        NIXL error); once the link is gone or after ``FENCE_TRIES``, the receiver settles
-        by this process's end."""
-        log.warning("transfer.fence_failed", request_id=req.request_id, peer=req.peer, tries=req.fences,
-                    error=repr(err.original) if err is not None else "handle released")
-        if req.peer is not None:
-            self._fence(req)
-
-    def released_by_door(self, xids: list[int]) -> None:
-        self.stats.forced_releases += len(xids)
-
-    # -- a sender's failure against the receiver's outcome ---------------------------------
-    def _maybe_done(self, req: SendRequest) -> None:
-        """A failed send is done (its waiters wake) once settled and, if it told the
-        receiver, once the receiver's Outcome (or its loss, or a timeout) has come."""
-        if req.result is not None and req.result.settled and req.outcome_due is None:
-            req.done.set()
-
-    def _on_outcome(self, agent: str, msg: Outcome) -> None:
-        req = self._outcomes.get(msg.request_id)
-        if req is None or req.peer != agent:
-            return
-        del self._outcomes[msg.request_id]
-        req.outcome_due = None
-        if msg.ok and req.result is not None and not req.result.ok:
-            was = req.result.reason.value if req.result.reason else "the failure"
-            log.info("transfer.outcome_success", request_id=req.request_id, peer=agent, was=was)
-            req.result = dataclasses.replace(
-                req.result, status=TransferStatus.SUCCESS, reason=None, error=None,
-                message=f"the receiver had every page before {was} took effect",
-                bytes=req.pages_queued * (req.kv.out.page_bytes if req.kv and req.kv.out else 0),
-                pages=req.pages_queued)
-            self._sends_done.put(req.request_id, req.result)
-        self._maybe_done(req)
-        if req.result is not None and req.result.settled:  # released already: now tell it
-            self._tell_settled(req)
-
-    def _outcomes_lost(self, agent: str | None, now: float) -> None:
-        """No Outcome will come: from ``agent`` (its link is gone), or any older than
-        ``heartbeat_interval_s`` (when ``agent`` is None): a live receiver answers in one
-        round trip, and a hung one must not hold the sender's result until its link is
-        declared lost.  Their failures stand."""
-        bound = self.config.heartbeat_interval_s
-        for rid, req in list(self._outcomes.items()):
-            due = req.outcome_due
-            if (agent is not None and req.peer == agent) or (agent is None and due is not None and now - due > bound):
-                del self._outcomes[rid]
-                req.outcome_due = None
-                self._maybe_done(req)
-                if req.result is not None and req.result.settled:  # released already: now tell it
-                    self._tell_settled(req)
-
-
-
-def _reason(value: str) -> FailureReason:
-    try:
-        return FailureReason(value)
-    except ValueError:
-        return FailureReason.PEER_REPORTED
-
+        self.ends.fence_failed(req, err)

@@ -1,21 +1,25 @@
 """What a ``TransferService`` does with discovery: its ``Member``, name resolution, and a
-lost member turned into the control plane's own peer loss (nothing of its own)."""
+lost member turned into the control plane's own peer loss (nothing of its own).
+
+Discovery is attached through values and callables (what the service is, how loaded it
+is, how to drop a link), never the service object: discovery is a layer below it.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import anyio.abc
 
+from .._config import ServiceConfig
 from .._control.addresses import split_address
 from .._log import get_logger
 from .._results import KVServiceError
+from .._stats import Stats
+from ..memory._regions import KVMemory
 from .member import Member
 from .registry import Registry, incarnation
-
-if TYPE_CHECKING:
-    from .._service import TransferService
 
 log = get_logger("kvservice.discovery")
 
@@ -29,29 +33,37 @@ class MemberLost(KVServiceError):
 
 
 class Discovery:
-    """A started service's discovery (``discovery = "etcd"``)."""
+    """A started service's discovery (``discovery = "etcd"``).
 
-    def __init__(self, svc: TransferService) -> None:
-        self._svc = svc
+    ``load()`` answers (peers linked, requests in flight), read at each keep-alive;
+    ``drop(agent, cause)`` drops the link to a member whose lease lapsed or that
+    restarted, as the control plane drops a lost peer."""
+
+    def __init__(self, config: ServiceConfig, stats: Stats, *, agent: str, address: str, memory: KVMemory,
+                 load: Callable[[], tuple[int, int]], drop: Callable[[str, BaseException], None]) -> None:
+        self._config = config
+        self._agent = agent
+        self._address = address
+        self._memory = memory
+        self._load = load
+        self._drop = drop
         self.incarnation = incarnation()
         self.started_at = time.time()
-        self.registry = Registry(svc.config, self.member, self._lost, svc.stats)
+        self.registry = Registry(config, self.member, self._lost, stats)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Registered once this returns (or raises, ``etcd_unreachable = "fail"``)."""
         await tg.start(self.registry.run)
 
     def member(self) -> Member:
-        """What this service registers (read at each keep-alive: a status snapshot is cheap)."""
-        svc = self._svc
-        memory = svc.memory
-        status = svc.status()
+        """What this service registers (read at each keep-alive)."""
+        cfg, memory = self._config, self._memory
+        linked, inflight = self._load()
         return Member(
-            name=svc.config.discovery_name or svc.agent_name, address=svc.address, agent=svc.agent_name,
-            incarnation=self.incarnation, role=svc.config.discovery_role,
+            name=cfg.discovery_name or self._agent, address=self._address, agent=self._agent,
+            incarnation=self.incarnation, role=cfg.discovery_role,
             memory={"bytes": memory.nbytes, "pages": memory.num_pages, "regions": len(memory.regions)},
-            started_at=self.started_at, linked=len(status["peers"]),
-            inflight=status["sending"] + status["receiving"])
+            started_at=self.started_at, linked=linked, inflight=inflight)
 
     def address_of(self, peer: str) -> str:
         """``peer`` as an address: a member's name resolves to where it registered; an
@@ -60,9 +72,9 @@ class Discovery:
             return peer
         address = self.registry.address_of(peer)
         if address is None:
-            raise PeerUnknown(f"no live member named {peer!r} in cluster {self._svc.config.cluster!r}")
+            raise PeerUnknown(f"no live member named {peer!r} in cluster {self._config.cluster!r}")
         split_address(address)
         return address
 
     def _lost(self, member: Member, why: str) -> None:
-        self._svc.drop_agent(member.agent, MemberLost(why))
+        self._drop(member.agent, MemberLost(why))

@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -33,6 +33,7 @@ from .._config import ServiceConfig
 from .._log import get_logger
 from .._results import KVPoll, KVServiceError
 from .._runtime import uvloop_available
+from .._stats import ServiceStatus
 from ._transfers import KVReceiver, KVSender, _Transfer
 
 if TYPE_CHECKING:
@@ -311,13 +312,13 @@ class KVTransferEngine:
         """Senders and receivers that have not ended yet."""
         return [t for t in self.live() if t.result is None]
 
-    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+    def status(self, timeout: float = 5.0) -> ServiceStatus:
         """``TransferService.status()``, taken on the loop thread (waits up to ``timeout``)."""
         loop, svc = self._loop, self._svc
         if loop is None or svc is None or not self._accepting:
             raise KVServiceError("the engine is not running")
 
-        async def snapshot() -> dict[str, Any]:
+        async def snapshot() -> ServiceStatus:
             return svc.status()
 
         return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout)

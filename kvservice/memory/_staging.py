@@ -30,7 +30,7 @@ the door has released every handle of it (the watchdog's ``_settle_if_released``
 on success and on every failure path alike; a released WRITE may still read it
 then, but what it reads lands only in the failed request's pages, unsettled until
 the fence.  A receiver's scatter range comes back when its request is *settled*
-(``_settle``), exactly when its pages could be reused: after the scatter on
+(``_transfer.settle``), exactly when its pages could be reused: after the scatter on
 success; on failure once no WRITE of the sender can land any more (its fence, its
 ``Settled``, its process gone), and not while a scatter copies.
 

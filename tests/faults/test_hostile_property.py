@@ -308,8 +308,8 @@ def forger(target: Target) -> Iterator[Forger]:
     door = thread.call_sync(functools.partial(NixlDoor, target.svc.agent_name, progress_thread=False,
                                               ucx_env=LOOPBACK_UCX))
     try:
-        assert target.decode._control is not None
-        thread.call_sync(door._agent.add_remote_agent, target.decode._control._local.join.metadata)
+        assert target.decode._plane is not None
+        thread.call_sync(door._agent.add_remote_agent, target.decode._plane.control._local.join.metadata)
         target.portal.call(functools.partial(_expect_victim, target))
         yield Forger(thread, door)
     finally:

@@ -48,14 +48,14 @@ def refused(svc: TransferService, kind: str) -> int:
 def claiming(svc: TransferService, address: str) -> None:
     """Make ``svc`` advertise ``address`` in its Hellos: a claim, as a misconfigured or
     hostile service makes it (its own port stays where it is)."""
-    assert svc._control is not None
-    svc._control.address = address
+    assert svc._plane is not None
+    svc._plane.control.address = address
 
 
 def metadata_of(svc: TransferService) -> bytes:
     """``svc``'s NIXL metadata, as any peer it ever linked with holds it."""
-    assert svc._control is not None
-    return svc._control._local.join.metadata
+    assert svc._plane is not None
+    return svc._plane.control._local.join.metadata
 
 
 async def forge(name: str, metadata: bytes, peer: str, notifs: list[bytes]) -> None:
@@ -266,17 +266,18 @@ async def test_only_the_requests_peer_can_end_it_or_learn_its_outcome(key_file: 
 
         # M links with R (any request will do) and asks about "early"
         heard: list[Message] = []
-        assert mallory._control is not None
-        on_message = mallory.on_message
+        assert mallory._plane is not None
+        inbound = mallory._plane.inbound
+        on_message = inbound.on_message
 
         def spy(agent: str, msg: Message) -> None:
             heard.append(msg)
             on_message(agent, msg)
 
-        mallory.on_message = spy  # type: ignore[method-assign]
+        inbound.on_message = spy  # type: ignore[method-assign]
         await decode.command(op="fill", rid="m-probe", pages=[1])
         await mallory.expect("m-probe", [2], sender=decode.address)
-        mallory._control.send_to(decode.agent, Failed("early", FailureReason.TIMEOUT.value, "did it arrive?"))
+        mallory._plane.control.send_to(decode.agent, Failed("early", FailureReason.TIMEOUT.value, "did it arrive?"))
         await decode.command(op="status", rid="s")
         status = await decode.event("status", "s")
         with anyio.fail_after(WAIT_S):

@@ -259,7 +259,7 @@ async def test_a_dialer_refuses_an_acceptors_unsafe_metadata_and_tells_it() -> N
     """The decode dials a prefill whose Join carries unsafe metadata: its expect() ends
     INCOMPATIBLE with the reason, the refusal is counted there, and the prefill hears why."""
     async with TransferService(config()) as tx, TransferService(config()) as rx:
-        control = tx._control
+        control = tx._plane.control
         assert control is not None
         local = control._local  # the prefill lies: its own metadata, with a worker address UCX cannot unpack
         control._local = replace(local, join=Join(metadata=version_altered(local.join.metadata),

@@ -22,8 +22,9 @@ from typing import Any
 
 #: kvservice modules that read the clock
 CLOCK_MODULES = (
-    "kvservice._transfer.plane", "kvservice._service", "kvservice._control.links", "kvservice._transfer.requests",
-    "kvservice._transfer.watchdog", "kvservice._nixl.door", "kvservice._stats",
+    "kvservice._transfer.plane", "kvservice._transfer.inbound", "kvservice._transfer.ends",
+    "kvservice._control.links", "kvservice._transfer.requests", "kvservice._transfer.watchdog",
+    "kvservice._nixl.door", "kvservice._stats",
 )
 START = 1000.0
 

@@ -26,7 +26,7 @@ from kvservice._control.protocol import FENCE, ChunkNotif, Settled, encode_notif
 from kvservice._nixl.door import DoorError, LocalTable
 from kvservice._peerproc import pattern
 from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
-from kvservice._transfer.plane import FENCE_TRIES
+from kvservice._transfer.ends import FENCE_TRIES
 from kvservice._transfer.requests import RecvRequest, SendRequest
 from tests.helpers import SMALL
 from tests.unit.fake_door import FakeDoor, FakeFabric, Mode, copy
@@ -277,9 +277,10 @@ class World:
 
     # -- instrumentation ---------------------------------------------------------------
     def _instrument(self, proc: Proc) -> None:
-        svc = proc.svc
-        finish = svc._finish
-        settlement = svc._settlement
+        plane = proc.svc._plane
+        assert plane is not None  # instrumented once started: the plane exists from then on
+        finish = plane.finish
+        settlement = plane.settlement
         settle_recv = settlement.settle_recv
 
         def hooked_finish(req: SendRequest | RecvRequest, result: TransferResult) -> None:
@@ -293,23 +294,23 @@ class World:
                 self.log(f"settle {proc.agent} {request_id} ok={sender_ok}")
             return done
 
-        on_peer_lost = svc.on_peer_lost
+        on_peer_lost = plane.inbound.on_peer_lost
 
         def hooked_peer_lost(agent: str, *args: Any) -> None:
             self.log(f"peer lost {proc.agent}: {agent} graceful={args[2]} gone={args[3]}")
             self.disturb(proc.agent, agent)
             on_peer_lost(agent, *args)
 
-        send_to = svc._send_to
+        send_to = plane.send_to
 
         def hooked_send_to(agent: str, msg: Any) -> None:
             if isinstance(msg, Settled) and not msg.ok and msg.request_id in self.posted:
                 self.log(f"settled-after-post {proc.agent}->{agent} {msg.request_id}")
             send_to(agent, msg)
 
-        svc._send_to = hooked_send_to  # type: ignore[method-assign]
-        svc.on_peer_lost = hooked_peer_lost  # type: ignore[method-assign]
-        svc._finish = hooked_finish  # type: ignore[method-assign]
+        plane.send_to = hooked_send_to  # type: ignore[method-assign]
+        plane.inbound.on_peer_lost = hooked_peer_lost  # type: ignore[method-assign]
+        plane.finish = hooked_finish  # type: ignore[method-assign]
         settlement.settle_recv = hooked_settle  # type: ignore[method-assign]
 
     def on_finish(self, proc: Proc, req: SendRequest | RecvRequest) -> None:
@@ -386,7 +387,6 @@ class World:
         svc.agent_name = agent  # deterministic names, for the trace
         svc.stats.monitor_loop_lag = _no_lag_monitor  # type: ignore[method-assign]  # no loop lag in virtual time
         proc = Proc(role, inc, svc, thread)
-        self._instrument(proc)
         self.procs[role] = proc
         self.all_procs.append(proc)
         self.log(f"start {agent}")
@@ -404,6 +404,7 @@ class World:
                 proc.state = "failed"
                 task_status.started()
                 return
+            self._instrument(proc)  # its plane exists once started; it holds no request before
             proc.state = "up"
             task_status.started()
             cancelled: BaseException | None = None
@@ -528,7 +529,7 @@ class World:
             await svc.expect(r.rid, r.dst, sender=f"{ROLES[PREFILL]}:{PORT}")
         except KVServiceError as exc:
             self.log(f"expect {r.rid} refused: {exc}")
-            if r.rid not in svc._recvs and r.rid not in svc._recvs_done:
+            if svc._plane is None or (r.rid not in svc._plane.recvs and r.rid not in svc._plane.recvs_done):
                 proc.free.extend(r.dst)
                 return
         await svc.await_arrival(r.rid)
@@ -654,8 +655,10 @@ class World:
         for proc in self.procs.values():
             if not proc.running:
                 continue
-            svc = proc.svc
-            for req in [*svc._sends.values(), *svc._recvs.values()]:
+            plane = proc.svc._plane
+            if plane is None:
+                continue
+            for req in [*plane.sends.values(), *plane.recvs.values()]:
                 if now > req.due_at() + DEADLINE_SLACK_S:
                     self.violation(f"{req.request_id} on {proc.agent} still live {now - req.due_at():.3f}s "
                                    "past its deadline")
@@ -691,7 +694,8 @@ class World:
         for r in self.reqs.values():
             if r.disturbed or r.receiver is None or not r.receiver.running or self._fence_excused(r):
                 continue
-            result = r.receiver.svc._recvs_done.get(r.rid)
+            plane = r.receiver.svc._plane
+            result = plane.recvs_done.get(r.rid) if plane is not None else None
             if result is not None and not result.settled:
                 self.violation(f"{r.rid} failed on {r.receiver.agent} ({result.reason}) and never settled, "
                                "though no link or process fault touched it")
@@ -703,10 +707,12 @@ class World:
         for proc in self.all_procs:
             if proc.crashed:
                 continue
-            svc = proc.svc
-            if svc._sends or svc._recvs:
-                self.violation(f"{proc.agent} ended with live requests {list(svc._sends)} {list(svc._recvs)}")
-            for side, done in (("send", svc._sends_done), ("recv", svc._recvs_done)):
+            plane = proc.svc._plane
+            if plane is None:  # never started
+                continue
+            if plane.sends or plane.recvs:
+                self.violation(f"{proc.agent} ended with live requests {list(plane.sends)} {list(plane.recvs)}")
+            for side, done in (("send", plane.sends_done), ("recv", plane.recvs_done)):
                 for rid in list(done._d):
                     result = done.get(rid)
                     assert result is not None
@@ -715,13 +721,14 @@ class World:
                                        f"{self.finishes[(proc.agent, side, rid)]} times")
                     if not result.settled:
                         self.violation(f"{rid} ({side}) on {proc.agent} never settled: {result}")
-            if svc._settlement.unsettled_pages:
-                self.violation(f"{proc.agent}: {svc._settlement.unsettled_pages} unsettled pages at the end")
+            if plane.settlement.unsettled_pages:
+                self.violation(f"{proc.agent}: {plane.settlement.unsettled_pages} unsettled pages at the end")
         for r in self.reqs.values():
             if r.sender is None or r.receiver is None or r.disturbed:
                 continue
-            s = r.sender.svc._sends_done.get(r.rid)
-            d = r.receiver.svc._recvs_done.get(r.rid)
+            sp, rp = r.sender.svc._plane, r.receiver.svc._plane
+            s = sp.sends_done.get(r.rid) if sp is not None else None
+            d = rp.recvs_done.get(r.rid) if rp is not None else None
             if s is None or d is None:
                 continue
             if s.ok != d.ok:

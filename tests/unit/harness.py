@@ -60,7 +60,7 @@ def untouched(svc: TransferService, but: Sequence[int]) -> bool:
 
 def notif_from(sender: TransferService, receiver: TransferService, n: ChunkNotif) -> bytes:
     """``n`` as ``sender``'s link to ``receiver`` seals it (what its watchdog posts)."""
-    assert sender._control is not None
-    key = sender._control.notif_key_to(receiver.agent_name)
+    assert sender._plane is not None
+    key = sender._plane.control.notif_key_to(receiver.agent_name)
     assert key is not None, "not linked"
     return encode_notif(n, key)

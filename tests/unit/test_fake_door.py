@@ -43,7 +43,7 @@ def test_post_copies_the_page_planes_and_delivers_the_notif() -> None:
 
 
 def test_complete_after_and_hang() -> None:
-    fabric, a, b, _, _ = pair()
+    fabric, a, b, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     a.complete_after(2)
     xid, state = a.post("b", indices([1]), indices([2]), b"x")
     assert state is XferState.PROC and b.notifs() == {}
@@ -57,7 +57,7 @@ def test_complete_after_and_hang() -> None:
 
 
 def test_check_after_release_is_a_violation_a_repeated_release_is_idempotent() -> None:
-    fabric, a, _, _, _ = pair()
+    fabric, a, _, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     a.hang()
     xid, _ = a.post("b", indices([1]), indices([2]), b"x")
     assert a.release(xid) is True
@@ -71,7 +71,7 @@ def test_check_after_release_is_a_violation_a_repeated_release_is_idempotent() -
 
 
 def test_a_handle_released_twice_by_nixl_fails_assert_clean() -> None:
-    fabric, a, _, _, _ = pair()
+    fabric, a, _, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     a.hang()
     xid, _ = a.post("b", indices([1]), indices([2]), b"x")
     a.release_counts[xid] = 2  # as if NIXL's release had run twice
@@ -81,7 +81,7 @@ def test_a_handle_released_twice_by_nixl_fails_assert_clean() -> None:
 
 
 def test_a_leaked_handle_fails_assert_clean() -> None:
-    fabric, a, _, _, _ = pair()
+    fabric, a, _, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     a.hang()
     a.post("b", indices([1]), indices([2]), b"x")
     with pytest.raises(AssertionError, match="1 live handles"):
@@ -89,7 +89,7 @@ def test_a_leaked_handle_fails_assert_clean() -> None:
 
 
 def test_scripted_errors_carry_the_original() -> None:
-    fabric, a, _, _, _ = pair()
+    fabric, a, _, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     original = ConnectionResetError("gone")
     a.fail_next_post(FailureReason.REMOTE_DISCONNECT, original)
     with pytest.raises(DoorError) as info:
@@ -105,7 +105,7 @@ def test_scripted_errors_carry_the_original() -> None:
 
 
 def test_mismatched_descriptors_are_refused_and_recorded() -> None:
-    _, a, _, _, _ = pair()
+    _, a, _, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     with pytest.raises(DoorError) as info:
         a.post("b", indices([1, 2]), indices([3]), b"x")
     assert info.value.reason is FailureReason.BACKEND
@@ -115,7 +115,7 @@ def test_mismatched_descriptors_are_refused_and_recorded() -> None:
 
 
 def test_remove_peer_and_close_release_what_is_live() -> None:
-    fabric, a, b, _, _ = pair()
+    fabric, a, b, *_pools = pair()  # the pools stay alive: the doors copy their bytes
     a.hang()
     x1, _ = a.post("b", indices([1]), indices([2]), b"x")
     assert a.remove_peer("b") == [x1]
@@ -129,7 +129,7 @@ def test_remove_peer_and_close_release_what_is_live() -> None:
 
 
 def test_run_tick_batches_posts_checks_and_notifs() -> None:
-    fabric, a, b, pa, _ = pair()
+    fabric, a, b, pa, _pb = pair()  # the pools stay alive: the doors copy their bytes
     b.add_peer("a", a.metadata(), pool_table(SMALL, pa.base_addr))
     b.complete_after(1)
     notif = encode_notif(ChunkNotif("r", 0, 1), b"k" * 32)

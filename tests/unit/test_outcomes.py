@@ -42,7 +42,8 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
             assert aborted is not None and aborted.reason is FailureReason.ABORTED  # as it stands now
             if outcome_first:
                 await anyio.to_thread.run_sync(txd.arrived["release"].wait, GUARD_S)
-                await eventually(lambda: "race" not in tx._outcomes, GUARD_S)  # the Outcome is in
+                # the Outcome is in
+                await eventually(lambda: tx._plane is not None and "race" not in tx._plane.ends.outcomes, GUARD_S)
                 gate.set()
             # The sender's result: once its (hung) handle is released and the Outcome is in.
             # Only then let the fake finish what still hangs, the settle fence: finishing the
@@ -74,8 +75,8 @@ async def test_without_an_outcome_the_failure_stands_after_the_peer_timeout() ->
             await rx.expect("mute", [9], sender=tx.address)
             handle = await tx.send("mute", [1], last=True)
             await eventually(lambda: txd.live_xfers() == 1, GUARD_S)
-            assert rx._control is not None
-            rx._control.drop_peer(tx.agent_name, ConnectionResetError("test: the receiver goes away"))
+            assert rx._plane is not None
+            rx._plane.control.drop_peer(tx.agent_name, ConnectionResetError("test: the receiver goes away"))
             await tx.abort("mute")
             sent = await tx.await_completion(handle)
             assert sent.status is TransferStatus.FAILED and sent.settled, sent
