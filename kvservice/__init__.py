@@ -5,6 +5,9 @@ hung peer or a cancelled transfer becomes ``Failed`` with a ``FailureReason``
 and the original error, never an exception that takes the caller down.
 """
 
+import types as _types
+import typing as _typing
+
 from ._config import ServiceConfig
 from ._results import (
     AuthenticationError,
@@ -57,3 +60,27 @@ __all__ = [
     "__version__",
     "freeze_startup_objects",
 ]
+
+
+def _say_where_to_import(obj: object) -> None:
+    """Public names say where to import them: ``kvservice.TransferResult`` in reprs,
+    tracebacks and pickles (pickle finds a class by ``__module__`` and ``__qualname__``,
+    and this module exports it).
+
+    ``typing.get_type_hints`` and msgspec (decoding a ``ServiceConfig`` from a file)
+    read a class's string annotations in the namespace its ``__module__`` names, so a
+    class's own are resolved first, where they were written; one that cannot be
+    resolved there fails ``import kvservice``, loudly, rather than a later decode."""
+    if isinstance(obj, type):
+        own = vars(obj).get("__annotations__", {})
+        if own:
+            hints = _typing.get_type_hints(obj, include_extras=True)
+            obj.__annotations__ = {key: hints[key] for key in own}
+        obj.__module__ = __name__
+    elif isinstance(obj, _types.FunctionType):
+        obj.__module__ = __name__
+
+
+for _name in __all__:  # __version__ is neither a class nor a function: left alone
+    _say_where_to_import(globals()[_name])
+del _name, _say_where_to_import

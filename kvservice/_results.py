@@ -43,19 +43,31 @@ class FailureReason(enum.Enum):
 
 
 class KVServiceError(Exception):
-    """Base class of the exceptions kvservice raises."""
+    """The root of every exception kvservice raises: ``except KVServiceError`` catches them all.
+
+    Raised as itself (not a subclass) when a service or sidecar connection is used
+    outside its life: not started, shutting down, stopped.  Nothing was done; the
+    caller starts one (``async with``) or gives up.  Each subclass is defined beside
+    the code that raises it and keeps the builtin base callers caught before it joined
+    the family (``ValueError``, ``KeyError``, ``OSError``, ``RuntimeError``)."""
 
 
 class ConfigError(KVServiceError, ValueError):
-    """A configuration value is invalid; the message names the key."""
+    """A configuration value is invalid; the message names the key and what is allowed.
+
+    Raised on creating a ``ServiceConfig`` or loading a config file or environment:
+    fix the value, nothing was started."""
 
 
 class Overloaded(KVServiceError):
-    """A bound was reached (``max_live_requests``): the call is refused, nothing changed."""
+    """A bound was reached (``max_live_requests``): the call is refused, nothing changed.
+
+    Retry later, or fail the request upstream."""
 
 
 class UnknownRequestError(KVServiceError, KeyError):
-    """An operation named a request id this service does not know."""
+    """An operation named a request id this service does not know (never started, or
+    ended and forgotten).  A programming error on the caller's side: nothing changed."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "unknown request"
@@ -64,6 +76,8 @@ class UnknownRequestError(KVServiceError, KeyError):
 class ProtocolError(KVServiceError):
     """A control-channel peer sent something that breaks the protocol, or refused us.
 
+    Kept as a failed result's ``error`` (reason ``INCOMPATIBLE`` or ``REFUSED``), and
+    raised by ``SidecarClient`` for a call the daemon found malformed.
     ``kind`` names the refusal for counters and for the ``Reject`` frame
     ("version", "hello_invalid", "incompatible", "agent_live", "peer_limit", ...)."""
 
@@ -73,23 +87,33 @@ class ProtocolError(KVServiceError):
 
 
 class AuthenticationError(ProtocolError):
-    """A peer could not prove it holds the cluster's key (or we could not prove it to the peer)."""
+    """A peer could not prove it holds the cluster's key (or we could not prove it to the peer).
+
+    Kept as a failed result's ``error`` (reason ``REFUSED``): give both services the
+    same ``auth_key_file``."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "auth")
 
 
 class NixlUnavailable(KVServiceError, RuntimeError):
-    """NIXL could not be imported, or no agent with a UCX backend could be created."""
+    """NIXL could not be imported, or no agent with a UCX backend could be created.
+
+    Raised on starting a service: install NIXL with UCX, or run where it is."""
 
 
 class TransferFailed(KVServiceError):
-    """Raised by ``failure_exception()`` when no original error was kept."""
+    """Raised by ``failure_exception()`` / ``raise_for_failure()`` for a failed request
+    that kept no original error; ``reason`` says why it failed."""
 
     def __init__(self, request_id: str, reason: FailureReason, message: str) -> None:
         super().__init__(f"request {request_id!r} failed: {reason.value}: {message}")
         self.request_id = request_id
         self.reason = reason
+        self.message = message
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickle rebuilds it from __init__'s arguments
+        return type(self), (self.request_id, self.reason, self.message), self.__dict__
 
 
 @dataclass(frozen=True, slots=True)

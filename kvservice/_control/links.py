@@ -18,6 +18,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._log import get_logger
+from .._results import KVServiceError
 from .._trust.handshake import FrameMac, LinkSecrets
 from .protocol import (
     HEADER_BYTES,
@@ -127,8 +128,12 @@ class ControlStream(FramedStream[Message]):
             await self._stream.send(frame(self.mac.seal(body) if self.mac is not None else body))
 
 
-class OutboxOverflow(Exception):
-    """The peer stopped reading: more than ``max_outbox_bytes`` queued for it."""
+class OutboxOverflow(KVServiceError):
+    """The peer stopped reading: more than ``max_outbox_bytes`` queued for it, or none
+    of it taken for ``peer_timeout_s``.
+
+    Never raised to a caller: it closes the link, and is kept as the ``error`` of the
+    requests that fail ``PEER_LOST`` with it."""
 
 
 _LINK_ENDINGS: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, OutboxOverflow)

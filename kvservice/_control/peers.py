@@ -78,9 +78,9 @@ def dial_failure(exc: BaseException) -> FailureReason:
         return FailureReason.REFUSED if exc.kind in REFUSED_KINDS else FailureReason.INCOMPATIBLE
     if isinstance(exc, DoorError):
         return exc.reason
-    if isinstance(exc, KVServiceError):
+    if type(exc) is KVServiceError:  # the family's root itself: the service shut down meanwhile
         return FailureReason.SHUTDOWN
-    return FailureReason.PEER_LOST
+    return FailureReason.PEER_LOST  # the link broke: connection errors, a FrameError
 
 
 def load_peer(door: Door, agent: str, join: Join, kv: PeerKV) -> None:
@@ -103,11 +103,18 @@ def endpoint_gone(door: Door, agent: str) -> bool:
 
 
 class IncompatiblePeer(ProtocolError):
-    """A peer's KV memory does not pair with ours; ``for_peer`` says why from its side."""
+    """A peer's KV memory does not pair with ours (another model, dtype or layout);
+    ``for_peer`` says why from its side.
+
+    Raised in the handshake: the link is refused and the requests that waited on it
+    fail ``INCOMPATIBLE`` with it as ``error``.  Pair services of the same model."""
 
     def __init__(self, message: str, for_peer: str) -> None:
         super().__init__(message, "incompatible")
         self.for_peer = for_peer
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickle rebuilds it from __init__'s arguments
+        return type(self), (str(self), self.for_peer), self.__dict__
 
 
 def rejected_by(address: str, reject: Reject) -> ProtocolError:

@@ -34,6 +34,7 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
+from .._results import KVServiceError
 from .._trust.handshake import NOTIF_MAC_BYTES, notif_mac
 
 T = TypeVar("T")
@@ -285,5 +286,10 @@ def decode_body(body: bytes) -> Message:
     return decode_with(_decoder, body)
 
 
-class FrameError(Exception):
-    """A frame broke the protocol; the link that carried it is closed."""
+class FrameError(KVServiceError):
+    """A frame broke the protocol: oversized, malformed, unauthenticated, or out of turn.
+
+    Raised by the decoders and framed streams (peer links and the sidecar's socket);
+    the link or connection that carried it is closed.  A dial that ends so fails its
+    requests ``PEER_LOST`` with it as ``error``; ``SidecarClient`` reports it as a
+    lost connection.  Not a ``ProtocolError``: that is a refusal with a ``kind``."""

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._log import get_logger
-from .._results import FailureReason, NixlUnavailable
+from .._results import FailureReason, KVServiceError, NixlUnavailable
 from .door import DoorError, LocalTable, Segment, XferId, XferState
 
 log = get_logger("kvservice.nixl")
@@ -70,11 +70,13 @@ def metadata_agent(metadata: bytes) -> str | None:
         return None
 
 
-class _NeverRaised(Exception):
+class _NeverRaised(Exception):  # outside the KVServiceError family: nothing ever raises it
     """Stands in for a NIXL exception class this NIXL build lacks.
 
     Deliberately narrow: we never fall back to catching ``RuntimeError`` or
     ``Exception``, which would hide programming errors as transport failures.
+    It stands for NIXL's classes, which are not kvservice's: it is never raised,
+    only named in ``except`` clauses that then match nothing.
     """
 
 
@@ -128,8 +130,11 @@ def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
-class NixlStatusError(Exception):
-    """``transfer``/``check_xfer_state`` returned ``"ERR"`` without raising."""
+class NixlStatusError(KVServiceError):
+    """``transfer``/``check_xfer_state`` returned ``"ERR"`` without raising.
+
+    Stands in for the exception NIXL did not raise: wrapped in a ``DoorError`` as NIXL's
+    own are, it ends as the ``error`` of the request that fails ``BACKEND``."""
 
 
 def nixl_version() -> str:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from .._results import FailureReason
+from .._results import FailureReason, KVServiceError
 
 XferId = int
 T = TypeVar("T")
@@ -48,14 +48,21 @@ class XferState(enum.Enum):
     GONE = "GONE"  # not in the door's table (already released)
 
 
-class DoorError(Exception):
-    """A NIXL call failed.  ``reason`` classifies it; ``original`` is NIXL's exception."""
+class DoorError(KVServiceError):
+    """A NIXL call failed.  ``reason`` classifies it; ``original`` is NIXL's exception.
+
+    Raised by every ``Door`` method, on the door thread.  The layers above never let
+    it reach a caller: the request fails with ``reason`` and keeps ``original`` as its
+    ``error`` (a peer NIXL would not load refuses that peer's link)."""
 
     def __init__(self, reason: FailureReason, original: BaseException, op: str) -> None:
         super().__init__(f"{op}: {type(original).__name__}: {original}")
         self.reason = reason
         self.original = original
         self.op = op
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickle rebuilds it from __init__'s arguments
+        return type(self), (self.reason, self.original, self.op), self.__dict__
 
 
 class Door(Protocol):

@@ -32,6 +32,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from .._results import KVServiceError
+
 SERDES_PREFIX = b"nixlSerDes|"
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -53,8 +55,11 @@ UCX_MEMORY_TYPES = 10
 _RKEY_DISTANCE_BYTES = 3
 
 
-class MetadataError(ValueError):
-    """The metadata is not NIXL's serialised agent in a form this service will load."""
+class MetadataError(KVServiceError, ValueError):
+    """The metadata is not NIXL's serialised agent in a form this service will load.
+
+    Raised by ``parse_metadata``; ``check_metadata`` turns it into the reason a peer's
+    metadata is refused before NIXL ever reads it (that peer's link is refused)."""
 
 
 @dataclass(frozen=True, slots=True)

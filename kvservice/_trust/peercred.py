@@ -21,13 +21,19 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 
+from .._results import KVServiceError
+
 #: struct ucred: pid_t pid; uid_t uid; gid_t gid
 _UCRED = struct.Struct("iII")
 ROOT_UID = 0
 
 
-class PeerCredError(OSError):
-    """The peer's credentials cannot be read from this socket."""
+class PeerCredError(KVServiceError, OSError):
+    """The peer's credentials cannot be read from this socket (not a Unix socket, no
+    ``SO_PEERCRED`` on this platform, or the kernel refused).
+
+    Raised by ``peer_cred``; the sidecar and its client then refuse the connection,
+    as they would a peer of the wrong user."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvservice._results import KVServiceError
+
 #: environment every child gets: loopback only, quiet logs (two-host runs replace the UCX part)
 CHILD_ENV: dict[str, str | None] = {"UCX_NET_DEVICES": "lo", "KVSERVICE_LOG_LEVEL": "error",
                                     "PYTHONUNBUFFERED": "1"}
@@ -62,8 +64,11 @@ def _shadow_launch(path_first: Path, module: str) -> str:
 child_stderr: Any = None
 
 
-class ChildError(RuntimeError):
-    """A child process replied with an error, exited, or missed a deadline."""
+class ChildError(KVServiceError, RuntimeError):
+    """A child process replied with an error, exited, or missed a deadline.
+
+    Raised by ``Child`` and the methods driving children; ``kvservice bench`` stops the
+    run and says where the children's stderr is."""
 
 
 class Child:

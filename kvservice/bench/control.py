@@ -45,6 +45,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from kvservice._results import KVServiceError
 from kvservice._trust import handshake
 
 VERSION = 1
@@ -67,8 +68,11 @@ Text = Annotated[str, Meta(max_length=2000)]
 MethodName = Literal["raw_nixl", "kvservice"]
 
 
-class ControlError(RuntimeError):
-    """The other side broke the exchange: gone, silent, malformed, refused or reported an error."""
+class ControlError(KVServiceError, RuntimeError):
+    """The other side broke the exchange: gone, silent, malformed, refused or reported an error.
+
+    Raised by ``Channel`` and the handshakes of a two-host bench; the run (or the
+    listener's session) ends, saying why."""
 
 
 class Hello(Struct, tag="hello", tag_field="op", forbid_unknown_fields=True):

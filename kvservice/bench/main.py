@@ -32,6 +32,7 @@ from typing import Any
 from kvservice._config import ConfigError
 from kvservice._control.addresses import is_loopback_host, join_address, split_address
 from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from kvservice._results import KVServiceError
 from kvservice._trust.keys import load_key, resolve_key
 from kvservice.bench import _lines, control, engines, report
 from kvservice.bench._lines import Child, ChildError
@@ -105,8 +106,9 @@ def ucx_env(args: argparse.Namespace, two_hosts: bool) -> dict[str, str | None]:
     return env
 
 
-class UsageError(Exception):
-    pass
+class UsageError(KVServiceError):
+    """The command line asks for something that cannot run (a bad address, no key off
+    loopback, an unknown part or method).  ``main`` prints it and exits ``EXIT_USAGE``."""
 
 
 def _address(text: str, *, port_zero: bool) -> tuple[str, int]:

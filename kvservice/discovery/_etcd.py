@@ -22,11 +22,16 @@ from .settings import split_endpoint
 
 
 class EtcdUnavailable(KVServiceError):
-    """etcd could not be reached, or did not answer in time."""
+    """etcd could not be reached, or did not answer in time.
+
+    Raised by every ``Etcd`` call; discovery rides it out (``etcd_unreachable``), and
+    ``kvservice cluster`` reports it and exits ``EXIT_FAILED``."""
 
 
 class EtcdMissing(KVServiceError):
-    """``discovery = "etcd"`` without the etcd client installed."""
+    """``discovery = "etcd"`` without the etcd client installed.
+
+    Raised on connecting: install ``kvservice[etcd]``, or use ``discovery = "static"``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,11 +25,16 @@ log = get_logger("kvservice.discovery")
 
 
 class PeerUnknown(KVServiceError):
-    """A peer was named that no live member of the cluster has."""
+    """A peer was named that no live member of the cluster has.
+
+    Never raised to a caller: ``send(receiver=)`` or ``expect(sender=)`` naming it
+    fails the request ``PEER_LOST`` with this as ``error``, as a peer that died."""
 
 
 class MemberLost(KVServiceError):
-    """Why a link was dropped on discovery's word (its lease lapsed, it restarted)."""
+    """Why a link was dropped on discovery's word (its lease lapsed, it restarted).
+
+    Never raised: it is the ``error`` of the requests that fail ``PEER_LOST`` with the link."""
 
 
 class Discovery:

@@ -44,7 +44,10 @@ RETRY_MAX_S = 5.0
 
 
 class DiscoveryUnavailable(EtcdUnavailable):
-    """etcd could not be reached at start and ``etcd_unreachable = "fail"``."""
+    """etcd could not be reached at start and ``etcd_unreachable = "fail"``.
+
+    Raised out of starting the service (``async with``): start etcd, or set
+    ``etcd_unreachable = "wait"`` to start anyway and register once it answers."""
 
 
 @dataclass

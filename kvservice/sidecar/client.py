@@ -109,7 +109,10 @@ SEND_TIMEOUT_S = 30.0
 
 
 class _Lost(KVServiceError):
-    """The connection to the sidecar is gone."""
+    """The connection to the sidecar is gone (the daemon exited or closed it).
+
+    Raised by every call made after the loss; the waits answer the result they already
+    hold instead.  Private: callers catch ``KVServiceError`` and reconnect."""
 
 
 class SidecarClient:

@@ -36,7 +36,7 @@ from prometheus_client import generate_latest
 from .._config import ConfigError
 from .._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .._log import get_logger
-from .._results import NixlUnavailable
+from .._results import KVServiceError, NixlUnavailable
 from .._runtime import configure_logging, freeze_startup_objects, run
 from .._service import TransferService
 from ..discovery._etcd import EtcdMissing, EtcdUnavailable
@@ -52,8 +52,11 @@ log = get_logger("kvservice.sidecar")
 EXIT_FORCED = 3
 
 
-class StartupError(Exception):
-    """The daemon cannot start; the message is the one line the operator sees."""
+class StartupError(KVServiceError):
+    """The daemon cannot start (its socket, port or shared segment is in the way, or the
+    service failed to start); the message is the one line the operator sees.
+
+    Raised while starting; ``Daemon.run`` prints it and exits ``EXIT_FAILED``."""
 
 
 class Daemon:

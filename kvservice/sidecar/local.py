@@ -24,12 +24,17 @@ import uuid
 from collections.abc import Mapping
 from typing import IO, Any
 
+from .._results import KVServiceError
 from .settings import ENV_PREFIX
 from .shm import segment_path
 
 
-class DaemonError(RuntimeError):
-    """The daemon exited, or said nothing, before it was ready; the message says which."""
+class DaemonError(KVServiceError, RuntimeError):
+    """The daemon exited, or said nothing, before it was ready; the message says which
+    (and where its log is).
+
+    Raised by ``LocalDaemon.start`` / ``await_ready``: ``stop()`` it (a silent one may
+    still run) and read its log."""
 
 
 def short_tmpdir(prefix: str = "kvs-") -> str:

@@ -36,7 +36,10 @@ _PRUNE_STEPS = 2
 
 
 class NotOwnerError(KVServiceError):
-    """A worker named a request id that another worker of the same sidecar started."""
+    """A worker named a request id that another worker of the same sidecar started.
+
+    Raised (through ``SidecarClient``) by the call naming it; nothing changed.  Request
+    ids must be unique across the workers sharing a sidecar."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ from types import TracebackType
 import torch
 
 from .._log import get_logger
+from .._results import KVServiceError
 from ..memory._layout import KVLayout
 from ..memory._pool import torch_dtype
 
@@ -40,8 +41,12 @@ SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 
-class SegmentError(Exception):
-    """The shared segment cannot be created or attached; the message says why."""
+class SegmentError(KVServiceError):
+    """The shared segment cannot be created or attached; the message says why (no
+    ``/dev/shm``, a live daemon holds the name, another user's file, the wrong size).
+
+    Raised by ``Segment.create`` (the daemon does not start) and ``Segment.attach``
+    (``SidecarClient`` cannot connect)."""
 
 
 def check_shm_name(name: str) -> str:

@@ -32,7 +32,7 @@ import msgspec
 
 from .._control.links import FramedStream
 from .._control.protocol import HEADER_BYTES, decode_with, frame, frame_length
-from .._results import FailureReason, TransferResult, TransferStatus
+from .._results import FailureReason, KVServiceError, TransferResult, TransferStatus
 from ..discovery.member import MAX_ROLE_CHARS, Member
 
 SIDECAR_PROTOCOL_VERSION = 1
@@ -320,12 +320,20 @@ def result_to_wire(r: TransferResult) -> WireResult:
     )
 
 
-class SidecarRemoteError(Exception):
-    """Stands for an error raised inside the sidecar (``type_name`` is its class)."""
+class SidecarRemoteError(KVServiceError):
+    """Stands for an error raised inside the sidecar (``type_name`` is its class).
+
+    Never raised: a ``SidecarClient``'s failed result carries it as ``error``, where a
+    service in this process would carry the exception itself (exceptions do not cross
+    the socket, their class name and message do)."""
 
     def __init__(self, type_name: str, message: str) -> None:
         super().__init__(f"{type_name}: {message}")
         self.type_name = type_name
+        self.message = message
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickle rebuilds it from __init__'s arguments
+        return type(self), (self.type_name, self.message), self.__dict__
 
 
 def result_from_wire(w: WireResult) -> TransferResult:

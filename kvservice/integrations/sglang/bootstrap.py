@@ -31,6 +31,7 @@ from typing import Any
 
 from ..._control.addresses import split_address
 from ..._log import Throttle, get_logger
+from ..._results import KVServiceError
 
 log = get_logger("kvservice.sglang")
 
@@ -41,8 +42,13 @@ MAX_RANKS = 4096
 INFO_KEYS = ("attn_tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla")
 
 
-class BootstrapError(Exception):
-    """The registry could not be reached, or answered something unusable."""
+class BootstrapError(KVServiceError):
+    """The bootstrap registry could not be reached, refused a registration, or answered
+    something unusable.
+
+    Raised by ``register`` and ``lookup``: a prefill rank retries its registration for
+    a while, a decode retries its lookup, and a request that cannot learn its prefill
+    fails (``KVPoll.Failed``, this as the original error)."""
 
 
 def _check_registration(body: Any) -> tuple[str, str, dict[str, Any]]:

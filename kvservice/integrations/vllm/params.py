@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._control.addresses import split_address
+from ..._results import KVServiceError
 from ..._transfer.requests import check_request_id
 
 #: the key of the hand-off inside ``kv_transfer_params``
@@ -26,8 +27,11 @@ MAX_RANKS = 256
 MAX_TOKENS = 1 << 31
 
 
-class HandoffError(ValueError):
-    """A ``kv_transfer_params`` hand-off that cannot be used; the message says why."""
+class HandoffError(KVServiceError, ValueError):
+    """A ``kv_transfer_params`` hand-off that cannot be used; the message says why.
+
+    Raised on reading a request's parameters; the scheduler counts and logs why, and
+    goes on without the hand-off (a decode prefills the request locally)."""
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
