@@ -199,6 +199,11 @@ async def test_a_forged_registration_does_not_drop_a_peer_linked_by_address(etcd
             for incarnation in (1, 2):
                 await client.put(PREFIX + b"forged", claim_of(static, incarnation, name="forged"))
         await eventually(lambda: [m.incarnation for m in decode.live_peers()] == [2], timeout=GUARD_S)
+        # a whole transfer after the claim was taken in: a drop it caused has failed "held" by now
+        await decode.expect("probe", [31], sender=static.address)
+        static.kv.write([5], pattern(SMALL, "probe", 1))
+        probe = await static.await_completion(await static.send("probe", [5], last=True), timeout=GUARD_S)
+        assert probe.ok and (await decode.await_arrival("probe", timeout=GUARD_S)).ok, probe
         assert decode.poll_arrival("held") is not KVPoll.Failed, decode.status()
         static.kv.write([4], pattern(SMALL, "held", 1))
         sent = await static.await_completion(await static.send("held", [4], last=True), timeout=GUARD_S)
