@@ -46,9 +46,19 @@ class EtcdOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Entry:
+    """A key and its value as etcd holds them.  Both are bytes from whoever could write
+    to etcd: nothing here decodes them (``member.read`` does, and never raises)."""
+
+    key: bytes
+    value: bytes
+    created: int  # the revision that created the key
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     kind: str  # "PUT" or "DELETE"
-    key: str
+    key: bytes
     value: bytes
     revision: int
 
@@ -164,16 +174,19 @@ class Etcd:
     async def revoke(self, lease_id: int) -> None:
         await self._call(self._client.revoke_lease, lease_id)
 
-    async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
-        await self._call(self._client.put, key.encode(), value, lease=lease_id)
+    async def put(self, key: str, value: bytes, lease_id: int | None = None) -> int:
+        """The store's revision once ``value`` is written (what a watch reports it at)."""
+        reply = await self._call(self._client.put, key.encode(), value, lease=lease_id)
+        return int(reply.header.revision)
 
     async def delete(self, key: str) -> None:
         await self._call(self._client.delete, key.encode())
 
-    async def list(self, prefix: str) -> tuple[int, list[tuple[str, bytes]]]:
+    async def list(self, prefix: str) -> tuple[int, list[Entry]]:
         """The store's revision and every key under ``prefix`` with its value."""
         reply = await self._call(self._client.get_prefix, prefix.encode())
-        return int(reply.header.revision), [(kv.key.decode(), bytes(kv.value)) for kv in reply]
+        return int(reply.header.revision), [Entry(bytes(kv.key), bytes(kv.value), int(kv.create_revision))
+                                            for kv in reply]
 
     @contextlib.asynccontextmanager
     async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[AsyncIterator[Event]]:
@@ -184,7 +197,7 @@ class Etcd:
         async def events() -> AsyncIterator[Event]:
             try:
                 async for ev in watch:
-                    yield Event(str(ev.kind), ev.kv.key.decode(), bytes(ev.kv.value), int(ev.kv.mod_revision))
+                    yield Event(str(ev.kind), bytes(ev.kv.key), bytes(ev.kv.value), int(ev.kv.mod_revision))
             except Exception as exc:
                 raise EtcdUnavailable(f"watch ended: {type(exc).__name__}: {exc}") from exc
             raise EtcdUnavailable("watch ended")

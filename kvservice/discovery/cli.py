@@ -4,12 +4,15 @@
     kvservice cluster --config /etc/kvservice/decode.toml [--json]
 
 One line per registered service: name, role, address, incarnation, age, linked peers,
-requests in flight (as the service last reported them, every few seconds).
+requests in flight (as the service last reported them, every few seconds).  Entries that
+are no valid member (a key that is not UTF-8 or not a member name, a value that does
+not decode, a second claim of one agent) are skipped, and counted by why on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -21,7 +24,7 @@ from .._config import ServiceConfig
 from .._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .._results import ConfigError
 from ._etcd import Etcd, EtcdMissing, EtcdUnavailable
-from .member import Member, decode, services_prefix
+from .member import Member, read_listing, services_prefix
 from .registry import options
 
 
@@ -40,19 +43,21 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     return cfg.replace(**changes)
 
 
-async def _members(cfg: ServiceConfig) -> tuple[list[Member], int]:
+async def _members(cfg: ServiceConfig) -> tuple[list[Member], collections.Counter[str]]:
+    """The members, by role and name, and how many entries were skipped, by why."""
     etcd = await Etcd.connect(options(cfg))
     try:
-        _, kvs = await etcd.list(services_prefix(cfg.cluster))
+        _, entries = await etcd.list(services_prefix(cfg.cluster))
     finally:
         await etcd.close()
-    found, invalid = [], 0
-    for key, value in kvs:
-        try:
-            found.append(decode(key, value, services_prefix(cfg.cluster)))
-        except ValueError:
-            invalid += 1
-    return sorted(found, key=lambda m: (m.role, m.name)), invalid
+    found, ignored = read_listing(entries, services_prefix(cfg.cluster))
+    return sorted(found, key=lambda m: (m.role, m.name)), collections.Counter(why.why for _, why in ignored)
+
+
+def _skipped(ignored: collections.Counter[str]) -> str:
+    if not ignored:
+        return ""
+    return f"; skipped {ignored.total()} ({', '.join(f'{why}={n}' for why, n in sorted(ignored.items()))})"
 
 
 def _age(seconds: float) -> str:
@@ -69,7 +74,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     try:
         cfg = _config(args)
-        members, invalid = anyio.run(_members, cfg)
+        members, ignored = anyio.run(_members, cfg)
     except ConfigError as exc:
         print(f"kvservice cluster: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -88,6 +93,5 @@ def main(argv: Sequence[str]) -> int:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-        print(f"{len(members)} services in cluster {cfg.cluster!r}" + (f"; {invalid} unreadable" if invalid else ""),
-              file=sys.stderr)
+    print(f"{len(members)} services in cluster {cfg.cluster!r}{_skipped(ignored)}", file=sys.stderr)
     return EXIT_OK

@@ -8,12 +8,16 @@ expect there; the link's own handshake still authenticates whoever answers.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
 
 from .._control.addresses import split_address
+from ._etcd import Entry
 
 #: the most a registration may hold; a larger value is ignored
 MAX_VALUE_BYTES = 4096
@@ -21,7 +25,14 @@ PREFIX = "/kvservice"
 
 #: the longest role a service registers under
 MAX_ROLE_CHARS = 63
-_Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+#: the longest member name; a key whose name is longer is ignored before it is decoded
+MAX_NAME_CHARS = 63
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+_NAME = re.compile(_NAME_PATTERN)
+_Name = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN)]
+
+#: why an entry read from etcd is ignored (each counted, in ``Registry.status()["ignored"]``)
+IGNORED = ("key_outside_prefix", "key_too_long", "key_not_utf8", "name_invalid", "value_invalid", "agent_taken")
 _Text = Annotated[str, msgspec.Meta(max_length=255)]
 
 
@@ -47,6 +58,15 @@ class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 _decoder = msgspec.json.Decoder(Member)
 
 
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """Why an entry from etcd is no member: ``why`` is one of ``IGNORED``; ``detail`` is
+    bounded and never echoes the entry's bytes (they may be anything, of any size)."""
+
+    why: str
+    detail: str
+
+
 def services_prefix(cluster: str) -> str:
     return f"{PREFIX}/{cluster}/services/"
 
@@ -59,18 +79,74 @@ def encode(member: Member) -> bytes:
     return msgspec.json.encode(member)
 
 
-def decode(key: str, value: bytes, prefix: str) -> Member:
-    """The member at ``key``; ValueError for anything malformed (too long, wrong types,
-    a name that is not its key's, an address that does not parse)."""
+def name_of(key: bytes, prefix: str) -> str | Ignored:
+    """The member name ``key`` holds under ``prefix``, or why it is no member's key.  The
+    key is read as bytes: etcd takes any, and none of them may raise here."""
+    raw = prefix.encode()
+    if not key.startswith(raw):
+        return Ignored("key_outside_prefix", f"not under {prefix}")
+    name = key[len(raw):]
+    if len(name) > MAX_NAME_CHARS:
+        return Ignored("key_too_long", f"a name of {len(name)} bytes, at most {MAX_NAME_CHARS}")
+    try:
+        text = name.decode()
+    except UnicodeDecodeError:
+        return Ignored("key_not_utf8", "its name is not UTF-8")
+    if not _NAME.match(text):
+        return Ignored("name_invalid", "a name is letters, digits, '.', '_', '-' (1..63, not starting with a symbol)")
+    return text
+
+
+def read(key: bytes, value: bytes, prefix: str) -> Member | Ignored:
+    """The member at ``key``, or why it is ignored: its key (``name_of``), or its value
+    (``value_invalid``: too long, wrong types, a name that is not its key's, an address
+    that does not parse)."""
+    name = name_of(key, prefix)
+    if isinstance(name, Ignored):
+        return name
     if len(value) > MAX_VALUE_BYTES:
-        raise ValueError(f"{len(value)} bytes, at most {MAX_VALUE_BYTES}")
+        return Ignored("value_invalid", f"{len(value)} bytes, at most {MAX_VALUE_BYTES}")
     try:
         member = _decoder.decode(value)
-    except msgspec.DecodeError as exc:
-        raise ValueError(str(exc)) from None
-    if prefix + member.name != key:
-        raise ValueError(f"name {member.name!r} is not its key's")
-    split_address(member.address)
+        split_address(member.address)
+    except (msgspec.DecodeError, ValueError) as exc:
+        return Ignored("value_invalid", str(exc)[:200])
+    if member.name != name:
+        return Ignored("value_invalid", f"name {member.name!r} is not its key's")
     if len(member.memory) > 16:
-        raise ValueError("memory: at most 16 entries")
+        return Ignored("value_invalid", "memory: at most 16 entries")
     return member
+
+
+def claimed_elsewhere(member: Member, claims: Mapping[str, str]) -> bool:
+    """Whether ``member``'s agent is already claimed under another name (``claims``:
+    agent -> name, the earlier claims).  Agent names are new at each start of a
+    process, so one agent under two names is a forgery, and the later claim is it."""
+    return claims.get(member.agent, member.name) != member.name
+
+
+def read_listing(entries: Iterable[Entry], prefix: str, claims: Mapping[str, str] | None = None,
+                 ) -> tuple[list[Member], list[tuple[bytes, Ignored]]]:
+    """The members a listing holds, and the entries ignored (key, why).  Entries are read
+    in the order they were created, so of two claims of one agent the earlier stands
+    (``claimed_elsewhere``), after the caller's own ``claims`` (agent -> name)."""
+    found: list[Member] = []
+    ignored: list[tuple[bytes, Ignored]] = []
+    taken = dict(claims or {})
+    for entry in sorted(entries, key=lambda e: e.created):
+        got = read(entry.key, entry.value, prefix)
+        if isinstance(got, Member) and claimed_elsewhere(got, taken):
+            got = Ignored("agent_taken", f"agent {got.agent!r} is {taken[got.agent]!r}'s")
+        if isinstance(got, Ignored):
+            ignored.append((entry.key, got))
+            continue
+        taken[got.agent] = got.name
+        found.append(got)
+    return found, ignored
+
+
+def shown(key: bytes, prefix: str) -> str:
+    """``key`` as a log line may show it: its name, bounded, non-ASCII bytes escaped."""
+    name = key[len(prefix.encode()):] if key.startswith(prefix.encode()) else key
+    text = ascii(name[:MAX_NAME_CHARS])[2:-1]
+    return text + (f"... ({len(name)} bytes)" if len(name) > MAX_NAME_CHARS else "")

@@ -22,6 +22,7 @@ with backoff (logged, throttled) and lists again when it is back.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from .._log import get_logger
 from .._stats import Stats
 from . import member as members
 from ._etcd import Etcd, EtcdOptions, EtcdUnavailable, Event
-from .member import Member
+from .member import Ignored, Member
 
 log = get_logger("kvservice.discovery")
 
@@ -80,10 +81,14 @@ class Registry:
         self._lapsed: dict[str, _Lapse] = {}
         self._watching = False
         self._lease: int | None = None
-        self._written: Member | None = None
+        self._written: bytes | None = None  # the value last written to our key (set before the write)
+        self._written_at = 0  # the store's revision after that write
+        self._overwritten = anyio.Event()  # our key changed under us: the keep-alive writes it again
         self._etcd: Etcd | None = None
         self.registrations = 0  # leases this service registered on (1 + re-registrations)
         self.outages = 0
+        self.rewrites = 0  # our key found overwritten or deleted while our lease lived, and written again
+        self.ignored: collections.Counter[str] = collections.Counter()  # entries ignored, by why
 
     # -- what the service asks ------------------------------------------------------
     def address_of(self, name: str) -> str | None:
@@ -102,7 +107,8 @@ class Registry:
     def status(self) -> dict[str, object]:
         return {"name": self.name, "cluster": self._cfg.cluster, "registered": self._lease is not None,
                 "etcd": self._etcd.endpoint if self._etcd is not None else None, "members": len(self.members),
-                "lapsed": sorted(self._lapsed), "registrations": self.registrations, "outages": self.outages}
+                "lapsed": sorted(self._lapsed), "registrations": self.registrations, "outages": self.outages,
+                "rewrites": self.rewrites, "ignored": dict(self.ignored)}
 
     # -- the loop ---------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -147,12 +153,13 @@ class Registry:
                 await anyio.sleep(retry)
                 retry = min(retry * 2, RETRY_MAX_S)
 
-    async def _register(self) -> None:
-        """Keep the lease when etcd still has it, else a new one; write our member."""
+    async def _register(self) -> bool:
+        """Keep the lease when etcd still has it, else a new one; write our member.
+        Whether the lease was kept."""
         assert self._etcd is not None
         if self._lease is not None and await self._etcd.keepalive(self._lease) > 0:
             await self._write(force=True)
-            return
+            return True
         if self._lease is not None:
             log.warning("discovery.lease_lapsed", name=self.name, detail="registering again on a new lease")
         self._lease = None
@@ -162,19 +169,34 @@ class Registry:
         self.registrations += 1
         log.info("discovery.registered", name=self.name, key=self._key, lease=lease, ttl_s=self._cfg.etcd_ttl_s,
                  endpoint=self._etcd.endpoint)
+        return False
 
     async def _write(self, force: bool = False) -> None:
         assert self._etcd is not None and self._lease is not None
-        me = self._me()
-        if force or me != self._written:
-            await self._etcd.put(self._key, members.encode(me), self._lease)
-            self._written = me
+        value = members.encode(self._me())
+        if force or value != self._written:
+            self._written = value  # before the write: its watch event may come before the reply
+            self._written_at = await self._etcd.put(self._key, value, self._lease)
 
     async def _keepalive(self) -> None:
+        """Every keep-alive, or at once when our key was changed under us (``_mine``).  A
+        rewrite is followed by a whole keep-alive interval before the next can happen:
+        two services configured with one name take turns at that pace, not faster."""
         assert self._etcd is not None
         while True:
-            await anyio.sleep(self._cfg.etcd_keepalive_s)
-            assert self._lease is not None
+            with anyio.move_on_after(self._cfg.etcd_keepalive_s):
+                await self._overwritten.wait()
+            if self._lease is not None and self._overwritten.is_set():
+                self._overwritten = anyio.Event()
+                if await self._register():
+                    self.rewrites += 1
+                    if self._stats.refuse("discovery_own_key") is not None:
+                        log.warning("discovery.own_key_rewritten", name=self.name, key=self._key,
+                                    detail="this service's registration was changed or deleted by another "
+                                           "writer; written again")
+                await anyio.sleep(self._cfg.etcd_keepalive_s)
+            if self._lease is None:  # leaving: the lease is revoked (its key's deletion may have woken us)
+                return
             if await self._etcd.keepalive(self._lease) > 0:
                 await self._write()
             else:
@@ -183,12 +205,13 @@ class Registry:
     async def _resync(self) -> int:
         """List the prefix: the view becomes what etcd holds now."""
         assert self._etcd is not None
-        revision, kvs = await self._etcd.list(self._prefix)
-        seen: dict[str, Member] = {}
-        for key, value in kvs:
-            m = self._decode(key, value)
-            if m is not None and m.name != self.name:
-                seen[m.name] = m
+        revision, entries = await self._etcd.list(self._prefix)
+        mine = self._key.encode()
+        self._mine(next((e.value for e in entries if e.key == mine), None), revision=0)
+        found, ignored = members.read_listing((e for e in entries if e.key != mine), self._prefix, self._claims())
+        for key, why in ignored:
+            self._ignore(key, why)
+        seen = {m.name: m for m in found}
         for name in set(self.members) - set(seen):
             self._lapse(name)
         for m in seen.values():
@@ -203,28 +226,54 @@ class Registry:
                 self._apply(ev)
 
     def _apply(self, ev: Event) -> None:
-        name = ev.key[len(self._prefix):]
+        name = members.name_of(ev.key, self._prefix)
+        if isinstance(name, Ignored):
+            if ev.kind == "PUT":  # its deletion was counted when it was put
+                self._ignore(ev.key, name)
+            return
         if name == self.name:
-            mine = self._decode(ev.key, ev.value) if ev.kind == "PUT" else None
-            if mine is not None and mine.agent != self._me().agent:
-                if self._stats.refuse("discovery_name_taken") is not None:
-                    log.error("discovery.name_taken", name=self.name, agent=mine.agent,
-                              detail="another service registered under this service's name")
+            self._mine(ev.value if ev.kind == "PUT" else None, ev.revision)
             return
         if ev.kind == "DELETE":
             self._lapse(name)
             return
-        m = self._decode(ev.key, ev.value)
-        if m is not None:
-            self._put(m)
+        m = members.read(ev.key, ev.value, self._prefix)
+        if isinstance(m, Member) and members.claimed_elsewhere(m, self._claims()):
+            m = Ignored("agent_taken", f"agent {m.agent!r} is another member's")
+        if isinstance(m, Ignored):
+            self._ignore(ev.key, m)
+            return
+        self._put(m)
 
-    def _decode(self, key: str, value: bytes) -> Member | None:
-        try:
-            return members.decode(key, value, self._prefix)
-        except ValueError as exc:
-            if self._stats.refuse("discovery_member") is not None:
-                log.warning("discovery.member_invalid", key=key, error=str(exc))
-            return None
+    def _claims(self) -> dict[str, str]:
+        """Agent -> name of every member known, lapsed ones and this service included."""
+        claims = {lapse.member.agent: name for name, lapse in self._lapsed.items()}
+        claims.update((m.agent, name) for name, m in self.members.items())
+        claims[self._me().agent] = self.name
+        return claims
+
+    def _mine(self, value: bytes | None, revision: int) -> None:
+        """Our key as etcd now holds it (``None``: deleted), at ``revision`` (0: now).  Not
+        what we wrote, and newer than our last write: another writer changed it, or our
+        lease lapsed; the keep-alive writes it again (``_keepalive``)."""
+        if value is not None and value == self._written:
+            return
+        if revision and revision <= self._written_at:  # an older event of ours
+            return
+        other = members.read(self._key.encode(), value, self._prefix) if value is not None else None
+        if isinstance(other, Member) and other.agent != self._me().agent:
+            if self._stats.refuse("discovery_name_taken") is not None:
+                log.error("discovery.name_taken", name=self.name, agent=other.agent,
+                          detail="another service registered under this service's name")
+        self._overwritten.set()
+
+    def _ignore(self, key: bytes, why: Ignored) -> None:
+        """Count an entry ignored for ``why``; logged (throttled), never raised."""
+        self.ignored[why.why] += 1
+        if self._stats.refuse("discovery_member") is not None:
+            log.warning("discovery.member_invalid", key=members.shown(key, self._prefix), why=why.why,
+                        error=why.detail, detail="an entry under the services prefix that is no valid member: "
+                                                 "ignored (counted in status()['discovery']['ignored'])")
 
     def _put(self, m: Member) -> None:
         old = self.members.get(m.name)

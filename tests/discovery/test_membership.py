@@ -16,8 +16,8 @@ import torch
 from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._peerproc import pattern
 from kvservice.discovery._etcd import Etcd, EtcdOptions
-from kvservice.discovery.member import decode as decode_member
-from kvservice.discovery.member import services_prefix
+from kvservice.discovery.member import Member, services_prefix
+from kvservice.discovery.member import read as read_member
 from tests.helpers import SMALL, config, eventually
 
 from .etcd_server import EtcdServer
@@ -48,8 +48,9 @@ async def test_register_resolve_by_name_and_transfer(etcd: EtcdServer) -> None:
             _, kvs = await client.list(services_prefix("t"))
         finally:
             await client.close()
-        assert sorted(k for k, _ in kvs) == ["/kvservice/t/services/decode-0", "/kvservice/t/services/prefill-0"]
-        assert decode_member(kvs[1][0], kvs[1][1], services_prefix("t")).agent == prefill.agent_name
+        assert sorted(e.key for e in kvs) == [b"/kvservice/t/services/decode-0", b"/kvservice/t/services/prefill-0"]
+        registered = read_member(kvs[1].key, kvs[1].value, services_prefix("t"))
+        assert isinstance(registered, Member) and registered.agent == prefill.agent_name
 
         src, dst = [1, 2, 3], [10, 11, 12]
         prefill.kv.write(src, pattern(SMALL, "r1", 3))

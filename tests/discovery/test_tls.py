@@ -67,7 +67,7 @@ async def test_registers_over_tls_with_a_client_certificate(tmp_path: Path) -> N
                 _, kvs = await client.list("/kvservice/tls/services/")
             finally:
                 await client.close()
-            assert [k for k, _ in kvs] == ["/kvservice/tls/services/d0"]
+            assert [e.key for e in kvs] == [b"/kvservice/tls/services/d0"]
         # no client certificate: etcd refuses the handshake
         with pytest.raises(EtcdUnavailable):
             await Etcd.connect(options(config(**tls)))
