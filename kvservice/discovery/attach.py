@@ -35,7 +35,7 @@ class Discovery:
         self._svc = svc
         self.incarnation = incarnation()
         self.started_at = time.time()
-        self.registry = Registry(svc.config, self.member, self._lost, svc.stats)
+        self.registry = Registry(svc.config.discovery_settings, self.member, self._lost, svc.stats)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Registered once this returns (or raises, ``etcd_unreachable = "fail"``)."""

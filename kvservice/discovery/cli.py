@@ -10,6 +10,7 @@ requests in flight (as the service last reported them, every few seconds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -17,30 +18,32 @@ from collections.abc import Sequence
 
 import anyio
 
-from .._config import ServiceConfig
 from .._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .._results import ConfigError
 from ._etcd import Etcd, EtcdMissing, EtcdUnavailable
 from .member import Member, decode, services_prefix
 from .registry import options
+from .settings import DiscoverySettings
 
 
-def _config(args: argparse.Namespace) -> ServiceConfig:
+def _settings(args: argparse.Namespace) -> DiscoverySettings:
+    """The config file's discovery keys (the sidecar's format, its ``[service]`` section, with
+    ``KVSERVICE_*`` overrides), or the defaults; then the command line's, over them."""
     if args.config:
         from ..sidecar.settings import load
 
-        cfg = load(args.config).service
+        settings = load(args.config).service.discovery_settings
     else:
-        cfg = ServiceConfig()
+        settings = DiscoverySettings()
     changes: dict[str, object] = {"discovery": "etcd"}
     if args.endpoints:
         changes["etcd_endpoints"] = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
     if args.cluster:
         changes["cluster"] = args.cluster
-    return cfg.replace(**changes)
+    return dataclasses.replace(settings, **changes)
 
 
-async def _members(cfg: ServiceConfig) -> tuple[list[Member], int]:
+async def _members(cfg: DiscoverySettings) -> tuple[list[Member], int]:
     etcd = await Etcd.connect(options(cfg))
     try:
         _, kvs = await etcd.list(services_prefix(cfg.cluster))
@@ -68,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON array of the members")
     args = parser.parse_args(list(argv))
     try:
-        cfg = _config(args)
+        cfg = _settings(args)
         members, invalid = anyio.run(_members, cfg)
     except ConfigError as exc:
         print(f"kvservice cluster: config error: {exc}", file=sys.stderr)
