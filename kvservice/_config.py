@@ -159,7 +159,7 @@ class ServiceConfig:
     #: peers with series of their own in the per-peer histograms; later ones share peer="other"
     metrics_peer_labels: int = PEER_LABELS
 
-    # -- staging (README "Tensor parallelism", kvservice/memory/_staging.py) ------------
+    # -- staging (README "Tensor parallelism", kvservice/_transfer/staging.py) ------------
     #: bytes of the buffer a sender gathers sliced token-major pages through (registered
     #: once at start, DRAM, token-major pools only); 0: no staging (per-token descriptors)
     staging_bytes: int = 256 * 1024 * 1024

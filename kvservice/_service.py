@@ -55,7 +55,7 @@ from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
-from .memory._staging import NO_CELL, Stager, staging_for
+from ._transfer.staging import NO_CELL, Stager, staging_for
 
 log = get_logger("kvservice")
 

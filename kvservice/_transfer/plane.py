@@ -26,7 +26,7 @@ from .._log import get_logger
 from .._nixl.door import DoorError, DoorThread
 from .._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from .._stats import Stats
-from ..memory._staging import Stager
+from .staging import Stager
 from .deadlines import Deadlines
 from .requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from .settle import Settlement
