@@ -35,12 +35,9 @@ def _settings(args: argparse.Namespace) -> DiscoverySettings:
         settings = load(args.config).service.discovery_settings
     else:
         settings = DiscoverySettings()
-    changes: dict[str, object] = {"discovery": "etcd"}
-    if args.endpoints:
-        changes["etcd_endpoints"] = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
-    if args.cluster:
-        changes["cluster"] = args.cluster
-    return dataclasses.replace(settings, **changes)
+    endpoints = tuple(e.strip() for e in args.endpoints.split(",") if e.strip()) if args.endpoints else None
+    return dataclasses.replace(settings, discovery="etcd", etcd_endpoints=endpoints or settings.etcd_endpoints,
+                               cluster=args.cluster or settings.cluster)
 
 
 async def _members(cfg: DiscoverySettings) -> tuple[list[Member], int]:
