@@ -49,13 +49,13 @@ from ._transfer.requests import (
     make_result,
     place,
 )
+from ._transfer.staging import NO_CELL, Stager, staging_for
 from ._transfer.watchdog import Watchdog
 from ._trust.vetting import MetadataVetter
 from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
-from ._transfer.staging import NO_CELL, Stager, staging_for
 
 log = get_logger("kvservice")
 

@@ -26,10 +26,10 @@ from .._log import get_logger
 from .._nixl.door import DoorError, DoorThread
 from .._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from .._stats import Stats
-from .staging import Stager
 from .deadlines import Deadlines
 from .requests import EarlyExpects, Recent, RecvRequest, SendRequest, make_result
 from .settle import Settlement
+from .staging import Stager
 from .watchdog import Watchdog
 
 log = get_logger("kvservice")

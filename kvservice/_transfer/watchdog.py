@@ -33,8 +33,8 @@ from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickP
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
-from .staging import Stager
 from .requests import SendRequest
+from .staging import Stager
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop

@@ -11,8 +11,8 @@ import pytest
 
 from kvservice import ServiceConfig
 from kvservice._results import ConfigError
-from kvservice.memory._pairing import PeerKV
 from kvservice._transfer.staging import NO_CELL, Arena, Stager, staging_for
+from kvservice.memory._pairing import PeerKV
 from kvservice.memory.synthetic import EngineSpec, SyntheticKV
 from tests.unit.fake_door import copy
 
