@@ -13,8 +13,7 @@ from ._control.addresses import is_loopback_host, is_unspecified_host
 from ._peertimes import PEER_LABELS
 from ._results import ConfigError
 from ._trust.keys import ServiceKey, load_key, resolve_key
-from .discovery.settings import DiscoveryKind, Unreachable
-from .discovery.settings import check as check_discovery
+from .discovery.settings import DiscoveryKind, DiscoverySettings, Unreachable
 from .memory._layout import KVLayout
 
 __all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
@@ -22,6 +21,8 @@ __all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
 LOOPS = ("auto", "asyncio", "uvloop")
 #: the most ``metrics_peer_labels`` may be: each label costs ~60 series in ``/metrics``
 MAX_PEER_LABELS = 1024
+#: the keys ``ServiceConfig`` holds for discovery, each as ``DiscoverySettings`` names it
+DISCOVERY_KEYS = tuple(f.name for f in dataclasses.fields(DiscoverySettings))
 #: the largest staging buffer (64 GiB): past it, a typo
 MAX_STAGING_BYTES = 1 << 36
 
@@ -136,28 +137,18 @@ class ServiceConfig:
     max_live_requests: int = 100_000
 
     # -- discovery (README "Discovery", docs/cluster.md) --------------------------------
-    #: "static": peers are named by host:port (nothing else consulted); "etcd": this service
-    #: registers in etcd on a lease and finds peers there by name and role
+    # ``DiscoverySettings``' keys, flat as the file and KVSERVICE_* hold them: what each
+    # means and how it is checked is written there; ``discovery_settings`` is them as one
     discovery: DiscoveryKind = "static"
-    #: the key prefix /kvservice/<cluster>/ that this service's cluster shares
     cluster: str = "default"
-    #: the name this service registers under (None: its agent name); unique in the cluster
     discovery_name: str | None = None
-    #: what it does ("prefill", "decode", ...): peers list live members by role
     discovery_role: str = ""
     etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    #: the lease's time to live (whole seconds) and how often it is kept alive
     etcd_ttl_s: float = 10.0
     etcd_keepalive_s: float = 3.0
-    #: a peer whose lease lapsed and that registers again with the same incarnation within
-    #: this long was not lost (every lease lapses at once when etcd resumes after a stop)
     etcd_rejoin_grace_s: float = 5.0
-    #: at start: how long one attempt to reach etcd may take, and then "fail" (raise) or
-    #: "wait" (retry until etcd answers, saying so in the log)
     etcd_connect_timeout_s: float = 5.0
     etcd_unreachable: Unreachable = "fail"
-    #: TLS: the CA of etcd's certificate; a client certificate and key; user name and a
-    #: file (mode 0600) holding the password
     etcd_ca_file: str | None = None
     etcd_cert_file: str | None = None
     etcd_key_file: str | None = None
@@ -168,7 +159,7 @@ class ServiceConfig:
     #: peers with series of their own in the per-peer histograms; later ones share peer="other"
     metrics_peer_labels: int = PEER_LABELS
 
-    # -- staging (README "Tensor parallelism", kvservice/memory/_staging.py) ------------
+    # -- staging (README "Tensor parallelism", kvservice/_transfer/staging.py) ------------
     #: bytes of the buffer a sender gathers sliced token-major pages through (registered
     #: once at start, DRAM, token-major pools only); 0: no staging (per-token descriptors)
     staging_bytes: int = 256 * 1024 * 1024
@@ -210,9 +201,8 @@ class ServiceConfig:
             raise ConfigError(f"staging_bytes: must be an int in 0..{MAX_STAGING_BYTES} (0: no staging), "
                               f"got {self.staging_bytes!r}")
         self._check_trust()
-        if isinstance(self.etcd_endpoints, list):  # from JSON or a table
-            object.__setattr__(self, "etcd_endpoints", tuple(self.etcd_endpoints))
-        check_discovery(self)
+        # raises ConfigError naming the key; a list of endpoints (JSON, a table) comes back a tuple
+        object.__setattr__(self, "etcd_endpoints", self.discovery_settings.etcd_endpoints)
         labels = self.metrics_peer_labels
         if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_PEER_LABELS:
             raise ConfigError(f"metrics_peer_labels: must be a whole number 0..{MAX_PEER_LABELS} "
@@ -235,6 +225,12 @@ class ServiceConfig:
                 f"auth_key_file: required when host is {self.host!r} (not loopback): without a key "
                 "anyone who reaches the port can take requests' KV; set auth_key_file "
                 "(kvservice keygen PATH), or allow_unauthenticated = true to accept that risk")
+
+    @property
+    def discovery_settings(self) -> DiscoverySettings:
+        """This service's discovery keys as discovery's own settings (checked again on
+        each call: a few comparisons and, with TLS files, a ``stat`` each)."""
+        return DiscoverySettings(**{key: getattr(self, key) for key in DISCOVERY_KEYS})
 
     @property
     def ucx_environment(self) -> dict[str, str]:

@@ -33,12 +33,12 @@ from ._stats import RequestCounts, ServiceStatus, Stats
 from ._transfer.inbound import Inbound
 from ._transfer.plane import RequestPlane
 from ._transfer.requests import RecvRequest, TransferHandle, check_request_id
+from ._transfer.staging import Stager, staging_for
 from ._trust.vetting import MetadataVetter
 from .discovery.attach import Discovery, PeerUnknown
 from .discovery.member import Member
 from .memory._pool import KVPool
 from .memory._regions import KVMemory, memory_to_wire, regions_table
-from .memory._staging import Stager, staging_for
 
 log = get_logger("kvservice")
 
@@ -168,7 +168,7 @@ class TransferService:
         await self._tg.start(plane.watchdog.run)
         await self._tg.start(self.stats.monitor_loop_lag)
         if cfg.discovery == "etcd":
-            self._discovery = Discovery(cfg, self.stats, agent=self.agent_name, address=self.address,
+            self._discovery = Discovery(cfg.discovery_settings, self.stats, agent=self.agent_name, address=self.address,
                                         memory=memory, load=self._load, drop=plane.drop_agent)
             await self._discovery.start(self._tg)
         log.info("service.started", address=self.address, agent=self.agent_name,

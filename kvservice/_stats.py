@@ -64,7 +64,7 @@ class Stats:
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     forced_releases: int = 0
     #: sends through the staging buffer ("gathered") and those that could not ("fallback_full":
-    #: no free range; "fallback_too_large": more than the buffer): memory._staging
+    #: no free range; "fallback_too_large": more than the buffer): _transfer.staging
     staging: collections.Counter[str] = field(default_factory=collections.Counter)
     #: refusals are all counted, but logged at most ``Throttle``'s burst per kind and window
     log_throttle: Throttle = field(default_factory=Throttle)

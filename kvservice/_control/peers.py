@@ -48,7 +48,7 @@ class LocalPeer:
     memory: KVMemory
     join: Join  # our NIXL metadata and KV memory, sent to authenticated peers only
     key: bytes | None  # the cluster's shared key; None: unauthenticated (loopback)
-    staging: StagingArea | None = None  # sends may gather through it (memory._staging)
+    staging: StagingArea | None = None  # sends may gather through it (_transfer.staging)
 
 
 @dataclass(eq=False)

@@ -112,7 +112,7 @@ class MemoryWire(msgspec.Struct, frozen=True):
     mem_type: _Name = "DRAM"
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     tp_rank: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
-    #: its staging buffer (``memory._staging``: sliced token-major pages land there); 0 bytes: none
+    #: its staging buffer (``_transfer.staging``: sliced token-major pages land there); 0 bytes: none
     staging_addr: _U64 = 0
     staging_bytes: _U64 = 0
 
@@ -141,7 +141,7 @@ class Expect(msgspec.Struct, tag="expect", frozen=True):
 
     request_id: RequestId
     pages: list[int]
-    #: the first cell of the receiver's staging this request lands in (``memory._staging``); -1: none
+    #: the first cell of the receiver's staging this request lands in (``_transfer.staging``); -1: none
     staging: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
 
 

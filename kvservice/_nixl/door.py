@@ -119,7 +119,7 @@ class PostOp:
     local_idx: npt.NDArray[np.int32]
     remote_idx: npt.NDArray[np.int32]
     notif: bytes
-    #: run on the door thread just before the post (a staging gather: ``memory._staging``)
+    #: run on the door thread just before the post (a staging gather: ``_transfer.staging``)
     prepare: Callable[[], None] | None = None
 
 

@@ -30,11 +30,11 @@ from .._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
-from ..memory._staging import NO_CELL, Stager
 from .deadlines import Deadlines
 from .ends import SendEnds
 from .requests import Chunk, EarlyExpects, Recent, RecvRequest, SendRequest, make_result, place
 from .settle import Settlement
+from .staging import NO_CELL, Stager
 from .watchdog import Watchdog
 
 log = get_logger("kvservice")

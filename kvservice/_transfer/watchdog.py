@@ -33,8 +33,8 @@ from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickP
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
-from ..memory._staging import Stager
 from .requests import SendRequest
+from .staging import Stager
 
 DEADLINE_SCAN_S = 0.01
 #: longest a tick polls on the door thread before handing control back to the loop
@@ -340,7 +340,7 @@ class Watchdog:
         staged = (self._stager.indices(req, req.peer, req.request_id, kv, src, dst, chunk.pos, chunk.lo, chunk.hi,
                                        int(req.dest.size))
                   if self._stager is not None and (kv.gather is not None or kv.scatter is not None) else None)
-        if staged is not None:  # memory._staging
+        if staged is not None:  # _transfer.staging
             local_idx, remote_idx, prepare = staged
         else:
             local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import anyio.abc
 
-from .._config import ServiceConfig
 from .._control.addresses import split_address
 from .._log import get_logger
 from .._results import KVServiceError
@@ -20,6 +19,7 @@ from .._stats import Stats
 from ..memory._regions import KVMemory
 from .member import Member
 from .registry import Registry, incarnation
+from .settings import DiscoverySettings
 
 log = get_logger("kvservice.discovery")
 
@@ -44,7 +44,7 @@ class Discovery:
     ``drop(agent, cause)`` drops the link to a member whose lease lapsed or that
     restarted, as the control plane drops a lost peer."""
 
-    def __init__(self, config: ServiceConfig, stats: Stats, *, agent: str, address: str, memory: KVMemory,
+    def __init__(self, config: DiscoverySettings, stats: Stats, *, agent: str, address: str, memory: KVMemory,
                  load: Callable[[], tuple[int, int]], drop: Callable[[str, BaseException], None]) -> None:
         self._config = config
         self._agent = agent

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 import time
@@ -20,30 +21,29 @@ from collections.abc import Sequence
 
 import anyio
 
-from .._config import ServiceConfig
 from .._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .._results import ConfigError
 from ._etcd import Etcd, EtcdMissing, EtcdUnavailable
 from .member import Member, read_listing, services_prefix
 from .registry import options
+from .settings import DiscoverySettings
 
 
-def _config(args: argparse.Namespace) -> ServiceConfig:
+def _settings(args: argparse.Namespace) -> DiscoverySettings:
+    """The config file's discovery keys (the sidecar's format, its ``[service]`` section, with
+    ``KVSERVICE_*`` overrides), or the defaults; then the command line's, over them."""
     if args.config:
         from ..sidecar.settings import load
 
-        cfg = load(args.config).service
+        settings = load(args.config).service.discovery_settings
     else:
-        cfg = ServiceConfig()
-    changes: dict[str, object] = {"discovery": "etcd"}
-    if args.endpoints:
-        changes["etcd_endpoints"] = tuple(e.strip() for e in args.endpoints.split(",") if e.strip())
-    if args.cluster:
-        changes["cluster"] = args.cluster
-    return cfg.replace(**changes)
+        settings = DiscoverySettings()
+    endpoints = tuple(e.strip() for e in args.endpoints.split(",") if e.strip()) if args.endpoints else None
+    return dataclasses.replace(settings, discovery="etcd", etcd_endpoints=endpoints or settings.etcd_endpoints,
+                               cluster=args.cluster or settings.cluster)
 
 
-async def _members(cfg: ServiceConfig) -> tuple[list[Member], collections.Counter[str]]:
+async def _members(cfg: DiscoverySettings) -> tuple[list[Member], collections.Counter[str]]:
     """The members, by role and name, and how many entries were skipped, by why."""
     etcd = await Etcd.connect(options(cfg))
     try:
@@ -73,7 +73,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON array of the members")
     args = parser.parse_args(list(argv))
     try:
-        cfg = _config(args)
+        cfg = _settings(args)
         members, ignored = anyio.run(_members, cfg)
     except ConfigError as exc:
         print(f"kvservice cluster: config error: {exc}", file=sys.stderr)

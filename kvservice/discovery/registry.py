@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 
-from .._config import ServiceConfig
 from .._log import get_logger
 from .._stats import Stats
 from . import member as members
 from ._etcd import Etcd, EtcdOptions, EtcdUnavailable, Event
 from .member import Ignored, Member
+from .settings import DiscoverySettings
 
 log = get_logger("kvservice.discovery")
 
@@ -57,7 +57,7 @@ class _Lapse:
     since: float
 
 
-def options(cfg: ServiceConfig) -> EtcdOptions:
+def options(cfg: DiscoverySettings) -> EtcdOptions:
     password = None
     if cfg.etcd_password_file is not None:
         with open(cfg.etcd_password_file) as f:
@@ -68,7 +68,7 @@ def options(cfg: ServiceConfig) -> EtcdOptions:
 
 
 class Registry:
-    def __init__(self, cfg: ServiceConfig, me: Callable[[], Member], on_lost: Callable[[Member, str], None],
+    def __init__(self, cfg: DiscoverySettings, me: Callable[[], Member], on_lost: Callable[[Member, str], None],
                  stats: Stats) -> None:
         self._cfg = cfg
         self._me = me

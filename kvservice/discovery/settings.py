@@ -1,21 +1,25 @@
-"""What the discovery options of ``ServiceConfig`` may hold: checked here, in one place.
+"""Discovery's settings (``DiscoverySettings``): what each key means, checked here, in one place.
 
 ``discovery = "static"`` (the default) is the embedded behaviour: engines name peers by
 ``host:port`` and nothing else is consulted.  ``"etcd"`` registers this service in etcd
 under ``/kvservice/<cluster>/services/<name>`` on a lease and watches its peers there
 (``kvservice.discovery.registry``).
+
+A service's configuration file and ``KVSERVICE_*`` overrides hold these keys flat, among
+the service's own (``ServiceConfig`` declares them under the same names and builds its
+``discovery_settings`` from them), so a bad value's error names the key as it is written
+there.  Discovery reads only this type: it depends on nothing of the service's
+configuration, and the configuration depends on it.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from .._results import ConfigError
-
-if TYPE_CHECKING:
-    from .._config import ServiceConfig
 
 DISCOVERY = ("static", "etcd")
 UNREACHABLE = ("wait", "fail")
@@ -34,7 +38,46 @@ def split_endpoint(endpoint: str) -> tuple[str, str, int]:
     return m["scheme"] or "", m["host"].strip("[]"), int(m["port"])
 
 
-def check(cfg: ServiceConfig) -> None:
+@dataclass(frozen=True, slots=True)
+class DiscoverySettings:
+    """Where a service registers and finds its peers; refused with ``ConfigError`` naming the
+    key on creation when a value cannot work."""
+
+    #: "static": peers are named by host:port (nothing else consulted); "etcd": this service
+    #: registers in etcd on a lease and finds peers there by name and role
+    discovery: DiscoveryKind = "static"
+    #: the key prefix /kvservice/<cluster>/ that this service's cluster shares
+    cluster: str = "default"
+    #: the name this service registers under (None: its agent name); unique in the cluster
+    discovery_name: str | None = None
+    #: what it does ("prefill", "decode", ...): peers list live members by role
+    discovery_role: str = ""
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    #: the lease's time to live (whole seconds) and how often it is kept alive
+    etcd_ttl_s: float = 10.0
+    etcd_keepalive_s: float = 3.0
+    #: a peer whose lease lapsed and that registers again with the same incarnation within
+    #: this long was not lost (every lease lapses at once when etcd resumes after a stop)
+    etcd_rejoin_grace_s: float = 5.0
+    #: at start: how long one attempt to reach etcd may take, and then "fail" (raise) or
+    #: "wait" (retry until etcd answers, saying so in the log)
+    etcd_connect_timeout_s: float = 5.0
+    etcd_unreachable: Unreachable = "fail"
+    #: TLS: the CA of etcd's certificate; a client certificate and key; user name and a
+    #: file (mode 0600) holding the password
+    etcd_ca_file: str | None = None
+    etcd_cert_file: str | None = None
+    etcd_key_file: str | None = None
+    etcd_username: str | None = None
+    etcd_password_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.etcd_endpoints, list):  # from JSON or a table
+            object.__setattr__(self, "etcd_endpoints", tuple(self.etcd_endpoints))
+        _check(self)
+
+
+def _check(cfg: DiscoverySettings) -> None:
     """Raise ``ConfigError`` naming the key for a discovery option that cannot work."""
     if cfg.discovery not in DISCOVERY:
         raise ConfigError(f"discovery: must be one of {', '.join(DISCOVERY)}, got {cfg.discovery!r}")

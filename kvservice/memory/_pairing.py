@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from ._layout import PageIndex
 from ._regions import KVMemory, Region, View, regions_table, views_table
-from ._staging import Route, StagingArea, route
+from ._staging import Route, StagingArea
 
 
 def head_range(memory: KVMemory) -> tuple[int, int]:
@@ -159,6 +159,24 @@ def pair(src: KVMemory, dst: KVMemory) -> Pair | str:
     if runs > 1 and hi_s - lo_s == first_s.heads and len({r.page_bytes for r in src.regions}) == 1:
         scatter_col = dst_views[0].offset
     return Pair(src, dst, src_views, dst_views, runs, gather_col, scatter_col)
+
+
+def route(p: Pair, area: StagingArea | None, *, gather: bool) -> Route | None:
+    """The pair's gather (through ``area``, the sender's staging) or scatter (``area``:
+    the receiver's), or None.  Both sides compute a scatter alike, from the same memories."""
+    col = p.gather_col if gather else p.scatter_col
+    if area is None or p.runs == 1 or col is None:
+        return None
+    whole = p.dst if gather else p.src
+    cell = whole.regions[0].page_bytes
+    cells = area.cells(cell)
+    local_base = len(p.src.regions) * p.src.num_pages * p.runs
+    remote_base = len(p.dst.regions) * p.dst.num_pages * p.runs
+    extra = len(whole.regions) * whole.num_pages
+    local_n, remote_n = (cells, extra) if gather else (extra, cells)
+    if cells == 0 or max(local_base + local_n, remote_base + remote_n) > np.iinfo(np.int32).max:
+        return None
+    return Route(gather, cell, col, local_base, remote_base, whole.num_pages, cells)
 
 
 class Indexer:

@@ -62,7 +62,7 @@ async def test_registers_over_tls_with_a_client_certificate(tmp_path: Path) -> N
         async with TransferService(config(**tls, etcd_cert_file=files["client.pem"],
                                           etcd_key_file=files["client.key"])) as svc:
             assert svc.status()["discovery"]["registered"]
-            client = await Etcd.connect(options(svc.config))
+            client = await Etcd.connect(options(svc.config.discovery_settings))
             try:
                 _, kvs = await client.list("/kvservice/tls/services/")
             finally:
@@ -70,7 +70,7 @@ async def test_registers_over_tls_with_a_client_certificate(tmp_path: Path) -> N
             assert [e.key for e in kvs] == [b"/kvservice/tls/services/d0"]
         # no client certificate: etcd refuses the handshake
         with pytest.raises(EtcdUnavailable):
-            await Etcd.connect(options(config(**tls)))
+            await Etcd.connect(options(config(**tls).discovery_settings))
         with pytest.raises(DiscoveryUnavailable, match="cannot reach etcd"):
             async with TransferService(config(**tls)):
                 pytest.fail("started without a client certificate")

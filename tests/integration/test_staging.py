@@ -1,5 +1,5 @@
 """Token-major pages sliced by tensor parallelism, through the sender's staging buffer
-(``kvservice.memory._staging``): real NIXL agents, decode ranks in child processes,
+(``kvservice._transfer.staging``): real NIXL agents, decode ranks in child processes,
 bytes verified head by head, and the buffer's ranges given back on every path."""
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any
 
 import pytest
 
 from kvservice import ConfigError, KVLayout, ServiceConfig
+from kvservice.discovery.settings import DiscoverySettings
 
 POSITIVE = (
     "bootstrap_timeout_s", "transfer_timeout_s", "arrival_timeout_s", "connect_timeout_s",
@@ -63,3 +66,17 @@ def test_config_error_is_a_value_error_and_config_is_frozen() -> None:
 def test_replace_validates() -> None:
     with pytest.raises(ConfigError, match=r"^results_kept: "):
         ServiceConfig().replace(results_kept=0)
+
+
+def test_discovery_keys_are_discoverys_own_with_its_defaults_and_types() -> None:
+    """The file holds discovery's keys flat among the service's: each one ``ServiceConfig``
+    declares is ``DiscoverySettings``' key of that name, default and type, and they reach it."""
+    ours = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    hints, theirs = typing.get_type_hints(ServiceConfig), typing.get_type_hints(DiscoverySettings)
+    for f in dataclasses.fields(DiscoverySettings):
+        assert (ours[f.name], hints[f.name]) == (f.default, theirs[f.name]), f.name
+    cfg = ServiceConfig(**{"discovery": "etcd", "cluster": "c", "etcd_endpoints": ["e:1"]})  # a list, as JSON has
+    assert cfg.etcd_endpoints == ("e:1",)
+    assert cfg.discovery_settings == DiscoverySettings(discovery="etcd", cluster="c", etcd_endpoints=("e:1",))
+    with pytest.raises(ConfigError, match=r"^discovery: must be one of static, etcd, got 'consul'$"):
+        DiscoverySettings(discovery="consul")  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The staging buffer (``kvservice.memory._staging``): its arena, what a send holds and
+"""The staging buffer (``kvservice._transfer.staging``): its arena, what a send holds and
 gives back, and the gather checked by moving bytes with a gathering pair's own tables
 (a ``memmove`` per descriptor, as the fake door does) between engine-shaped tensors."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from kvservice import ServiceConfig
 from kvservice._results import ConfigError
+from kvservice._transfer.staging import NO_CELL, Arena, Stager, staging_for
 from kvservice.memory._pairing import PeerKV
-from kvservice.memory._staging import NO_CELL, Arena, Stager, staging_for
 from kvservice.memory.synthetic import EngineSpec, SyntheticKV
 from tests.unit.fake_door import copy
 
