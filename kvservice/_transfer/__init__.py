@@ -15,8 +15,9 @@ Reading path:
   public ``TransferHandle``, results made from requests, and the bounded tables
   (``Recent``, ``EarlyExpects``).
 - ``plane``: ``RequestPlane``: the tables, the entry points (send, expect, wait, abort,
-  drain), the transitions (bind, finish, fail) and the watchdog's callbacks; a sender's
-  failure against its receiver's outcome; settle fences.
+  drain), the transitions (bind, finish, fail) and the watchdog's callbacks.
+- ``ends``: ``SendEnds``: how a failed send ends (its release, the receiver's Outcome,
+  its settle fence).
 - ``inbound``: ``Inbound``: what peers say (Expect, Abort, Failed, Outcome, Settled, the
   chunks' notifications, a link lost or made) turned into the plane's transitions.
 - ``watchdog``: the one task that posts chunks, checks handles, releases them and
@@ -24,6 +25,8 @@ Reading path:
 - ``settle``: ``Settlement``: which failed receiver requests are unsettled, and why
   each piece of evidence may settle them.
 - ``deadlines``: the heap of request deadlines the watchdog pops each tick.
+- ``staging``: which requests move through the staging buffer, the ranges they hold and
+  the copies in and out of it (what a staged page *is* stays in ``memory._staging``).
 
 Glossary:
 
