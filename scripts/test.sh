@@ -21,13 +21,13 @@ fi
 [ "$rc" -ne 0 ] && fail=1
 # vLLM's own engines load the connector (tests/integrations/vllm: two engines, vLLM's real
 # scheduler): in the environment of vLLM's CPU build, built once and cached outside the
-# checkout (scripts/vllm-env.sh); the run above skips those tests (no vLLM in .venv).
+# checkout (scripts/engine-env.sh vllm); the run above skips those tests (no vLLM in .venv).
 if [ "${KVSERVICE_SKIP_VLLM:-0}" != 1 ]; then
     echo "== vllm"
-    if vllm_env=$(bash scripts/vllm-env.sh); then
+    if vllm_env=$(bash scripts/engine-env.sh vllm); then
         PYTHONPATH="$PWD" "$vllm_env/bin/python" -m pytest tests/integrations/vllm -p no:cacheprovider || fail=1
     else
-        echo "the vLLM environment could not be built (scripts/vllm-env.sh)" >&2
+        echo "the vLLM environment could not be built (scripts/engine-env.sh vllm)" >&2
         fail=1
     fi
 fi
@@ -36,15 +36,15 @@ fi
 echo "== soak"
 .venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
 # The SGLang transfer backend under SGLang's own classes (tests/integrations/sglang): in SGLang's
-# environment, built once and cached outside the checkout (scripts/sglang-env.sh); the run above
-# skips those tests (no SGLang in .venv).
+# environment, built once and cached outside the checkout (scripts/engine-env.sh sglang); the run
+# above skips those tests (no SGLang in .venv).
 if [ "${KVSERVICE_SKIP_SGLANG:-0}" != 1 ]; then
     echo "== sglang"
-    if sglang_env=$(bash scripts/sglang-env.sh); then
+    if sglang_env=$(bash scripts/engine-env.sh sglang); then
         KVSERVICE_REQUIRE_SGLANG=1 PYTHONPATH="$PWD" "$sglang_env/bin/python" -m pytest tests/integrations/sglang \
             -p no:cacheprovider || fail=1
     else
-        echo "the SGLang environment could not be built (scripts/sglang-env.sh)" >&2
+        echo "the SGLang environment could not be built (scripts/engine-env.sh sglang)" >&2
         fail=1
     fi
 fi

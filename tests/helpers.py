@@ -7,8 +7,9 @@ or cancel scope is held across a pytest-asyncio fixture's ``yield``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -91,7 +92,33 @@ class Ticker:
             self.ticks += 1
 
 
-async def eventually(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005) -> None:
-    with anyio.fail_after(timeout):
-        while not pred():  # noqa: ASYNC110 - polls state no event announces
+def _named(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
+async def eventually(pred: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0, interval: float = 0.005,
+                     what: str | Callable[[], str] = "the condition") -> None:
+    """Until ``pred()`` holds, asked every ``interval`` s for at most ``timeout`` s (state no
+    event announces); then ``TimeoutError`` naming ``what``, a callable when the message should
+    show the last state seen.  ``pred`` may be a coroutine function, for a state the test has to
+    ask another process for."""
+    with anyio.move_on_after(timeout):
+        while True:
+            held = pred()
+            if inspect.isawaitable(held):
+                held = await held
+            if held:
+                return
             await anyio.sleep(interval)
+    raise TimeoutError(f"{_named(what)}: not within {timeout}s")
+
+
+def eventually_sync(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005,
+                    what: str | Callable[[], str] = "the condition") -> None:
+    """``eventually`` for code that runs without an event loop (a scheduler's thread, a
+    fixture starting a server): the same bound, message and steps, sleeping the thread."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{_named(what)}: not within {timeout}s")
+        time.sleep(interval)

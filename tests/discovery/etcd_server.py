@@ -10,11 +10,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import eventually_sync
 
 #: etcd answers its health endpoint within this long of starting (it takes well under 1 s)
 READY_TIMEOUT_S = 20.0
@@ -81,19 +82,18 @@ class EtcdServer:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
+        def listening() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
             if self.prefix:  # in another namespace: not reachable from here; etcd says when it serves
-                if b"serving client traffic" in self.log_path.read_bytes()[self._log_from:]:
-                    return
-            else:
-                with contextlib.suppress(OSError), socket.create_connection((self.host, self.client_port), 0.2):
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"etcd did not listen within {READY_TIMEOUT_S}s: {self.log_path.read_text()[-2000:]}")
+                return b"serving client traffic" in self.log_path.read_bytes()[self._log_from:]
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.client_port), 0.2):
+                return True
+            return False
+
+        eventually_sync(listening, READY_TIMEOUT_S, 0.05,
+                        what=lambda: f"etcd listening (log: {self.log_path.read_text()[-2000:]})")
 
     @property
     def pid(self) -> int:

@@ -37,13 +37,12 @@ def etcd_opts(server: EtcdServer, name: str, role: str, **kw: Any) -> dict[str, 
 
 async def expects_held(peer: PeerProcess, n: int) -> None:
     """Until ``peer`` holds ``n`` Expects for requests it has not sent (it could write them)."""
-    with anyio.fail_after(GUARD_S):
-        while True:
-            await peer.command(op="status", id="st")
-            st = await peer.wait_for(lambda e: e["event"] == "status")
-            if st["expects_before_send"] >= n:
-                return
-            await anyio.sleep(0.05)
+    async def held() -> bool:
+        await peer.command(op="status", id="st")
+        st = await peer.wait_for(lambda e: e["event"] == "status")
+        return bool(st["expects_before_send"] >= n)
+
+    await eventually(held, GUARD_S, 0.05, what=f"peer {peer.pid} holding {n} Expects before their sends")
 
 
 async def verified_transfer(decode: TransferService, prefill: PeerProcess, rid: str, sender: str) -> None:

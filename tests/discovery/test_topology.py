@@ -10,6 +10,7 @@ per peer and memory per linked peer (figures, never assertions)."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import statistics
 import time
@@ -23,7 +24,7 @@ from kvservice._peerproc import PeerProcess
 from kvservice._trust.keys import generate_key
 from tests.faults import netns
 from tests.faults.netns import Host
-from tests.helpers import peer_config
+from tests.helpers import eventually, peer_config
 
 from .bridge import Switch, switch
 from .etcd_server import EtcdServer, require_etcd
@@ -80,13 +81,14 @@ class Cluster:
 
     async def all_registered(self, names: list[str]) -> None:
         """Until each of ``names`` is registered and sees every other service."""
-        with anyio.fail_after(GUARD_S):
+        async def sees_all(name: str) -> bool:
+            d = (await self.status(name))["discovery"]
+            return bool(d["registered"] and d["members"] == len(self.procs) - 1)
+
+        with anyio.fail_after(GUARD_S):  # one bound for them all
             for name in names:
-                while True:
-                    d = (await self.status(name))["discovery"]
-                    if d["registered"] and d["members"] == len(self.procs) - 1:
-                        break
-                    await anyio.sleep(0.2)
+                await eventually(functools.partial(sees_all, name), GUARD_S, 0.2,
+                                 what=f"{name} registered and seeing every other service")
 
     async def round(self, r: int, decodes: list[str], prefills: list[str],
                     time_links: list[float] | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import threading
 import time
@@ -18,7 +19,7 @@ import torch
 from kvservice import FailureReason, KVPoll, ServiceConfig, TransferService
 from kvservice._peerproc import pattern
 from kvservice.engine import KVReceiver, KVSender, KVTransferEngine
-from tests.helpers import SMALL
+from tests.helpers import SMALL, eventually_sync
 from tests.unit.fake_door import FakeFabric
 from tests.unit.harness import GUARD_S, unit_config
 
@@ -38,13 +39,8 @@ def engines(fabric: FakeFabric, tx: ServiceConfig | None = None,
         yield prefill, decode
 
 
-def until(pred: Callable[[], bool], timeout: float = GUARD_S, step: float = 0.002) -> None:
-    """Poll like a scheduler: a bounded number of bounded steps."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s")
-        time.sleep(step)
+# Poll like a scheduler: a bounded number of bounded steps.
+until = functools.partial(eventually_sync, timeout=GUARD_S, interval=0.002)
 
 
 def ended(*transfers: KVSender | KVReceiver) -> Callable[[], bool]:

@@ -278,13 +278,13 @@ async def test_only_the_requests_peer_can_end_it_or_learn_its_outcome(key_file: 
         await decode.command(op="fill", rid="m-probe", pages=[1])
         await mallory.expect("m-probe", [2], sender=decode.address)
         mallory._plane.control.send_to(decode.agent, Failed("early", FailureReason.TIMEOUT.value, "did it arrive?"))
-        await decode.command(op="status", rid="s")
-        status = await decode.event("status", "s")
-        with anyio.fail_after(WAIT_S):
-            while status["refused"].get("foreign_request", 0) < 1:
-                await anyio.sleep(0.05)
-                await decode.command(op="status", rid="s")
-                status = await decode.event("status", "s")
+
+        async def refused_foreign() -> bool:
+            await decode.command(op="status", rid="s")
+            status = await decode.event("status", "s")
+            return bool(status["refused"].get("foreign_request", 0) >= 1)
+
+        await eventually(refused_foreign, WAIT_S, 0.05, what="the decode refusing the foreign request")
         assert not [m for m in heard if isinstance(m, Outcome)], heard
         await legit(prefill, decode, "after-foreign")
 

@@ -39,7 +39,7 @@ from kvservice._peerproc import PeerProcess
 from kvservice._trust.keys import generate_key
 from tests.faults import netns
 from tests.faults.netns import Host, NetnsError, Wire
-from tests.helpers import peer_config
+from tests.helpers import eventually, peer_config
 
 REAL = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -131,13 +131,14 @@ async def status(peer: PeerProcess, timeout: float = 10.0) -> dict[str, Any]:
 async def until(peer: PeerProcess, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
     """Poll ``status`` every 50 ms until ``pred`` holds, for at most ``timeout``."""
     last: dict[str, Any] = {}
-    with anyio.move_on_after(timeout):
-        while True:
-            last = await status(peer)
-            if pred(last):
-                return last
-            await anyio.sleep(0.05)
-    raise AssertionError(f"peer {peer.pid}: condition not reached within {timeout}s; last status {last}")
+
+    async def reached() -> bool:
+        nonlocal last
+        last = await status(peer)
+        return pred(last)
+
+    await eventually(reached, timeout, 0.05, what=lambda: f"peer {peer.pid}: condition (last status {last})")
+    return last
 
 
 async def move(decode: PeerProcess, prefill: PeerProcess, rids: list[str], src: list[list[int]],

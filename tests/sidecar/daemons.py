@@ -24,6 +24,7 @@ import anyio.abc
 
 from kvservice.sidecar.local import LocalDaemon, short_tmpdir
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Hello, decode_server, encode
+from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "config"
@@ -118,23 +119,20 @@ async def aget(address: str, path: str) -> tuple[int, str]:
 
 async def until_status(address: str, path: str, status: int, timeout: float = 30.0) -> None:
     """Poll ``path`` until it answers ``status`` (bounded in count and time)."""
-    with anyio.fail_after(timeout):
-        for _ in range(int(timeout / 0.01)):
-            if (await aget(address, path))[0] == status:
-                return
-            await anyio.sleep(0.01)
-    raise TimeoutError(f"{path} never answered {status}")
+    async def answers() -> bool:
+        return (await aget(address, path))[0] == status
+
+    await eventually(answers, timeout, 0.01, what=f"{path} answering {status}")
 
 
 async def wait_bound(client: Any, handle: Any, timeout: float = 30.0) -> None:
     """Wait until the sending sidecar knows the receiver of ``handle``'s request."""
     from kvservice import KVPoll
 
-    with anyio.fail_after(timeout):
-        for _ in range(int(timeout / 0.01)):
-            if await client.fetch_poll(handle) is not KVPoll.Bootstrapping:
-                return
-            await anyio.sleep(0.01)
+    async def bound() -> bool:
+        return await client.fetch_poll(handle) is not KVPoll.Bootstrapping
+
+    await eventually(bound, timeout, 0.01, what="the sending sidecar knowing its receiver")
 
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -23,6 +23,7 @@ import torch
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
 from kvservice._peerproc import pattern
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, encode
+from tests.helpers import eventually
 
 from .daemons import REPO, Sidecar, aget, frame, metrics, raw_exchange, short_tmpdir, sidecars, wait_bound
 
@@ -188,11 +189,10 @@ async def test_a_cancelled_wait_is_withdrawn_in_the_daemon(pair: tuple[Sidecar, 
     async with SidecarClient(prefill.socket) as pw, SidecarClient(decode.socket) as dw:
 
         async def calls_waiting(n: int) -> None:
-            with anyio.fail_after(30):
-                for _ in range(3000):
-                    if (await dw.fetch_status())["worker_calls_waiting"] == n:
-                        return
-                    await anyio.sleep(0.01)
+            async def waiting() -> bool:
+                return bool((await dw.fetch_status())["worker_calls_waiting"] == n)
+
+            await eventually(waiting, 30, 0.01, what=f"{n} worker calls waiting in the decode daemon")
 
         await dw.expect("patient", [50], sender=pw.address)
         async with anyio.create_task_group() as tg:

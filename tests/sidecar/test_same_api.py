@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import anyio
 import pytest
 import torch
 
@@ -20,7 +19,7 @@ from kvservice import (
     UnknownRequestError,
 )
 from kvservice._peerproc import pattern
-from tests.helpers import config
+from tests.helpers import config, eventually
 
 from .daemons import SMALL_LAYOUT, Sidecar, sidecars
 
@@ -91,12 +90,12 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     rid = f"{tag}-abort"
     await decode.expect(rid, [20, 21], sender=prefill.address)
     first = await prefill.send(rid, [6], last=False)
-    with anyio.fail_after(30):  # let the receiver's expect reach the sender first
-        for _ in range(3000):
-            now = await prefill.fetch_poll(first) if isinstance(prefill, SidecarClient) else first.poll()
-            if now is not KVPoll.Bootstrapping:
-                break
-            await anyio.sleep(0.01)
+    async def bound() -> bool:
+        now = await prefill.fetch_poll(first) if isinstance(prefill, SidecarClient) else first.poll()
+        return now is not KVPoll.Bootstrapping
+
+    # let the receiver's expect reach the sender first
+    await eventually(bound, 30, 0.01, what=f"{rid}: the sender bound to its receiver")
     aborted = await prefill.abort(rid)
     assert aborted is not None and aborted.reason is FailureReason.ABORTED
     assert first.poll() is KVPoll.Failed

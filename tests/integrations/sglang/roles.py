@@ -1,6 +1,6 @@
 """A prefill or decode scheduler rank of SGLang, minus the model, for the kvservice backend's tests.
 
-Run with the SGLang environment's python (scripts/sglang-env.sh), kvservice on PYTHONPATH::
+Run with the SGLang environment's python (scripts/engine-env.sh sglang), kvservice on PYTHONPATH::
 
     python tests/integrations/sglang/roles.py prefill --bootstrap-port 8998 [--serve-bootstrap]
     python tests/integrations/sglang/roles.py decode --bootstrap-port 8998

@@ -1,6 +1,6 @@
 """The kvservice transfer backend inside SGLang 0.5.23's own classes (docs/sglang.md).
 
-Runs in SGLang's environment (``scripts/sglang-env.sh``; ``scripts/test.sh`` runs this
+Runs in SGLang's environment (``scripts/engine-env.sh sglang``; ``scripts/test.sh`` runs this
 folder with that environment's python and ``KVSERVICE_REQUIRE_SGLANG=1``).  Elsewhere it
 skips, saying why; with ``KVSERVICE_REQUIRE_SGLANG`` set and SGLang missing it fails.
 
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
 def _sglang() -> None:
     if HAVE_SGLANG:
         return
-    why = "SGLang is not installed here: run with the python of scripts/sglang-env.sh"
+    why = "SGLang is not installed here: run with the python of scripts/engine-env.sh sglang"
     if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
         pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
     pytest.skip(why)

@@ -1,4 +1,4 @@
-"""vLLM's tests run in vLLM's own environment (scripts/vllm-env.sh).  vLLM, torch and
+"""vLLM's tests run in vLLM's own environment (scripts/engine-env.sh vllm).  vLLM, torch and
 transformers warn about their own deprecations on import and as they run; the suite's
 ``filterwarnings = error`` stays on for kvservice's code and the tests' own."""
 

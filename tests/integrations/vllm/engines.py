@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import eventually_sync
+
 ROOT = Path(__file__).resolve().parents[3]
 #: tokens every test decodes
 MAX_TOKENS = 8
@@ -117,12 +119,15 @@ class Engine:
 
     def wait_state(self, ok: Any, timeout: float = 60.0) -> dict[str, Any]:
         """The engine's state once ``ok(state)`` holds (asked every 0.2 s, at most ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while True:
+        state: dict[str, Any] = {}
+
+        def holds() -> bool:
+            nonlocal state
             state = self.state()
-            if ok(state) or time.monotonic() > deadline:
-                return state
-            time.sleep(0.2)
+            return bool(ok(state))
+
+        eventually_sync(holds, timeout, 0.2, what=lambda: f"{self.name}: the state awaited (last {state})")
+        return state
 
     def kill(self) -> None:
         if self.proc.poll() is None:

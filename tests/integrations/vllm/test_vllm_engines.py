@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
 
 from .engines import MAX_TOKENS, Engine, free_port
 
@@ -60,7 +60,7 @@ def decode(d: Engine, prompts: list[list[int]], handoffs: list[dict[str, Any]], 
 
 
 def settled(engine: Engine) -> dict[str, Any]:
-    """The engine's state once it holds no block beyond vLLM's reserved one (or after 60 s)."""
+    """The engine's state once it holds no block beyond vLLM's reserved one (within 60 s)."""
     return engine.wait_state(lambda s: not s.get("held") and s["free_blocks"] == s["total_blocks"] - 1)
 
 

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +18,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/vllm-env.sh builds its environment")
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
+
+from tests.helpers import eventually_sync
 
 from .engines import MAX_TOKENS, ROOT, engine_env, free_port
 
@@ -39,17 +40,16 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -
 
 
 def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def up() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the server exited (rc={proc.returncode})")
         try:
             with urllib.request.urlopen(url, timeout=2.0) as resp:
-                if resp.status == 200:
-                    return
+                return bool(resp.status == 200)
         except (OSError, urllib.error.URLError):
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} not up within {timeout} s")
+            return False
+
+    eventually_sync(up, timeout, 0.5, what=f"{url} up")
 
 
 @pytest.fixture
