@@ -2,10 +2,10 @@
 
 A sample counts for the innermost frame's part: a frame running a C call (a
 NIXL binding, a socket write) is the Python frame that made it, so a sample in
-``kvservice/_nixl.py`` is time in NIXL.  py-spy cannot tell a thread blocked in
+``kvservice/_nixl/agent.py`` is time in NIXL.  py-spy cannot tell a thread blocked in
 a C call (uvloop's epoll, a futex) from one running: the parts say where the
 threads were, per request; ``benchmarks.cpu``'s CPU column says what ran.  Parts are kvservice's own modules
-(``kv:_watchdog``, ``kv:sidecar/wire``...) and the libraries beneath them.
+(``kv:_transfer/watchdog``, ``kv:sidecar/wire``...) and the libraries beneath them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import Counter
 
 #: (part, substrings of the innermost frame's file), first match wins
 LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("NIXL", ("/kvservice/_nixl.py", "/nixl/", "/nixl_cu", "nixl_bindings", "/kvservice/bench/raw_nixl.py")),
+    ("NIXL", ("/kvservice/_nixl/agent.py", "/nixl/", "/nixl_cu", "nixl_bindings", "/kvservice/bench/raw_nixl.py")),
     ("logging", ("/structlog/", "/logging/")),
     ("MAC (hmac)", ("/hmac.py", "/hashlib.py")),
     ("msgspec", ("/msgspec/",)),

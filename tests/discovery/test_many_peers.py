@@ -18,7 +18,7 @@ import torch
 
 from kvservice import KVLayout, TransferService
 from kvservice._peerproc import pattern
-from tests.helpers import LOOPBACK_UCX, config, peer_config
+from tests.helpers import LOOPBACK_UCX, config, eventually, peer_config
 
 from .etcd_server import EtcdServer
 
@@ -55,9 +55,8 @@ async def test_one_service_holds_64_linked_peers(etcd: EtcdServer) -> None:
         assert (await line()) == {"event": "ready", "n": PEERS}
         async with TransferService(config(HUB, **disc, discovery_name="hub", discovery_role="decode",
                                           ucx_env=LOOPBACK_UCX)) as hub:
-            with anyio.fail_after(GUARD_S):
-                while len(hub.live_peers("prefill")) < PEERS:  # noqa: ASYNC110 - the watch fills it
-                    await anyio.sleep(0.1)
+            await eventually(lambda: len(hub.live_peers("prefill")) >= PEERS, GUARD_S, 0.1,
+                             what=f"the watch listing all {PEERS} prefills")
             await hub._vetter.ready()  # type: ignore[union-attr]  # time the links, not its start
             before = rss_kib()
             link_s = []

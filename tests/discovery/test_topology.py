@@ -235,9 +235,10 @@ async def run(c: Cluster, prefills: list[str], decodes: list[str]) -> None:
     # the senders gone: what decode-1 held settles (its sender's address refuses connections)
     for p in prefills:
         assert await c.procs[p].stop(timeout=10) == 0
-    with anyio.fail_after(GUARD_S):
-        while (await c.status("decode-1"))["unsettled_pages"]:  # noqa: ASYNC110 - polls a child's state
-            await anyio.sleep(0.2)
+    async def settled() -> bool:  # a child's state: asked of it
+        return not (await c.status("decode-1"))["unsettled_pages"]
+
+    await eventually(settled, GUARD_S, 0.2, what="decode-1's pages settled once its senders are gone")
 
     cold, warm = sorted(c.first_links), sorted(c.warm_links)
     print(f"\ntopology: {PREFILLS} prefills x {DECODES} decodes on {len(c.sw.hosts)} hosts, "

@@ -316,9 +316,11 @@ async def test_pages_of_a_cut_request_stay_unsettled_until_the_sender_is_gone(
         others = [f"after{i}" for i in range(2)]
         with anyio.fail_after(60):
             await move(decode, prefill, others, [[0, 1], [2, 3]], [[10, 11], [12, 13]])
-        with anyio.fail_after(20):  # the old link's queued bytes have had their chance to land
-            while await anyio.to_thread.run_sync(link.queued) > 0:  # noqa: ASYNC110 - kernel state, no event
-                await anyio.sleep(0.1)
+        async def drained() -> bool:  # kernel state: no event announces it
+            return await anyio.to_thread.run_sync(link.queued) == 0
+
+        # the old link's queued bytes have had their chance to land
+        await eventually(drained, 20, 0.1, what="the cut link's queued bytes drained")
         st = await status(decode)
         assert st["unsettled_pages"] == held, st  # the sender lives: nothing proves its WRITEs over
         assert await prefill.stop(timeout=10) == 0

@@ -13,7 +13,7 @@ import pytest
 from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Hello, Reject
 from tests.faults.test_hostile_peers import hostile_config, legit_transfer, refused
-from tests.helpers import peer_config, peers
+from tests.helpers import eventually, peer_config, peers
 from tests.hostile import Raw, dial, is_reject
 
 pytestmark = pytest.mark.nixl
@@ -52,9 +52,8 @@ async def test_strangers_filling_the_pool_do_not_lock_out_legitimate_peers() -> 
             for s in range(2, 8):
                 for _ in range(24):
                     tg.start_soon(hold, svc.address, f"127.0.0.{s}", seen)
-            with anyio.fail_after(20):  # the pool is full and the strangers are being refused
-                while sum(refused(svc, kind) for kind in POOL_KINDS) < 50:  # noqa: ASYNC110 - a counter
-                    await anyio.sleep(0.05)
+            await eventually(lambda: sum(refused(svc, kind) for kind in POOL_KINDS) >= 50, 20, 0.05,
+                             what="the pool full and the strangers refused")
             try:
                 for decode in decodes:
                     await legit_transfer(svc, decode)  # each decode dials the service: a new link
@@ -78,9 +77,8 @@ async def test_one_source_reopening_its_connections_is_held_to_its_share() -> No
         async with anyio.create_task_group() as tg:
             for _ in range(64):
                 tg.start_soon(hold, svc.address, "127.0.0.2", seen)
-            with anyio.fail_after(20):
-                while refused(svc, "handshake_source_limit") < 48:  # noqa: ASYNC110 - a counter
-                    await anyio.sleep(0.05)
+            await eventually(lambda: refused(svc, "handshake_source_limit") >= 48, 20, 0.05,
+                             what="one source held to its share")
             try:
                 for decode in decodes:
                     await legit_transfer(svc, decode)
@@ -119,9 +117,7 @@ async def test_a_dialer_refused_by_the_pool_ends_refused_with_the_reason(
             assert refused(svc, kind) == 1
         finally:
             await holder.aclose()
-        with anyio.fail_after(10):
-            while refused(svc, "handshake_incomplete") < 1:  # noqa: ASYNC110 - the holder's slot is free
-                await anyio.sleep(0.02)
+        await eventually(lambda: refused(svc, "handshake_incomplete") >= 1, 10, 0.02, what="the holder's slot freed")
         await legit_transfer(svc, decode)
 
 

@@ -27,6 +27,7 @@ from kvservice.sidecar import NotOwnerError
 from kvservice.sidecar.handle import RequestState, SidecarHandle
 from kvservice.sidecar.server import HELLO_MAX_BYTES, HELLO_TIMEOUT_S
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Send, Welcome, decode_server, encode
+from tests.helpers import eventually
 
 from .daemons import REPO, Sidecar, aget, frame, metrics, raw_exchange, read_to_end, sidecars, wait_bound
 
@@ -192,9 +193,11 @@ async def test_hostile_bytes_before_the_hello_are_refused_and_counted(pair: tupl
 
 async def test_two_hundred_idle_connections_are_bounded_by_max_clients(pair: tuple[Sidecar, Sidecar]) -> None:
     prefill, decode = pair
-    with anyio.fail_after(30):  # earlier tests' workers have left
-        while (await metrics(prefill.http))["kvservice_sidecar_workers_connected"]:  # noqa: ASYNC110
-            await anyio.sleep(0.05)
+
+    async def no_workers() -> bool:  # the daemon's metrics: asked over HTTP
+        return not (await metrics(prefill.http))["kvservice_sidecar_workers_connected"]
+
+    await eventually(no_workers, 30, 0.05, what="earlier tests' workers gone")
     before = await metrics(prefill.http)
     n = 200
     messages: list[str] = []
@@ -273,9 +276,8 @@ async def test_a_daemon_out_of_descriptors_backs_off_and_recovers(pair: tuple[Si
             def failures() -> list[dict[str, object]]:
                 return [e for e in prefill.events("listener.accept_failed") if e["listener"] == "workers"]
 
-            with anyio.fail_after(20):
-                while len(failures()) <= logged_before:  # noqa: ASYNC110 - the daemon's log file
-                    await anyio.sleep(0.05)
+            await eventually(lambda: len(failures()) > logged_before, 20, 0.05,
+                             what="an accept failure in the daemon's log")
             t0 = time.monotonic()
             await anyio.sleep(3.0)
             during = failures()[logged_before:]
