@@ -246,8 +246,9 @@ class HandleBase(abc.ABC):
     """The sending side's view of one request: ``TransferHandle`` in-process and
     the sidecar client's handle share this behaviour.
 
-    ``poll()`` never blocks.  ``failure_exception()`` raises the original error
-    of a failed request (the very NIXL exception instance when NIXL raised one).
+    ``poll()`` never blocks.  ``failure_exception()`` raises ``TransferFailed`` for a
+    failed request, naming the request, the reason and the peer; the original error
+    (the very NIXL exception instance when NIXL raised one) is its ``__cause__``.
     """
 
     __slots__ = ()
