@@ -102,18 +102,54 @@ class NixlUnavailable(KVServiceError, RuntimeError):
     Raised on starting a service: install NIXL with UCX, or run where it is."""
 
 
-class TransferFailed(KVServiceError):
-    """Raised by ``failure_exception()`` / ``raise_for_failure()`` for a failed request
-    that kept no original error; ``reason`` says why it failed."""
+def failure_text(request_id: str, reason: FailureReason, peer: str | None, message: str,
+                 error: BaseException | None = None) -> str:
+    """The one sentence every failed request is told by: the request, the reason, the peer
+    and what happened.  A scheduler often logs only ``str()`` of what
+    ``failure_exception()`` raises, and an exception of the transport (anyio's
+    ``BrokenResourceError()``) may have no message at all: this one never says nothing."""
+    message = message.rstrip().removesuffix(":")  # "...: " + an error whose str() is empty
+    detail = message or "no detail"
+    if error is not None:
+        said = str(error)
+        named = f"{type(error).__name__}: {said}" if said else repr(error)
+        if not message:
+            detail = named
+        elif type(error).__name__ not in message and (not said or said not in message):
+            detail = f"{message} ({named})"
+    where = f"peer {peer}" if peer else "no peer known yet"
+    return f"request {request_id!r} failed {reason.value} ({where}): {detail}"
 
-    def __init__(self, request_id: str, reason: FailureReason, message: str) -> None:
-        super().__init__(f"request {request_id!r} failed: {reason.value}: {message}")
+
+class TransferFailed(KVServiceError):
+    """What ``failure_exception()`` raises for every failed request, in-process, through
+    the facade and in the engine integrations: its message names the request, the reason
+    and the peer (``failure_text``), and the original error (NIXL's exception, the lost
+    connection's, a refused call's ``ValueError``) is its ``__cause__``.
+
+    One type whatever went wrong, so that a caller tells a disconnect from a backend
+    fault by ``reason`` (a stable name) instead of by a third party's exception class."""
+
+    def __init__(self, request_id: str, reason: FailureReason, message: str, *, peer: str | None = None,
+                 error: BaseException | None = None, result: TransferResult | None = None) -> None:
+        super().__init__(failure_text(request_id, reason, peer, message, error))
         self.request_id = request_id
         self.reason = reason
         self.message = message
+        self.peer = peer
+        #: the failed result this was raised for (``None`` when raised before any existed)
+        self.result = result
+        self.__cause__ = error
 
     def __reduce__(self) -> tuple[object, ...]:  # pickle rebuilds it from __init__'s arguments
-        return type(self), (self.request_id, self.reason, self.message), self.__dict__
+        return _transfer_failed, (self.request_id, self.reason, self.message, self.peer, self.__cause__,
+                                  self.result), self.__dict__
+
+
+def _transfer_failed(request_id: str, reason: FailureReason, message: str, peer: str | None,
+                     error: BaseException | None, result: TransferResult | None) -> TransferFailed:
+    """Unpickles a ``TransferFailed`` (its ``__init__`` takes keyword-only arguments)."""
+    return TransferFailed(request_id, reason, message, peer=peer, error=error, result=result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +168,9 @@ class TransferResult:
     reason: FailureReason | None = None
     error: BaseException | None = None
     message: str = ""
+    #: who the request was with: the peer's control address (a sender bound to a receiver it
+    #: was not pinned to knows its agent name), ``None`` while none was known
+    peer: str | None = None
     bytes: int = 0
     pages: int = 0
     created_at: float = 0.0
@@ -169,10 +208,9 @@ class TransferResult:
         return self.bytes / t / 1e9 if t else 0.0
 
     def raise_for_failure(self) -> None:
-        """Raise the original error, or ``TransferFailed``, if this result failed."""
+        """Raise ``TransferFailed`` (the original error as its ``__cause__``) if this result failed."""
         if self.status is TransferStatus.SUCCESS:
             return
-        if self.error is not None:
-            raise self.error
         assert self.reason is not None
-        raise TransferFailed(self.request_id, self.reason, self.message)
+        raise TransferFailed(self.request_id, self.reason, self.message, peer=self.peer, error=self.error,
+                             result=self)

@@ -214,6 +214,17 @@ def place(pages_queued: int, cursors: list[int] | None, npages: int, lo: int, hi
     return pos, (None if min(cursors) == top else cursors), top
 
 
+def peer_of(req: _Request) -> str | None:
+    """Who a request is with, as its result names it: a receiver's sender address (always
+    known); a sender's receiver address when ``send(receiver=)`` pinned it, else the agent
+    its receiver's expect came from once bound; ``None`` before that."""
+    if isinstance(req, RecvRequest):
+        return req.sender or req.peer
+    if isinstance(req, SendRequest):
+        return req.receiver or req.peer
+    return None
+
+
 def make_result(
     req: _Request, status: TransferStatus, *, reason: FailureReason | None = None,
     error: BaseException | None = None, message: str = "", nbytes: int = 0, pages: int = 0,
@@ -221,7 +232,7 @@ def make_result(
 ) -> TransferResult:
     return TransferResult(
         request_id=req.request_id, status=status, reason=reason, error=error, message=message,
-        bytes=nbytes, pages=pages, created_at=req.created, started_at=req.started_at,
+        peer=peer_of(req), bytes=nbytes, pages=pages, created_at=req.created, started_at=req.started_at,
         finished_at=time.monotonic(), settled=status is TransferStatus.SUCCESS, payload=payload,
     )
 
@@ -235,8 +246,9 @@ class HandleBase(abc.ABC):
     """The sending side's view of one request: ``TransferHandle`` in-process and
     the sidecar client's handle share this behaviour.
 
-    ``poll()`` never blocks.  ``failure_exception()`` raises the original error
-    of a failed request (the very NIXL exception instance when NIXL raised one).
+    ``poll()`` never blocks.  ``failure_exception()`` raises ``TransferFailed`` for a
+    failed request, naming the request, the reason and the peer; the original error
+    (the very NIXL exception instance when NIXL raised one) is its ``__cause__``.
     """
 
     __slots__ = ()

@@ -12,7 +12,7 @@ SGLang's ``BaseKVSender`` / ``BaseKVReceiver``::
         sender.send([2])                # reaches num_pages: the last chunk
         ...                             # forward steps
         if sender.poll() is KVPoll.Failed:
-            sender.failure_exception()  # raises the original error
+            sender.failure_exception()  # TransferFailed: reason, peer; the original error as __cause__
         sender.clear()
 """
 

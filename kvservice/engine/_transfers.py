@@ -15,7 +15,8 @@ those queue and publishes how the request ended.  The rules that keep that safe:
   order they were made, so chunk *k* is always sent before chunk *k+1*.
 * Nothing the service raises leaves the loop thread: an error of a queued call
   ends the request ``Failed`` (see ``_call_failure``), and ``failure_exception()``
-  re-raises the service's own exception.  Only misuse of the facade object itself
+  raises ``TransferFailed`` naming the reason and the peer, the service's own
+  exception as its ``__cause__``.  Only misuse of the facade object itself
   (``send`` after ``last``, after ``clear``; ``init`` twice) raises at the call.
 """
 
@@ -64,7 +65,7 @@ def _call_failure(exc: BaseException) -> tuple[FailureReason, str]:
     or stopped raises; ``Overloaded`` is a bound; anything else (``ValueError`` for
     pages out of range, more pages than the receiver expects, a duplicate expect)
     is the service refusing the call as made.  The exception is kept as the
-    result's ``error``, so ``failure_exception()`` raises it."""
+    result's ``error``: ``failure_exception()``'s ``TransferFailed`` has it as ``__cause__``."""
     if type(exc) is KVServiceError:
         return FailureReason.SHUTDOWN, f"the service is not running: {exc}"
     if isinstance(exc, Overloaded):
@@ -73,10 +74,11 @@ def _call_failure(exc: BaseException) -> tuple[FailureReason, str]:
 
 
 def failed(request_id: str, reason: FailureReason, message: str, *, created_at: float = 0.0,
-           error: BaseException | None = None, settled: bool = False) -> TransferResult:
+           error: BaseException | None = None, settled: bool = False, peer: str | None = None) -> TransferResult:
     now = time.monotonic()
     return TransferResult(request_id=request_id, status=TransferStatus.FAILED, reason=reason, error=error,
-                          message=message, created_at=created_at or now, finished_at=now, settled=settled)
+                          message=message, peer=peer, created_at=created_at or now, finished_at=now,
+                          settled=settled)
 
 
 def _copy(pages: Pages) -> Pages:
@@ -135,8 +137,9 @@ class _Transfer:
         raise NotImplementedError
 
     def failure_exception(self) -> NoReturn:
-        """Raise why the request failed: the original error (NIXL's exception, the
-        service's ``ValueError``...) or ``TransferFailed`` with the reason.
+        """Raise why the request failed: ``TransferFailed``, whose message names the
+        request, the reason and the peer, with the original error (NIXL's exception, the
+        lost connection's, the service's ``ValueError``...) as ``__cause__``.
         ``RuntimeError`` if it has not failed (yet)."""
         result = self._result
         if result is None or result.ok:
@@ -151,7 +154,8 @@ class _Transfer:
         A receiver's pages are free only once ``settled``."""
         idle = not self._queued_any  # nothing was ever handed to the service
         if not self._publish(failed(self.request_id, FailureReason.ABORTED, "aborted by the scheduler",
-                                    created_at=self._created, settled=idle and not self._may_abort())):
+                                    created_at=self._created, settled=idle and not self._may_abort(),
+                                    peer=self.peer)):
             return
         if not idle or self._may_abort():
             self._queue(self._abort_op)
@@ -169,6 +173,12 @@ class _Transfer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.request_id!r}, {self.poll().name})"
+
+    @property
+    def peer(self) -> str | None:
+        """The peer's address as the scheduler named it (a sender's ``receiver``, a
+        receiver's ``sender``), for failures this object ends itself."""
+        return None
 
     # -- plumbing ------------------------------------------------------------------------------
     def _check_usable(self, call: str) -> None:
@@ -192,13 +202,13 @@ class _Transfer:
     def _fail_call(self, exc: BaseException) -> None:
         reason, message = _call_failure(exc)
         self._publish(failed(self.request_id, reason, message, created_at=self._created, error=exc,
-                             settled=not self._owned))
+                             settled=not self._owned, peer=self.peer))
 
     def _shutdown(self, message: str = "the engine is not running") -> None:
         """The engine stopped (or never ran): nothing more can happen to this request,
         and its agent (with its registered memory) is gone, so it is settled too."""
         self._publish(failed(self.request_id, FailureReason.SHUTDOWN, message, created_at=self._created,
-                             settled=True), settled=True)
+                             settled=True, peer=self.peer), settled=True)
 
     def _queue(self, op: Op) -> None:
         """Run ``op`` on the loop thread after every op queued before it.  Any thread."""
@@ -264,6 +274,10 @@ class KVSender(_Transfer):
         self._pages_sent = 0
         self._last_sent = False
         self._handle: Any = None  # TransferHandle, set on the loop thread by the first send
+
+    @property
+    def peer(self) -> str | None:
+        return self.receiver
 
     def init(self, num_pages: int) -> None:
         """Say how many pages the request has in all (optional).  Then ``send()`` marks
@@ -351,6 +365,10 @@ class KVReceiver(_Transfer):
         super().__init__(engine, request_id)
         self.sender = sender
         self._pages: Pages | None = None
+
+    @property
+    def peer(self) -> str | None:
+        return self.sender
 
     @property
     def pages(self) -> Pages | None:

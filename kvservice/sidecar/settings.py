@@ -207,8 +207,12 @@ def _meta(section: str, key: str) -> tuple[str | None, bool]:
 # -- loading ---------------------------------------------------------------------------
 
 
-def load(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None) -> SidecarConfig:
-    """Read ``path`` (None: defaults only), apply ``env`` overrides, validate.  Raises ``ConfigError``."""
+def load(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None, *,
+         defaults: Mapping[str, Mapping[str, Any]] | None = None) -> SidecarConfig:
+    """Read ``path`` (None: defaults only), apply ``env`` overrides, validate.  Raises ``ConfigError``.
+
+    ``defaults`` ("section" -> {key: value}) stand under the file: a host's own settings
+    (SGLang's timeouts) that apply unless the file or the environment sets the key."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -218,6 +222,10 @@ def load(path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = No
             raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {exc.strerror}") from exc
         except msgspec.DecodeError as exc:
             raise ConfigError(f"{os.fspath(path)}: invalid TOML: {exc}") from exc
+    for section, table in (defaults or {}).items():
+        given = raw.setdefault(section, {})
+        if isinstance(given, dict):  # not a table: from_mapping names the error
+            raw[section] = {**table, **given}
     return from_mapping(raw, os.environ if env is None else env)
 
 

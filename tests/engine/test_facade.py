@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvservice import FailureReason, KVPoll, ServiceConfig, TransferService
+from kvservice import FailureReason, KVPoll, ServiceConfig, TransferFailed, TransferService
 from kvservice._peerproc import pattern
 from kvservice.engine import KVReceiver, KVSender, KVTransferEngine
 from tests.helpers import SMALL, eventually_sync
@@ -102,8 +102,10 @@ def test_an_error_of_the_service_is_a_failed_poll_never_an_exception() -> None:
         until(ended(bad))
         assert bad.poll() is KVPoll.Failed
         assert bad.result is not None and bad.result.reason is FailureReason.REFUSED and bad.settled
-        with pytest.raises(ValueError, match=r"out of range|page"):
+        with pytest.raises(TransferFailed, match=rf"request 'bad' failed REFUSED \(peer {prefill.address}\): "
+                           r".*out of range") as refused:
             bad.failure_exception()
+        assert isinstance(refused.value.__cause__, ValueError) and refused.value.__cause__ is bad.result.error
         # a malformed sender address
         lost = decode.receiver("lost", sender="no-port")
         lost.init([1])
@@ -120,14 +122,15 @@ def test_an_error_of_the_service_is_a_failed_poll_never_an_exception() -> None:
         sender.send([2, 3], last=True)
         until(ended(sender, receiver))
         assert sender.result is not None and sender.result.reason is FailureReason.REFUSED
-        with pytest.raises(ValueError, match="receiver expects 2"):
+        with pytest.raises(TransferFailed, match=r"failed REFUSED .*receiver expects 2") as more:
             sender.failure_exception()
+        assert isinstance(more.value.__cause__, ValueError)
         assert receiver.result is not None and receiver.result.reason is FailureReason.ABORTED
         until(lambda: sender.settled and receiver.settled)
         assert prefill.status()["live_nixl_handles"] == 0
 
 
-def test_failure_exception_raises_nixls_own_error() -> None:
+def test_failure_exception_names_why_with_nixls_own_error_as_its_cause() -> None:
     fabric = FakeFabric()
     with engines(fabric) as (prefill, decode):
         original = FakeNixlError("endpoint gone")
@@ -139,15 +142,16 @@ def test_failure_exception_raises_nixls_own_error() -> None:
         sender.send([1], last=True)
         until(ended(sender, receiver))
         assert sender.result is not None and sender.result.reason is FailureReason.REMOTE_DISCONNECT
-        with pytest.raises(FakeNixlError) as info:
+        with pytest.raises(TransferFailed, match=f"failed REMOTE_DISCONNECT \\(peer {decode.agent_name}\\): "
+                           ".*endpoint gone") as info:
             sender.failure_exception()
-        assert info.value is original
+        assert info.value.__cause__ is original and info.value.reason is FailureReason.REMOTE_DISCONNECT
         # NIXL keeps a disconnected agent loaded: the service drops the peer, and the
         # receiver's failure carries the link's own error
         assert receiver.result is not None and receiver.result.reason is FailureReason.PEER_LOST
-        with pytest.raises(Exception) as info2:  # checked by identity below
+        with pytest.raises(TransferFailed, match=f"failed PEER_LOST \\(peer {prefill.address}\\): .+") as info2:
             receiver.failure_exception()
-        assert info2.value is receiver.result.error
+        assert info2.value.__cause__ is receiver.result.error and info2.value.peer == prefill.address
     fabric.assert_clean()
 
 
@@ -363,8 +367,9 @@ def test_an_error_inside_a_watcher_ends_that_request_only() -> None:
         ok.send([3], last=True)
         until(ended(boom, ok, receiver))
         assert boom.result is not None and boom.result.reason is FailureReason.REFUSED
-        with pytest.raises(TypeError, match="a bug"):
+        with pytest.raises(TransferFailed, match=r"failed REFUSED .*TypeError: a bug") as bug:
             boom.failure_exception()
+        assert isinstance(bug.value.__cause__, TypeError)
         assert ok.poll() is KVPoll.Success and receiver.poll() is KVPoll.Success
         assert prefill.running
 

@@ -19,7 +19,7 @@ import anyio
 import pytest
 import structlog
 
-from kvservice import FailureReason, KVLayout, KVPoll, TransferService, TransferStatus
+from kvservice import FailureReason, KVLayout, KVPoll, TransferFailed, TransferService, TransferStatus
 from kvservice._peerproc import pattern
 from tests.helpers import SMALL, Ticker, config, eventually, peer_config, peers
 
@@ -57,9 +57,10 @@ async def test_receiver_killed_during_inflight_transfer() -> None:
         assert result.status is TransferStatus.FAILED
         assert result.reason in LOST, result
         assert result.error is not None
-        with pytest.raises(type(result.error)) as raised:
+        with pytest.raises(TransferFailed) as raised:
             handle.failure_exception()
-        assert raised.value is result.error  # the very original exception instance
+        assert raised.value.__cause__ is result.error  # the very original exception instance
+        assert f"failed {result.reason.value} (peer " in str(raised.value)  # says why by itself
         if result.reason is FailureReason.REMOTE_DISCONNECT:
             assert type(result.error).__name__ == "nixlRemoteDisconnectError"
         assert result.finished_at - killed_at < 10

@@ -31,7 +31,7 @@ def test_exported_classes_and_functions_say_kvservice() -> None:
 def test_a_traceback_names_the_exception_where_it_is_imported_from() -> None:
     exc = TransferFailed("r1", FailureReason.TIMEOUT, "no arrival within 5s")
     assert traceback.format_exception_only(exc) == [
-        "kvservice.TransferFailed: request 'r1' failed: TIMEOUT: no arrival within 5s\n"]
+        "kvservice.TransferFailed: request 'r1' failed TIMEOUT (no peer known yet): no arrival within 5s\n"]
 
 
 def test_a_failed_result_and_its_exception_round_trip_through_pickle() -> None:
@@ -44,7 +44,7 @@ def test_a_failed_result_and_its_exception_round_trip_through_pickle() -> None:
     assert again == result and again.reason is FailureReason.PEER_LOST and again.poll is result.poll
     assert isinstance(again_error.error, TransferFailed)
     assert (again_error.error.request_id, again_error.error.reason, str(again_error.error)) == (
-        "r2", FailureReason.TIMEOUT, "request 'r2' failed: TIMEOUT: no arrival")
+        "r2", FailureReason.TIMEOUT, "request 'r2' failed TIMEOUT (no peer known yet): no arrival")
 
 
 def test_exported_classes_still_resolve_their_annotations() -> None:

@@ -61,6 +61,7 @@ async def test_bootstrap_timeout_is_logged() -> None:
     with pytest.raises(TransferFailed) as info:
         h.failure_exception()
     assert info.value.reason is FailureReason.TIMEOUT and info.value.request_id == "boot"
+    assert info.value.peer is None and "(no peer known yet): no expect" in str(info.value)
     (event,) = failed_events(logs, "boot")
     assert event["reason"] == "TIMEOUT" and event["side"] == "send" and event["log_level"] == "warning"
     assert event["peer"] is None
@@ -104,12 +105,16 @@ async def test_post_error_fails_both_sides_with_the_original_exception(reason: F
             arrived = await rx.await_arrival("pe")
     assert result.status is TransferStatus.FAILED and result.reason is reason
     assert result.error is original
-    with pytest.raises(FakeNixlError) as info:
+    with pytest.raises(TransferFailed) as info:
         h.failure_exception()
-    assert info.value is original
-    with pytest.raises(FakeNixlError) as again:
+    # the message says why by itself; the original is the cause, the very object
+    assert info.value.__cause__ is original and info.value.reason is reason and info.value.result is result
+    assert info.value.peer == result.peer == rx.agent_name
+    assert str(info.value).startswith(f"request 'pe' failed {reason.value} (peer {rx.agent_name}): ")
+    assert "injected" in str(info.value)
+    with pytest.raises(TransferFailed) as again:
         result.raise_for_failure()
-    assert again.value is original
+    assert again.value.__cause__ is original
     assert arrived.reason is reason and arrived.error is None
     sides = {e["side"]: e for e in failed_events(logs, "pe")}
     assert set(sides) == {"send", "recv"}

@@ -14,8 +14,10 @@ import pytest
 import structlog
 import torch
 
+from kvservice import ConfigError
 from kvservice.integrations.sglang import bootstrap
 from kvservice.integrations.sglang.memory import AuxRows, kv_memory
+from kvservice.integrations.sglang.settings import service_config
 
 PAGE = 4
 
@@ -119,3 +121,43 @@ def test_a_lookup_of_nothing_or_of_something_else_is_a_bootstrap_error() -> None
     registry.close()
     with pytest.raises(bootstrap.BootstrapError, match=f"127.0.0.1:{port}"):
         bootstrap.lookup(f"127.0.0.1:{port}", timeout=2)
+
+
+# -- SGLang's timeouts -------------------------------------------------------------------------
+
+SGLANG_DEFAULTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": 300, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": 300}
+
+
+def sglang_reader(**set_: int) -> Any:
+    """What SGLang's ``envs.<NAME>.get()`` answers: the value set, else its default."""
+    return lambda name: set_.get(name, SGLANG_DEFAULTS[name])
+
+
+def test_sglangs_timeouts_stand_for_the_bootstrap_and_arrival_timeouts() -> None:
+    cfg = service_config(0, env={}, read=sglang_reader())
+    assert (cfg.bootstrap_timeout_s, cfg.arrival_timeout_s) == (300.0, 300.0)  # SGLang's defaults, not ours
+    tuned = service_config(0, env={}, read=sglang_reader(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=45,
+                                                         SGLANG_DISAGGREGATION_WAITING_TIMEOUT=90))
+    assert (tuned.bootstrap_timeout_s, tuned.arrival_timeout_s) == (45.0, 90.0)
+
+
+def test_kvservices_own_setting_wins_only_where_it_is_set(tmp_path: Any) -> None:
+    read = sglang_reader(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=45, SGLANG_DISAGGREGATION_WAITING_TIMEOUT=90)
+    by_env = service_config(0, env={"KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": "7"}, read=read)
+    assert (by_env.bootstrap_timeout_s, by_env.arrival_timeout_s) == (7.0, 90.0)
+    toml = tmp_path / "kvservice.toml"
+    toml.write_text("[service]\narrival_timeout_s = 11.0\n")
+    by_file = service_config(0, env={"KVSERVICE_CONFIG": str(toml)}, read=read)
+    assert (by_file.bootstrap_timeout_s, by_file.arrival_timeout_s) == (45.0, 11.0)
+    both = service_config(0, env={"KVSERVICE_CONFIG": str(toml), "KVSERVICE_SERVICE_ARRIVAL_TIMEOUT_S": "3"},
+                          read=read)
+    assert both.arrival_timeout_s == 3.0  # the environment over the file, as everywhere
+
+
+def test_a_sglang_timeout_that_cannot_be_one_names_sglangs_variable() -> None:
+    with pytest.raises(ConfigError, match=r"SGLANG_DISAGGREGATION_WAITING_TIMEOUT=0: .*arrival_timeout_s"):
+        service_config(0, env={}, read=sglang_reader(SGLANG_DISAGGREGATION_WAITING_TIMEOUT=0))
+
+
+def test_the_payload_bound_holds_one_aux_row() -> None:
+    assert service_config(1 << 20, env={}, read=sglang_reader()).max_payload_bytes == 1 << 20

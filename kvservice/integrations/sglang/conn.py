@@ -23,9 +23,12 @@ decode's in ``disaggregation/decode.py``):
   aux_index)`` sends the expect; ``Success`` once every chunk's notification is in and
   the payload is in this rank's aux row.
 * Failure is sticky and never raises into a scheduler loop: ``poll()`` says ``Failed``
-  for good and ``failure_exception()`` raises the original error (NIXL's exception, the
-  registry's ``BootstrapError``, the service's ``ValueError``...), as SGLang's own
-  schedulers expect (``handle_inflight_transfer_failure`` calls it in a ``try``).
+  for good and ``failure_exception()`` raises ``TransferFailed``, whose message names the
+  request, the reason and the peer, with the original error (NIXL's exception, the lost
+  connection's, the registry's ``BootstrapError``, the service's ``ValueError``...) as its
+  ``__cause__``.  SGLang's schedulers call it in a ``try`` and log only ``str()`` of
+  what it raised (``Prefill transfer failed ... with exception {e}``): that string must
+  say why by itself.
 
 Scope: equal attention-TP on both sides (MHA or MLA), DP attention, page-wise KV.
 Refused with a clear error: pipeline parallelism, Mamba/SWA state (``state_types``),
@@ -34,7 +37,6 @@ draft-model KV, host (CPU) KV destinations on the decode.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -59,23 +61,12 @@ from ...engine import KVSender as FacadeSender
 from ...engine import KVTransferEngine
 from . import bootstrap
 from .memory import AuxRows, kv_memory
+from .settings import service_config
 
 log = get_logger("kvservice.sglang")
 
 #: how long a prefill rank keeps trying to register while its bootstrap server starts
 REGISTER_TIMEOUT_S = 60.0
-
-
-def service_config(aux_row_bytes: int) -> Any:
-    """The service's configuration: the file named by ``KVSERVICE_CONFIG`` (the sidecar's
-    TOML format; only ``[service]`` is used) with ``KVSERVICE_SERVICE_*`` overrides, its
-    payload bound raised to hold one aux row."""
-    from ...sidecar.settings import load
-
-    config = load(os.environ.get("KVSERVICE_CONFIG") or None).service
-    if aux_row_bytes > config.max_payload_bytes:
-        config = config.replace(max_payload_bytes=aux_row_bytes)
-    return config
 
 
 def _attn_tp_size(server_args: Any) -> int:
@@ -217,19 +208,26 @@ class _Side:
     def __init__(self, mgr: KVManager, bootstrap_room: Any) -> None:
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
-        self._failure: BaseException | None = None
+        self._failure: TransferFailed | None = None
         self._t = None
         try:
             self.request_id = _request_id(bootstrap_room)
         except ValueError as exc:
             self.request_id = repr(bootstrap_room)
-            self._fail(exc)
+            self._fail(FailureReason.REFUSED, "not a bootstrap room", exc)
 
-    def _fail(self, exc: BaseException) -> None:
-        """Fail the request here (first failure wins) and abort the facade's, so the peer hears."""
+    def _peer(self) -> str | None:
+        """Who this side's own failures name as the peer."""
+        return None
+
+    def _fail(self, reason: FailureReason, message: str, error: BaseException | None = None) -> None:
+        """Fail the request here (first failure wins) and abort the facade's, so the peer hears.
+        ``error`` (what was raised, if anything) becomes the ``__cause__`` of what
+        ``failure_exception()`` raises."""
         if self._failure is None and (self._t is None or self._t.result is None or self._t.result.ok):
-            self._failure = exc
-            log.warning("sglang.request_failed", request_id=self.request_id, error=f"{type(exc).__name__}: {exc}")
+            self._failure = TransferFailed(self.request_id, reason, message, peer=self._peer(), error=error)
+            log.warning("sglang.request_failed", request_id=self.request_id, reason=reason.value,
+                        peer=self._failure.peer, error=str(self._failure))
         if self._t is not None:
             self._t.abort()
 
@@ -238,7 +236,8 @@ class _Side:
         return int(KVPoll.Failed) if self._failure is not None else None
 
     def failure_exception(self) -> None:
-        """Raise the original error of a failed request (``RuntimeError`` if it has not failed)."""
+        """Raise ``TransferFailed`` for a failed request: the reason and the peer in its
+        message, the original error as its ``__cause__`` (``RuntimeError`` if it has not failed)."""
         if self._failure is not None:
             raise self._failure
         if self._t is None:
@@ -249,7 +248,8 @@ class _Side:
         if self._t is not None:
             self._t.abort()
         elif self._failure is None:
-            self._failure = TransferFailed(self.request_id, FailureReason.ABORTED, "aborted by the scheduler")
+            self._failure = TransferFailed(self.request_id, FailureReason.ABORTED, "aborted by the scheduler",
+                                           peer=self._peer())
 
     def clear(self) -> None:
         if self._t is not None:
@@ -274,7 +274,7 @@ class KVSender(_Side, BaseKVSender):
             try:
                 self._t = mgr.engine.sender(self.request_id)
             except ValueError as exc:  # a live sender of the same room on this rank
-                self._fail(exc)
+                self._fail(FailureReason.REFUSED, "the room is in use on this rank", exc)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         if self._t is None or self._failure is not None:
@@ -282,7 +282,7 @@ class KVSender(_Side, BaseKVSender):
         try:
             self._t.init(int(num_kv_indices))
         except (ValueError, RuntimeError) as exc:
-            self._fail(exc)
+            self._fail(FailureReason.REFUSED, "init() refused", exc)
             return
         self._num_pages = int(num_kv_indices)
         self._aux_index = aux_index
@@ -302,7 +302,7 @@ class KVSender(_Side, BaseKVSender):
             self._t.send(pages, last=last, payload=payload)
             self._pages_sent += len(pages)
         except (ValueError, RuntimeError) as exc:
-            self._fail(exc)
+            self._fail(FailureReason.REFUSED, "send() refused", exc)
 
     def poll(self) -> int:
         if self._failure is not None or self._t is None:
@@ -311,12 +311,19 @@ class KVSender(_Side, BaseKVSender):
         if state is KVPoll.Bootstrapping:
             if self._num_pages is not None:
                 return int(KVPoll.WaitingForInput)  # ours to send: no going back to Bootstrapping
-            if self.kv_mgr.engine.expected(self.request_id):
+            engine = self.kv_mgr.engine
+            if engine.expected(self.request_id):
                 return int(KVPoll.WaitingForInput)
+            if engine.expect_dropped(self.request_id):
+                # Its decode asked, then went away before this sender existed (its link was
+                # lost, or it gave the request up): nobody will ask again, so fail now rather
+                # than at the bootstrap deadline.
+                self._fail(FailureReason.PEER_LOST, "its decode asked for it, then was lost or gave it up "
+                           "before the first chunk (the expect was dropped)")
+                return int(KVPoll.Failed)
             if time.monotonic() > self._deadline:
-                self._fail(TransferFailed(self.request_id, FailureReason.TIMEOUT,
-                                          f"no decode asked for it within bootstrap_timeout_s "
-                                          f"({self.kv_mgr.engine.config.bootstrap_timeout_s}s)"))
+                self._fail(FailureReason.TIMEOUT, f"no decode asked for it within bootstrap_timeout_s "
+                           f"({engine.config.bootstrap_timeout_s}s)")
                 return int(KVPoll.Failed)
         return int(state)
 
@@ -342,15 +349,34 @@ class KVReceiver(_Side, BaseKVReceiver):
         self._metadata_sent = False
         self._delivered = False
 
+    def _peer(self) -> str | None:
+        return self._t.sender if self._t is not None else f"{self.bootstrap_addr} (bootstrap)"
+
     def init(self, prefill_dp_rank: int) -> None:
         if self._failure is not None or self._t is not None:
             return
+        failure: tuple[FailureReason, str] | None = None  # what failed, in the order tried
+        error: BaseException | None = None
+        address = ""
         try:
-            address = self.kv_mgr.prefill_address(self.bootstrap_addr, int(prefill_dp_rank))
-            self._t = self.kv_mgr.engine.receiver(self.request_id, sender=address)
-        except (bootstrap.BootstrapError, ValueError) as exc:
+            self.kv_mgr.prefill_ranks(self.bootstrap_addr)
+        except bootstrap.BootstrapError as exc:
+            failure, error = (FailureReason.PEER_LOST, "the prefill's bootstrap registry cannot be reached"), exc
+        except ValueError as exc:
+            failure, error = (FailureReason.REFUSED, "not a bootstrap address"), exc
+        else:
+            try:
+                address = self.kv_mgr.prefill_address(self.bootstrap_addr, int(prefill_dp_rank))
+            except ValueError as exc:
+                failure, error = (FailureReason.INCOMPATIBLE, "no prefill rank this rank can pair with"), exc
+            else:
+                try:
+                    self._t = self.kv_mgr.engine.receiver(self.request_id, sender=address)
+                except ValueError as exc:
+                    failure, error = (FailureReason.REFUSED, "the room is in use on this rank"), exc
+        if failure is not None:
             self.kv_mgr.forget_prefill(self.bootstrap_addr)  # a restarted prefill registers anew
-            self._fail(exc)
+            self._fail(*failure, error)
             return
         self.bootstrap_infos = [{"address": address}]
 
@@ -370,7 +396,7 @@ class KVReceiver(_Side, BaseKVReceiver):
             self._t.init(np.asarray(kv_indices))
             self._metadata_sent = True
         except (ValueError, RuntimeError) as exc:
-            self._fail(exc)
+            self._fail(FailureReason.REFUSED, "send_metadata() refused", exc)
 
     def poll(self) -> int:
         if self._failure is not None:
@@ -386,7 +412,7 @@ class KVReceiver(_Side, BaseKVReceiver):
                 if self._aux_index is not None:
                     self.kv_mgr.aux.write(self._aux_index, (result.payload if result else None) or b"")
             except ValueError as exc:
-                self._fail(exc)
+                self._fail(FailureReason.INCOMPATIBLE, "the prefill's aux row does not fit this rank's", exc)
                 return int(KVPoll.Failed)
             self._delivered = True
         if state is KVPoll.Bootstrapping:

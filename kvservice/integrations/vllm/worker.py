@@ -25,6 +25,7 @@ import torch
 
 from ..._config import ServiceConfig
 from ..._log import Throttle, get_logger
+from ..._results import failure_text
 from ..._tp import TensorParallel
 from ...engine import KVPoll, KVReceiver, KVSender, KVTransferEngine
 from ...memory import KVMemory
@@ -216,7 +217,9 @@ class WorkerSide:
 
 
 def _why(transfer: KVSender | KVReceiver) -> str:
+    """What the log says of a failed transfer: ``failure_exception()``'s message (the
+    request, the reason, the peer and the original error)."""
     result = transfer.result
-    if result is None:
-        return "failed"
-    return f"{result.reason.value if result.reason else result.status.value}: {result.message}"
+    if result is None or result.reason is None:
+        return f"request {transfer.request_id!r} failed"
+    return failure_text(result.request_id, result.reason, result.peer, result.message, result.error)

@@ -157,16 +157,22 @@ class Rank:
 
 
 def failure(t: Any) -> dict[str, Any]:
-    """What SGLang's failure handlers do (``failure_exception()`` in a try), and whether the
-    exception raised is the very error kvservice kept (the original)."""
+    """What SGLang's failure handlers do (``failure_exception()`` in a try, logging ``str()``
+    of it), what that string says, and whether the original error is reachable: the
+    error kvservice kept, as the raised exception's ``__cause__``."""
     try:
         t.failure_exception()
     except Exception as exc:  # noqa: BLE001 - what the scheduler does
         facade = getattr(t, "_t", None)
         result = facade.result if facade is not None else None
-        kept = getattr(t, "_failure", None) or (result.error if result is not None else None)
-        return {"error_type": type(exc).__name__, "error": str(exc)[:300], "original": exc is kept,
-                "reason": result.reason.value if result is not None and result.reason else None}
+        own = getattr(t, "_failure", None)
+        kept = own.__cause__ if own is not None else (result.error if result is not None else None)
+        reason = getattr(exc, "reason", None)
+        cause = exc.__cause__
+        return {"error_type": type(exc).__name__, "error": str(exc)[:400],
+                "reason": reason.value if reason is not None else None, "peer": getattr(exc, "peer", None),
+                "cause_type": type(cause).__name__ if cause is not None else None,
+                "original": cause is not None and cause is kept}
     return {"error_type": None, "error": "failure_exception() returned"}
 
 
@@ -195,8 +201,15 @@ def run_prefill(rank: Rank, args: argparse.Namespace) -> None:
     running: list[SimpleNamespace] = []  # computing chunk by chunk
     inflight: list[SimpleNamespace] = []
     states: dict[int, list[int]] = {}
+    awaited: list[tuple[str, int]] = []  # ("expected" | "expect_dropped", room)
     while not (inbox.quitting and not bootstrap_q and not running and not inflight):
+        for what, room in [a for a in awaited if getattr(mgr.engine, a[0])(str(a[1]))]:
+            awaited.remove((what, room))
+            emit(event=what, room=room)
         for cmd in inbox.new():
+            if "await" in cmd:  # tell the test once the engine says so of the room
+                awaited.append((cmd["await"], cmd["room"]))
+                continue
             room = cmd["room"]
             req = SimpleNamespace(room=room, n=cmd["pages"], chunk=cmd.get("chunk", 2), step_s=cmd.get("step_s", 0.0),
                                   sent=0, last_step=0.0, pages=None, aux=None)

@@ -130,6 +130,12 @@ class Role:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
 
+    def stall_then_kill(self) -> None:
+        """SIGSTOP, a moment (shorter than kvservice's peer timeout), then SIGKILL."""
+        self.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.5)
+        self.kill()
+
     def tail(self) -> str:
         lines = [ln for ln in self.log.read_text().splitlines() if "Warning" not in ln and "warnings.warn" not in ln]
         return "\n".join(lines[-25:])
@@ -245,21 +251,34 @@ def test_bootstrap_then_chunked_transfer_bytes_and_aux_verified(tmp_path: Path, 
     assert prefill.quit() == 0 and decode.quit() == 0
 
 
-def test_decode_sigkilled_mid_transfer_fails_the_sender_with_the_original_error(tmp_path: Path, roles: Any) -> None:
-    """A decode SIGKILLed after the first chunks: the prefill's later chunks post nothing,
-    ``poll()`` says ``Failed``, ``failure_exception()`` raises the error kvservice kept (the
-    very object), and the prefill's loop never sees an exception: it serves a new decode."""
+def says_why(ended: dict[str, Any], *names: str) -> None:
+    """What SGLang logs (``str()`` of ``failure_exception()``'s exception) says why by itself:
+    the request, the reason and the peer; the original error is its ``__cause__``."""
+    assert ended["error_type"] == "TransferFailed", ended
+    assert ended["error"].startswith(f"request '{ended['room']}' failed {ended['reason']} ("), ended
+    for name in names:
+        assert name in ended["error"], (name, ended)
+
+
+@pytest.mark.parametrize("how", ["kill", "stall_then_kill"])
+def test_decode_lost_mid_transfer_fails_the_sender_saying_why(tmp_path: Path, roles: Any, how: str) -> None:
+    """A decode SIGKILLed (or stalled by SIGSTOP, then SIGKILLed) after the first chunks:
+    the prefill's later chunks post nothing, ``poll()`` says ``Failed``, the string SGLang
+    logs of ``failure_exception()`` names the reason and the peer, the error kvservice kept
+    (the very object) is its ``__cause__``, and the prefill's loop never sees an
+    exception: it serves a new decode."""
     port = free_port()
     prefill, decode, decode2 = roles(("prefill", port, tmp_path, {"serve": True}), ("decode", port, tmp_path, {}),
                                      ("decode", port, tmp_path, {}))
     prefill.send(room=201, pages=12, chunk=1, step_s=0.4)
     decode.send(room=201, pages=12)
     prefill.wait(lambda e: e["event"] == "chunk" and e["room"] == 201 and e["sent"] >= 2)
-    decode.kill()
+    getattr(decode, how)()
     ended = prefill.end(201, timeout=90)
     assert ended["poll"] == "Failed", ended
     assert ended["reason"] in ("PEER_LOST", "REMOTE_DISCONNECT"), ended
-    assert ended["original"] is True and ended["error_type"] not in (None, "RuntimeError"), ended
+    says_why(ended, f"(peer {ended['peer']})", *[decode.ready["address"]] * (ended["reason"] == "PEER_LOST"))
+    assert ended["original"] is True and ended["cause_type"] is not None, ended
     assert forward_only(ended["states"])
     prefill.send(room=202, pages=4, chunk=2)
     decode2.send(room=202, pages=4)
@@ -285,6 +304,7 @@ def test_prefill_restart_fails_its_requests_and_the_decode_finds_the_new_one(tmp
     prefill.kill()
     ended = decode.end(302, timeout=60)
     assert ended["poll"] == "Failed" and ended["reason"] == "PEER_LOST", ended
+    says_why(ended, f"(peer {prefill.ready['address']})")
     assert ended["original"] is True and ended["release_safe"] is True, ended
     (prefill2,) = roles(("prefill", port, tmp_path, {"serve": True, "delay": 2.0}))
     assert prefill2.ready["address"] != prefill.ready["address"]
@@ -313,13 +333,17 @@ def test_bad_input_is_a_clear_failure_never_an_exception_in_the_loop(tmp_path: P
     prefill.send(room=404, pages=2)  # never asked for
     assert decode.end(401)["poll"] == "Failed"
     e402, e403 = decode.end(402), decode.end(403)
-    assert e402["error_type"] == "BootstrapError" and dead in e402["error"] and e402["original"], e402
-    assert e403["error_type"] == "ValueError" and "host:port" in e403["error"], e403
+    assert e402["reason"] == "PEER_LOST" and e402["cause_type"] == "BootstrapError" and e402["original"], e402
+    says_why(e402, f"(peer {dead} (bootstrap))")
+    assert e403["reason"] == "REFUSED" and e403["cause_type"] == "ValueError" and e403["original"], e403
+    says_why(e403, "no-port-here", "host:port")
     e_room = prefill.end(-5)
-    assert e_room["poll"] == "Failed" and e_room["error_type"] == "ValueError", e_room
-    assert "bootstrap_room" in e_room["error"] and e_room["original"], e_room
+    assert e_room["poll"] == "Failed" and e_room["reason"] == "REFUSED", e_room
+    assert e_room["cause_type"] == "ValueError" and e_room["original"], e_room
+    says_why(e_room, "bootstrap_room")
     e404 = prefill.end(404, timeout=60)
-    assert e404["error_type"] == "TransferFailed" and "TIMEOUT" in e404["error"], e404
+    assert e404["reason"] == "TIMEOUT" and e404["cause_type"] is None, e404
+    says_why(e404, "no peer known yet", "no decode asked for it within bootstrap_timeout_s (3.0s)")
     for body in (b"not json", b'{"dp_rank": -1, "tp_rank": 0, "address": "x:1", "info": {}}'):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/kvservice/ranks", data=body, method="PUT")
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -329,3 +353,27 @@ def test_bad_input_is_a_clear_failure_never_an_exception_in_the_loop(tmp_path: P
     decode.send(room=405, pages=2)
     assert decode.end(405)["verified"] and prefill.end(405)["poll"] == "Success"
     assert prefill.quit() == 0 and decode.quit() == 0
+
+
+def test_a_sender_made_after_its_decode_died_fails_at_once(tmp_path: Path, roles: Any) -> None:
+    """The decode's expect for a room reaches the prefill rank before the prefill's scheduler
+    made the room's sender; the decode is SIGKILLed; then the sender is made.  It fails at
+    once (``PEER_LOST``, from ``Bootstrapping``) instead of waiting out its bootstrap
+    timeout (set far beyond this test's waits), saying why."""
+    port = free_port()
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True,
+                                                         "env": {"KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": "600"}}),
+                            ("decode", port, tmp_path, {}))
+    prefill.send(**{"await": "expected", "room": 501})
+    decode.send(room=501, pages=2)
+    assert decode.wait(lambda e: e["event"] == "metadata" and e["room"] == 501)
+    prefill.wait(lambda e: e["event"] == "expected" and e["room"] == 501)
+    decode.kill()
+    prefill.send(**{"await": "expect_dropped", "room": 501})  # the prefill has seen the decode go
+    prefill.wait(lambda e: e["event"] == "expect_dropped" and e["room"] == 501)
+    prefill.send(room=501, pages=2)
+    ended = prefill.end(501, timeout=120)
+    assert ended["poll"] == "Failed" and ended["phase"] == "bootstrap", ended
+    assert ended["reason"] == "PEER_LOST" and ended["states"] == [FAILED], ended  # its first poll
+    says_why(ended, "its decode asked for it, then was lost or gave it up")
+    assert prefill.quit() == 0
