@@ -38,7 +38,7 @@ import anyio.lowlevel
 import torch
 
 from kvservice import KVServiceError, SidecarClient, TransferResult
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 
 try:
     from sidecars import Daemon, daemon  # run as a script: examples/ is on sys.path

@@ -47,8 +47,8 @@ import structlog
 import torch
 
 from kvservice import KVLayout, ServiceConfig, freeze_startup_objects
-from kvservice._peerproc import pattern  # a deterministic payload per request id
 from kvservice.engine import KVPoll, KVReceiver, KVSender, KVTransferEngine
+from kvservice.testing import pattern  # a deterministic payload per request id
 
 LAYOUT = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=64)
 ENDED = (KVPoll.Success, KVPoll.Failed)

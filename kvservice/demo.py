@@ -1,7 +1,7 @@
 """``kvservice demo``: the service's promise, shown end to end in well under a minute.
 
 This process is the prefill side (an in-process ``TransferService``); the
-decode side is a real child process (``_peerproc``).  Three phases:
+decode side is a real child process (``kvservice.testing.peer``).  Three phases:
 
 1. **steady**: a few dozen chunked requests; the decode side verifies every
    byte of every page against the request's pattern.
@@ -30,11 +30,11 @@ import anyio
 import numpy as np
 
 from ._config import ServiceConfig
-from ._peerproc import PeerProcess, pattern
 from ._results import TransferResult
 from ._runtime import configure_logging, freeze_startup_objects, run
 from ._service import TransferService
 from .memory._layout import KVLayout
+from .testing import PeerProcess, pattern
 
 DEMO_LAYOUT = KVLayout(layers=8, page_tokens=16, kv_heads=4, head_dim=128, dtype="bfloat16", num_pages=1024)
 UCX_ENV = {"UCX_NET_DEVICES": "lo"}

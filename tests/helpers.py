@@ -6,18 +6,16 @@ or cancel scope is held across a pytest-asyncio fixture's ``yield``.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
 import numpy as np
 import numpy.typing as npt
 
-from kvservice import KVLayout, ServiceConfig
-from kvservice._peerproc import PeerProcess
+from kvservice import KVLayout, ServiceConfig, testing
 from kvservice.memory import KVPool
 from kvservice.memory._regions import regions_table
 from kvservice.memory.engines import pool_regions
@@ -51,29 +49,14 @@ def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:
 
 
 def peer_config(layout: KVLayout = SMALL, **kw: Any) -> dict[str, Any]:
-    """The JSON a child process turns into its ServiceConfig."""
+    """A child service's config, with the loopback defaults of ``config``."""
     kw.setdefault("ucx_env", LOOPBACK_UCX)
     kw.setdefault("drain_grace_s", 1.0)
-    return {"layout": {
-        "layers": layout.layers, "page_tokens": layout.page_tokens, "kv_heads": layout.kv_heads,
-        "head_dim": layout.head_dim, "dtype": layout.dtype, "num_pages": layout.num_pages,
-    }, **kw}
+    return testing.peer_config(layout, **kw)
 
 
-@contextlib.asynccontextmanager
-async def peers(*configs: dict[str, Any], env: dict[str, str] | None = None) -> AsyncIterator[list[PeerProcess]]:
-    """Start one child service per config; kill whatever is left on exit."""
-    async with anyio.create_task_group() as tg:
-        started: list[PeerProcess] = []
-        try:
-            for cfg in configs:
-                started.append(await PeerProcess.start(tg, cfg, env=env))
-            yield started
-        finally:
-            with anyio.CancelScope(shield=True):
-                for p in started:
-                    await p.stop(timeout=5)
-            tg.cancel_scope.cancel()
+#: start one child service per config; stop whatever is left on exit
+peers = testing.peer_processes
 
 
 class Ticker:

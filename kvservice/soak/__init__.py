@@ -2,7 +2,7 @@
 counters that must stay zero.
 
 One prefill and ``--decodes`` decode services run as child processes
-(``kvservice._peerproc``).  ``--transfers`` requests of random sizes and chunking
+(``kvservice.testing.peer``).  ``--transfers`` requests of random sizes and chunking
 (``--seed``) go from the prefill to a random decode, while the soak SIGKILLs
 and restarts decodes, SIGSTOPs/SIGCONTs them, aborts requests from either side
 and gives some requests deadlines too short to meet.  Every success is verified

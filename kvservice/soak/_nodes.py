@@ -2,7 +2,7 @@
 waits for them, its free pages, its canaries, and whether the soak killed it.
 
 A sidecar node is two processes: a ``kvservice serve`` daemon (it owns the NIXL
-agent, so SIGSTOP goes to it) and the ``_peerproc`` worker that drives it through
+agent, so SIGSTOP goes to it) and the ``kvservice.testing.peer`` worker that drives it through
 ``SidecarClient``; SIGKILL and restart take both, as a host crash would."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import IO, Any
 import anyio
 import anyio.abc
 
-from .._peerproc import PeerProcess
 from ..sidecar.local import LocalDaemon
+from ..testing import PeerProcess
 
 Key = str | tuple[str, str]  # a command's id, or (event, request id) for events without one
 _ids = itertools.count()
@@ -29,7 +29,7 @@ class _Slot:
 
 
 class Node:
-    """A ``_peerproc`` child.  Events are kept only for keys someone registered
+    """A ``kvservice.testing.peer`` child.  Events are kept only for keys someone registered
     (``expect``) before the event could come, so nothing piles up over a long soak."""
 
     def __init__(self, name: str, proc: PeerProcess, num_pages: int, daemon: LocalDaemon | None = None) -> None:

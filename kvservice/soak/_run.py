@@ -15,9 +15,9 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from .._peerproc import stray_output
 from ..memory._layout import KVLayout
 from ..sidecar.local import LocalDaemon, short_tmpdir
+from ..testing.peer_process import stray_output
 from ._nodes import Node
 from ._summary import Summary
 

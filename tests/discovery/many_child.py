@@ -22,8 +22,8 @@ import anyio
 
 from kvservice import KVLayout, ServiceConfig, TransferService
 from kvservice._nixl.agent import NixlDoor
-from kvservice._peerproc import pattern
 from kvservice._runtime import run
+from kvservice.testing import pattern
 
 
 def _door(agent_name: str, config: ServiceConfig) -> NixlDoor:

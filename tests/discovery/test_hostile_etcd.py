@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, TransferService
-from kvservice._peerproc import pattern
 from kvservice.discovery.member import Member, encode, read
+from kvservice.testing import pattern
 from tests.helpers import SMALL, config, eventually
 
 from .etcd_server import EtcdServer

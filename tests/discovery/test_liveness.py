@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvservice import FailureReason, TransferService
-from kvservice._peerproc import PeerProcess, pattern
+from kvservice.testing import PeerProcess, pattern
 from tests.helpers import SMALL, config, eventually, peer_config
 
 from .etcd_server import EtcdServer

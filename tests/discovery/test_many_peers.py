@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvservice import KVLayout, TransferService
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 from tests.helpers import LOOPBACK_UCX, config, eventually, peer_config
 
 from .etcd_server import EtcdServer

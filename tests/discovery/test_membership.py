@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, TransferService
-from kvservice._peerproc import pattern
 from kvservice.discovery._etcd import Etcd, EtcdOptions
 from kvservice.discovery.member import Member, services_prefix
 from kvservice.discovery.member import read as read_member
+from kvservice.testing import pattern
 from tests.helpers import SMALL, config, eventually
 
 from .etcd_server import EtcdServer

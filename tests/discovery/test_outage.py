@@ -18,8 +18,8 @@ import structlog
 import torch
 
 from kvservice import TransferService
-from kvservice._peerproc import PeerProcess, pattern
 from kvservice.discovery.registry import DiscoveryUnavailable
+from kvservice.testing import PeerProcess, pattern
 from tests.helpers import SMALL, config, eventually, peer_config
 
 from .etcd_server import EtcdServer, require_etcd

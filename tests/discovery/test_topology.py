@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 import pytest
 
-from kvservice._peerproc import PeerProcess
 from kvservice._trust.keys import generate_key
+from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import Host
 from tests.helpers import eventually, peer_config

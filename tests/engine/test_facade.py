@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, ServiceConfig, TransferFailed, TransferService
-from kvservice._peerproc import pattern
 from kvservice.engine import KVReceiver, KVSender, KVTransferEngine
+from kvservice.testing import FakeFabric, pattern
 from tests.helpers import SMALL, eventually_sync
-from tests.unit.fake_door import FakeFabric
 from tests.unit.harness import GUARD_S, unit_config
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvservice import KVPoll, KVServiceError, TransferService, UnknownRequestError
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 from tests.helpers import SMALL, config, eventually, peer_config, peers
 
 pytestmark = pytest.mark.nixl

@@ -23,7 +23,7 @@ import anyio.abc
 import pytest
 
 from kvservice import FailureReason, KVPoll, TransferFailed, TransferResult, TransferService
-from kvservice._peerproc import PeerProcess
+from kvservice.testing import PeerProcess
 from tests.helpers import config, eventually, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

@@ -25,11 +25,11 @@ from kvservice import FailureReason, ServiceConfig, TransferService
 from kvservice._control.protocol import MAX_REGIONS, Expect, Hello, Join, Ping, Proof, frame
 from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
-from kvservice._peerproc import PeerProcess, pattern
 from kvservice._trust.handshake import DIALER, prove
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.memory import KVLayout
 from kvservice.memory._pool import KVPool
+from kvservice.testing import PeerProcess, pattern
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
 from tests.hostile import Raw, authenticate, dial, is_reject, join_for, own_key, wire_memory
 

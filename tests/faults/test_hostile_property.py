@@ -31,8 +31,8 @@ from kvservice._control.addresses import split_address
 from kvservice._control.protocol import NOTIF_MAGIC, PROTOCOL_VERSION, ChunkNotif, encode_notif, frame
 from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
-from kvservice._peerproc import pattern
 from kvservice.memory._pool import KVPool
+from kvservice.testing import pattern
 from tests.helpers import LOOPBACK_UCX, SMALL, config, register_pool
 from tests.hostile import REGION_FIELDS, wire_memory
 

@@ -24,8 +24,8 @@ import pytest
 
 from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._control.protocol import FENCE, ChunkNotif, Failed, Message, Outcome, encode_notif
-from kvservice._peerproc import PeerProcess, pattern
 from kvservice._trust.keys import generate_key
+from kvservice.testing import PeerProcess, pattern
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
 from tests.helpers import SMALL, config, eventually, peer_config, peers
 

@@ -29,8 +29,8 @@ from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Join, Message, Reject
 from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
-from kvservice._peerproc import PeerProcess
 from kvservice.memory._pool import KVPool
+from kvservice.testing import PeerProcess
 from tests.faults.test_hostile_peers import legit_transfer
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
 from tests.hostile import authenticate, join_for, own_key, wire_memory

@@ -1,7 +1,7 @@
 """A cut network between two hosts: services in two network namespaces joined by a veth.
 
-Each service is a ``_peerproc`` child started inside its own namespace
-(``ip netns exec NS python -m kvservice._peerproc``), bound to that namespace's
+Each service is a ``kvservice.testing.peer`` child started inside its own namespace
+(``ip netns exec NS python -m kvservice.testing.peer``), bound to that namespace's
 veth address with a shared key file (``auth_key_file``, as a real deployment
 binds a non-loopback address), and moves KV over UCX's TCP transport on that
 veth only.  The test process drives both through their stdin/stdout and never
@@ -35,8 +35,8 @@ import anyio.abc
 import pytest
 
 from kvservice import KVLayout
-from kvservice._peerproc import PeerProcess
 from kvservice._trust.keys import generate_key
+from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import Host, NetnsError, Wire
 from tests.helpers import eventually, peer_config

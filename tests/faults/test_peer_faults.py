@@ -20,7 +20,7 @@ import pytest
 import structlog
 
 from kvservice import FailureReason, KVLayout, KVPoll, TransferFailed, TransferService, TransferStatus
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 from tests.helpers import SMALL, Ticker, config, eventually, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

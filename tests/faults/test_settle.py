@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVLayout, TransferService
-from kvservice._peerproc import PeerProcess, pattern
 from kvservice.memory._pool import torch_dtype
+from kvservice.testing import PeerProcess, pattern
 from tests.helpers import config, eventually, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

@@ -15,7 +15,7 @@ import sys
 
 
 def warm_up() -> None:
-    """What ``kvservice._peerproc`` loads, some of it lazily: the service, NIXL, the event
+    """What ``kvservice.testing.peer`` loads, some of it lazily: the service, NIXL, the event
     loop (not the module itself, which runs as ``__main__``)."""
     import anyio
     import torch  # noqa: F401
@@ -24,7 +24,8 @@ def warm_up() -> None:
     import kvservice._runtime
     import kvservice._service
     import kvservice.memory.synthetic
-    import kvservice.sidecar  # noqa: F401
+    import kvservice.sidecar
+    import kvservice.testing  # noqa: F401
 
     anyio.run(anyio.sleep, 0)
 

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from kvservice import TransferService
-from kvservice._peerproc import PeerProcess, pattern
+from kvservice.testing import PeerProcess, pattern
 from tests.helpers import SMALL, config, peer_config
 
 

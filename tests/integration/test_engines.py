@@ -13,8 +13,8 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, TensorParallel, TransferService, TransferStatus
-from kvservice._peerproc import PeerProcess
 from kvservice.memory.synthetic import ENGINES, EngineSpec, SyntheticKV
+from kvservice.testing import PeerProcess
 from tests.helpers import config, peer_config
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvservice import TransferHandle, TransferResult, TransferService
-from kvservice._peerproc import PeerProcess, pattern
+from kvservice.testing import PeerProcess, pattern
 from tests.helpers import SMALL, config, peer_config
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]

@@ -70,6 +70,9 @@ def test_wheel_holds_the_package_and_nothing_else(wheel: Path) -> None:
     assert not [n for n in names if Path(n).name in ("bench.json", "bench.png", "results.md")]
     for module in ("main", "run", "control", "listen", "remote", "raw_nixl", "kv_side", "report", "mooncake_side"):
         assert f"kvservice/bench/{module}.py" in names, module
+    # the doubles other projects test against ship too (``python -m kvservice.testing.peer``)
+    for module in ("__init__", "peer", "peer_process", "fake_door", "pages"):
+        assert f"kvservice/testing/{module}.py" in names, module
     assert re.search(r"^\[console_scripts\]\s*\nkvservice = kvservice\.cli:main$", entry_points, re.MULTILINE)
     # SGLang's plugin loader finds the transfer backend here (docs/sglang.md)
     assert re.search(r"^\[sglang\.srt\.plugins\]\s*\nkvservice = kvservice\.integrations\.sglang\.plugin:register$",

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice import FailureReason, KVLayout, KVPoll, TransferService
-from kvservice._peerproc import PeerProcess
+from kvservice.testing import PeerProcess
 from tests.helpers import config, eventually, peer_config, peers
 
 pytestmark = pytest.mark.nixl

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvservice import KVPoll, TransferService, TransferStatus
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 from tests.helpers import SMALL, config, peer_config, peers
 
 pytestmark = pytest.mark.nixl

@@ -23,8 +23,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvservice import FailureReason, TransferService
-from kvservice._peerproc import PeerProcess, pattern
 from kvservice._trust.keys import user_key_dir
+from kvservice.testing import PeerProcess, pattern
 
 from ..helpers import SMALL, config, peer_config, peers
 

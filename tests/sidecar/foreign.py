@@ -23,8 +23,8 @@ import anyio
 import torch
 
 from kvservice import KVServiceError, SidecarClient
-from kvservice._peerproc import pattern
 from kvservice._trust.peercred import peer_cred
+from kvservice.testing import pattern
 
 
 def say(**what: object) -> None:

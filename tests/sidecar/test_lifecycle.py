@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
-from kvservice._peerproc import pattern
 from kvservice.sidecar.daemon import EXIT_FORCED
+from kvservice.testing import pattern
 from tests.helpers import eventually
 
 from .daemons import Sidecar, aget, metrics, short_tmpdir, sidecars, until_status, wait_bound

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, SidecarClient, UnknownRequestError
-from kvservice._peerproc import pattern
 from kvservice.sidecar import NotOwnerError
+from kvservice.testing import pattern
 
 from .daemons import Sidecar, metrics, sidecars
 

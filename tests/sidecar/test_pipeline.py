@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
-from kvservice._peerproc import pattern
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, encode
+from kvservice.testing import pattern
 from tests.helpers import eventually
 
 from .daemons import REPO, Sidecar, aget, frame, metrics, raw_exchange, short_tmpdir, sidecars, wait_bound

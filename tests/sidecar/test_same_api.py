@@ -18,7 +18,7 @@ from kvservice import (
     TransferStatus,
     UnknownRequestError,
 )
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 from tests.helpers import config, eventually
 
 from .daemons import SMALL_LAYOUT, Sidecar, sidecars

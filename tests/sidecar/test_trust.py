@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
-from kvservice._peerproc import pattern
 from kvservice.sidecar import NotOwnerError
 from kvservice.sidecar.handle import RequestState, SidecarHandle
 from kvservice.sidecar.server import HELLO_MAX_BYTES, HELLO_TIMEOUT_S
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Send, Welcome, decode_server, encode
+from kvservice.testing import pattern
 from tests.helpers import eventually
 
 from .daemons import REPO, Sidecar, aget, frame, metrics, raw_exchange, read_to_end, sidecars, wait_bound

@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from kvservice import KVLayout, KVServiceError, SidecarClient
-from kvservice._peerproc import pattern
 from kvservice.sidecar.shm import segment_path
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, StatusReply, Welcome, encode
+from kvservice.testing import pattern
 
 from .daemons import REPO, SMALL_LAYOUT, Sidecar, metrics, short_tmpdir
 

@@ -12,7 +12,7 @@ import sys
 import anyio
 
 from kvservice import SidecarClient
-from kvservice._peerproc import pattern
+from kvservice.testing import pattern
 
 
 async def main(socket_path: str, rid: str, pages: list[int]) -> None:

@@ -24,12 +24,12 @@ import torch
 from kvservice import ServiceConfig, TransferService
 from kvservice._control.protocol import FENCE, ChunkNotif, Settled, encode_notif, peek_notif
 from kvservice._nixl.door import DoorError, LocalTable
-from kvservice._peerproc import pattern
 from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
 from kvservice._transfer.ends import FENCE_TRIES
 from kvservice._transfer.requests import RecvRequest, SendRequest
+from kvservice.testing import pattern
+from kvservice.testing.fake_door import FakeDoor, FakeFabric, Mode, copy
 from tests.helpers import SMALL
-from tests.unit.fake_door import FakeDoor, FakeFabric, Mode, copy
 
 from .inline import InlineDoorThread
 from .memnet import MemNet

@@ -15,10 +15,8 @@ import torch
 
 from kvservice import ServiceConfig, TransferService
 from kvservice._control.protocol import ChunkNotif, encode_notif
-from kvservice._peerproc import pattern
+from kvservice.testing import FakeDoor, FakeFabric, pattern
 from tests.helpers import SMALL, config
-
-from .fake_door import FakeDoor, FakeFabric
 
 #: generous bound on any single wait: a hang guard, never a timed assertion
 GUARD_S = 10.0

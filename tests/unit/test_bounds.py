@@ -9,9 +9,9 @@ import pytest
 from kvservice import FailureReason, Overloaded
 from kvservice._transfer.requests import EarlyExpects
 from kvservice.memory._layout import KVLayout
+from kvservice.testing import FakeFabric
 from tests.helpers import eventually
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, fill, two_services, unit_config
 
 

@@ -8,8 +8,8 @@ import anyio
 
 from kvservice import FailureReason, KVPoll, TransferStatus
 from kvservice._transfer.deadlines import Deadlines
+from kvservice.testing import FakeFabric
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, two_services, unit_config
 
 

@@ -11,9 +11,9 @@ from kvservice import KVPool
 from kvservice._control.protocol import ChunkNotif, encode_notif
 from kvservice._nixl.door import DoorError, PostOp, TickPlan, XferState, run_tick
 from kvservice._results import FailureReason
+from kvservice.testing import FakeDoor, FakeFabric
 from tests.helpers import SMALL, plane_indices, pool_table, register_pool
 
-from .fake_door import FakeDoor, FakeFabric
 from .harness import unit_config
 
 

@@ -16,7 +16,7 @@ from kvservice.memory import KVMemory, Region, from_regions, mla, sglang_mha, vl
 from kvservice.memory._pairing import Indexer, Pair, compare, pair
 from kvservice.memory._regions import memory_from_wire, memory_to_wire, regions_table
 from kvservice.memory.synthetic import ENGINES, EngineSpec, SyntheticKV
-from tests.unit.fake_door import FakeFabric, copy
+from kvservice.testing.fake_door import FakeFabric, copy
 
 from .harness import GUARD_S, unit_config
 

@@ -11,9 +11,9 @@ import pytest
 
 from kvservice import FailureReason, TransferStatus
 from kvservice._control.protocol import ChunkNotif
+from kvservice.testing import FakeFabric
 from tests.helpers import eventually
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, notif_from, two_services
 
 

@@ -16,9 +16,9 @@ import torch
 
 from kvservice import FailureReason, TransferService
 from kvservice._control.links import PeerLink
+from kvservice.testing import FakeFabric
 from tests.helpers import eventually
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, two_services, unit_config
 
 

@@ -31,7 +31,7 @@ def test_each_peer_its_own_series_by_address_both_sides() -> None:
     stats.record("recv", ok(0.0004), "agent-a")
     stats.record("send", FAILED, "agent-b")
     stats.record("send", FAILED)  # never reached a peer: not counted per peer
-    times = stats.snapshot()["peer_times"]
+    times = stats.peers.snapshot()  # what status()["peer_times"] carries
     assert set(times) == {"10.0.0.1:5000", "10.0.0.2:5000"}
     send = times["10.0.0.1:5000"]["xfer_time"]["send"]
     assert send["count"] == 1 and send["sum_s"] == pytest.approx(0.003)

@@ -19,9 +19,9 @@ from kvservice import (
     TransferService,
     TransferStatus,
 )
+from kvservice.testing import FakeDoor, FakeFabric
 from tests.helpers import eventually
 
-from .fake_door import FakeDoor, FakeFabric
 from .harness import GUARD_S, door_of, fill, two_services, unit_config
 
 

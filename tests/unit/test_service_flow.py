@@ -10,9 +10,9 @@ import torch
 
 from kvservice import KVPoll, TransferService, TransferStatus
 from kvservice._control.protocol import ChunkNotif, decode_notif, encode_notif
+from kvservice.testing import FakeFabric
 from tests.helpers import SMALL, eventually, plane_indices
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, notif_from, two_services, unit_config, untouched
 
 

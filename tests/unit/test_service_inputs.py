@@ -15,9 +15,9 @@ from kvservice import (
     TransferStatus,
     UnknownRequestError,
 )
+from kvservice.testing import FakeFabric
 from tests.helpers import eventually
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, two_services, unit_config
 
 

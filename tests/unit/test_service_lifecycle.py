@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, TransferHandle, TransferService
+from kvservice.testing import FakeDoor, FakeFabric
 from tests.helpers import SMALL, Ticker, eventually
 
-from .fake_door import FakeDoor, FakeFabric
 from .harness import GUARD_S, door_of, fill, unit_config
 
 

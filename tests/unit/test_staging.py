@@ -14,7 +14,7 @@ from kvservice._results import ConfigError
 from kvservice._transfer.staging import NO_CELL, Arena, Stager, staging_for
 from kvservice.memory._pairing import PeerKV
 from kvservice.memory.synthetic import EngineSpec, SyntheticKV
-from tests.unit.fake_door import copy
+from kvservice.testing.fake_door import copy
 
 
 def kv(engine: str = "sglang_mha", **kw: object) -> SyntheticKV:

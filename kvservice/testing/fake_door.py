@@ -1,4 +1,9 @@
-"""A scripted, in-process fake of the ``Door`` protocol, for unit tests of the layers above NIXL.
+"""A scripted, in-process fake of the ``Door`` protocol: kvservice without NIXL.
+
+``TransferService(config, door_factory=fabric.factory)`` runs the whole service (its
+request state machines, watchdog and real TCP control plane) with NIXL replaced by
+this fake, so a test needs no GPU, no UCX and no second process, and can script the
+failures NIXL would report.
 
 Several ``FakeDoor``s share one ``FakeFabric``: a ``post`` from door A copies
 the bytes named by the descriptor tables (A's own table from ``register``, or
@@ -41,9 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvservice._config import ServiceConfig
-from kvservice._nixl.door import DoorError, LocalTable, XferId, XferState
-from kvservice._results import FailureReason
+from .._config import ServiceConfig
+from .._nixl.door import DoorError, LocalTable, XferId, XferState
+from .._results import FailureReason
 
 
 class Mode(enum.Enum):

@@ -1,10 +1,8 @@
-"""A ``TransferService`` in its own process, driven by JSON lines.
+"""A kvservice peer in its own process, driven by JSON lines: the child's side.
 
-Used by ``kvservice demo`` and by the integration and fault tests, so that
-peers are real processes that can be SIGKILLed, SIGSTOPped and restarted.
-
-Child side (``python -m kvservice._peerproc CONFIG_JSON``): reads one command
-per line on stdin, writes one event per line on stdout::
+``python -m kvservice.testing.peer CONFIG_JSON`` runs a ``TransferService`` (or, with
+``"sidecar": PATH``, drives a ``kvservice serve`` daemon through ``SidecarClient``)
+and reads one command per line on stdin, writes one event per line on stdout::
 
     -> {"op": "fill", "rid": "r1", "pages": [0, 1]}          <- {"event": "filled", ...}
     -> {"op": "send", "rid": "r1", "pages": [0, 1], "last": true}
@@ -17,7 +15,10 @@ per line on stdin, writes one event per line on stdout::
     -> {"op": "await_settled", "rid": "r1", "timeout": 10}  <- {"event": "settled", "settled": true, ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
 
-Pages hold a deterministic pattern per request id (``pattern``), so the
+The first event is ``{"event": "ready", "address", "agent", "pid"}``; the last,
+``{"event": "exited"}``.  CONFIG_JSON holds ``ServiceConfig`` settings, with the
+layout as ``"layout": {"layers": ..., ...}`` (``peer_config`` writes it).  Pages hold
+a deterministic pattern per request id (``kvservice.testing.pages``), so the
 receiver verifies every byte without the sender shipping a checksum.
 
 With ``"engine": {...}`` in its config (a ``memory.synthetic.EngineSpec``) the
@@ -26,48 +27,29 @@ and ``verify`` then take ``"pattern"`` (the request id whose pattern to use, def
 ``rid``; tensor-parallel sub-requests share their request's) and ``"layers"``
 (``[lo, hi]``), ``send`` takes ``"layers"`` and ``"payload"`` (text), and
 ``arrived`` reports the payload and leaves verification to ``verify``.
+
+The parent's side, ``PeerProcess``, is in ``kvservice.testing.peer_process``.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-import zlib
-from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
 import anyio
-import anyio.abc
 import torch
-from anyio.streams.memory import MemoryObjectReceiveStream
 
-from ._config import ServiceConfig
-from ._results import KVServiceError, TransferResult
-from .memory._layout import KVLayout
-from .memory._pool import KVPool, torch_dtype
-from .memory.synthetic import EngineSpec, SyntheticKV
-
-# -- the payload pattern -------------------------------------------------------------
-
-
-def pattern(layout: KVLayout, request_id: str, npages: int) -> torch.Tensor:
-    """The bytes request ``request_id`` carries: shape (layers, 2, npages, page_elems)."""
-    gen = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
-    values = torch.randn((layout.layers, 2, npages, layout.page_elems), generator=gen)
-    return values.to(torch_dtype(layout.dtype))
-
-
-def holds(kv: KVPool, request_id: str, pages: list[int]) -> bool:
-    """Whether ``pages`` of ``kv`` hold exactly what request ``request_id`` carries."""
-    return bool(torch.equal(kv.pages(pages), pattern(kv.layout, request_id, len(pages))))
+from .._config import ServiceConfig
+from .._results import KVServiceError, TransferResult
+from ..memory._layout import KVLayout
+from ..memory.synthetic import EngineSpec, SyntheticKV
+from .pages import holds, pattern
 
 
 def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, Any]:
+    """``result`` as one line of JSON: its outcome, and the error's type by name."""
     return {
         "event": event, "rid": result.request_id, "status": result.status.value,
         "reason": result.reason.value if result.reason else None,
@@ -77,13 +59,10 @@ def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, 
     }
 
 
-# -- child ----------------------------------------------------------------------------
-
-
 async def _child(config_json: str) -> None:
-    from ._runtime import freeze_startup_objects
-    from ._service import TransferService
-    from .sidecar import SidecarClient
+    from .._runtime import freeze_startup_objects
+    from .._service import TransferService
+    from ..sidecar import SidecarClient
 
     raw = json.loads(config_json)
     layout = KVLayout(**raw.pop("layout", {}))
@@ -192,136 +171,10 @@ def _synthetic_op(kv: SyntheticKV, op: str, cmd: dict[str, Any], layers: range |
 
 
 def main() -> None:
-    from ._runtime import configure_logging, run
+    from .._runtime import configure_logging, run
 
     configure_logging(os.environ.get("KVSERVICE_LOG_LEVEL", "warning"), json=True)
     run(_child, sys.argv[1])
-
-
-# -- parent ---------------------------------------------------------------------------
-
-
-class PeerProcess:
-    """Parent-side handle on a child service process."""
-
-    def __init__(self, proc: anyio.abc.Process, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
-        self.proc = proc
-        self._events = events
-        self.backlog: list[dict[str, Any]] = []
-        self.address = ""
-        self.agent = ""
-        self.pid = proc.pid
-
-    @classmethod
-    async def start(
-        cls, tg: anyio.abc.TaskGroup, config: dict[str, Any] | None = None, *,
-        env: dict[str, str] | None = None, ready_timeout: float = 30.0, prefix: Sequence[str] = (),
-        stderr: int | IO[Any] | None = None,
-    ) -> PeerProcess:
-        """Start a child service.  ``prefix`` goes before the Python command line: a
-        launcher that must ``exec`` it (so ``pid`` is the service's own), e.g.
-        ``("ip", "netns", "exec", NAME)`` to run the child in a network namespace.
-        ``stderr``: where the child's log goes (default: this process's stderr)."""
-        cmd = [*prefix, sys.executable, "-m", "kvservice._peerproc", json.dumps(config or {})]
-        proc = await anyio.open_process(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-            env={**os.environ, **(env or {})},
-        )
-        send, recv = anyio.create_memory_object_stream[dict[str, Any]](1000)
-        tg.start_soon(_pump, proc, send)
-        peer = cls(proc, recv)
-        ready = await peer.wait_for(lambda e: e["event"] == "ready", timeout=ready_timeout)
-        peer.address, peer.agent = ready["address"], ready["agent"]
-        return peer
-
-    @property
-    def events(self) -> MemoryObjectReceiveStream[dict[str, Any]]:
-        """Every event, in order, for one reader that routes them itself (not
-        together with ``wait_for``/``event``, which keep a backlog of their own)."""
-        return self._events
-
-    async def command(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        await self.proc.stdin.send((json.dumps(cmd) + "\n").encode())
-
-    async def wait_for(self, match: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
-        for i, ev in enumerate(self.backlog):
-            if match(ev):
-                return self.backlog.pop(i)
-        with anyio.fail_after(timeout):
-            async for ev in self._events:
-                if match(ev):
-                    return ev
-                self.backlog.append(ev)
-        raise EOFError(f"peer {self.pid} exited before the awaited event")
-
-    async def event(self, name: str, rid: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
-        return await self.wait_for(lambda e: e["event"] == name and (rid is None or e.get("rid") == rid), timeout)
-
-    def signal(self, sig: signal.Signals) -> None:
-        if self.proc.returncode is None:
-            os.kill(self.pid, sig)
-
-    async def stop(self, timeout: float = 10.0) -> int | None:
-        """Ask the child to exit; SIGKILL it if it does not within ``timeout``."""
-        try:
-            if self.proc.returncode is None:
-                await self.command(op="exit")
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
-        with anyio.move_on_after(timeout):
-            await self.proc.wait()
-        if self.proc.returncode is None:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGKILL)
-            await self.proc.wait()
-        self._events.close()
-        return self.proc.returncode
-
-
-_json = json.JSONDecoder()
-
-
-def _events_in(line: str) -> list[dict[str, Any]]:
-    """The JSON objects in one line of a child's stdout.  Something else in the child
-    (a native library) may write to the same descriptor, so text that is not an event
-    is skipped (and counted in ``stray_output``) rather than ending the parent."""
-    events: list[dict[str, Any]] = []
-    i = 0
-    while i < len(line):
-        start = line.find("{", i)
-        if start < 0:
-            break
-        try:
-            obj, i = _json.raw_decode(line, start)
-        except json.JSONDecodeError:
-            i = start + 1
-            continue
-        if isinstance(obj, dict) and "event" in obj:
-            events.append(obj)
-    if line.strip() and not events:
-        stray_output.append(line[:200])
-    return events
-
-
-#: lines of children's stdout that held no event (the last few)
-stray_output: collections.deque[str] = collections.deque(maxlen=20)
-
-
-async def _pump(proc: anyio.abc.Process, send: anyio.abc.ObjectSendStream[dict[str, Any]]) -> None:
-    assert proc.stdout is not None
-    buf = b""
-    async with send:
-        try:
-            async for chunk in proc.stdout:
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    for ev in _events_in(line.decode(errors="replace")):
-                        ev["_t"] = time.monotonic()
-                        await send.send(ev)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
 
 
 if __name__ == "__main__":
