@@ -28,7 +28,7 @@ from ._log import get_logger
 from ._metrics import ServiceCollector
 from ._nixl.door import Door, DoorThread
 from ._peertimes import PeerTimes
-from ._results import ConfigError, KVPoll, KVServiceError, TransferResult, UnknownRequestError
+from ._results import ConfigError, FailureReason, KVPoll, KVServiceError, TransferResult, UnknownRequestError
 from ._stats import RequestCounts, ServiceStatus, Stats
 from ._transfer.inbound import Inbound
 from ._transfer.plane import RequestPlane
@@ -382,11 +382,12 @@ class TransferService:
         pages = self._plane.early_pages(request_id) if self._plane is not None else None
         return None if pages is None else int(pages.size)
 
-    def expect_dropped(self, request_id: str) -> bool:
+    def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
         """Whether a receiver's expect for ``request_id`` came and was dropped before any
-        ``send()`` (its peer was lost, it timed out or aborted): a ``send()`` now fails at
-        once, with that reason.  Never blocks; safe from another thread."""
-        return self._plane is not None and bool(self._plane.dropped.get(request_id))
+        ``send()`` (its peer was lost, it timed out or aborted): then (the reason a ``send()``
+        now fails with at once, whose expect it was); else None.  Never blocks; safe from
+        another thread."""
+        return self._plane.dropped_expect(request_id) if self._plane is not None else None
 
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:

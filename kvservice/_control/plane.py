@@ -264,6 +264,15 @@ class ControlPlane:
         """Whether linked ``agent`` is proven to answer at canonical ``canon`` (``AddressBook.at``)."""
         return self._book.at(agent, canon)
 
+    def address_of(self, agent: str) -> str | None:
+        """Where ``agent`` is, to name it in a message: an address it is proven at, else the one
+        it advertises (a claim: shown, never acted on); ``None`` when it is not linked."""
+        proven = self._book.proven(agent)
+        if proven:
+            return min(proven)
+        peer = self._peers.get(agent)
+        return peer.address if peer is not None else None
+
     def proven_addresses(self, agent: str) -> frozenset[str]:
         """The canonical addresses ``agent`` is proven at (empty when not linked)."""
         return self._book.proven(agent)

@@ -305,6 +305,15 @@ class RequestPlane:
         agents = self.early.agents(request_id)
         return self.early.pages_of(request_id, agents[0]) if agents else None
 
+    def dropped_expect(self, request_id: str) -> tuple[FailureReason, str] | None:
+        """Why an expect for ``request_id`` was dropped before any send, and whose (the
+        addresses its peer was proven at, else its agent); None when none was."""
+        dropped = self.dropped.get(request_id)
+        if not dropped:
+            return None
+        agent, (reason, proven) = next(iter(dropped.items()))
+        return reason, "this service's abort()" if agent == LOCAL else ", ".join(sorted(proven)) or agent
+
     def remembers(self, request_id: str) -> bool:
         """Whether anything of ``request_id`` is still here: a live request on either
         side, either side's result (among the ``results_kept`` most recent of its side),
@@ -395,7 +404,8 @@ class RequestPlane:
         for agent, (reason, proven) in list((dropped or {}).items()):
             if agent == LOCAL or req.receiver is None or req.receiver in proven:
                 del dropped[agent]  # type: ignore[union-attr]
-                self.fail(req, reason, "the receiver's expect was dropped before this send")
+                who = "this service's abort()" if agent == LOCAL else ", ".join(sorted(proven)) or agent
+                self.fail(req, reason, f"the receiver's expect was dropped before this send ({who})")
                 return
         for agent in unknown:
             assert req.receiver is not None
@@ -423,6 +433,7 @@ class RequestPlane:
             self.fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer)
             return
         req.peer = peer
+        req.peer_address = self.control.address_of(peer)
         req.link_generation = self.control.generation_of(peer)
         req.notif_key = self.control.notif_key_to(peer) or b""
         req.kv = kv

@@ -119,6 +119,7 @@ class SendRequest(_Request):
     bootstrap_deadline: float = 0.0
     receiver: str | None = None  # canonical address the request is pinned to (send(receiver=))
     peer: str | None = None  # destination agent, once the receiver's Expect arrived
+    peer_address: str | None = None  # where that agent is (proven, else as it advertises itself): for messages
     kv: PeerKV | None = None  # the receiver's memory, paired with ours
     dest: PageIndex | None = None
     #: chunks not posted yet (None when there are none: no deque held per request in flight)
@@ -216,12 +217,13 @@ def place(pages_queued: int, cursors: list[int] | None, npages: int, lo: int, hi
 
 def peer_of(req: _Request) -> str | None:
     """Who a request is with, as its result names it: a receiver's sender address (always
-    known); a sender's receiver address when ``send(receiver=)`` pinned it, else the agent
-    its receiver's expect came from once bound; ``None`` before that."""
+    known); a sender's receiver address when ``send(receiver=)`` pinned it, else the address
+    of the agent its receiver's expect came from once bound (its name when no address is
+    known); ``None`` before that."""
     if isinstance(req, RecvRequest):
         return req.sender or req.peer
     if isinstance(req, SendRequest):
-        return req.receiver or req.peer
+        return req.receiver or req.peer_address or req.peer
     return None
 
 

@@ -31,7 +31,7 @@ import anyio.abc
 
 from .._config import ServiceConfig
 from .._log import get_logger
-from .._results import KVPoll, KVServiceError
+from .._results import FailureReason, KVPoll, KVServiceError
 from .._runtime import uvloop_available
 from .._stats import ServiceStatus
 from ._transfers import KVReceiver, KVSender, _Transfer
@@ -277,11 +277,11 @@ class KVTransferEngine:
         svc = self._svc
         return None if svc is None else svc.expected_pages(request_id)
 
-    def expect_dropped(self, request_id: str) -> bool:
-        """``TransferService.expect_dropped``: an expect for ``request_id`` came and was
-        dropped before any ``send()``, which now fails at once; never waits."""
+    def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
+        """``TransferService.expect_dropped``: (why, whose) when an expect for ``request_id``
+        came and was dropped before any ``send()``, which now fails at once; never waits."""
         svc = self._svc
-        return svc is not None and svc.expect_dropped(request_id)
+        return None if svc is None else svc.expect_dropped(request_id)
 
     @property
     def running(self) -> bool:

@@ -314,12 +314,13 @@ class KVSender(_Side, BaseKVSender):
             engine = self.kv_mgr.engine
             if engine.expected(self.request_id):
                 return int(KVPoll.WaitingForInput)
-            if engine.expect_dropped(self.request_id):
+            if (dropped := engine.expect_dropped(self.request_id)) is not None:
                 # Its decode asked, then went away before this sender existed (its link was
                 # lost, or it gave the request up): nobody will ask again, so fail now rather
-                # than at the bootstrap deadline.
-                self._fail(FailureReason.PEER_LOST, "its decode asked for it, then was lost or gave it up "
-                           "before the first chunk (the expect was dropped)")
+                # than at the bootstrap deadline, with the decode's own reason.
+                reason, who = dropped
+                self._fail(reason, f"its decode ({who}) asked for it, then was lost or gave it up before the "
+                           "first chunk (the expect was dropped)")
                 return int(KVPoll.Failed)
             if time.monotonic() > self._deadline:
                 self._fail(FailureReason.TIMEOUT, f"no decode asked for it within bootstrap_timeout_s "
