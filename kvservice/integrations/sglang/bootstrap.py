@@ -262,7 +262,8 @@ class Registry:
                 del self._open[peer]
 
     async def _answer_one(self, stream: anyio.abc.SocketStream, peer: str) -> None:
-        code, answer = 200, {"ok": True}
+        code = 200
+        answer: dict[str, Any] = {"ok": True}
         try:
             with anyio.fail_after(self._read_deadline):
                 method, headers, body = await _read_request(stream)
