@@ -109,8 +109,9 @@ async def test_post_error_fails_both_sides_with_the_original_exception(reason: F
         h.failure_exception()
     # the message says why by itself; the original is the cause, the very object
     assert info.value.__cause__ is original and info.value.reason is reason and info.value.result is result
-    assert info.value.peer == result.peer == rx.agent_name
-    assert str(info.value).startswith(f"request 'pe' failed {reason.value} (peer {rx.agent_name}): ")
+    # a sender names a receiver it was not pinned to by its address
+    assert info.value.peer == result.peer == rx.address
+    assert str(info.value).startswith(f"request 'pe' failed {reason.value} (peer {rx.address}): ")
     assert "injected" in str(info.value)
     with pytest.raises(TransferFailed) as again:
         result.raise_for_failure()

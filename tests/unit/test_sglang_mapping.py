@@ -87,18 +87,20 @@ def test_an_aux_row_travels_as_bytes_and_lands_in_the_same_row_elsewhere() -> No
 
 
 def test_the_registry_serves_what_ranks_registered_and_refuses_the_rest() -> None:
-    registry = bootstrap.Registry("127.0.0.1", 0)
+    """Without a key (``allow_unauthenticated``) registrations are believed: the newest wins."""
+    registry = bootstrap.Registry("127.0.0.1", 0, key=None)
     addr = f"127.0.0.1:{registry.port}"
     try:
         with pytest.raises(bootstrap.BootstrapError, match="no kvservice ranks"):
             bootstrap.lookup(addr)  # 503 until a rank registers
         info = {"attn_tp_size": 2, "dp_size": 1, "page_size": 16, "kv_cache_dtype": "auto", "is_mla": False}
-        bootstrap.register(addr, 0, 1, "127.0.0.1:7001", info)
-        bootstrap.register(addr, 0, 0, "127.0.0.1:7000", info)
-        bootstrap.register(addr, 0, 0, "127.0.0.1:7002", info)  # a restarted rank: the newest wins
+        bootstrap.register(addr, 0, 1, "127.0.0.1:7001", info, key=None, incarnation="a")
+        bootstrap.register(addr, 0, 0, "127.0.0.1:7000", info, key=None, incarnation="b")
+        bootstrap.register(addr, 0, 0, "127.0.0.1:7002", info, key=None, incarnation="c")  # the newest wins
         assert bootstrap.lookup(addr) == (info, {"0/0": "127.0.0.1:7002", "0/1": "127.0.0.1:7001"})
         with pytest.raises(bootstrap.BootstrapError, match="refused"):
-            bootstrap.register(addr, 0, 2, "127.0.0.1:7003", {**info, "page_size": 32})  # another pool
+            bootstrap.register(addr, 0, 2, "127.0.0.1:7003", {**info, "page_size": 32}, key=None,
+                               incarnation="d")  # another pool
         with structlog.testing.capture_logs() as logs:
             for body in (b"{", b"[]", json.dumps({"dp_rank": 0, "tp_rank": 99999, "address": "h:1",
                                                    "info": info}).encode()):
@@ -107,7 +109,7 @@ def test_the_registry_serves_what_ranks_registered_and_refuses_the_rest() -> Non
                     urllib.request.urlopen(req, timeout=10)
                 assert refused.value.code == 400
                 refused.value.close()
-        assert registry.refused["registration"] == 4  # the other pool, then the three bodies
+        assert registry.refused == {"conflict": 1, "registration": 3}  # the other pool, then the bodies
         assert [e["event"] for e in logs] == ["sglang.bootstrap.refused"] * 3
     finally:
         registry.close()
@@ -116,7 +118,7 @@ def test_the_registry_serves_what_ranks_registered_and_refuses_the_rest() -> Non
 def test_a_lookup_of_nothing_or_of_something_else_is_a_bootstrap_error() -> None:
     with pytest.raises(ValueError, match="host:port"):
         bootstrap.lookup("nonsense")
-    registry = bootstrap.Registry("127.0.0.1", 0)
+    registry = bootstrap.Registry("127.0.0.1", 0, key=None)
     port = registry.port
     registry.close()
     with pytest.raises(bootstrap.BootstrapError, match=f"127.0.0.1:{port}"):

@@ -5,18 +5,29 @@ SGLang gives a request the prefill's *bootstrap* address (its host and
 process runs this registry there (``KVBootstrapServer`` in ``conn``); each prefill rank's
 ``KVManager`` registers its kvservice control address, and a decode rank looks the ranks
 up once per prefill and caches them.  Everything after that goes over kvservice's own
-authenticated control link: the registry only says where to dial, and a wrong answer
-can only point a decode at an endpoint that fails its handshake.
+authenticated control link: a lookup's answer is a hint, the handshake is the proof.
 
-Plain HTTP with JSON bodies, served from a thread of its own (``ThreadingHTTPServer``):
+HTTP/1.1, one request per connection, JSON bodies, served by an event loop on a thread of
+its own (``Registry``):
 
-* ``PUT /kvservice/ranks`` ``{"dp_rank", "tp_rank", "address", "info": {...}}``: a prefill
-  rank registers (again after a restart: the newest registration wins).
+* ``PUT /kvservice/ranks``: a prefill rank registers, authenticated (``registration``):
+  refused unless its MAC verifies under the cluster's key, its ``ts`` is within
+  ``WINDOW_S`` and its nonce is new.  A rank's entry moves only to a *new* incarnation (a
+  restarted rank); an incarnation does not move or change its pool once registered, and
+  holds one rank.  The pool description (``info``: TP size, page size, dtype...) is fixed
+  by the first registration and changes only with an existing rank's new incarnation,
+  which then starts the table afresh (the old pool's ranks register again when they
+  restart).  Without a key, registrations are believed as before: the newest wins.
 * ``GET /kvservice/ranks``: ``{"info": {...}, "ranks": {"<dp>/<tp>": "host:port"}}``;
-  503 while no rank has registered.
+  503 while no rank has registered.  Unauthenticated: what it says can only point a
+  decode at an address whose service must still pass the handshake.
 
-Bounded: bodies up to ``MAX_BODY`` bytes, at most ``MAX_RANKS`` ranks; anything else is a
-400 naming the problem, counted in ``refused`` and logged at most ``Throttle``'s burst.
+Bounded (each a refusal, counted in ``refused`` by kind and logged at most ``Throttle``'s
+burst): ``max_connections`` open at once and ``max_per_peer`` from one host (past them a
+connection is closed at once); a request must arrive whole within ``read_deadline_s``
+(a slow or idle connection is cut); a head of at most ``MAX_HEAD`` bytes and a body of
+at most ``MAX_BODY``; at most ``MAX_RANKS`` ranks and ``MAX_NONCES`` remembered nonces.
+A failed ``accept()`` backs off (``_control.accept``).
 """
 
 from __future__ import annotations
@@ -24,157 +35,255 @@ from __future__ import annotations
 import collections
 import json
 import threading
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ..._control.addresses import split_address
+import anyio
+import anyio.abc
+import anyio.from_thread
+from anyio.abc import SocketAttribute
+
+from ..._control.accept import accept_loop
 from ..._log import Throttle, get_logger
-from ..._results import KVServiceError
+from .registration import (
+    INFO_KEYS,
+    MAC_HEADER,
+    MAX_BODY,
+    MAX_RANKS,
+    PATH,
+    WINDOW_S,
+    BootstrapError,
+    check_registration,
+    lookup,
+    mac_ok,
+    register,
+    registry_key,
+)
+
+__all__ = ["INFO_KEYS", "MAX_BODY", "PATH", "BootstrapError", "Registry", "lookup", "register"]
 
 log = get_logger("kvservice.sglang")
 
-PATH = "/kvservice/ranks"
-MAX_BODY = 64 * 1024
-MAX_RANKS = 4096
-#: what a prefill rank says about its pool, and a decode checks against its own
-INFO_KEYS = ("attn_tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla")
+MAX_HEAD = 8 * 1024
+MAX_CONNECTIONS = 128
+MAX_PER_PEER = 32
+READ_DEADLINE_S = 5.0
+WRITE_DEADLINE_S = 5.0
+#: nonces remembered for ``WINDOW_S``; a full book refuses new registrations (only
+#: authenticated ones are remembered, so only a member could fill it)
+MAX_NONCES = 65536
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 409: "Conflict",
+            413: "Payload Too Large", 503: "Service Unavailable"}
 
 
-class BootstrapError(KVServiceError):
-    """The bootstrap registry could not be reached, refused a registration, or answered
-    something unusable.
+class Refusal(Exception):
+    """A request refused: ``kind`` is its counter, ``code`` the HTTP status it gets."""
 
-    Raised by ``register`` and ``lookup``: a prefill rank retries its registration for
-    a while, a decode retries its lookup, and a request that cannot learn its prefill
-    fails (``KVPoll.Failed``, this as the original error)."""
+    def __init__(self, kind: str, code: int, why: str) -> None:
+        super().__init__(why)
+        self.kind, self.code = kind, code
 
 
-def _check_registration(body: Any) -> tuple[str, str, dict[str, Any]]:
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    dp, tp, address, info = body.get("dp_rank"), body.get("tp_rank"), body.get("address"), body.get("info")
-    for name, value in (("dp_rank", dp), ("tp_rank", tp)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_RANKS:
-            raise ValueError(f"{name} must be an int in 0..{MAX_RANKS - 1}, got {value!r}")
-    if not isinstance(address, str):
-        raise ValueError(f"address must be 'host:port', got {address!r}")
-    split_address(address)  # raises ValueError naming the problem
-    if not isinstance(info, dict) or set(info) != set(INFO_KEYS):
-        raise ValueError(f"info must be an object with exactly the keys {', '.join(INFO_KEYS)}")
-    return f"{dp}/{tp}", address, info
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    address: str
+    incarnation: str
+    info: dict[str, Any]
+
+
+async def _read_request(stream: anyio.abc.ByteStream) -> tuple[str, dict[str, str], bytes]:
+    """Method, headers (lower-case names) and body of one request; ``Refusal`` when it is
+    not a small, well-formed one."""
+    buf = bytearray()
+    while (end := buf.find(b"\r\n\r\n")) < 0:
+        if len(buf) > MAX_HEAD:
+            raise Refusal("oversize", 413, f"a request head larger than {MAX_HEAD} bytes")
+        buf += await stream.receive(MAX_HEAD)
+    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise Refusal("request", 400, f"not an HTTP/1 request line: {lines[0][:80]!r}")
+    method, path = parts[0], parts[1]
+    if path != PATH:
+        raise Refusal("request", 404, f"unknown path {path[:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise Refusal("request", 400, "a header line without ':'")
+        headers[name.strip().lower()] = value.strip()
+    body = bytearray(buf[end + 4:])
+    if method == "PUT":
+        raw = headers.get("content-length", "")
+        if not raw.isdigit() or int(raw) > MAX_BODY:
+            raise Refusal("oversize" if raw.isdigit() else "request", 413 if raw.isdigit() else 400,
+                          f"a body of 0..{MAX_BODY} bytes with a Content-Length is required")
+        while len(body) < int(raw):
+            body += await stream.receive(int(raw) - len(body))
+        if len(body) > int(raw):
+            raise Refusal("request", 400, "more bytes than the Content-Length")
+    elif method != "GET":
+        raise Refusal("request", 400, f"method {method[:16]!r} is not GET or PUT")
+    return method, headers, bytes(body)
 
 
 class Registry:
-    """The registry's state and HTTP server.  ``port=0`` picks a free port (``port``)."""
+    """The registry's state and server.  ``port=0`` picks a free port (``port``);
+    ``key`` is the cluster's key (None: registrations are believed unauthenticated)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self._lock = threading.Lock()
-        self._ranks: dict[str, str] = {}
+    def __init__(self, host: str, port: int, *, key: bytes | None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_peer: int = MAX_PER_PEER, read_deadline_s: float = READ_DEADLINE_S,
+                 window_s: float = WINDOW_S, clock: Callable[[], float] = time.time) -> None:
+        self._key = registry_key(key)
+        self._max_connections, self._max_per_peer = max_connections, max_per_peer
+        self._read_deadline, self._window, self._clock = read_deadline_s, window_s, clock
+        self._lock = threading.Lock()  # the loop writes, ``snapshot`` may be called from anywhere
+        self._ranks: dict[str, _Entry] = {}
         self._info: dict[str, Any] | None = None
+        self._holds: dict[str, str] = {}  # incarnation -> the rank it registered
+        self._nonces: dict[str, float] = {}  # nonce -> when it may be forgotten
+        self._open: collections.Counter[str] = collections.Counter()  # peer host -> open connections
+        #: refusals by kind; ``errors``: failed accepts and crashed handlers
         self.refused: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
         self._throttle = Throttle()
-        registry = self
+        if self._key is None:
+            log.warning("sglang.bootstrap.unauthenticated", host=host, port=port,
+                        detail="allow_unauthenticated: anyone who reaches this port can register "
+                               "a prefill rank; decodes still dial only services that pass the handshake")
+        self._portal_cm = anyio.from_thread.start_blocking_portal(name="kvservice-sglang-bootstrap")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._task, self.port = self._portal.start_task(self._serve, host, port)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # refusals are logged by the registry (rate-limited); success is not news
-
-            def _answer(self, code: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                if self.path != PATH:
-                    self._answer(404, {"error": f"unknown path {self.path!r}"})
-                    return
-                snapshot = registry.snapshot()
-                self._answer(200 if snapshot["ranks"] else 503, snapshot)
-
-            def do_PUT(self) -> None:
-                try:
-                    if self.path != PATH:
-                        raise ValueError(f"unknown path {self.path!r}")
-                    length = int(self.headers.get("Content-Length") or -1)
-                    if not 0 <= length <= MAX_BODY:
-                        raise ValueError(f"a body of 0..{MAX_BODY} bytes with a Content-Length is required")
-                    key, address, info = _check_registration(json.loads(self.rfile.read(length)))
-                    registry.register(key, address, info)
-                except ValueError as exc:  # json.JSONDecodeError is one
-                    registry.refuse("registration", str(exc), self.client_address[0])
-                    self._answer(400, {"error": str(exc)})
-                    return
-                self._answer(200, {"ok": True})
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kvservice-sglang-bootstrap",
-                                        daemon=True)
-        self._thread.start()
-
-    def register(self, key: str, address: str, info: dict[str, Any]) -> None:
+    # -- state ---------------------------------------------------------------------------------
+    def register(self, body: bytes, claimed_mac: str | None, peer: str) -> None:
+        """Check and apply one registration's raw body; ``Refusal`` naming what is wrong."""
+        keyed = self._key is not None
+        if self._key is not None and claimed_mac is None:
+            raise Refusal("unauthenticated", 401, "registrations must carry a MAC under the cluster's key")
+        if self._key is not None and not mac_ok(self._key, body, claimed_mac):
+            raise Refusal("forged", 401, "the registration's MAC does not verify (wrong key, or altered)")
+        try:
+            reg = check_registration(json.loads(body))
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise Refusal("registration", 400, str(exc)) from exc
+        rank, new = f"{reg['dp_rank']}/{reg['tp_rank']}", _Entry(reg["address"], reg["incarnation"], reg["info"])
+        now = self._clock()
         with self._lock:
-            if key not in self._ranks and len(self._ranks) >= MAX_RANKS:
-                raise ValueError(f"the registry holds {MAX_RANKS} ranks already")
-            if self._info is not None and info != self._info and key not in self._ranks:
-                raise ValueError(f"rank {key} describes its pool as {info}, the registered ranks as {self._info}")
-            self._ranks[key] = address
-            self._info = info
-        log.info("sglang.bootstrap.registered", rank=key, address=address)
+            if keyed:
+                self._fresh(reg["ts"], reg["nonce"], now)
+            old = self._ranks.get(rank)
+            if keyed:
+                self._check_move(rank, old, new)
+            elif self._info is not None and new.info != self._info and old is None:
+                raise Refusal("conflict", 409, f"rank {rank} describes its pool as {new.info}, "
+                                               f"the registered ranks as {self._info}")
+            if old is None and len(self._ranks) >= MAX_RANKS:
+                raise Refusal("registration", 400, f"the registry holds {MAX_RANKS} ranks already")
+            restart = keyed and old is not None and new.info != self._info
+            if restart:  # a restarted rank describes another pool: the old pool's table goes
+                self._ranks.clear()
+                self._holds.clear()
+            if old is not None:
+                self._holds.pop(old.incarnation, None)
+            self._ranks[rank] = new
+            self._holds[new.incarnation] = rank
+            self._info = new.info
+        if restart:
+            log.warning("sglang.bootstrap.pool_changed", rank=rank, incarnation=new.incarnation, info=new.info)
+        log.info("sglang.bootstrap.registered", rank=rank, address=new.address, incarnation=new.incarnation,
+                 peer=peer, authenticated=keyed)
+
+    def _fresh(self, ts: float, nonce: str, now: float) -> None:
+        if abs(now - ts) > self._window:
+            raise Refusal("stale", 401, f"the registration's time is {now - ts:.0f}s from the registry's "
+                                        f"(at most {self._window:.0f}s): replayed, or a clock is wrong")
+        if nonce in self._nonces:
+            raise Refusal("replayed", 401, "a registration with this nonce was seen already")
+        if len(self._nonces) >= MAX_NONCES:
+            self._nonces = {n: t for n, t in self._nonces.items() if t > now}
+            if len(self._nonces) >= MAX_NONCES:
+                raise Refusal("busy", 503, "too many registrations in the last window")
+        self._nonces[nonce] = now + 2 * self._window
+
+    def _check_move(self, rank: str, old: _Entry | None, new: _Entry) -> None:
+        held = self._holds.get(new.incarnation)
+        if held is not None and held != rank:
+            raise Refusal("conflict", 409, f"incarnation {new.incarnation} holds rank {held} already")
+        if old is not None and old.incarnation == new.incarnation and old != new:
+            raise Refusal("conflict", 409, f"incarnation {new.incarnation} registered rank {rank} at "
+                                           f"{old.address} with {old.info}: an incarnation does not move")
+        if old is None and self._info is not None and new.info != self._info:
+            raise Refusal("conflict", 409, f"rank {rank} describes its pool as {new.info}, the registered "
+                                           f"ranks as {self._info}: only a restarted rank may change it")
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"info": self._info, "ranks": dict(self._ranks)}
+            return {"info": self._info, "ranks": {k: e.address for k, e in self._ranks.items()}}
 
     def refuse(self, kind: str, why: str, peer: str) -> None:
         self.refused[kind] += 1
         if (unlogged := self._throttle.allow(kind)) is not None:
             log.warning("sglang.bootstrap.refused", kind=kind, why=why, peer=peer, unlogged=unlogged)
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    # -- serving -------------------------------------------------------------------------------
+    async def _serve(self, host: str, port: int, *, task_status: anyio.abc.TaskStatus[int]) -> None:
+        async with await anyio.create_tcp_listener(local_host=host, local_port=port) as listener:
+            task_status.started(int(listener.extra(SocketAttribute.local_port)))
+            async with anyio.create_task_group() as tg:
+                await accept_loop(listener, self._connection, tg, self._error, name="sglang-bootstrap")
 
+    def _error(self, kind: str, exc: BaseException) -> None:
+        self.errors[kind] += 1
 
-def _http(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read(MAX_BODY * 64))
-    except urllib.error.HTTPError as exc:
+    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        """One request, under the caps and the read deadline; whatever happens ends here."""
+        peer = str(stream.extra(SocketAttribute.remote_address, ("?",))[0])
+        if sum(self._open.values()) >= self._max_connections:
+            self.refuse("connections", f"{self._max_connections} connections open already", peer)
+            return
+        if self._open[peer] >= self._max_per_peer:
+            self.refuse("peer_connections", f"{self._max_per_peer} connections from {peer} open already", peer)
+            return
+        self._open[peer] += 1
         try:
-            return exc.code, json.loads(exc.read(MAX_BODY))
-        except ValueError:
-            return exc.code, None
-    except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not JSON
-        raise BootstrapError(f"bootstrap server {url}: {type(exc).__name__}: {exc}") from exc
+            await self._answer_one(stream, peer)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the client went away: nothing to answer
+        finally:
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
 
+    async def _answer_one(self, stream: anyio.abc.SocketStream, peer: str) -> None:
+        code = 200
+        answer: dict[str, Any] = {"ok": True}
+        try:
+            with anyio.fail_after(self._read_deadline):
+                method, headers, body = await _read_request(stream)
+            if method == "GET":
+                answer = self.snapshot()
+                code = 200 if answer["ranks"] else 503
+            else:
+                self.register(body, headers.get(MAC_HEADER.lower()), peer)
+        except TimeoutError:
+            self.refuse("slow", f"no whole request within {self._read_deadline}s", peer)
+            return
+        except Refusal as exc:
+            self.refuse(exc.kind, str(exc), peer)
+            code, answer = exc.code, {"error": str(exc), "kind": exc.kind}
+        data = json.dumps(answer).encode()
+        head = (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        with anyio.move_on_after(WRITE_DEADLINE_S):
+            await stream.send(head + data)
 
-def register(bootstrap_addr: str, dp_rank: int, tp_rank: int, address: str, info: dict[str, Any],
-             timeout: float = 5.0) -> None:
-    """Register one prefill rank with the registry at ``bootstrap_addr`` ("host:port")."""
-    code, body = _http("PUT", f"http://{bootstrap_addr}{PATH}",
-                       {"dp_rank": dp_rank, "tp_rank": tp_rank, "address": address, "info": info}, timeout)
-    if code != 200:
-        raise BootstrapError(f"bootstrap server {bootstrap_addr} refused the registration ({code}): {body}")
-
-
-def lookup(bootstrap_addr: str, timeout: float = 5.0) -> tuple[dict[str, Any], dict[str, str]]:
-    """The prefill's pool description and its ranks' addresses (``"<dp>/<tp>"`` keys)."""
-    split_address(bootstrap_addr)  # ValueError for a malformed address
-    code, body = _http("GET", f"http://{bootstrap_addr}{PATH}", None, timeout)
-    if code != 200 or not isinstance(body, dict):
-        raise BootstrapError(f"bootstrap server {bootstrap_addr} has no kvservice ranks ({code}): {body}")
-    info, ranks = body.get("info"), body.get("ranks")
-    if not isinstance(info, dict) or set(info) != set(INFO_KEYS) or not isinstance(ranks, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in ranks.items()):
-        raise BootstrapError(f"bootstrap server {bootstrap_addr} answered something that is not a kvservice "
-                             f"registry: {body}")
-    return info, ranks
+    def close(self) -> None:
+        self._task.cancel()
+        self._portal_cm.__exit__(None, None, None)

@@ -134,7 +134,8 @@ class KVManager(BaseKVManager):
         threading.Thread(target=self._register_until, name="kvservice-sglang-register", daemon=True).start()
 
     def _register(self) -> None:
-        bootstrap.register(self.bootstrap_addr, self.dp_rank, self.tp_rank, self.engine.address, self.info)
+        bootstrap.register(self.bootstrap_addr, self.dp_rank, self.tp_rank, self.engine.address, self.info,
+                           key=self.engine.config.resolve_key().key, incarnation=self.engine.agent_name)
 
     def _register_until(self) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
@@ -433,10 +434,11 @@ class KVReceiver(_Side, BaseKVReceiver):
 
 class KVBootstrapServer(BaseKVBootstrapServer):
     """The prefill's bootstrap registry (``bootstrap.Registry``), started by SGLang's
-    ``start_disagg_service`` in the prefill's main process."""
+    ``start_disagg_service`` in the prefill's main process.  It checks registrations under
+    the key the prefill's ranks use: the same configuration's (``service_config``)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.registry = bootstrap.Registry(host or "0.0.0.0", port)
+        self.registry = bootstrap.Registry(host or "0.0.0.0", port, key=service_config(0).resolve_key().key)
         self.port = self.registry.port
 
     def close(self) -> None:

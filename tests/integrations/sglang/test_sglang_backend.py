@@ -348,7 +348,7 @@ def test_bad_input_is_a_clear_failure_never_an_exception_in_the_loop(tmp_path: P
         req = urllib.request.Request(f"http://127.0.0.1:{port}/kvservice/ranks", data=body, method="PUT")
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(req, timeout=10)
-        assert refused.value.code == 400 and "error" in json.loads(refused.value.read())
+        assert refused.value.code == 401 and "error" in json.loads(refused.value.read())  # unread: no MAC
     prefill.send(room=405, pages=2)
     decode.send(room=405, pages=2)
     assert decode.end(405)["verified"] and prefill.end(405)["poll"] == "Success"
@@ -375,5 +375,47 @@ def test_a_sender_made_after_its_decode_died_fails_at_once(tmp_path: Path, roles
     ended = prefill.end(501, timeout=120)
     assert ended["poll"] == "Failed" and ended["phase"] == "bootstrap", ended
     assert ended["reason"] == "PEER_LOST" and ended["states"] == [FAILED], ended  # its first poll
-    says_why(ended, "its decode asked for it, then was lost or gave it up")
+    says_why(ended, "asked for it, then was lost or gave it up")
     assert prefill.quit() == 0
+
+
+def test_the_registry_believes_only_authenticated_registrations(tmp_path: Path, roles: Any) -> None:
+    """The attacks reproduced against the registry: an unauthenticated PUT pointing the
+    prefill's rank elsewhere, another claiming a different TP size, and idle connections
+    past the per-host cap.  Each is refused; the registry still lists the real rank, and
+    the decode finds it and moves a room byte-exact through SGLang's classes."""
+    port = free_port()
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True}), ("decode", port, tmp_path, {}))
+    url = f"http://127.0.0.1:{port}/kvservice/ranks"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        before = json.loads(resp.read())
+    mitm = f"127.0.0.1:{free_port()}"
+    for info in (before["info"], {**before["info"], "attn_tp_size": 8}):
+        body = json.dumps({"dp_rank": 0, "tp_rank": 0, "address": mitm, "info": info, "incarnation": "mitm",
+                           "ts": time.time(), "nonce": os.urandom(16).hex()}).encode()
+        req = urllib.request.Request(url, data=body, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 401, refused.value.read()
+        refused.value.close()
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(40):  # past the per-host cap (32): the rest are closed at once
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", port))
+            flood.append(s)
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert json.loads(resp.read()) == before  # the real rank, the real pool
+        prefill.send(room=501, pages=3, chunk=2)
+        decode.send(room=501, pages=3)
+        got = decode.end(501)
+        assert got["poll"] == "Success" and got["verified"] and got["aux"], got
+        assert prefill.end(501)["poll"] == "Success"
+    finally:
+        for s in flood:
+            s.close()
+    assert prefill.quit() == 0 and decode.quit() == 0
+    refusals = [ln for ln in prefill.log.read_text().splitlines() if "sglang.bootstrap.refused" in ln]
+    for kind in ("unauthenticated", "peer_connections"):  # counted and logged
+        assert any(kind in ln for ln in refusals), (kind, refusals)

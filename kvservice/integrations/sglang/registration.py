@@ -1,0 +1,180 @@
+"""What a prefill rank tells the bootstrap registry, how it proves it, and the clients.
+
+A registration is a JSON body ``{"dp_rank", "tp_rank", "address", "info", "incarnation",
+"ts", "nonce"}`` sent as ``PUT /kvservice/ranks`` with the header ``X-KVService-MAC``: the
+hex HMAC-SHA256, under a key derived from the cluster's key (``registry_key``), of the
+method, the path and the body's exact bytes.  The registry checks the MAC over the bytes
+it read *before* it parses them (an unauthenticated body is never more than a bounded
+read); ``ts`` (the sender's wall clock) and ``nonce`` (32 hex digits, fresh per PUT) make
+a recorded PUT useless outside ``WINDOW_S`` and, inside it, a nonce the registry has seen
+is refused.  ``incarnation`` names the registering service (its agent name, new at every
+start): the registry lets a rank's entry move only to a new incarnation, and only an
+incarnation's own registration may change the pool it describes.
+
+Without a key (``allow_unauthenticated``) registrations carry no MAC and the registry,
+which has none either, believes them as before; it says so in its log when it starts.
+
+The clients (``register``, ``lookup``) honour ``timeout`` as a total deadline for the
+whole exchange (connect, send, every read), so a server that trickles bytes cannot hold
+a caller past it, and read at most ``MAX_ANSWER`` bytes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import secrets
+import socket
+import time
+from typing import Any
+
+from ..._control.addresses import split_address
+from ..._results import KVServiceError
+
+PATH = "/kvservice/ranks"
+MAC_HEADER = "X-KVService-MAC"
+MAX_BODY = 64 * 1024
+MAX_RANKS = 4096
+#: the most a client reads of an answer (a full registry's table fits many times over)
+MAX_ANSWER = MAX_BODY * 64
+#: a registration's ``ts`` must be this close to the registry's clock (either way); a
+#: nonce is remembered as long
+WINDOW_S = 30.0
+#: what a prefill rank says about its pool, and a decode checks against its own
+INFO_KEYS = ("attn_tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla")
+FIELDS = frozenset(("dp_rank", "tp_rank", "address", "info", "incarnation", "ts", "nonce"))
+NONCE = re.compile(r"[0-9a-f]{32}")
+#: service agent names (``ServiceConfig.agent_prefix`` plus a uuid), with room to spare
+INCARNATION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_KEY_LABEL = b"kvservice-sglang-bootstrap-registration-v1"
+
+
+class BootstrapError(KVServiceError):
+    """The bootstrap registry could not be reached, refused a registration, or answered
+    something unusable.
+
+    Raised by ``register`` and ``lookup``: a prefill rank retries its registration for
+    a while, a decode retries its lookup, and a request that cannot learn its prefill
+    fails (``KVPoll.Failed``, this as the original error)."""
+
+
+def registry_key(cluster_key: bytes | None) -> bytes | None:
+    """The registrations' MAC key: derived from the cluster's key, so that a registration's
+    MAC can never pass for a proof of the control handshake (which uses the key itself);
+    None without a cluster key."""
+    return None if cluster_key is None else hmac.digest(cluster_key, _KEY_LABEL, "sha256")
+
+
+def mac(key: bytes, body: bytes) -> str:
+    """A registration's MAC (hex): over method, path and the body's exact bytes."""
+    return hmac.digest(key, b"PUT " + PATH.encode() + b"\n" + body, "sha256").hex()
+
+
+def mac_ok(key: bytes, body: bytes, claimed: str | None) -> bool:
+    return claimed is not None and hmac.compare_digest(mac(key, body), claimed)
+
+
+def check_registration(body: Any) -> dict[str, Any]:
+    """``body`` if it is a registration whose every field is in range; ``ValueError``
+    naming the first that is not."""
+    if not isinstance(body, dict) or set(body) != FIELDS:
+        raise ValueError(f"the body must be a JSON object with exactly the keys {', '.join(sorted(FIELDS))}")
+    for name in ("dp_rank", "tp_rank"):
+        value = body[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_RANKS:
+            raise ValueError(f"{name} must be an int in 0..{MAX_RANKS - 1}, got {value!r}")
+    if not isinstance(body["address"], str):
+        raise ValueError(f"address must be 'host:port', got {body['address']!r}")
+    split_address(body["address"])  # raises ValueError naming the problem
+    info = body["info"]
+    if not isinstance(info, dict) or set(info) != set(INFO_KEYS):
+        raise ValueError(f"info must be an object with exactly the keys {', '.join(INFO_KEYS)}")
+    if not isinstance(body["incarnation"], str) or not INCARNATION.fullmatch(body["incarnation"]):
+        raise ValueError("incarnation must be 1-128 of [A-Za-z0-9._-]")
+    ts = body["ts"]
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts != ts or abs(ts) > 1e12:
+        raise ValueError(f"ts must be a number of seconds since the epoch, got {ts!r}")
+    if not isinstance(body["nonce"], str) or not NONCE.fullmatch(body["nonce"]):
+        raise ValueError("nonce must be 32 lower-case hex digits")
+    return body
+
+
+# -- the clients ------------------------------------------------------------------------------------
+
+def _exchange(bootstrap_addr: str, request: bytes, timeout: float) -> tuple[int, Any]:
+    """Send ``request`` and read the whole answer, all within ``timeout`` seconds."""
+    host, port = split_address(bootstrap_addr)
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no whole answer within {timeout}s")
+        return remaining
+
+    answer = bytearray()
+    with socket.create_connection((host, port), timeout=left()) as sock:
+        sock.settimeout(left())
+        sock.sendall(request)
+        while len(answer) <= MAX_ANSWER:  # ends at EOF, at the deadline, or past MAX_ANSWER
+            sock.settimeout(left())
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    if len(answer) > MAX_ANSWER:
+        raise ValueError(f"an answer larger than {MAX_ANSWER} bytes")
+    head, sep, body = bytes(answer).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].split()
+    if not sep or len(status) < 2 or not status[0].startswith(b"HTTP/1.") or not status[1].isdigit():
+        raise ValueError(f"not an HTTP answer: {bytes(answer[:80])!r}")
+    try:
+        return int(status[1]), json.loads(body)
+    except ValueError:
+        return int(status[1]), None
+
+
+def _call(method: str, bootstrap_addr: str, body: bytes | None, timeout: float,
+          headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    lines = [f"{method} {PATH} HTTP/1.1", f"Host: {bootstrap_addr}", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    if body is not None:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+    try:
+        return _exchange(bootstrap_addr, request, timeout)
+    except (OSError, ValueError) as exc:  # refused, unreachable, timed out, not HTTP
+        raise BootstrapError(f"bootstrap server {bootstrap_addr}: {type(exc).__name__}: {exc}") from exc
+
+
+def register(bootstrap_addr: str, dp_rank: int, tp_rank: int, address: str, info: dict[str, Any], *,
+             key: bytes | None, incarnation: str, timeout: float = 5.0) -> None:
+    """Register one prefill rank with the registry at ``bootstrap_addr`` ("host:port").
+    ``key``: the cluster's key (None: unauthenticated); ``incarnation``: the registering
+    service's agent name."""
+    split_address(bootstrap_addr)  # ValueError for a malformed address
+    body = json.dumps({"dp_rank": dp_rank, "tp_rank": tp_rank, "address": address, "info": info,
+                       "incarnation": incarnation, "ts": time.time(), "nonce": secrets.token_hex(16)}).encode()
+    derived = registry_key(key)
+    headers = {MAC_HEADER: mac(derived, body)} if derived is not None else {}
+    code, answer = _call("PUT", bootstrap_addr, body, timeout, headers)
+    if code != 200:
+        raise BootstrapError(f"bootstrap server {bootstrap_addr} refused the registration ({code}): {answer}")
+
+
+def lookup(bootstrap_addr: str, timeout: float = 5.0) -> tuple[dict[str, Any], dict[str, str]]:
+    """The prefill's pool description and its ranks' addresses (``"<dp>/<tp>"`` keys).
+
+    A hint, not a proof: the decode dials the address and kvservice's handshake proves
+    that whoever answers there holds the cluster's key (docs/sglang.md)."""
+    split_address(bootstrap_addr)  # ValueError for a malformed address
+    code, body = _call("GET", bootstrap_addr, None, timeout)
+    if code != 200 or not isinstance(body, dict):
+        raise BootstrapError(f"bootstrap server {bootstrap_addr} has no kvservice ranks ({code}): {body}")
+    info, ranks = body.get("info"), body.get("ranks")
+    if not isinstance(info, dict) or set(info) != set(INFO_KEYS) or not isinstance(ranks, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in ranks.items()):
+        raise BootstrapError(f"bootstrap server {bootstrap_addr} answered something that is not a kvservice "
+                             f"registry: {str(body)[:500]}")
+    return info, ranks
