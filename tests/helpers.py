@@ -6,9 +6,12 @@ or cancel scope is held across a pytest-asyncio fixture's ``yield``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import warnings
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -105,3 +108,17 @@ def eventually_sync(pred: Callable[[], bool], timeout: float = 5.0, interval: fl
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{_named(what)}: not within {timeout}s")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def unclosed_resources() -> Iterator[list[str]]:
+    """The ResourceWarnings (an anyio memory object stream, a socket, ... never closed) of
+    objects collected inside the block, a collection forced at its end.  Under the suite's
+    ``filterwarnings = error`` such a warning fails whichever later test happens to collect
+    the object; here it is the block that names it."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        yield found
+        gc.collect()
+    found.extend(str(w.message) for w in caught if issubclass(w.category, ResourceWarning))

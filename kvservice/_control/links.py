@@ -180,6 +180,7 @@ class PeerLink:
         self._closing = False
         self.graceful = False  # the peer said Bye
         self._cause: BaseException | None = None
+        self._running = False  # run() has begun: it closes the outbox when the link ends
 
     def send(self, msg: Message) -> None:
         """Queue ``msg``; dropped once the link is closing (nothing may follow Bye)."""
@@ -202,9 +203,16 @@ class PeerLink:
         if self._cause is None:
             self._cause = cause
         self._scope.cancel()
+        if not self._running:
+            # A link admitted and dropped before it ran (its handshake broke off after the
+            # admit): ``run``'s cleanup will never come, so the outbox is closed here.
+            self.closed = True
+            self._send.close()
+            self._outbox.close()
 
     async def run(self) -> None:
         """Serve the link until it ends; then report it lost.  Never raises."""
+        self._running = True
         try:
             with self._scope:
                 async with anyio.create_task_group() as tg:

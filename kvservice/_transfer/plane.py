@@ -321,10 +321,24 @@ class RequestPlane:
         return (request_id in self.sends or request_id in self.recvs or request_id in self.sends_done
                 or request_id in self.recvs_done or request_id in self.dropped)
 
-    def drop_agent(self, agent: str, cause: BaseException) -> None:
-        """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked."""
-        if not self.closing:
-            self.control.drop_peer(agent, cause)
+    def drop_agent(self, agent: str, cause: BaseException, address: str | None = None) -> None:
+        """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked.
+        With the ``address`` it registered at (discovery judged it lost), the sends pinned
+        to that address and bound to nobody yet fail too: no Expect can come from it."""
+        if self.closing:
+            return
+        self.control.drop_peer(agent, cause)
+        if address is not None:
+            self.tg.start_soon(self._fail_pinned_to, address, cause)
+
+    async def _fail_pinned_to(self, address: str, cause: BaseException) -> None:
+        try:
+            canon = await self.control.canonical(address)  # as send() pinned it
+        except (ValueError, OSError):  # no send can be pinned to it either
+            return
+        for req in [r for r in self.sends.values() if r.peer is None and r.receiver == canon]:
+            self.fail(req, FailureReason.PEER_LOST, f"receiver {address} lost before the request was bound: {cause}",
+                      error=cause)
 
     # -- sends meet receivers ------------------------------------------------------------
     def _check_capacity(self) -> None:

@@ -41,11 +41,12 @@ class Discovery:
     """A started service's discovery (``discovery = "etcd"``).
 
     ``load()`` answers (peers linked, requests in flight), read at each keep-alive;
-    ``drop(agent, cause)`` drops the link to a member whose lease lapsed or that
-    restarted, as the control plane drops a lost peer."""
+    ``drop(agent, cause, address)`` drops the link to a member whose lease lapsed or that
+    restarted, as the control plane drops a lost peer, and fails the sends pinned to the
+    address it registered that no Expect bound yet."""
 
     def __init__(self, config: DiscoverySettings, stats: Stats, *, agent: str, address: str, memory: KVMemory,
-                 load: Callable[[], tuple[int, int]], drop: Callable[[str, BaseException], None]) -> None:
+                 load: Callable[[], tuple[int, int]], drop: Callable[[str, BaseException, str], None]) -> None:
         self._config = config
         self._agent = agent
         self._address = address
@@ -82,4 +83,4 @@ class Discovery:
         return address
 
     def _lost(self, member: Member, why: str) -> None:
-        self._drop(member.agent, MemberLost(why))
+        self._drop(member.agent, MemberLost(why), member.address)

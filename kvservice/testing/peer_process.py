@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..memory._layout import KVLayout
 
@@ -61,9 +61,11 @@ class PeerProcess:
     """The parent's handle on one peer: its ``address`` and NIXL ``agent`` name once
     ready, its commands, its events, its signals."""
 
-    def __init__(self, proc: anyio.abc.Process, events: MemoryObjectReceiveStream[dict[str, Any]]) -> None:
+    def __init__(self, proc: anyio.abc.Process, events: MemoryObjectReceiveStream[dict[str, Any]],
+                 sink: MemoryObjectSendStream[dict[str, Any]]) -> None:
         self.proc = proc
         self._events = events
+        self._sink = sink  # the pump's end: closed here too, in case the pump never ran
         self.backlog: list[dict[str, Any]] = []
         self.address = ""
         self.agent = ""
@@ -86,8 +88,15 @@ class PeerProcess:
         )
         send, recv = anyio.create_memory_object_stream[dict[str, Any]](1000)
         tg.start_soon(_pump, proc, send)
-        peer = cls(proc, recv)
-        ready = await peer.wait_for(lambda e: e["event"] == "ready", timeout=ready_timeout)
+        peer = cls(proc, recv, send)
+        try:
+            ready = await peer.wait_for(lambda e: e["event"] == "ready", timeout=ready_timeout)
+        except BaseException:
+            # Not ready (it exited, timed out, or we were cancelled): nobody gets this
+            # handle to stop, so stop the child and close its event streams here.
+            with anyio.CancelScope(shield=True):
+                await peer.stop(timeout=5)
+            raise
         peer.address, peer.agent = ready["address"], ready["agent"]
         return peer
 
@@ -126,19 +135,23 @@ class PeerProcess:
             os.kill(self.pid, sig)
 
     async def stop(self, timeout: float = 10.0) -> int | None:
-        """Ask the child to exit; SIGKILL it if it does not within ``timeout``."""
+        """Ask the child to exit; SIGKILL it if it does not within ``timeout``.  Its event
+        streams are closed however this ends (cancelled included)."""
         try:
+            try:
+                if self.proc.returncode is None:
+                    await self.command(op="exit")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass
+            with anyio.move_on_after(timeout):
+                await self.proc.wait()
             if self.proc.returncode is None:
-                await self.command(op="exit")
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass
-        with anyio.move_on_after(timeout):
-            await self.proc.wait()
-        if self.proc.returncode is None:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGKILL)
-            await self.proc.wait()
-        self._events.close()
+                self.signal(signal.SIGCONT)
+                self.signal(signal.SIGKILL)
+                await self.proc.wait()
+        finally:
+            self._events.close()
+            self._sink.close()
         return self.proc.returncode
 
 

@@ -156,3 +156,34 @@ async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: 
         assert decode.status()["discovery"]["lapsed"] == []
         await delivered(decode, prefill, "held", src=[5, 6], dst=[1, 2])
         await delivered(decode, prefill, "during", src=[7, 8], dst=[3, 4])
+
+
+async def test_a_send_pinned_inside_the_grace_fails_when_the_lapse_is_judged(etcd: EtcdServer) -> None:
+    """A send named to a member whose lease lapsed but was not judged yet (it resolves to the
+    member's address, no Expect can come) fails PEER_LOST when the lapse is judged, naming the
+    member, not at its bootstrap timeout; a send pinned to another member is untouched."""
+    fast = {"etcd_ttl_s": 2, "etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 5.0}
+    async with anyio.create_task_group() as tg:
+        started = [await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, f"decode-{i}", "decode", **fast)))
+                   for i in range(2)]
+        try:
+            async with TransferService(config(**etcd_opts(etcd, "prefill-0", "prefill", **fast),
+                                              bootstrap_timeout_s=120, **SLOW_LINK)) as prefill:
+                await eventually(lambda: len(prefill.live_peers("decode")) == 2, timeout=GUARD_S)
+                gone, other = started
+                gone.signal(signal.SIGSTOP)  # its keep-alives stop: its lease lapses
+                await eventually(lambda: "decode-0" not in [m.name for m in prefill.live_peers()], timeout=GUARD_S)
+                doomed = await prefill.send("to-gone", [1, 2], last=True, receiver="decode-0")
+                kept = await prefill.send("to-other", [3, 4], last=True, receiver="decode-1")
+                with anyio.fail_after(GUARD_S):  # a hang guard: judged after the grace
+                    lost = await prefill.await_completion(doomed)
+                assert lost.reason is FailureReason.PEER_LOST, lost
+                assert "decode-0" in lost.message and "lease lapsed" in lost.message, lost
+                assert kept.result is None, kept.result  # pinned to a member still alive: waits on
+                await other.command(op="expect", rid="to-other", pages=[5, 6], sender=prefill.address)
+                assert (await prefill.await_completion(kept, timeout=GUARD_S)).ok
+        finally:
+            with anyio.CancelScope(shield=True):
+                for p in started:
+                    await p.stop(timeout=5)
+            tg.cancel_scope.cancel()

@@ -130,11 +130,16 @@ async def test_receiver_killed_mid_transfer_frees_the_senders_range() -> None:
     kv = SyntheticKV(EngineSpec(engine="sglang_mha", layers=2, **big))
     decode = EngineSpec(engine="sglang_mha", layers=2, tp_size=2, tp_rank=0, **big)
     pages = list(range(512))
-    async with children(engine_config(decode, ucx_env=TCP)) as (victim,), \
+    # The decode dials a service that has just started: its handshake waits for that
+    # service's vetting child to boot (seconds on a loaded machine), inside the dialler's
+    # connect_timeout_s; the first link gets 30 s, as in the fan-out tests.
+    async with children(engine_config(decode, ucx_env=TCP, connect_timeout_s=30)) as (victim,), \
             TransferService(config(ucx_env=TCP, peer_timeout_s=60), memory=kv.memory) as svc:
         rid = TensorParallel.request_id("k", 0, 0)
         await victim.command(op="expect", rid=rid, pages=pages, sender=svc.address)
-        await eventually(lambda: svc.status()["expects_before_send"] == 1)
+        await victim.event("expecting", rid, timeout=60)  # linked (or failed: then not held below)
+        await eventually(lambda: svc.status()["expects_before_send"] == 1,
+                         what=lambda: f"the Expect held (the decode's events: {victim.backlog})")
         victim.signal(signal.SIGSTOP)
         handle = await svc.send(rid, pages, last=True)
         await eventually(lambda: svc.status()["staging_held_bytes"] > 0)

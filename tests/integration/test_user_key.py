@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from structlog.testing import capture_logs
 
+import kvservice
 from kvservice import FailureReason, TransferService
 from kvservice._trust.keys import user_key_dir
 from kvservice.testing import PeerProcess, pattern
@@ -39,15 +42,38 @@ def svc_config(**kw: Any) -> Any:
     return config(**kw)
 
 
+def other_users_python() -> str:
+    """This environment's interpreter by a path another user can walk: NIXL loads its
+    plugins from the environment after the decode dropped to that user.  An environment
+    that is a link out of the checkout is reached at its target; one inside an unreadable
+    checkout cannot be, and the test says so."""
+    prefix = os.path.realpath(sys.prefix)
+    closed = [d for d in [prefix, *Path(prefix).parents] if not os.stat(d).st_mode & stat.S_IXOTH]
+    if closed:
+        pytest.skip(f"the Python environment {prefix} is not reachable by another user ({closed[0]} is closed)")
+    return os.path.join(prefix, "bin", os.path.basename(sys.executable))
+
+
 @asynccontextmanager
 async def decode_as(uid: int, cfg: dict[str, Any]) -> AsyncIterator[PeerProcess]:
-    """A decode process run by ``uid``, with a home of its own (its own per-user key)."""
+    """A decode process run by ``uid``, with a home of its own (its own per-user key).
+
+    The checkout may be unreadable to ``uid`` (a clone in a 0700 folder), and the decode
+    imports parts of kvservice after it dropped to ``uid``: it runs a copy of this very
+    package, made for it in a folder it owns (``-P``: not the checkout in the working
+    directory, which comes first on ``sys.path`` otherwise)."""
     home = tempfile.mkdtemp(prefix="kvs-home-")
-    os.chown(home, uid, uid)
-    launcher = (sys.executable, "-m", "tests.integration.as_user", str(uid), home)
+    code = tempfile.mkdtemp(prefix="kvs-code-")
+    package = os.path.dirname(kvservice.__file__)
+    shutil.copytree(package, os.path.join(code, "kvservice"), ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [home, code, *(os.path.join(d, n) for d, ds, fs in os.walk(code) for n in ds + fs)]:
+        os.chown(path, uid, uid)
+    checkout = os.path.dirname(package)  # for the launcher, which runs before the drop
+    launcher = (other_users_python(), "-P", "-m", "tests.integration.as_user", str(uid), home)
+    env = {"PYTHONPATH": os.pathsep.join([code, checkout, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
         async with anyio.create_task_group() as tg:
-            proc = await PeerProcess.start(tg, cfg, prefix=launcher)
+            proc = await PeerProcess.start(tg, cfg, prefix=launcher, env=env)
             try:
                 yield proc
             finally:
@@ -57,6 +83,7 @@ async def decode_as(uid: int, cfg: dict[str, Any]) -> AsyncIterator[PeerProcess]
         assert await anyio.Path(user_key_dir({"HOME": home}), "key").exists(), "it made no key of its own"
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(code, ignore_errors=True)
 
 
 async def refused_and_untouched(decode: PeerProcess, svc: TransferService, rid: str) -> None:
