@@ -130,6 +130,7 @@ class SendRequest(_Request):
     chunks_posted: int = 0
     chunks_done: int = 0
     last: bool = False
+    fit_tail: bool = False  # send(fit="tail"): its one chunk shrinks to the receiver's pages (``fit_tail``)
     inflight: set[XferId] | None = None  # handles in flight (None: none, no set held)
     posting: int = 0  # chunks on the door thread, outcome not back yet
     releasing: int = 0  # handles queued for release, not confirmed by the door yet
@@ -212,6 +213,16 @@ def place(pages_queued: int, cursors: list[int] | None, npages: int, lo: int, hi
         cursors[layer] += npages
     top = max(cursors)
     return pos, (None if min(cursors) == top else cursors), top
+
+
+def fit_tail(req: SendRequest, n: int) -> None:
+    """Keep the last ``n`` pages of ``req``'s one chunk (``send(fit="tail")``): its receiver
+    reserved fewer pages than the sender holds, because it had the first ones already (a
+    decode's prefix cache).  Only before anything of ``req`` is posted."""
+    assert req.pending is not None and len(req.pending) == 1 and req.chunks_posted == 0 and 0 < n
+    chunk = req.pending[0]
+    req.pending[0] = Chunk(chunk.src[chunk.src.size - n:], 0, chunk.lo, chunk.hi)
+    req.pages_queued = n
 
 
 def make_result(
