@@ -13,7 +13,7 @@ import functools
 import uuid
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -235,7 +235,8 @@ class TransferService:
     # -- sending side -------------------------------------------------------------
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
                    timeout: float | None = None, receiver: str | None = None,
-                   layers: range | None = None, payload: bytes | None = None) -> TransferHandle:
+                   layers: range | None = None, payload: bytes | None = None,
+                   fit: Literal["tail"] | None = None) -> TransferHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver; never waits for the copy.
 
         ``timeout`` (seconds, default ``transfer_timeout_s``) bounds the whole
@@ -253,9 +254,17 @@ class TransferService:
         exactly once; the call with ``last=True`` must leave every layer at the
         receiver's page count.  ``payload`` (with ``last=True``; at most
         ``max_payload_bytes``) reaches the receiver's result with its success.
+
+        ``fit="tail"`` (with a request's only chunk: whole pages, ``last=True``) says
+        "these are all the pages I have": a receiver that reserved fewer, ``n``, gets
+        the last ``n`` (it had the first ones already, e.g. in its prefix cache), fitted
+        when its Expect binds the request, so the sender need not wait for the Expect to
+        know how many to send.  A receiver that reserved more fails it ``INCOMPATIBLE``.
         """
         plane = self._running()
         check_request_id(request_id)
+        if fit not in (None, "tail"):
+            raise ValueError(f"fit must be None or 'tail', got {fit!r}")
         memory = self.memory
         src = memory.check_pages(pages)
         lo, hi = memory.check_layers(layers)
@@ -281,7 +290,7 @@ class TransferService:
                 pinned = await plane.control.canonical(receiver)  # ValueError when malformed
             self._running()
         return TransferHandle(plane.send(request_id, src, lo, hi, last=last, timeout=timeout, pinned=pinned,
-                                         unknown=unknown, payload=payload))
+                                         unknown=unknown, payload=payload, fit_tail=fit == "tail"))
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
         """Wait for the request behind ``handle`` to end.

@@ -32,7 +32,7 @@ from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from .deadlines import Deadlines
 from .ends import SendEnds
-from .requests import Chunk, EarlyExpects, Recent, RecvRequest, SendRequest, make_result, place
+from .requests import Chunk, EarlyExpects, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
 from .settle import Settlement
 from .staging import NO_CELL, Stager
 from .watchdog import Watchdog
@@ -95,11 +95,17 @@ class RequestPlane:
 
     # -- entry points (TransferService has checked the arguments) -------------------------
     def send(self, request_id: str, src: PageIndex, lo: int, hi: int, *, last: bool, timeout: float | None,
-             pinned: str | None, unknown: BaseException | None, payload: bytes | None) -> SendRequest:
+             pinned: str | None, unknown: BaseException | None, payload: bytes | None,
+             fit_tail: bool = False) -> SendRequest:
         """Queue pages ``src`` of layers ``lo:hi`` of ``request_id`` (the first chunk makes
         the request): the request itself, or the ended stand-in of a sticky failure.
-        ``ValueError`` for a chunk the request's state refuses (nothing changes then)."""
+        ``ValueError`` for a chunk the request's state refuses (nothing changes then).
+        ``fit_tail``: the request's only chunk; its receiver may take its last pages
+        (see ``bind``)."""
         req = self.sends.get(request_id)
+        if fit_tail and (req is not None or not last or lo != 0 or hi != self.memory.layers):
+            raise ValueError(f"request {request_id!r}: fit= goes with a request's only chunk "
+                             "(its first, whole pages, last=True)")
         if req is None:
             done = self.sends_done.get(request_id)
             if done is not None:
@@ -118,7 +124,8 @@ class RequestPlane:
         if last and cursors is not None:
             raise ValueError(f"request {request_id!r}: the last chunk leaves layers at different pages "
                              f"({cursors}); every layer must reach the same page count")
-        dest = req.dest if req else self.early_dest(request_id, pinned)
+        # a fitted send meets its receiver's pages in bind(), with its chunk queued
+        dest = None if fit_tail else req.dest if req else self.early_dest(request_id, pinned)
         if dest is not None:
             if queued > dest.size:
                 raise ValueError(f"request {request_id!r}: {queued} pages sent, receiver expects {dest.size}")
@@ -126,7 +133,7 @@ class RequestPlane:
                 raise ValueError(
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
-            req = self._new_send(request_id, timeout, pinned, unknown)
+            req = self._new_send(request_id, timeout, pinned, unknown, match=not fit_tail)
             if req.result is not None:
                 return req
         if req.pending is None:
@@ -136,11 +143,15 @@ class RequestPlane:
         req.cursors = cursors
         req.last = last
         req.payload = payload
+        req.fit_tail = fit_tail
         if timeout is not None:
             req.timeout = timeout
             if req.peer is not None:  # bound: from now; else the bind starts it
                 req.deadline = time.monotonic() + timeout
                 self.deadlines.push(req)
+        if fit_tail:
+            self.match_early(req)  # bound now (its chunk fitted, and scheduled) if its Expect came first
+            return req
         if req.peer is not None:
             self.watchdog.schedule(req)
         return req
@@ -150,7 +161,7 @@ class RequestPlane:
         return request_id in self.sends or request_id in self.sends_done
 
     def _new_send(self, request_id: str, timeout: float | None, receiver: str | None,
-                  unknown: BaseException | None) -> SendRequest:
+                  unknown: BaseException | None, *, match: bool = True) -> SendRequest:
         self._check_capacity()
         now = time.monotonic()
         cfg = self.config
@@ -163,7 +174,7 @@ class RequestPlane:
         self.deadlines.push(req)
         if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
             self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
-        else:
+        elif match:
             self.match_early(req)
         return req
 
@@ -435,6 +446,8 @@ class RequestPlane:
 
     # -- transitions -----------------------------------------------------------------------
     def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32]) -> None:
+        if req.fit_tail and req.pages_queued > pages.size:
+            fit_tail(req, int(pages.size))
         if req.pages_queued > pages.size or (req.last and req.pages_queued != pages.size):
             self.fail(req, FailureReason.INCOMPATIBLE,
                       f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)

@@ -131,6 +131,7 @@ class SendRequest(_Request):
     chunks_posted: int = 0
     chunks_done: int = 0
     last: bool = False
+    fit_tail: bool = False  # send(fit="tail"): its one chunk shrinks to the receiver's pages (``fit_tail``)
     inflight: set[XferId] | None = None  # handles in flight (None: none, no set held)
     posting: int = 0  # chunks on the door thread, outcome not back yet
     releasing: int = 0  # handles queued for release, not confirmed by the door yet
@@ -225,6 +226,16 @@ def peer_of(req: _Request) -> str | None:
     if isinstance(req, SendRequest):
         return req.receiver or req.peer_address or req.peer
     return None
+
+
+def fit_tail(req: SendRequest, n: int) -> None:
+    """Keep the last ``n`` pages of ``req``'s one chunk (``send(fit="tail")``): its receiver
+    reserved fewer pages than the sender holds, because it had the first ones already (a
+    decode's prefix cache).  Only before anything of ``req`` is posted."""
+    assert req.pending is not None and len(req.pending) == 1 and req.chunks_posted == 0 and 0 < n
+    chunk = req.pending[0]
+    req.pending[0] = Chunk(chunk.src[chunk.src.size - n:], 0, chunk.lo, chunk.hi)
+    req.pages_queued = n
 
 
 def make_result(

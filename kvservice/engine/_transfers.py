@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -290,14 +290,16 @@ class KVSender(_Transfer):
         self._num_pages = num_pages
 
     def send(self, pages: Pages, *, last: bool | None = None, timeout: float | None = None,
-             layers: range | None = None, payload: bytes | None = None) -> None:
+             layers: range | None = None, payload: bytes | None = None,
+             fit: Literal["tail"] | None = None) -> None:
         """Queue one chunk of pages (``TransferService.send``); never waits.
 
         ``last``: whether this chunk ends the request; ``None`` means "when it reaches
         ``init()``'s ``num_pages``" (``False`` without ``init``, and for layer-wise
         chunks, whose end only the caller knows).  ``timeout``, ``layers`` (send only
-        those layers, as the forward pass produces them) and ``payload`` (with the last
-        chunk) are ``TransferService.send``'s.  A request that already ended takes the
+        those layers, as the forward pass produces them), ``payload`` (with the last
+        chunk) and ``fit`` (``"tail"``: the receiver may take the last pages only) are
+        ``TransferService.send``'s.  A request that already ended takes the
         chunk and posts nothing (``poll()`` says how it ended).  Every other keyword
         argument of ``TransferService.send`` that the facade passes on is listed here by
         name (``send_kwargs`` builds them)."""
@@ -315,7 +317,7 @@ class KVSender(_Transfer):
         self._last_sent = last
         if self._result is not None:
             return  # ended (failed or aborted): sticky, nothing more is posted
-        kwargs = self.send_kwargs(last=last, timeout=timeout, layers=layers, payload=payload)
+        kwargs = self.send_kwargs(last=last, timeout=timeout, layers=layers, payload=payload, fit=fit)
         pages = _copy(pages)
         self._queue(lambda svc: self._send_op(svc, pages, kwargs))
 

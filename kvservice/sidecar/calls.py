@@ -64,7 +64,7 @@ class WorkerCalls:
             layers = range(*msg.layers) if msg.layers is not None else None
             try:
                 handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout, layers=layers,
-                                        payload=msg.payload)
+                                        payload=msg.payload, fit=msg.fit)
             except (ValueError, KVServiceError):
                 if new:
                     owners.unclaim(key)  # nothing was registered (bad pages, a completed id, ...)

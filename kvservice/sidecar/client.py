@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -242,15 +242,17 @@ class SidecarClient:
 
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
                    timeout: float | None = None, layers: range | None = None,
-                   payload: bytes | None = None) -> SidecarHandle:
+                   payload: bytes | None = None, fit: Literal["tail"] | None = None) -> SidecarHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver (see ``TransferService.send``)."""
         check_request_id(request_id)
+        if fit not in (None, "tail"):  # the service's own check, here rather than a round trip later
+            raise ValueError(f"fit must be None or 'tail', got {fit!r}")
         idx = self.layout.check_pages(pages).tolist()
         if layers is not None and (not isinstance(layers, range) or layers.step != 1):
             raise ValueError(f"layers must be a non-empty range with step 1, got {layers!r}")
         span = (layers.start, layers.stop) if layers is not None else None
         req, reply = await self._request_call(
-            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout, span, payload))
+            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout, span, payload, fit))
         assert isinstance(reply, SendReply)
         if reply.result is not None:
             self._finish(req, result_from_wire(reply.result))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import builtins
 import socket
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -35,7 +35,8 @@ from .._control.protocol import HEADER_BYTES, decode_with, frame, frame_length
 from .._results import FailureReason, KVServiceError, TransferResult, TransferStatus
 from ..discovery.member import MAX_ROLE_CHARS, Member
 
-SIDECAR_PROTOCOL_VERSION = 1
+#: 2: ``Send.fit``
+SIDECAR_PROTOCOL_VERSION = 2
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 CallId = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
@@ -61,6 +62,7 @@ class Send(msgspec.Struct, tag="send", frozen=True, forbid_unknown_fields=True):
     timeout: Timeout = None
     layers: Layers | None = None  # [lo, hi): send(layers=range(lo, hi))
     payload: Payload | None = None
+    fit: Literal["tail"] | None = None
 
 
 class AwaitCompletion(msgspec.Struct, tag="await_completion", frozen=True, forbid_unknown_fields=True):

@@ -130,7 +130,21 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     assert arrived.ok and arrived.payload == b"tok=42" and arrived.bytes == 2 * layout.page_bytes
     assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 2))
 
-    # 6. status() speaks the same keys
+    # 6. fit="tail": every page sent before the receiver asked; it reserved one, gets the last
+    rid, src, dst = f"{tag}-fit", [10, 11, 12], [40]
+    prefill.kv.write(src[2:], pattern(layout, rid, 1))
+    with pytest.raises(ValueError, match="fit must be None or 'tail'"):
+        await prefill.send(rid, src, last=True, fit="head")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fit= goes with a request's only chunk"):
+        await prefill.send(rid, src, fit="tail")
+    fitted = await prefill.send(rid, src, last=True, fit="tail")
+    await decode.expect(rid, dst, sender=prefill.address)
+    sent = await prefill.await_completion(fitted, timeout=30)
+    assert sent.ok and sent.pages == 1, sent
+    assert (await decode.await_arrival(rid, timeout=30)).ok
+    assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 1))
+
+    # 7. status() speaks the same keys
     assert {"outcomes", "sending", "receiving", "peers", "unsettled_pages"} <= prefill.status().keys()
     snap = await decode.fetch_status() if isinstance(decode, SidecarClient) else decode.status()
     assert snap["unsettled_pages"] == 0, snap

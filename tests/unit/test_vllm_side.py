@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -169,8 +170,8 @@ class FakeTransfer:
         from kvservice.engine import KVPoll
         return getattr(KVPoll, self.state)
 
-    def send(self, pages: list[int], *, last: bool) -> None:
-        self.calls.append(f"send {pages} last={last}")
+    def send(self, pages: list[int], *, last: bool, fit: str | None = None) -> None:
+        self.calls.append(f"send {pages} last={last} fit={fit}")
 
     def init(self, pages: list[int]) -> None:
         self.calls.append(f"init {pages}")
@@ -190,14 +191,6 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.made: dict[str, FakeTransfer] = {}
-        self.expects: dict[str, int] = {}  # request id -> pages a decode's expect reserved
-        self.dropped: set[str] = set()  # request ids whose expect came and was dropped
-
-    def expected_pages(self, request_id: str) -> int | None:
-        return self.expects.get(request_id)
-
-    def expect_dropped(self, request_id: str) -> bool:
-        return request_id in self.dropped
 
     def start(self) -> FakeEngine:
         return self
@@ -228,12 +221,11 @@ def test_the_worker_routes_tp_ranks_and_reports_a_failed_load_only_once_settled(
     # prefill rank 1 of 2 sends to the one decode rank; decode rank 0 of 1 loads from both
     p, pe = worker(2, 1)
     p.start(Work(sends=[SendSpec("r", (1, 2), decode_tp=1)]))
-    assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == []  # its decode has not asked
-    assert p.finished(set()) == (set(), set(), set())
-    pe.expects["r@tp1.0"] = 2
-    p.finished(set())
-    assert pe.made["r@tp1.0"].calls == ["send [1, 2] last=True"]
+    # sent in the step that handed it over, before its decode asked: the service fits it
+    assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == ["send [1, 2] last=True fit=tail"]
+    assert p.finished(set()) == (set(), set(), set())  # still on its way: the blocks stay held
     pe.made["r@tp1.0"].state = "Success"
+    pe.made["r@tp1.0"].result = SimpleNamespace(pages=2)
     assert p.finished(set()) == ({"r"}, set(), set()) and p.counts == {"sends_ok": 1}
 
     d, de = worker(1, 0)
@@ -263,20 +255,28 @@ def test_the_worker_refuses_a_load_whose_blocks_do_not_match_and_aborts_a_finish
     assert d.finished(set()) == (set(), {"gone"}, {"gone"})
 
 
-def test_the_prefill_sends_what_its_decode_expects_and_gives_an_unclaimed_send_up() -> None:
+def test_the_prefill_sends_at_once_and_frees_its_blocks_only_when_each_send_ended() -> None:
+    from kvservice._results import FailureReason, TransferStatus
     from kvservice.integrations.vllm.scheduler import SendSpec, Work
 
-    p, pe = worker(1, 0, bootstrap_timeout_s=0.2)
-    p.start(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("big", (4, 5), 1), SendSpec("none", (6,), 1),
-                        SendSpec("lost", (7, 8), 1)]))
-    pe.expects.update({"tail@tp0.0": 1, "big@tp0.0": 3})  # the decode had two blocks cached; one asks too much
-    pe.dropped.add("lost@tp0.0")  # its decode asked, then died before this step: send, to fail at once
-    p.finished(set())
-    assert pe.made["tail@tp0.0"].calls == ["send [3] last=True"]
-    assert pe.made["lost@tp0.0"].calls == ["send [7, 8] last=True"]
-    assert pe.made["big@tp0.0"].calls == ["abort", "clear"] and pe.made["none@tp0.0"].calls == []
-    import time
-    time.sleep(0.25)
-    p.finished(set())
-    assert pe.made["none@tp0.0"].calls == ["abort", "clear"]
-    assert p.counts == {"sends_partial": 1, "send_mismatch": 1, "send_unclaimed": 1, "send_failed": 2}
+    p, pe = worker(1, 0)
+    p.start(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("lost", (7, 8), 1)]))
+    tail, lost = pe.made["tail@tp0.0"], pe.made["lost@tp0.0"]
+    assert tail.calls == ["send [1, 2, 3] last=True fit=tail"] and lost.calls == ["send [7, 8] last=True fit=tail"]
+    assert p.finished(set()) == (set(), set(), set())  # neither ended: nothing is freed
+    tail.state, tail.result = "Success", SimpleNamespace(pages=1)  # its decode had two blocks cached
+    lost.state = "Failed"  # its decode is gone (or never came: the service's bootstrap timeout)
+    lost.result = SimpleNamespace(status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST, message="gone")
+    assert p.finished(set()) == ({"tail", "lost"}, set(), set())
+    assert tail.calls[-1] == lost.calls[-1] == "clear"
+    assert p.counts == {"sends_ok": 1, "sends_partial": 1, "send_failed": 1}
+
+
+def test_a_send_the_engine_refuses_is_reported_and_freed() -> None:
+    from kvservice.integrations.vllm.scheduler import SendSpec, Work
+
+    p, pe = worker(1, 0)
+    pe.running = False  # closed under it
+    p.start(Work(sends=[SendSpec("late", (1, 2), 1)]))
+    assert pe.made == {} and p.finished(set()) == ({"late"}, set(), set())
+    assert p.counts == {"send_refused": 1}

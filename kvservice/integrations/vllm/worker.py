@@ -3,9 +3,12 @@ sends and loads the scheduler asked for, reported back as they settle.
 
 Nothing here blocks vLLM's forward loop: every call on ``kvservice.engine`` only queues
 (its service runs on a loop thread of its own) and ``poll()`` reads what that loop
-published.  A send waits for its decode's expect (``expected_pages``, read once per step)
-and sends the blocks the decode asked for: all of them, or the last ones when the decode
-had the prompt's first blocks in its own prefix cache.
+published.  A send starts in the step that hands the finished prefill request to the
+worker, with all its blocks and ``fit="tail"``: when the decode's expect arrives, the
+service (on its own loop, not in a vLLM step) binds it and writes the blocks the decode
+asked for: all of them, or the last ones when the decode had the prompt's first blocks in
+its own prefix cache.  A decode that never expects fails the send at the service's
+``bootstrap_timeout_s``; one that expected and is gone fails it at once.
 
 A load is reported to vLLM (``finished_recving``) only when it succeeded or,
 failed, once it is *settled*: nothing of it can land in the blocks any more, so vLLM may
@@ -16,10 +19,9 @@ its blocks in ``get_block_ids_with_load_errors``, so vLLM recomputes the prompt
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,10 +50,7 @@ class _Load:
 @dataclass(slots=True)
 class _Send:
     spec: SendSpec
-    deadline: float
-    senders: list[KVSender] = field(default_factory=list)
-    #: senders whose decode has not expected yet (nothing sent for them)
-    waiting: list[KVSender] = field(default_factory=list)
+    senders: list[KVSender]
 
 
 class WorkerSide:
@@ -81,51 +80,22 @@ class WorkerSide:
             self._start_send(send)
         for recv in work.recvs:
             self._start_load(recv)
-        self._post_expected()
 
     def _start_send(self, spec: SendSpec) -> None:
-        entry = self._sends[spec.req_id] = _Send(spec, time.monotonic() + self.config.bootstrap_timeout_s)
+        """Send every block now, fitted by the service to what the decode expects when its
+        expect arrives (``fit="tail"``): no step of this engine stands between the two."""
+        entry = self._sends[spec.req_id] = _Send(spec, [])
         try:
             engine = self._engine()
             tp = TensorParallel(self.tp_size, spec.decode_tp)
             for d in tp.targets(self.tp_rank):
-                sender = engine.sender(TensorParallel.request_id(spec.req_id, self.tp_rank, d))
-                entry.senders.append(sender)
-                entry.waiting.append(sender)
+                entry.senders.append(engine.sender(TensorParallel.request_id(spec.req_id, self.tp_rank, d)))
+            for sender in entry.senders:
+                sender.send(list(spec.blocks), last=True, fit="tail")
         except (ValueError, RuntimeError) as exc:  # a duplicate id, an engine that is gone: nothing sent
             self._note("send_refused", spec.req_id, str(exc))
             for sender in entry.senders:
                 sender.abort()
-            entry.waiting.clear()
-
-    def _post_expected(self) -> None:
-        """Send what each waiting decode expects: the last ``n`` of the request's blocks
-        (``n`` < all: it had the first ones cached).  A decode that does not expect within
-        ``bootstrap_timeout_s`` is given up (the blocks are freed)."""
-        if not self._sends:
-            return
-        now = time.monotonic()
-        engine = self.engine
-        for entry in self._sends.values():
-            for sender in list(entry.waiting):
-                n = engine.expected_pages(sender.request_id) if engine is not None else None
-                blocks = entry.spec.blocks
-                if n is None and engine is not None and engine.expect_dropped(sender.request_id):
-                    n = len(blocks)  # its decode asked, then was lost: the send fails at once, saying why
-                if n is None and now < entry.deadline:
-                    continue
-                entry.waiting.remove(sender)
-                if n is None:
-                    self._note("send_unclaimed", entry.spec.req_id, "no decode asked for it within "
-                               f"bootstrap_timeout_s ({self.config.bootstrap_timeout_s} s)")
-                    sender.abort()
-                elif not 0 < n <= len(blocks):
-                    self._note("send_mismatch", entry.spec.req_id, f"the decode expects {n} blocks of {len(blocks)}")
-                    sender.abort()
-                else:
-                    if n < len(blocks):
-                        self.counts["sends_partial"] += 1
-                    sender.send(list(blocks[len(blocks) - n:]), last=True)
 
     def _start_load(self, spec: RecvSpec) -> None:
         handoff = spec.handoff
@@ -148,7 +118,6 @@ class WorkerSide:
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call;
         ``finished_req_ids``: requests vLLM finished (an abort among them ends its load)."""
-        self._post_expected()
         for rid in finished_req_ids:
             load = self._loads.get(rid)
             if load is not None and not load.failed:
@@ -194,6 +163,8 @@ class WorkerSide:
             self._note("send_failed", send.spec.req_id, _why(failed[0]))
         elif send.senders:
             self.counts["sends_ok"] += 1
+            if any(s.result is not None and s.result.pages < len(send.spec.blocks) for s in send.senders):
+                self.counts["sends_partial"] += 1  # the decode had the first blocks cached: it took the last ones
         for s in send.senders:
             s.clear()
         return True
