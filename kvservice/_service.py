@@ -30,6 +30,7 @@ from ._nixl.door import Door, DoorThread
 from ._peertimes import PeerTimes
 from ._results import ConfigError, FailureReason, KVPoll, KVServiceError, TransferResult, UnknownRequestError
 from ._stats import RequestCounts, ServiceStatus, Stats
+from ._transfer import waits
 from ._transfer.inbound import Inbound
 from ._transfer.plane import RequestPlane
 from ._transfer.requests import RecvRequest, TransferHandle, check_request_id
@@ -305,7 +306,7 @@ class TransferService:
         pages, and they may be reused.
         """
         plane = self._started(handle.request_id)
-        return await plane.await_done(handle._req, timeout,
+        return await waits.await_done(plane, handle._req, timeout,
                                       f"not complete within await_completion timeout {timeout}s")
 
     # -- receiving side -------------------------------------------------------------
@@ -352,9 +353,9 @@ class TransferService:
         ``await_settled`` says so (``result.settled``); a success is settled.
         """
         plane = self._started(request_id)
-        found = plane.arrival(request_id)
+        found = waits.arrival(plane, request_id)
         if isinstance(found, RecvRequest):
-            return await plane.await_done(found, timeout, f"not arrived within {timeout}s")
+            return await waits.await_done(plane, found, timeout, f"not arrived within {timeout}s")
         return found
 
     async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult:
@@ -370,11 +371,11 @@ class TransferService:
         a sender that hangs (SIGSTOP) settles only when it is killed or resumes.
         Looks at the receiving side first when this service both sent and received
         ``request_id``."""
-        return await self._started(request_id).await_settled(request_id, timeout)
+        return await waits.await_settled(self._started(request_id), request_id, timeout)
 
     def poll_arrival(self, request_id: str) -> KVPoll:
         """Where ``request_id``'s arrival stands (``KVPoll``); never blocks."""
-        found = self._started(request_id).arrival(request_id)
+        found = waits.arrival(self._started(request_id), request_id)
         return found.poll() if isinstance(found, RecvRequest) else found.poll
 
     def expected(self, request_id: str) -> bool:

@@ -14,8 +14,9 @@ Reading path:
 - ``requests``: a request's state on each side (``SendRequest``, ``RecvRequest``), the
   public ``TransferHandle``, results made from requests, and the bounded tables
   (``Recent``, ``EarlyExpects``).
-- ``plane``: ``RequestPlane``: the tables, the entry points (send, expect, wait, abort,
-  drain), the transitions (bind, finish, fail) and the watchdog's callbacks.
+- ``plane``: ``RequestPlane``: the tables, the entry points (send, expect, abort, drain),
+  the transitions (bind, finish, fail) and the watchdog's callbacks.
+- ``waits``: how callers wait on the plane (for an end, an arrival, a settling).
 - ``ends``: ``SendEnds``: how a failed send ends (its release, the receiver's Outcome,
   its settle fence).
 - ``inbound``: ``Inbound``: what peers say (Expect, Abort, Failed, Outcome, Settled, the

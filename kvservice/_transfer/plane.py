@@ -216,59 +216,6 @@ class RequestPlane:
         cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
         link.send(Expect(request_id, pages.tolist(), cell))
 
-    async def await_done(self, req: SendRequest | RecvRequest, timeout: float | None, why: str) -> TransferResult:
-        """Wait for ``req`` to end; a ``timeout`` that passes first fails it ``TIMEOUT``
-        (``why``).  A send's failure is returned once settled (its release: one tick)."""
-        if timeout is None:
-            await req.done.wait()
-        else:
-            with anyio.move_on_after(timeout):
-                await req.done.wait()
-            if req.result is None:
-                self.fail(req, FailureReason.TIMEOUT, why)
-                if isinstance(req, SendRequest):
-                    await req.done.wait()
-        assert req.result is not None
-        return req.result
-
-    def arrival(self, request_id: str) -> RecvRequest | TransferResult:
-        """The live receiving request, or the result it ended with."""
-        req = self.recvs.get(request_id)
-        if req is not None:
-            return req
-        done = self.recvs_done.get(request_id)
-        if done is None:
-            raise UnknownRequestError(f"unknown request {request_id!r} (call expect() first)")
-        return done
-
-    async def await_settled(self, request_id: str, timeout: float | None) -> TransferResult:
-        """See ``TransferService.await_settled``."""
-        side = "recv" if request_id in self.recvs or request_id in self.recvs_done else "send"
-        live: RecvRequest | SendRequest | None = self.recvs.get(request_id) if side == "recv" else \
-            self.sends.get(request_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if live is not None:
-            with anyio.move_on_after(timeout):
-                await live.done.wait()
-            if live.result is None:
-                return self._settled_or_unknown(side, request_id)
-        result = self._settled_or_unknown(side, request_id)
-        if not result.settled:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await self.settlement.wait(side, request_id, left)
-        return self._settled_or_unknown(side, request_id)
-
-    def _settled_or_unknown(self, side: str, request_id: str) -> TransferResult:
-        live = self.recvs.get(request_id) if side == "recv" else self.sends.get(request_id)
-        result = (live.result if live is not None else None) or \
-            (self.recvs_done if side == "recv" else self.sends_done).get(request_id)
-        if result is None:
-            if live is not None:  # still running: report where it stands
-                return make_result(live, TransferStatus.FAILED, reason=FailureReason.TIMEOUT,
-                                   message="still in progress when await_settled's timeout passed")
-            raise UnknownRequestError(f"unknown request {request_id!r}")
-        return result
-
     def abort(self, request_id: str) -> TransferResult | None:
         """See ``TransferService.abort``."""
         sreq = self.sends.get(request_id)

@@ -141,7 +141,8 @@ def test_failure_exception_names_why_with_nixls_own_error_as_its_cause() -> None
         sender.send([1], last=True)
         until(ended(sender, receiver))
         assert sender.result is not None and sender.result.reason is FailureReason.REMOTE_DISCONNECT
-        with pytest.raises(TransferFailed, match=f"failed REMOTE_DISCONNECT \\(peer {decode.agent_name}\\): "
+        # the receiver it was not pinned to, named by its address
+        with pytest.raises(TransferFailed, match=f"failed REMOTE_DISCONNECT \\(peer {decode.address}\\): "
                            ".*endpoint gone") as info:
             sender.failure_exception()
         assert info.value.__cause__ is original and info.value.reason is FailureReason.REMOTE_DISCONNECT

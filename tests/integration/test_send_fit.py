@@ -7,9 +7,9 @@ from __future__ import annotations
 import signal
 
 import pytest
-from kvservice._peerproc import pattern
 
 from kvservice import FailureReason, TransferService, TransferStatus
+from kvservice.testing import pattern
 from tests.helpers import SMALL, config, eventually, peer_config, peers
 
 pytestmark = pytest.mark.nixl

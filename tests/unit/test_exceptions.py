@@ -38,6 +38,7 @@ from kvservice._trust.peercred import PeerCredError
 from kvservice.bench._lines import ChildError
 from kvservice.bench.control import ControlError
 from kvservice.engine._transfers import _call_failure
+from kvservice.integrations.sglang.bootstrap import Refusal
 from kvservice.integrations.vllm.params import HandoffError
 from kvservice.sidecar.local import DaemonError
 from kvservice.sidecar.wire import SidecarRemoteError
@@ -139,6 +140,7 @@ def _samples() -> list[BaseException]:
         IncompatiblePeer("page sizes differ", "theirs: 16 != 32"),
         DoorError(FailureReason.BACKEND, RuntimeError("UCX says no"), "make_prepped_xfer"),
         SidecarRemoteError("ValueError", "pages out of range"),
+        Refusal("forged", 401, "the registration's MAC does not verify"),
     ]
 
 

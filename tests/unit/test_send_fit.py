@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, TransferService, TransferStatus
+from kvservice.testing import FakeFabric
 from tests.helpers import SMALL, eventually
 
-from .fake_door import FakeFabric
 from .harness import GUARD_S, door_of, fill, two_services, unit_config, untouched
 
 

@@ -256,7 +256,7 @@ def test_the_worker_refuses_a_load_whose_blocks_do_not_match_and_aborts_a_finish
 
 
 def test_the_prefill_sends_at_once_and_frees_its_blocks_only_when_each_send_ended() -> None:
-    from kvservice._results import FailureReason, TransferStatus
+    from kvservice._results import FailureReason, TransferResult, TransferStatus
     from kvservice.integrations.vllm.scheduler import SendSpec, Work
 
     p, pe = worker(1, 0)
@@ -266,7 +266,8 @@ def test_the_prefill_sends_at_once_and_frees_its_blocks_only_when_each_send_ende
     assert p.finished(set()) == (set(), set(), set())  # neither ended: nothing is freed
     tail.state, tail.result = "Success", SimpleNamespace(pages=1)  # its decode had two blocks cached
     lost.state = "Failed"  # its decode is gone (or never came: the service's bootstrap timeout)
-    lost.result = SimpleNamespace(status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST, message="gone")
+    lost.result = TransferResult("lost@tp0.0", TransferStatus.FAILED, FailureReason.PEER_LOST, message="gone",
+                                 peer="127.0.0.1:7200")
     assert p.finished(set()) == ({"tail", "lost"}, set(), set())
     assert tail.calls[-1] == lost.calls[-1] == "clear"
     assert p.counts == {"sends_ok": 1, "sends_partial": 1, "send_failed": 1}

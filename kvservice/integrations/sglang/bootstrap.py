@@ -47,6 +47,7 @@ from anyio.abc import SocketAttribute
 
 from ..._control.accept import accept_loop
 from ..._log import Throttle, get_logger
+from ..._results import KVServiceError
 from .registration import (
     INFO_KEYS,
     MAC_HEADER,
@@ -78,12 +79,17 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             413: "Payload Too Large", 503: "Service Unavailable"}
 
 
-class Refusal(Exception):
-    """A request refused: ``kind`` is its counter, ``code`` the HTTP status it gets."""
+class Refusal(KVServiceError):
+    """Raised inside the registry's request handler when a request is refused (unauthenticated,
+    replayed, oversized, a pool change, ...): ``kind`` is its counter, ``code`` the HTTP status
+    the client gets.  It never leaves the handler: the connection is answered and closed."""
 
     def __init__(self, kind: str, code: int, why: str) -> None:
         super().__init__(why)
         self.kind, self.code = kind, code
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickle rebuilds it from __init__'s arguments
+        return type(self), (self.kind, self.code, str(self)), self.__dict__
 
 
 @dataclass(frozen=True, slots=True)
