@@ -104,7 +104,9 @@ async def test_a_lost_receiver_fails_the_sender_saying_why(how: str) -> None:
         assert result.reason is FailureReason.PEER_LOST, result
         with pytest.raises(TransferFailed) as raised:
             handle.failure_exception()
-        says_why(raised.value, result, FailureReason.PEER_LOST, child.address, child.agent)
+        # a receiver it was not pinned to is named by the address it was proven at
+        says_why(raised.value, result, FailureReason.PEER_LOST, child.address)
+        assert result.peer == child.address, result
 
 
 @pytest.mark.parametrize("how", HOW)

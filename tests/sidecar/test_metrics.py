@@ -5,13 +5,12 @@ in-process service's collector on an engine's own registry."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvservice._metrics import ServiceCollector
 from kvservice._results import FailureReason, TransferResult, TransferStatus
-from kvservice._stats import Stats
+from kvservice._stats import RequestCounts, ServiceStatus, Stats
 from kvservice.sidecar import metrics
 from kvservice.sidecar.connection import ServerCounters
 
@@ -24,8 +23,10 @@ class Service:
     def __init__(self) -> None:
         self.stats = Stats()
 
-    def status(self) -> dict[str, Any]:
-        return self.stats.snapshot(sending=0, receiving=2, live_nixl_handles=0, peers=["a:1"], unsettled_pages=7)
+    def status(self) -> ServiceStatus:
+        return self.stats.snapshot(RequestCounts(
+            sending=0, receiving=2, expects_before_send=0, unsettled_pages=7, inflight_handles=0,
+            live_nixl_handles=0, staging_held_bytes=0), ["a:1"])
 
 
 def test_refusals_of_every_part_are_exported_by_where_and_kind() -> None:
