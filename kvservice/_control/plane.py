@@ -530,6 +530,10 @@ class ControlPlane:
         peer = self._peers.get(agent)
         return peer.link.generation if peer is not None else None
 
+    def speaks(self, agent: str, version: int) -> bool:
+        """Whether ``agent``'s link speaks protocol ``version`` (a stand-in until versions are negotiated)."""
+        return True
+
     def peer_kv(self, agent: str) -> PeerKV | None:
         peer = self._peers.get(agent)
         return peer.kv if peer is not None else None
