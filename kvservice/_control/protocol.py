@@ -177,6 +177,20 @@ class Outcome(msgspec.Struct, tag="outcome", frozen=True):
     ok: bool = False
 
 
+#: request ids one ``Ask`` may name (a receiver with more held asks again for the rest)
+MAX_ASK = 128  # 128 ids of the longest kind fit the smallest max_frame_bytes (64 KiB)
+
+
+class Ask(msgspec.Struct, tag="ask", frozen=True):
+    """Receiver -> sender, on a new link (version 6): of these requests, which can no
+    WRITE of yours reach any more?  They failed here while an earlier link's WRITEs may
+    have been under way.  Answered with a ``Settled`` for each one the sender can prove
+    (``_transfer.proofs``); the others go unanswered and stay held.  A peer of version 5
+    closes the link on this tag: send it only where ``ControlPlane.speaks(agent, 6)``."""
+
+    request_ids: Annotated[list[RequestId], msgspec.Meta(min_length=1, max_length=MAX_ASK)]
+
+
 class Ping(msgspec.Struct, tag="ping", frozen=True):
     pass
 
@@ -187,7 +201,7 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: _Text = ""
 
 
-Message = Hello | Proof | Join | Sealed | Reject | Expect | Abort | Failed | Settled | Outcome | Ping | Bye
+Message = Hello | Proof | Join | Sealed | Reject | Expect | Abort | Failed | Settled | Outcome | Ask | Ping | Bye
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
