@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import anyio
+
 from .._nixl.door import Door, DoorError
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._trust import checks
@@ -38,6 +40,8 @@ class PeerEvents(Protocol):
     def on_peer_linked(self, agent: str) -> None: ...
     def on_incompatible(self, agent: str, address: str, proven: bool, why: str) -> None: ...
     def released_by_door(self, xids: list[int]) -> None: ...
+    def draining(self, agent: str) -> anyio.Event | None:
+        """Set once the handles of a lost ``agent`` ended (None: none left): unload it then."""
 
 
 @dataclass(frozen=True)

@@ -397,6 +397,7 @@ class ControlPlane:
         # delays this peer only, not every other admit and drop.
         await self._vet(framed, join, dialled)
         await self._let_dying_link_end(agent)
+        await self._let_drain_end(agent)
         async with self._table_lock:
             current = self._peers.get(agent)
             if current is not None:
@@ -449,6 +450,14 @@ class ControlPlane:
             if (unlogged := self._stats.refuse(refusal.kind)) is not None:
                 log.warning("peer.refused", side="dial", kind=refusal.kind, error=refusal.message, unlogged=unlogged)
         raise ProtocolError(refusal.message, refusal.kind)
+
+    async def _let_drain_end(self, agent: str) -> None:
+        """A lost peer linking again: let the handles still draining to it end first, as
+        loading it afresh would release them unproven (``_transfer.proofs``)."""
+        drained = self._events.draining(agent)
+        if drained is not None:
+            with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
+                await drained.wait()
 
     async def _let_dying_link_end(self, agent: str) -> None:
         """A peer reconnecting may reach us before we noticed its old link end: give
@@ -521,7 +530,23 @@ class ControlPlane:
         self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, proven)
         self._stats.peers.lost(agent)  # after its requests' ends were recorded under it
         peer.link.close(cause)
+        drained = self._events.draining(agent)
+        if drained is not None and not self._closing:  # its WRITEs in flight may still end DONE
+            self._tg.start_soon(self._unload_when_drained, agent, drained)
+            return
         released = await self._thread.call(self._door.remove_peer, agent)
+        self._events.released_by_door(released)
+
+    async def _unload_when_drained(self, agent: str, drained: anyio.Event) -> None:
+        """Unload a lost ``agent`` from NIXL once its handles in flight ended (the
+        watchdog bounds that wait), unless it linked again meanwhile: its new link's
+        loading replaced the old agent (releasing what still drained, unproven)."""
+        with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
+            await drained.wait()
+        async with self._table_lock:
+            if agent in self._peers or self._closing:
+                return
+            released = await self._thread.call(self._door.remove_peer, agent)
         self._events.released_by_door(released)
 
     # -- used by the service ------------------------------------------------------------

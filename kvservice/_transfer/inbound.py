@@ -203,6 +203,8 @@ class Inbound:
         p = self._plane
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
+        if not gone:  # its WRITEs in flight may still end DONE: checked, not let go (_transfer.proofs)
+            p.watchdog.drain(agent, time.monotonic() + p.config.peer_timeout_s)
         for sreq in [r for r in p.sends.values() if r.peer == agent]:
             p.fail(sreq, reason, what, error=cause, from_peer=True)
         for rreq in [r for r in p.recvs.values() if r.peer == agent]:
@@ -219,11 +221,13 @@ class Inbound:
             p.tg.start_soon(self._settle_by_probing, agent, proven)
 
     def on_peer_linked(self, agent: str) -> None:
-        """A new link with ``agent`` settles nothing it held: its peer table dropped the
-        old link (releasing every handle to us) before admitting this one, but NIXL's
-        release does not stop a zero-copy WRITE already under way (measured: a resumed
-        SIGSTOPped sender's released WRITE still landed after it re-linked).  What it
-        held settles when its process is gone."""
+        """A new link with ``agent`` settles nothing it held: NIXL's release does not
+        stop a zero-copy WRITE already under way (measured: a resumed SIGSTOPped
+        sender's released WRITE still landed after it re-linked).  What it held
+        settles when its process is gone."""
+
+    def draining(self, agent: str) -> anyio.Event | None:
+        return self._plane.watchdog.draining(agent)
 
     async def _settle_by_probing(self, agent: str, addresses: frozenset[str]) -> None:
         """``agent``'s link was lost but not proven gone (hung, or cut off): probe the
@@ -274,6 +278,7 @@ class Inbound:
 
     def released_by_door(self, xids: list[int]) -> None:
         self._plane.stats.forced_releases += len(xids)
+        self._plane.watchdog.forced(xids)
 
 
 def _reason(value: str) -> FailureReason:

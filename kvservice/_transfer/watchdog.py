@@ -15,6 +15,11 @@ off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
 thread hop per event rather than per poll, and the cadence holds on loops
 whose timers cannot sleep under a millisecond (uvloop).  Idle, it sleeps
 ``idle_interval`` or until woken.  Deadlines are scanned every ``DEADLINE_SCAN_S``.
+
+Proofs.  Every handle it lets go of before NIXL said ``DONE`` (a release while
+``PROC``, an error, a failed post) makes its request unproven to its receiver
+(``proofs``).  A lost receiver's handles are *drained* rather than released at
+once (``drain``): checked until they end, or until the drain's deadline.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickP
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
+from .proofs import Proofs
 from .requests import SendRequest
 from .staging import Stager
 
@@ -79,6 +85,12 @@ class Watchdog:
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []
         self._releasing: dict[XferId, SendRequest] = {}  # queued or in a tick, not yet confirmed
+        #: handles of lost receivers checked until they end (``drain``): id -> (request, fence?)
+        self._draining: dict[XferId, tuple[SendRequest, bool]] = {}
+        self._drain_until: dict[str, float] = {}  # receiver agent -> when its drain gives up
+        self._drained: dict[str, anyio.Event] = {}  # receiver agent -> set once nothing of it drains
+        #: which requests this sender could not prove over to their receivers
+        self.proofs = Proofs()
         self._fences: list[PostOp] = []  # settle fences to post next tick
         #: peers whose fences were forgotten while a tick was on the door thread: a fence of
         #: theirs that tick posted is released by the peer's unloading, never checked
@@ -143,12 +155,65 @@ class Watchdog:
         """``peer`` is about to be unloaded (which releases its handles): stop checking
         the fences posted to it."""
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
-            del self._inflight[xid]
+            self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id)
         self._fences = [op for op in self._fences if op.peer != peer]
         if self._ahead is not None:
             self._fences_forgotten.add(peer)
 
+    def drain(self, peer: str, until: float) -> anyio.Event | None:
+        """The link to receiver ``peer`` is lost: keep checking its handles in flight
+        (chunks and fences) rather than letting them go, until each ends or ``until``
+        (then they are released, unproven).  A request of theirs counts as released only
+        once all of it has ended so.  Returns an event set when nothing of ``peer``
+        drains any more (the door may unload it then), or None if nothing does."""
+        for xid, (req, n) in [(x, e) for x, e in self._inflight.items() if e[0].peer == peer]:
+            del self._inflight[xid]
+            self._draining[xid] = (req, n == FENCE)
+            if n != FENCE:
+                req.releasing += 1  # released, as far as its request knows, once it ends
+                if req.inflight is not None:
+                    req.inflight.discard(xid)
+        if not any(req.peer == peer for req, _ in self._draining.values()):
+            return None
+        self._drain_until[peer] = until
+        event = self._drained.setdefault(peer, anyio.Event())
+        self.wake()
+        return event
+
+    def draining(self, peer: str) -> anyio.Event | None:
+        """Set once nothing of ``peer`` drains any more; None if nothing does now."""
+        return self._drained.get(peer)
+
+    def forced(self, xids: list[XferId]) -> None:
+        """The door released these handles itself (their peer was unloaded or replaced)."""
+        for xid in xids:
+            entry = self._inflight.get(xid) or self._draining.get(xid)
+            if entry is not None:
+                self.proofs.unproven(entry[0].peer, entry[0].request_id)
+
+    def _drained_one(self, xid: XferId, proven: bool) -> None:
+        req, fence = self._draining.pop(xid)
+        if not proven:
+            self.proofs.unproven(req.peer, req.request_id)
+        if not fence:
+            req.releasing -= 1
+            self._settle_if_released(req)
+        peer = req.peer
+        if peer is not None and not any(r.peer == peer for r, _ in self._draining.values()):
+            self._drain_until.pop(peer, None)
+            event = self._drained.pop(peer, None)
+            if event is not None:
+                event.set()
+
+    def _drain_expired(self, now: float) -> None:
+        """Give up on the handles of drains past their deadline: released, unproven."""
+        late = {peer for peer, until in self._drain_until.items() if now >= until}
+        for xid in [x for x, (req, _) in self._draining.items() if req.peer in late]:
+            self._releases.append(xid)
+            self._drained_one(xid, proven=False)
+
     def _release(self, req: SendRequest, xid: XferId) -> None:
+        self.proofs.unproven(req.peer, req.request_id)  # released before NIXL said DONE
         self._releases.append(xid)
         self._releasing[xid] = req
         req.releasing += 1
@@ -192,7 +257,7 @@ class Watchdog:
         next_scan = 0.0
         while not self._stopping:
             if self._ahead is None:
-                if not (self._ready or self._releases or self._inflight or self._owner.busy()):
+                if not (self._ready or self._releases or self._inflight or self._draining or self._owner.busy()):
                     self._wake = anyio.Event()
                     with anyio.move_on_after(self._idle):
                         await self._wake.wait()
@@ -233,7 +298,7 @@ class Watchdog:
         post or release, it waits there (polling) for news for up to ``LINGER_S``."""
         self._thread.interrupt.clear()  # set again by any wake() from here on
         plan = self._plan()
-        if linger and not plan.posts and not plan.releases and (self._inflight or self._owner.busy()):
+        if linger and not plan.posts and not plan.releases and (self._inflight or self._draining or self._owner.busy()):
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
         return self._thread.submit(run_tick, self._door, plan)
 
@@ -253,12 +318,16 @@ class Watchdog:
                 if isinstance(got, int) and state is XferState.PROC and req.peer not in self._fences_forgotten:
                     self._inflight[got] = (req, FENCE)
                 elif isinstance(got, DoorError):
+                    self.proofs.unproven(req.peer, req.request_id)
                     self._owner.fence_failed(req, got)
+                elif state is XferState.PROC:  # its peer's unloading releases it, unchecked
+                    self.proofs.unproven(req.peer, req.request_id)
                 continue
             req.posting -= 1
             if not isinstance(got, DoorError):
                 req.posted = True
             if isinstance(got, DoorError):
+                self.proofs.unproven(req.peer, req.request_id)
                 self._owner.chunk_failed(req, got)
             elif req.finished:
                 if state is XferState.PROC:  # failed or aborted while posting
@@ -277,10 +346,15 @@ class Watchdog:
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
                 continue
+            if xid in self._draining:
+                self._drained_one(xid, proven=state_or_err is XferState.DONE)
+                continue
             entry = self._inflight.pop(xid, None)
             if entry is None:  # released in the meantime
                 continue
             req, nbytes = entry
+            if state_or_err is not XferState.DONE:  # an error, or released behind our back
+                self.proofs.unproven(req.peer, req.request_id)
             if nbytes == FENCE:
                 if state_or_err is not XferState.DONE:  # an error, or released behind our back
                     self._owner.fence_failed(req, state_or_err if isinstance(state_or_err, DoorError) else None)
@@ -299,6 +373,8 @@ class Watchdog:
             self._owner.on_notifs(outcome.notifs)
 
     def _plan(self) -> TickPlan:
+        if self._drain_until:
+            self._drain_expired(self._clock())
         plan = TickPlan(releases=self._releases, posts=self._fences)
         self._releases = []
         self._fences = []
@@ -315,7 +391,7 @@ class Watchdog:
                 budget -= 1
             if not req.pending:
                 del self._ready[rid]
-        xids = list(self._inflight)
+        xids = list(self._inflight) + list(self._draining)
         if len(xids) <= self._max_checks:
             plan.checks = xids
         else:
