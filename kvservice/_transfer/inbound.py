@@ -15,9 +15,10 @@ from collections.abc import Mapping
 
 import anyio
 
-from .._control.protocol import FENCE, FORGED, Abort, Expect, Failed, Message, Outcome, Settled, decode_notif
+from .._control.protocol import FENCE, FORGED, Abort, Ask, Expect, Failed, Message, Outcome, Settled, decode_notif
 from .._log import get_logger
 from .._results import FailureReason, TransferStatus
+from .heal import Heal
 from .plane import RequestPlane
 from .requests import RecvRequest, make_result
 
@@ -34,6 +35,7 @@ class Inbound:
 
     def __init__(self, plane: RequestPlane) -> None:
         self._plane = plane
+        self._heal = Heal(plane)
 
     # -- messages --------------------------------------------------------------------------
     def on_message(self, agent: str, msg: Message) -> None:
@@ -56,6 +58,8 @@ class Inbound:
             p.ends.on_outcome(agent, msg.request_id, msg.ok)
         elif isinstance(msg, Settled):
             p.settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
+        elif isinstance(msg, Ask):
+            self._heal.on_ask(agent, msg.request_ids)
 
     def _foreign(self, agent: str, rid: str, what: str) -> None:
         """``agent`` spoke of a request that is not bound (or pinned) to it: ignored, counted."""
@@ -221,10 +225,12 @@ class Inbound:
             p.tg.start_soon(self._settle_by_probing, agent, proven)
 
     def on_peer_linked(self, agent: str) -> None:
-        """A new link with ``agent`` settles nothing it held: NIXL's release does not
-        stop a zero-copy WRITE already under way (measured: a resumed SIGSTOPped
-        sender's released WRITE still landed after it re-linked).  What it held
-        settles when its process is gone."""
+        """A new link with ``agent`` settles nothing by itself: NIXL's release of a
+        handle does not stop a zero-copy WRITE already under way (measured: a resumed
+        SIGSTOPped sender's released WRITE still landed after it re-linked).  So this
+        side asks the sender which of the requests it holds for ``agent`` it can prove
+        over (``heal``); what it cannot settles when its process is gone."""
+        self._heal.linked(agent)
 
     def draining(self, agent: str) -> anyio.Event | None:
         return self._plane.watchdog.draining(agent)
@@ -250,7 +256,8 @@ class Inbound:
                     log.debug("peer.settle_probe_failed", agent=agent, address=address, error=repr(exc))
                     continue
                 else:
-                    if answered == agent:  # the same process, alive: keep probing for its exit
+                    if answered == agent:  # the same process, alive: link again (then ask), keep probing
+                        await self._relink(agent, address)
                         continue
                     why = f"another agent ({answered}) proved itself at its address"
                 log.info("transfer.settled_by_loss", peer=address, agent=agent, why=why)
@@ -275,6 +282,17 @@ class Inbound:
             return
         for req in [r for r in p.sends.values() if r.peer is None and r.receiver == canon]:
             p.fail(req, FailureReason.INCOMPATIBLE, f"receiver {address} cannot pair with this service: {why}")
+
+    async def _relink(self, agent: str, address: str) -> None:
+        """Link to a live lost sender again, at the address it was proven at, so that
+        this side can ask it what it can prove (``on_peer_linked``)."""
+        p = self._plane
+        if p.control.generation_of(agent) is not None:
+            return
+        try:
+            await p.control.link_to(address)
+        except Exception as exc:  # noqa: BLE001 - not linked now: the next probe tries again
+            log.debug("peer.relink_failed", agent=agent, address=address, error=repr(exc))
 
     def released_by_door(self, xids: list[int]) -> None:
         self._plane.stats.forced_releases += len(xids)

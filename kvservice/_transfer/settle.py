@@ -22,9 +22,14 @@ Every piece of that evidence is the sender's own: a fence or ``Settled`` counts
 only from the agent the request is held by (its notification's MAC proves the
 link it came on, ``_control.protocol.decode_notif``).
 
-A sender that hangs (SIGSTOP) and later resumes settles nothing by re-linking:
-its released WRITE may still be running on the old endpoint, and nothing in
-NIXL's API shows when it stops.  What it held settles when its process exits.
+* the sender, linked again after a lost link (the same agent: the same process),
+  answers this side's ``Ask`` with ``Settled`` for each request it can prove no
+  WRITE of can land any more: every WRITE it posted for it reached ``DONE`` before
+  its handle was let go, or it never posted one (``_transfer.proofs``, ``heal``).
+  A new link by itself proves nothing: a handle released while in flight does not
+  stop its zero-copy WRITE (measured: a resumed SIGSTOPped sender's released WRITE
+  still landed after it re-linked), so what the sender cannot prove stays held
+  until its process exits.
 
 A successful arrival is settled by definition.  On the sending side a failure
 is settled once the watchdog has seen the door release every handle of it.
@@ -65,6 +70,10 @@ class Settlement:
 
     def held_by(self, agent: str) -> bool:
         return any(a == agent for _, a in self._held)
+
+    def held_ids(self, agent: str) -> list[str]:
+        """The request ids held for ``agent``, oldest first."""
+        return [rid for rid, a in self._held if a == agent]
 
     def is_held(self, request_id: str) -> bool:
         return any(rid == request_id for rid, _ in self._held)

@@ -1,0 +1,119 @@
+"""``Heal``: settling what a lost link left held, once a link to the same sender is back.
+
+A receiver's request that failed while its sender may have been writing stays held
+(``settle``).  When the sender's process is alive and a new link with the same
+agent comes up (it resumed from a stall, or the network healed), the receiver asks
+(``Ask``) about what it holds for that agent, and the sender answers ``Settled`` for
+each request it can prove no WRITE of can land any more (``proofs``).  The rest
+stays held: asked again a few times (a lost link's WRITEs may still be draining on
+the sender, for up to its ``peer_timeout_s``), then until the next link or the
+sender's exit.
+
+Receiver side: ``linked`` starts one asking task per agent; it asks at most
+``MAX_ASK`` ids per ``Ask``, rotating through what is held, ``ASK_ROUNDS`` times with
+back-off, only while that link lives and only to a peer that speaks version 6.
+
+Sender side: ``on_ask`` answers only about requests that are not live with the
+asker, not still being released or drained, and not unproven for it.  A request
+bound to another receiver is not the asker's: ignored and counted
+(``foreign_request``).  One ``Ask`` per agent per half ``heartbeat_interval_s`` is
+answered; more are ignored and counted (``ask_flood``): the work per ``Ask`` is
+bounded by ``MAX_ASK`` lookups and answers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from .._control.protocol import MAX_ASK, Ask, Settled
+from .._log import get_logger
+from .plane import RequestPlane
+from .requests import Recent
+
+log = get_logger("kvservice")
+
+#: the protocol version that knows ``Ask`` (a peer of 5 closes the link on its tag)
+ASK_VERSION = 6
+#: times a receiver asks on one link (with back-off from heartbeat_interval_s to ASK_MAX_WAIT_S)
+ASK_ROUNDS = 8
+#: longest wait between two Asks on one link
+ASK_MAX_WAIT_S = 5.0
+
+
+class Heal:
+    """Both sides of the ``Ask``; see the module docstring."""
+
+    def __init__(self, plane: RequestPlane) -> None:
+        self._plane = plane
+        self._asking: set[str] = set()  # agents an asking task runs for
+        self._answered: Recent[str, float] = Recent(2 * plane.config.max_peers)  # agent -> last answered Ask
+
+    # -- receiver side -------------------------------------------------------------------
+    def linked(self, agent: str) -> None:
+        """A new link with ``agent``: ask about what this side holds for it."""
+        p = self._plane
+        if agent in self._asking or p.closing or not p.settlement.held_by(agent):
+            return
+        generation = p.control.generation_of(agent)
+        if generation is None or not p.control.speaks(agent, ASK_VERSION):
+            return
+        self._asking.add(agent)
+        p.tg.start_soon(self._ask, agent, generation)
+
+    async def _ask(self, agent: str, generation: int) -> None:
+        p = self._plane
+        wait = p.config.heartbeat_interval_s
+        offset = 0
+        try:
+            for _ in range(ASK_ROUNDS):
+                if p.closing or p.control.generation_of(agent) != generation:
+                    return
+                held = p.settlement.held_ids(agent)
+                if not held:
+                    return
+                offset = offset % len(held)
+                ids = (held[offset:] + held[:offset])[:MAX_ASK]
+                offset += MAX_ASK
+                if p.control.speaks(agent, ASK_VERSION):
+                    log.debug("transfer.ask", agent=agent, requests=len(ids), held=len(held))
+                    p.send_to(agent, Ask(ids))
+                await anyio.sleep(wait)
+                wait = min(2 * wait, ASK_MAX_WAIT_S)
+        finally:
+            self._asking.discard(agent)
+
+    # -- sender side ---------------------------------------------------------------------
+    def on_ask(self, agent: str, request_ids: list[str]) -> None:
+        """Answer ``Settled`` for each of ``request_ids`` proven over to ``agent``."""
+        p = self._plane
+        now = time.monotonic()
+        last = self._answered.get(agent)
+        if last is not None and now - last < p.config.heartbeat_interval_s / 2:
+            if (unlogged := p.stats.refuse("ask_flood")) is not None:
+                log.warning("transfer.ask_flood", agent=agent, unlogged=unlogged)
+            return
+        self._answered.put(agent, now)
+        proofs = p.watchdog.proofs
+        proven = 0
+        for rid in dict.fromkeys(request_ids):
+            live = p.sends.get(rid) or p.ends.unsettled.get(rid)
+            if live is not None:
+                if live.peer is not None and live.peer != agent:
+                    self._foreign(agent, rid)
+                continue  # it may still write, or its handles are still being released: later
+            done_with = p.done_peers.get(("send", rid))
+            if done_with is not None and done_with != agent:
+                self._foreign(agent, rid)
+                continue
+            if not proofs.may_prove(agent, rid):
+                continue  # a WRITE of it was let go before NIXL said DONE: held until we exit
+            done = p.sends_done.get(rid) if done_with == agent else None
+            p.send_to(agent, Settled(rid, ok=done is not None and done.ok))
+            proven += 1
+        log.info("transfer.asked", agent=agent, requests=len(request_ids), proven=proven)
+
+    def _foreign(self, agent: str, rid: str) -> None:
+        if (unlogged := self._plane.stats.refuse("foreign_request")) is not None:
+            log.warning("transfer.foreign_request", agent=agent, request_id=rid, message="ask", unlogged=unlogged)
