@@ -405,6 +405,7 @@ class ControlPlane:
                     raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
                 # Its old link has ended and its drop waits for this lock: do it now.
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
+                await self._let_drain_end(agent)  # bounded; a peer linking again is alive: short
             if len(self._peers) >= self._cfg.max_peers:
                 raise ProtocolError(f"too many peers (max_peers = {self._cfg.max_peers})", "peer_limit")
             old = self._book.agent_at(dialled) if dialled is not None else None

@@ -13,8 +13,9 @@ Receiver side: ``linked`` starts one asking task per agent; it asks at most
 ``MAX_ASK`` ids per ``Ask``, rotating through what is held, ``ASK_ROUNDS`` times with
 back-off, only while that link lives and only to a peer that speaks version 6.
 
-Sender side: ``on_ask`` answers only about requests that are not live with the
-asker, not still being released or drained, and not unproven for it.  A request
+Sender side: ``on_ask`` answers only about requests that are not bound to the
+asker and live, or still being released or drained, and not unproven for it (a
+live request bound to nobody yet has posted nothing).  A request
 bound to another receiver is not the asker's: ignored and counted
 (``foreign_request``).  One ``Ask`` per agent per half ``heartbeat_interval_s`` is
 answered; more are ignored and counted (``ask_flood``): the work per ``Ask`` is
@@ -98,9 +99,10 @@ class Heal:
         proofs = p.watchdog.proofs
         proven = 0
         for rid in dict.fromkeys(request_ids):
-            live = p.sends.get(rid) or p.ends.unsettled.get(rid)
-            if live is not None:
-                if live.peer is not None and live.peer != agent:
+            # bound and live, or still being released (an unbound one never posted anything)
+            bound = [r.peer for r in (p.sends.get(rid), p.ends.unsettled.get(rid)) if r is not None and r.peer]
+            if bound:
+                if agent not in bound:
                     self._foreign(agent, rid)
                 continue  # it may still write, or its handles are still being released: later
             done_with = p.done_peers.get(("send", rid))

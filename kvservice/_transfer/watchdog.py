@@ -173,7 +173,8 @@ class Watchdog:
                 req.releasing += 1  # released, as far as its request knows, once it ends
                 if req.inflight is not None:
                     req.inflight.discard(xid)
-        if not any(req.peer == peer for req, _ in self._draining.values()):
+        # A tick on the door thread may be posting to it: what it posts drains too (_digest).
+        if self._ahead is None and not any(req.peer == peer for req, _ in self._draining.values()):
             return None
         self._drain_until[peer] = until
         event = self._drained.setdefault(peer, anyio.Event())
@@ -198,8 +199,11 @@ class Watchdog:
         if not fence:
             req.releasing -= 1
             self._settle_if_released(req)
-        peer = req.peer
-        if peer is not None and not any(r.peer == peer for r, _ in self._draining.values()):
+        if req.peer is not None:
+            self._check_drained(req.peer)
+
+    def _check_drained(self, peer: str) -> None:
+        if not any(r.peer == peer for r, _ in self._draining.values()):
             self._drain_until.pop(peer, None)
             event = self._drained.pop(peer, None)
             if event is not None:
@@ -330,7 +334,10 @@ class Watchdog:
                 self.proofs.unproven(req.peer, req.request_id)
                 self._owner.chunk_failed(req, got)
             elif req.finished:
-                if state is XferState.PROC:  # failed or aborted while posting
+                if state is XferState.PROC and req.peer in self._drain_until:  # its link was lost meanwhile
+                    self._draining[got] = (req, False)
+                    req.releasing += 1
+                elif state is XferState.PROC:  # failed or aborted while posting
                     self._release(req, got)
             elif state is XferState.DONE:
                 self._owner.chunk_done(req, nbytes)
@@ -343,6 +350,8 @@ class Watchdog:
             if req.finished:
                 self._settle_if_released(req)
         self._fences_forgotten.clear()
+        for peer in list(self._drained):  # drains that waited only for this tick's posts
+            self._check_drained(peer)
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
                 continue

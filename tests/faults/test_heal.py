@@ -1,0 +1,203 @@
+"""Settle after a heal: a lost link's held pages settle once the same sender links again
+and proves, per request, that no WRITE of it can land any more.
+
+Real NIXL (UCX over TCP on loopback) in real processes.  One side is SIGSTOPped past
+``peer_timeout_s`` while requests are in flight, so both sides declare the link lost
+and the receiver holds the pages; then SIGCONT.  The sender has kept checking the
+lost link's handles instead of releasing them (its drain); they end ``DONE``; the
+receiver dials it again, asks (``Ask``), and settles what the sender answers
+(``Settled``) while the sender lives.  A canary written into the settled pages
+afterwards must survive: a changed canary is a WRITE that landed after settling.
+And a hostile or garbage ``Ask`` gets nothing but a count.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from kvservice import FailureReason, TransferService
+from kvservice._control.protocol import MAX_ASK, Ask, Message, Settled
+from kvservice.testing import PeerProcess, pattern
+from tests.faults.test_settle import LATE_WRITE_WAIT_S, LAYOUT, PAGES, TCP, canary, send_then_stop
+from tests.helpers import config, eventually, peer_config, peers
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+FAST = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 1.0}
+#: hang guard for a settling that needs a loss (1 s), a resume, a re-dial and an Ask
+SETTLE_GUARD_S = 30.0
+LOST = {FailureReason.PEER_LOST, FailureReason.TIMEOUT, FailureReason.REMOTE_DISCONNECT}
+
+
+async def test_a_stalled_sender_that_resumes_settles_what_it_proves() -> None:
+    """The prefill is SIGSTOPped mid-copy past ``peer_timeout_s``: the decode fails the
+    request ``PEER_LOST`` and holds its pages.  SIGCONT: the prefill finds its link lost,
+    drains the in-flight WRITEs to ``DONE``; the decode links again and asks; the pages
+    settle while the prefill lives, and nothing lands in them afterwards."""
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (prefill,), \
+            TransferService(config(LAYOUT, ucx_env=TCP, **FAST)) as decode:
+        await send_then_stop(prefill, decode, "resume", timeout=None)  # lost by silence, not a deadline
+        try:
+            with anyio.fail_after(SETTLE_GUARD_S):
+                failed = await decode.await_arrival("resume")
+            assert failed.reason is FailureReason.PEER_LOST, failed
+            await eventually(lambda: decode.status()["peers"] == [], timeout=5)  # link declared lost
+            assert not (await decode.await_settled("resume", timeout=0.5)).settled
+            assert decode.status()["unsettled_pages"] == len(PAGES)
+        finally:
+            prefill.signal(signal.SIGCONT)
+        with anyio.fail_after(SETTLE_GUARD_S):
+            settled = await decode.await_settled("resume")
+        assert settled.settled, settled
+        assert decode.status()["unsettled_pages"] == 0
+        assert prefill.proc.returncode is None, "settled by the sender's proof, not by its exit"
+        if settled.ok:  # every chunk was DONE on the prefill before it saw the loss: both say SUCCESS
+            assert torch.equal(decode.kv.pages(PAGES), pattern(LAYOUT, "resume", len(PAGES)))
+        else:
+            assert settled.reason is FailureReason.PEER_LOST, settled
+        sent = await prefill.event("completed", "resume")
+        assert sent["status"] == ("SUCCESS" if settled.ok else "FAILED"), (settled, sent)
+        await canary_survives(decode)
+        await new_request_arrives(prefill, decode, "after")
+        print(f"\nsender stalled: settled {settled.status.value} ({settled.message})")
+        st = await status_of(prefill)
+        assert st["inflight_handles"] == 0 and "ask_flood" not in st["refused"], st
+
+
+async def test_a_stalled_receiver_that_resumes_settles_what_the_sender_proves() -> None:
+    """The decode is SIGSTOPped while a request is in flight; the prefill declares it lost
+    after ``peer_timeout_s`` and, instead of releasing the WRITEs, keeps checking them.
+    SIGCONT: they complete (``DONE``), the decode finds its link lost, holds what failed,
+    dials the prefill again, asks, and settles; a canary survives."""
+    prefill_cfg = config(LAYOUT, ucx_env=TCP, heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,), \
+            TransferService(prefill_cfg) as prefill:
+        await new_request_arrives_at(prefill, decode, "warm", [0], [1])
+        rids = [f"stall-{i}" for i in range(4)]
+        parts = [PAGES[i::4] for i in range(4)]
+        for rid, pages in zip(rids, parts, strict=True):
+            prefill.kv.write(pages, pattern(LAYOUT, rid, len(pages)))
+            await decode.command(op="expect", rid=rid, pages=pages, sender=prefill.address)
+            await decode.event("expecting", rid)
+        handles = [await prefill.send(rid, pages, last=True) for rid, pages in zip(rids, parts, strict=True)]
+        decode.signal(signal.SIGSTOP)
+        try:
+            with anyio.fail_after(SETTLE_GUARD_S):
+                await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S)
+        finally:
+            decode.signal(signal.SIGCONT)
+        with anyio.fail_after(SETTLE_GUARD_S):
+            sent = [await prefill.await_completion(h) for h in handles]
+        assert all(r.ok or r.reason in LOST for r in sent), sent
+        arrived = {rid: await decode.event("arrived", rid, timeout=SETTLE_GUARD_S) for rid in rids}
+        held = [rid for rid in rids if arrived[rid]["status"] != "SUCCESS"]
+        for rid in held:
+            assert FailureReason(arrived[rid]["reason"]) in LOST, arrived[rid]
+        for rid in rids:
+            await decode.command(op="await_settled", rid=rid, timeout=SETTLE_GUARD_S)
+            got = await decode.event("settled", rid, timeout=SETTLE_GUARD_S + 5)
+            assert got["settled"], got
+        st = await status_of(decode)
+        assert st["unsettled_pages"] == 0, st
+        assert decode.proc.returncode is None
+        assert prefill.status()["inflight_handles"] == 0
+        # nothing lands after settling: the decode writes another request's pattern into the pages
+        await decode.command(op="fill", rid="canary", pages=PAGES)
+        await decode.event("filled", "canary")
+        await anyio.sleep(LATE_WRITE_WAIT_S)
+        await decode.command(op="verify", rid="canary", pages=PAGES)
+        assert (await decode.event("verified", "canary"))["ok"], "a late WRITE landed in settled pages"
+        await new_request_arrives_at(prefill, decode, "after", [1, 2], [5, 6])
+        print(f"\nreceiver stalled: {len(held)} of {len(rids)} requests held, then settled")
+
+
+async def test_a_hostile_ask_gets_nothing_and_a_legit_transfer_follows() -> None:
+    """A linked peer (``mallory``) asks about another receiver's requests (ignored, counted
+    ``foreign_request``), about ids never sent (answered: nothing was ever posted, and it
+    holds nothing of them), twice at once (counted ``ask_flood``), and with more ids than an
+    ``Ask`` may carry (its link refused, ``frame``).  The legit receiver's transfers pass
+    byte-exact before and after, and nothing stays unsettled."""
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (prefill,), \
+            TransferService(config(LAYOUT, ucx_env=TCP, **FAST)) as decode, \
+            TransferService(config(LAYOUT, ucx_env=TCP, **FAST)) as mallory:
+        await new_request_arrives(prefill, decode, "legit-1")
+        await new_request_arrives(prefill, mallory, "m-warm")
+        heard: list[Message] = []
+        assert mallory._plane is not None
+        inbound = mallory._plane.inbound
+        on_message = inbound.on_message
+
+        def recording(agent: str, msg: Message) -> None:
+            heard.append(msg)
+            on_message(agent, msg)
+
+        inbound.on_message = recording  # type: ignore[method-assign]
+        agent = prefill.agent
+        mallory._plane.control.send_to(agent, Ask(["legit-1", "never-sent", "never-sent"]))
+        mallory._plane.control.send_to(agent, Ask(["legit-1"]))  # at once: a flood
+        await eventually(lambda: any(isinstance(m, Settled) for m in heard), timeout=10)
+        await eventually(lambda: refused_at(prefill, "ask_flood"), timeout=10)
+        st = await status_of(prefill)
+        assert st["refused"].get("foreign_request", 0) >= 1, st
+        assert [m.request_id for m in heard if isinstance(m, Settled)] == ["never-sent"], heard
+        # oversized: refused by the decoder, the link closed: it was mallory's alone
+        frames = st["refused"].get("frame", 0)
+        too_many = [f"x{i}" for i in range(MAX_ASK + 1)]
+        mallory._plane.control.send_to(agent, _unchecked_ask(too_many))
+        await eventually(lambda: refused_at(prefill, "frame", frames + 1), timeout=10)
+        await eventually(lambda: mallory.status()["peers"] == [], timeout=10)
+        await new_request_arrives(prefill, decode, "legit-2")
+        assert decode.status()["unsettled_pages"] == 0 and mallory.status()["unsettled_pages"] == 0
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _unchecked_ask(ids: list[str]) -> Ask:
+    """An ``Ask`` past its bounds, as a hostile peer would frame it (msgspec checks bounds
+    only when decoding)."""
+    return Ask(ids)
+
+
+async def status_of(peer: PeerProcess) -> dict[str, Any]:
+    await peer.command(op="status", id="st")
+    return await peer.wait_for(lambda e: e.get("event") == "status" and e.get("id") == "st")
+
+
+async def refused_at(peer: PeerProcess, kind: str, at_least: int = 1) -> bool:
+    return int((await status_of(peer))["refused"].get(kind, 0)) >= at_least
+
+
+async def canary_survives(decode: TransferService) -> None:
+    mine = canary(len(PAGES), -1.0)
+    decode.kv.write(PAGES, mine)
+    await anyio.sleep(LATE_WRITE_WAIT_S)
+    assert torch.equal(decode.kv.pages(PAGES), mine), "a late WRITE landed in settled pages"
+
+
+async def new_request_arrives(prefill: PeerProcess, decode: TransferService, rid: str) -> None:
+    """A small request from the prefill process to ``decode``, byte-exact."""
+    await prefill.command(op="fill", rid=rid, pages=[1, 2])
+    await prefill.event("filled", rid)
+    await decode.expect(rid, [5, 6], sender=prefill.address)
+    await prefill.command(op="send", rid=rid, pages=[1, 2], last=True)
+    arrived = await decode.await_arrival(rid, timeout=SETTLE_GUARD_S)
+    assert arrived.ok, arrived
+    assert torch.equal(decode.kv.pages([5, 6]), pattern(LAYOUT, rid, 2))
+
+
+async def new_request_arrives_at(prefill: TransferService, decode: PeerProcess, rid: str,
+                                 src: list[int], dst: list[int]) -> None:
+    """A small request from ``prefill`` to the decode process, verified there byte-exact."""
+    prefill.kv.write(src, pattern(LAYOUT, rid, len(src)))
+    await decode.command(op="expect", rid=rid, pages=dst, sender=prefill.address)
+    await decode.event("expecting", rid)
+    handle = await prefill.send(rid, src, last=True)
+    assert (await prefill.await_completion(handle)).ok
+    arrived = await decode.event("arrived", rid, timeout=SETTLE_GUARD_S)
+    assert arrived["status"] == "SUCCESS" and arrived.get("verified", True), arrived
