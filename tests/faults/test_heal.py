@@ -64,7 +64,7 @@ async def test_a_stalled_sender_that_resumes_settles_what_it_proves() -> None:
         assert sent["status"] == ("SUCCESS" if settled.ok else "FAILED"), (settled, sent)
         await canary_survives(decode)
         await new_request_arrives(prefill, decode, "after")
-        print(f"\nsender stalled: settled {settled.status.value} ({settled.message})")
+        print(f"\nsender stalled: receiver settled {settled.status.value}, sender {sent['status']} {sent['reason']}")
         st = await status_of(prefill)
         assert st["inflight_handles"] == 0 and "ask_flood" not in st["refused"], st
 
