@@ -48,19 +48,18 @@ class Heal:
 
     def __init__(self, plane: RequestPlane) -> None:
         self._plane = plane
-        self._asking: set[str] = set()  # agents an asking task runs for
+        self._asking: dict[str, int] = {}  # agent -> the link generation its asking task serves
         self._answered: Recent[str, float] = Recent(2 * plane.config.max_peers)  # agent -> last answered Ask
 
     # -- receiver side -------------------------------------------------------------------
     def linked(self, agent: str) -> None:
         """A new link with ``agent``: ask about what this side holds for it."""
         p = self._plane
-        if agent in self._asking or p.closing or not p.settlement.held_by(agent):
-            return
         generation = p.control.generation_of(agent)
-        if generation is None or not p.control.speaks(agent, ASK_VERSION):
+        if generation is None or self._asking.get(agent) == generation or p.closing \
+                or not p.settlement.held_by(agent) or not p.control.speaks(agent, ASK_VERSION):
             return
-        self._asking.add(agent)
+        self._asking[agent] = generation
         p.tg.start_soon(self._ask, agent, generation)
 
     async def _ask(self, agent: str, generation: int) -> None:
@@ -83,7 +82,8 @@ class Heal:
                 await anyio.sleep(wait)
                 wait = min(2 * wait, ASK_MAX_WAIT_S)
         finally:
-            self._asking.discard(agent)
+            if self._asking.get(agent) == generation:
+                del self._asking[agent]
 
     # -- sender side ---------------------------------------------------------------------
     def on_ask(self, agent: str, request_ids: list[str]) -> None:
