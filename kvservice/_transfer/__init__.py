@@ -25,6 +25,9 @@ Reading path:
   polls notifications, one bounded door call per tick.
 - ``settle``: ``Settlement``: which failed receiver requests are unsettled, and why
   each piece of evidence may settle them.
+- ``proofs``: ``Proofs``: which requests a sender could not prove over to their receiver
+  (a WRITE let go before ``DONE``); ``heal``: ``Heal``: the receiver's ``Ask`` on a new
+  link, the sender's answer.
 - ``deadlines``: the heap of request deadlines the watchdog pops each tick.
 - ``staging``: which requests move through the staging buffer, the ranges they hold and
   the copies in and out of it (what a staged page *is* stays in ``memory._staging``).
@@ -46,8 +49,12 @@ Glossary:
 - **fence**: one more page WRITE a sender posts, after its door released every handle
   of a failed request, on the same link; its notification arrives only after every
   earlier WRITE of that endpoint has landed.
+- **drain**: a lost receiver's handles in flight, checked until they end (or for
+  ``peer_timeout_s``) rather than released at once, so that they may end ``DONE``.
+- **proven over**: (a request, to its receiver) every WRITE of it the sender posted reached
+  ``DONE`` before it was let go, or it posted none.
 - **settled**: nothing of the request can be written any more.  A success is settled; a
-  receiver's failure is settled by the sender's fence, its ``Settled``, or its process
-  gone; a sender's failure once its handles are released.  Only a settled request's
-  pages may be reused.
+  receiver's failure is settled by the sender's fence, its ``Settled`` (also in answer
+  to an ``Ask`` after a lost link heals), or its process gone; a sender's failure once
+  its handles are released.  Only a settled request's pages may be reused.
 """
