@@ -301,13 +301,16 @@ async def test_cut_mid_transfer_fails_both_sides_then_heals(link: Wire, key_file
 @pytest.mark.nixl
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-async def test_pages_of_a_cut_request_stay_unsettled_until_the_sender_is_gone(
+async def test_pages_of_a_cut_request_settle_once_proven_or_the_sender_is_gone(
         link: Wire, key_file: str, method: str) -> None:
-    """After a cut, the released WRITEs stay queued on UCX's old TCP connection and land
-    when the link heals (measured: within ~0.5 s), in pages both sides failed seconds
-    before.  So the decode must not call those pages reusable: they stay unsettled
-    (``unsettled_pages``) through the heal, while new requests succeed, and settle once
-    the prefill's process is gone (its address then refuses connections)."""
+    """After a cut, WRITEs stay queued on UCX's old TCP connection and land when the link
+    heals (measured: within ~0.5 s), in pages both sides failed seconds before.  So the
+    decode holds those pages (``unsettled_pages``) through the cut.  The prefill does not
+    release the lost link's WRITEs at once: it drains them for its ``peer_timeout_s``.  One
+    that ends ``DONE`` within that (the heal came in time) is proven over: the decode,
+    linked again, asks and settles it while the prefill lives.  One released unfinished
+    stays held until the prefill's process is gone.  A canary the decode writes into the
+    pages settled while the prefill lives survives the draining of the old connection."""
     async with services(link, key_file) as (decode, prefill):
         cut = await cut_in_flight(link, method, decode, prefill)
         held = sum(len(d) for d in cut.dst)
@@ -321,8 +324,22 @@ async def test_pages_of_a_cut_request_stay_unsettled_until_the_sender_is_gone(
 
         # the old link's queued bytes have had their chance to land
         await eventually(drained, 20, 0.1, what="the cut link's queued bytes drained")
+        proven = []
+        for rid in cut.rids:
+            await decode.command(op="await_settled", rid=rid, timeout=0.1, id=f"s-{rid}")
+            if (await decode.wait_for(lambda e, rid=rid: e.get("id") == f"s-{rid}", timeout=10))["settled"]:
+                proven.append(rid)
         st = await status(decode)
-        assert st["unsettled_pages"] == held, st  # the sender lives: nothing proves its WRITEs over
+        left = sum(len(d) for rid, d in zip(cut.rids, cut.dst, strict=True) if rid not in proven)
+        assert st["unsettled_pages"] <= left, st  # (more may settle meanwhile: the Asks go on)
+        pages = [p for rid, d in zip(cut.rids, cut.dst, strict=True) if rid in proven for p in d]
+        if pages:  # settled while the prefill lives: nothing may land in them any more
+            await decode.command(op="fill", rid="canary", pages=pages)
+            await decode.event("filled", "canary")
+            await anyio.sleep(1.0)
+            await decode.command(op="verify", rid="canary", pages=pages)
+            assert (await decode.event("verified", "canary"))["ok"], "a late WRITE landed in settled pages"
+        print(f"{method}: {len(proven)} of {len(cut.rids)} cut requests proven over after the heal")
         assert await prefill.stop(timeout=10) == 0
         await until(decode, lambda s: s["unsettled_pages"] == 0, timeout=20)
 
