@@ -11,7 +11,11 @@ sender's exit.
 
 Receiver side: ``linked`` starts one asking task per agent; it asks at most
 ``MAX_ASK`` ids per ``Ask``, rotating through what is held, ``ASK_ROUNDS`` times with
-back-off, only while that link lives and only to a peer that speaks version 6.
+back-off, only while that link lives and only to a peer that speaks version 6.  It
+asks only once the agent on the new link is proven at an address where the lost one
+was proven (this service dialled it there and it proved itself): a key holder that
+links under a stalled sender's name cannot listen on that sender's port while the
+sender lives, so it is never asked (its unasked ``Settled`` would settle as before).
 
 Sender side: ``on_ask`` answers only about requests that are not bound to the
 asker and live, or still being released or drained, and not unproven for it (a
@@ -50,13 +54,20 @@ class Heal:
         self._plane = plane
         self._asking: dict[str, int] = {}  # agent -> the link generation its asking task serves
         self._answered: Recent[str, float] = Recent(2 * plane.config.max_peers)  # agent -> last answered Ask
+        #: agent -> the addresses it was proven at when its link was lost
+        self._lost_at: Recent[str, frozenset[str]] = Recent(2 * plane.config.max_peers)
+
+    def lost(self, agent: str, proven: frozenset[str]) -> None:
+        """``agent``'s link was lost while it was proven at ``proven``."""
+        if proven:
+            self._lost_at.put(agent, proven)
 
     # -- receiver side -------------------------------------------------------------------
     def linked(self, agent: str) -> None:
         """A new link with ``agent``: ask about what this side holds for it."""
         p = self._plane
         generation = p.control.generation_of(agent)
-        if generation is None or self._asking.get(agent) == generation or p.closing \
+        if generation is None or self._asking.get(agent) == generation or p.closing or agent not in self._lost_at \
                 or not p.settlement.held_by(agent) or not p.control.speaks(agent, ASK_VERSION):
             return
         self._asking[agent] = generation
@@ -76,7 +87,7 @@ class Heal:
                 offset = offset % len(held)
                 ids = (held[offset:] + held[:offset])[:MAX_ASK]
                 offset += MAX_ASK
-                if p.control.speaks(agent, ASK_VERSION):
+                if p.control.speaks(agent, ASK_VERSION) and self._same_sender(agent):
                     log.debug("transfer.ask", agent=agent, requests=len(ids), held=len(held))
                     p.send_to(agent, Ask(ids))
                 await anyio.sleep(wait)
@@ -84,6 +95,10 @@ class Heal:
         finally:
             if self._asking.get(agent) == generation:
                 del self._asking[agent]
+
+    def _same_sender(self, agent: str) -> bool:
+        """Whether linked ``agent`` is proven where the lost one was (the same listener)."""
+        return bool(self._plane.control.proven_addresses(agent) & (self._lost_at.get(agent) or frozenset()))
 
     # -- sender side ---------------------------------------------------------------------
     def on_ask(self, agent: str, request_ids: list[str]) -> None:

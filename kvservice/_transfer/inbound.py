@@ -209,6 +209,7 @@ class Inbound:
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
         if not gone:  # its WRITEs in flight may still end DONE: checked, not let go (_transfer.proofs)
             p.watchdog.drain(agent, time.monotonic() + p.config.peer_timeout_s)
+        self._heal.lost(agent, proven)
         for sreq in [r for r in p.sends.values() if r.peer == agent]:
             p.fail(sreq, reason, what, error=cause, from_peer=True)
         for rreq in [r for r in p.recvs.values() if r.peer == agent]:
