@@ -207,7 +207,7 @@ class Inbound:
         p = self._plane
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
-        if not gone:  # its WRITEs in flight may still end DONE: checked, not let go (_transfer.proofs)
+        if not gone and not p.closing:  # its WRITEs in flight may still end DONE: checked, not let go (proofs)
             p.watchdog.drain(agent, time.monotonic() + p.config.peer_timeout_s)
         self._heal.lost(agent, proven)
         for sreq in [r for r in p.sends.values() if r.peer == agent]:

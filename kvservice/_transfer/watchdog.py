@@ -256,6 +256,7 @@ class Watchdog:
         self._stopping = True
         self.wake()
         await self._stopped.wait()
+        self._drain_expired(float("inf"))  # what still drains is released (unproven) by the last tick
 
     async def _run(self) -> None:
         next_scan = 0.0
