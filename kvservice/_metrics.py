@@ -87,6 +87,10 @@ def service_families(svc: Measured) -> list[Metric]:
                             labels=["quantile"])
     lag.add_metric(["0.99"], snap["loop_lag_p99_s"])
     lag.add_metric(["1"], snap["loop_lag_max_s"])
+    peer_versions = GaugeMetricFamily("kvservice_peer_links", "Live control links by the protocol version they speak",
+                                      labels=["protocol"])
+    for version, n in snap["peer_versions"].items():
+        peer_versions.add_metric([version], n)
     return [
         *peer_families(snap["peer_histograms"]),
         transfers, moved, in_flight,
@@ -95,6 +99,7 @@ def service_families(svc: Measured) -> list[Metric]:
         duration,
         GaugeMetricFamily("kvservice_peers_connected", "Peer services with a live control link",
                           value=len(snap["peers"])),
+        peer_versions,
         GaugeMetricFamily("kvservice_unsettled_pages",
                           "Pages of failed requests a sender may still write into (not reusable yet)",
                           value=snap["unsettled_pages"]),

@@ -432,13 +432,13 @@ class TransferService:
         if plane is None:
             return self.stats.snapshot(RequestCounts(
                 sending=0, receiving=0, expects_before_send=0, unsettled_pages=0, inflight_handles=0,
-                live_nixl_handles=0, staging_held_bytes=0), [], discovery)
+                live_nixl_handles=0, staging_held_bytes=0), [], {}, discovery)
         wd = plane.watchdog
         return self.stats.snapshot(RequestCounts(
             sending=len(plane.sends), receiving=len(plane.recvs), expects_before_send=len(plane.early),
             unsettled_pages=plane.settlement.unsettled_pages, inflight_handles=wd.inflight,
             live_nixl_handles=wd.live_handles, staging_held_bytes=wd.staging_held,
-        ), plane.control.peer_addresses(), discovery)
+        ), plane.control.peer_addresses(), plane.control.peer_versions(), discovery)
 
     # -- discovery (discovery = "etcd"; kvservice.discovery) ---------------------------
     def live_peers(self, role: str | None = None) -> list[Member]:

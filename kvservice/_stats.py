@@ -47,6 +47,8 @@ class ServiceStatus(RequestCounts):
     loop_lag_max_s: float
     peer_times: dict[str, Any]  #: by peer label: time per transfer and to post, counts and sums
     peers: list[str]  #: linked peers' addresses
+    #: live links by the protocol version they speak ("5", "6"): how far a rolling upgrade is
+    peer_versions: dict[str, int]
     discovery: NotRequired[dict[str, object]]  #: with ``discovery = "etcd"``: the registry's own
 
 
@@ -109,7 +111,7 @@ class Stats:
         ordered = sorted(self.lag_samples)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    def snapshot(self, requests: RequestCounts, peers: list[str],
+    def snapshot(self, requests: RequestCounts, peers: list[str], peer_versions: dict[str, int],
                  discovery: dict[str, object] | None = None) -> ServiceStatus:
         status = ServiceStatus(
             outcomes={f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
@@ -123,6 +125,7 @@ class Stats:
             loop_lag_max_s=self.max_lag_s,
             peer_times=self.peers.snapshot(),
             peers=peers,
+            peer_versions=peer_versions,
             sending=requests["sending"],
             receiving=requests["receiving"],
             expects_before_send=requests["expects_before_send"],

@@ -37,12 +37,14 @@ and go on (``accept``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import msgspec
 
 from .._config import ServiceConfig
 from .._log import get_logger
@@ -54,10 +56,11 @@ from .._trust import checks
 from .._trust.handshake import (
     ACCEPTOR,
     DIALER,
+    Exchange,
     LinkSecrets,
+    check_versions,
     new_nonce,
     prove,
-    transcript,
     verify,
 )
 from .._trust.vetting import MetadataVetter
@@ -81,6 +84,7 @@ from .peers import (
     LocalPeer,
     Peer,
     PeerEvents,
+    agree,
     check_hello,
     dial_failure,
     endpoint_gone,
@@ -97,6 +101,7 @@ from .protocol import (
     Message,
     Proof,
     Reject,
+    hello,
     text,
 )
 from .transport import ByteListener, TcpTransport, Transport
@@ -225,28 +230,29 @@ class ControlPlane:
 
     async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer | None:
         local = self._local
-        hello = await framed.recv(PREAUTH_FRAME_BYTES)
-        if not isinstance(hello, Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__}", "hello_invalid")
-        check_hello(hello, self._local.agent)
-        nonce = new_nonce()
-        script = transcript((hello.agent, hello.address, hello.nonce), (local.agent, self.address, nonce))
-        await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce,
-                                prove(local.key, ACCEPTOR, script)))
-        if hello.probe:  # "who answers here?": our proof says it; nothing else follows
+        theirs = await framed.recv(PREAUTH_FRAME_BYTES)
+        if not isinstance(theirs, Hello):
+            raise ProtocolError(f"expected hello, got {type(theirs).__name__}", "hello_invalid")
+        version = check_hello(theirs, self._local.agent)
+        exchange = Exchange()
+        mine = hello(local.agent, self.address, new_nonce(PROTOCOL_VERSION), share=exchange.share)
+        agreed = agree(version, mine, theirs, exchange, ACCEPTOR)
+        await framed.send(msgspec.structs.replace(mine, proof=prove(local.key, ACCEPTOR, agreed.script)))
+        if theirs.probe:  # "who answers here?": our proof says it; nothing else follows
             return None
         answer = await framed.recv(PREAUTH_FRAME_BYTES)
         if isinstance(answer, Reject):
-            raise rejected_by(hello.address, answer)
+            raise rejected_by(theirs.address, answer)
         if not isinstance(answer, Proof):
             raise ProtocolError(f"expected proof, got {type(answer).__name__}", "hello_invalid")
-        why = verify(local.key, DIALER, script, answer.proof)
+        why = verify(local.key, DIALER, agreed.script, answer.proof) or check_versions(
+            theirs.nonce, PROTOCOL_VERSION, version)
         if why is not None:
             raise AuthenticationError(why)
-        secrets = LinkSecrets(local.key, script, ACCEPTOR)
+        secrets = agreed.secrets(local.key, ACCEPTOR)
         framed.mac = secrets.frame_mac
         join = open_join(await framed.recv(), secrets)
-        peer = await self._admit(framed, hello, join, secrets)
+        peer = await self._admit(framed, theirs, join, secrets, version)
         try:
             await send_join(framed, local.join, secrets)
         except BaseException:
@@ -343,16 +349,16 @@ class ControlPlane:
         with anyio.fail_after(self._cfg.connect_timeout_s):
             framed = await self._dialing.connect(address)
             try:
-                reply, script = await self._dialing.hello(framed, address, probe=False)
-                await framed.send(Proof(prove(local.key, DIALER, script)))
-                secrets = LinkSecrets(local.key, script, DIALER)
+                reply, agreed = await self._dialing.hello(framed, address, probe=False)
+                await framed.send(Proof(prove(local.key, DIALER, agreed.script)))
+                secrets = agreed.secrets(local.key, DIALER)
                 framed.mac = secrets.frame_mac
                 await send_join(framed, local.join, secrets)
                 answer = await recv_join_or_reject(framed)
                 if isinstance(answer, Reject):
                     raise rejected_by(address, answer)
                 join = open_join(answer, secrets)
-                peer = await self._admit(framed, reply, join, secrets, dialled=canon)
+                peer = await self._admit(framed, reply, join, secrets, agreed.version, dialled=canon)
             except BaseException:
                 await framed.aclose()
                 raise
@@ -366,10 +372,11 @@ class ControlPlane:
         return dial_failure(exc)
 
     # -- the handshake ---------------------------------------------------------------
-    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets,
+    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets, version: int,
                      dialled: str | None = None) -> Peer:
         """Check an authenticated peer's pool, load it into NIXL and link it (raises
-        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at."""
+        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at;
+        ``version``: the protocol version the link speaks."""
         memory, why, theirs = checks.check_memory(self._local.memory, join.memory)
         if memory is None:
             why = why or "invalid KV memory"
@@ -422,14 +429,14 @@ class ControlPlane:
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, kv, link, secrets)
+            peer = Peer(agent, hello.address, kv, link, secrets, version)
             self._peers[agent] = peer
             self._stats.peers.linked(agent, hello.address)
             self._book.linked(agent, canon, dialled)
             keys = self._notif_in.get(agent) or []
             self._notif_in.put(agent, [secrets.notif_in, *keys][:_NOTIF_KEYS_PER_AGENT])
         log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
-                 authenticated=self._local.key is not None)
+                 authenticated=self._local.key is not None, version=version)
         if self._book.unproven_claim(agent) is not None and not self._closing:
             # It dialled us: find out now whether it answers where it says it does, so a
             # request pinned to that address binds without waiting.
@@ -530,6 +537,17 @@ class ControlPlane:
         peer = self._peers.get(agent)
         return peer.link.generation if peer is not None else None
 
+    def version_of(self, agent: str) -> int | None:
+        """The protocol version ``agent``'s link speaks (None when not linked)."""
+        peer = self._peers.get(agent)
+        return peer.version if peer is not None else None
+
+    def speaks(self, agent: str, version: int) -> bool:
+        """Whether ``agent`` is linked and its link speaks ``version`` or newer: a message
+        newer than its version would end the link (an unknown tag is a ``FrameError``)."""
+        peer = self._peers.get(agent)
+        return peer is not None and peer.version >= version
+
     def peer_kv(self, agent: str) -> PeerKV | None:
         peer = self._peers.get(agent)
         return peer.kv if peer is not None else None
@@ -547,6 +565,10 @@ class ControlPlane:
 
     def peer_addresses(self) -> list[str]:
         return sorted(peer.address for peer in self._peers.values())
+
+    def peer_versions(self) -> dict[str, int]:
+        """Live links by the protocol version they speak (``status()["peer_versions"]``)."""
+        return dict(sorted(collections.Counter(str(peer.version) for peer in self._peers.values()).items()))
 
     async def close_all(self, timeout: float) -> None:
         self._closing = True
