@@ -33,7 +33,7 @@ import anyio
 import anyio.abc
 
 from .._log import get_logger
-from .._stats import Stats
+from .._stats import DiscoveryStatus, Stats
 from . import member as members
 from ._etcd import Etcd, EtcdOptions, EtcdUnavailable, Event
 from .member import Ignored, Member
@@ -104,11 +104,12 @@ class Registry:
     def live(self, role: str | None = None) -> list[Member]:
         return sorted((m for m in self.members.values() if role is None or m.role == role), key=lambda m: m.name)
 
-    def status(self) -> dict[str, object]:
-        return {"name": self.name, "cluster": self._cfg.cluster, "registered": self._lease is not None,
-                "etcd": self._etcd.endpoint if self._etcd is not None else None, "members": len(self.members),
-                "lapsed": sorted(self._lapsed), "registrations": self.registrations, "outages": self.outages,
-                "rewrites": self.rewrites, "ignored": dict(self.ignored)}
+    def status(self) -> DiscoveryStatus:
+        return DiscoveryStatus(
+            name=self.name, cluster=self._cfg.cluster, registered=self._lease is not None,
+            etcd=self._etcd.endpoint if self._etcd is not None else None, members=len(self.members),
+            lapsed=sorted(self._lapsed), registrations=self.registrations, outages=self.outages,
+            rewrites=self.rewrites, ignored={why: self.ignored[why] for why in members.IGNORED})
 
     # -- the loop ---------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

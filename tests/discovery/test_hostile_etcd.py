@@ -1,11 +1,12 @@
 """Hostile entries in etcd, written with a raw client (no cluster key is needed to write
 to etcd): a key that is not UTF-8, one with a huge name, one whose name is not a member
-name, garbage bytes as a value, a value that parses but claims a linked member's agent
+name, garbage bytes as a value, one over 4 KiB, a value that parses but claims a linked member's agent
 (put twice, as a second incarnation).  Each while two services are linked and moving
 pages: both stay up (no etcd outage is counted either), a request held over the link
 is not failed, every transfer passes byte-exact, the entry is ignored and counted (on
 the running services' watch, and on the listing of a service that starts later), and
-``kvservice cluster`` exits 0 listing the good members and saying what it skipped.
+``kvservice cluster`` exits 0 listing the good members and saying what it skipped;
+``status()`` and the metrics (the service's and the sidecar's) count each by kind.
 
 A service whose own key is overwritten (garbage, or deleted while its lease lives)
 writes it again, counted, and reappears for those who list later.  A forged member naming
@@ -23,9 +24,12 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice import FailureReason, KVPoll, TransferService
-from kvservice.discovery.member import Member, encode, read
+from kvservice.discovery.member import IGNORED, Member, encode, read
+from kvservice.sidecar.metrics import render
 from kvservice.testing import pattern
 from tests.helpers import SMALL, config, eventually
 
@@ -123,6 +127,8 @@ HOSTILE: dict[str, Callable[[TransferService], list[tuple[bytes, bytes]]]] = {
     "key_too_long": lambda p: [(PREFIX + b"n" * 8192, claim_of(p, 1))],
     "name_invalid": lambda p: [(PREFIX + b"../decode-0 x", claim_of(p, 1))],
     "value_invalid": lambda p: [(PREFIX + b"garbage", bytes(range(256)) * 4)],
+    # a registration that would decode (JSON may start with blanks), but past the 4 KiB bound
+    "value_too_long": lambda p: [(PREFIX + b"huge", b" " * 4096 + claim_of(p, 1, name="huge"))],
     "agent_taken": lambda p: [(PREFIX + b"evil", claim_of(p, 1)), (PREFIX + b"evil", claim_of(p, 2))],
 }
 
@@ -222,3 +228,34 @@ async def test_a_forged_registration_does_not_drop_a_peer_linked_by_address(etcd
         assert sent.ok and got.ok and got.reason is not FailureReason.PEER_LOST, (sent, got)
         assert decode.status()["peers"] == [static.address]
 
+
+def samples(text: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of ``family`` in a Prometheus text scrape, by their labels."""
+    return {tuple(sorted(sample.labels.items())): sample.value
+            for fam in text_string_to_metric_families(text) if fam.name == family for sample in fam.samples}
+
+
+async def test_ignored_registrations_show_in_status_and_metrics_by_kind(etcd: EtcdServer) -> None:
+    """Every kind of hostile entry, written while two services are linked: each is counted by
+    kind in ``status()["discovery"]["ignored"]``, in the service's own collector and in what
+    the sidecar's ``/metrics`` serves (``kvservice_discovery_ignored_total{why}``, beside
+    ``kvservice_refused_total{kind="discovery_member"}``), and a transfer by name still passes."""
+    async with linked(etcd) as (prefill, decode, traffic):
+        expected = {why: len(HOSTILE[why](prefill)) for why in HOSTILE}
+        async with raw_client(etcd) as client:
+            for why in sorted(HOSTILE):
+                for key, value in HOSTILE[why](prefill):
+                    await client.put(key, value)
+        await eventually(lambda: all(decode.status()["discovery"]["ignored"][why] >= n for why, n in expected.items()),
+                         timeout=GUARD_S)
+        ignored = decode.status()["discovery"]["ignored"]
+        assert set(ignored) == set(IGNORED) and ignored["key_outside_prefix"] == 0, ignored  # every kind, zeros too
+        registry = CollectorRegistry()
+        registry.register(decode.metrics)
+        for text in (generate_latest(registry).decode(), render(decode, None, None, ready=True)):
+            by_why = samples(text, "kvservice_discovery_ignored")
+            assert by_why == {(("why", why),): float(n) for why, n in ignored.items()}, by_why
+            refused = samples(text, "kvservice_refused")
+            assert refused[(("kind", "discovery_member"), ("where", "service"))] >= sum(expected.values()), refused
+        await transfer(prefill, decode, "after", [6], [50])
+        await eventually(lambda: traffic.ok >= 3, timeout=GUARD_S)
