@@ -278,20 +278,22 @@ class TransferService:
                 raise ValueError(f"payload of {len(payload)} bytes exceeds max_payload_bytes "
                                  f"({self.config.max_payload_bytes})")
         pinned: str | None = None
+        member: str | None = None
         unknown: PeerUnknown | None = None
         if receiver is not None:
             if plane.sent_before(request_id):
                 raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
             if self._discovery is not None:  # a member's name: where it registered
                 try:
-                    receiver = self._discovery.address_of(receiver)
+                    receiver, member = self._discovery.resolve(receiver)
                 except PeerUnknown as exc:  # as expect(sender=): the request fails PEER_LOST
                     unknown = exc
             if unknown is None:
                 pinned = await plane.control.canonical(receiver)  # ValueError when malformed
             self._running()
         return TransferHandle(plane.send(request_id, src, lo, hi, last=last, timeout=timeout, pinned=pinned,
-                                         unknown=unknown, payload=payload, fit_tail=fit == "tail"))
+                                         unknown=unknown, payload=payload, fit_tail=fit == "tail",
+                                         member=member))
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
         """Wait for the request behind ``handle`` to end.
@@ -337,7 +339,7 @@ class TransferService:
         unknown: PeerUnknown | None = None
         if self._discovery is not None:  # a member's name: where it registered
             try:
-                sender = self._discovery.address_of(sender)
+                sender, _ = self._discovery.resolve(sender)
             except PeerUnknown as exc:
                 unknown = exc
         if unknown is None:

@@ -32,6 +32,23 @@ class RequestCounts(TypedDict):
     staging_held_bytes: int  #: staging buffer bytes held by requests
 
 
+class DiscoveryStatus(TypedDict):
+    """``ServiceStatus["discovery"]`` with ``discovery = "etcd"``: the registry's own counts."""
+
+    name: str  #: the name this service registers under
+    cluster: str
+    registered: bool  #: holds a lease now
+    etcd: str | None  #: the endpoint it talks to now (None while none answers)
+    members: int  #: live peers (this service not counted)
+    lapsed: list[str]  #: members whose lease lapsed, not judged lost yet
+    registrations: int  #: leases registered on (1 + re-registrations)
+    outages: int  #: times etcd was found unreachable
+    rewrites: int  #: own key found changed by another writer, and written again
+    #: entries under the prefix that are no valid member, by why (every kind, zeros too):
+    #: docs/cluster.md "What it reads, and what it ignores"
+    ignored: dict[str, int]
+
+
 class ServiceStatus(RequestCounts):
     """``TransferService.status()``: a snapshot for operators, cheap enough to poll (a
     dict, typed: it crosses the sidecar's wire and goes into JSON as it is)."""
@@ -49,7 +66,7 @@ class ServiceStatus(RequestCounts):
     peers: list[str]  #: linked peers' addresses
     #: live links by the protocol version they speak ("5", "6"): how far a rolling upgrade is
     peer_versions: dict[str, int]
-    discovery: NotRequired[dict[str, object]]  #: with ``discovery = "etcd"``: the registry's own
+    discovery: NotRequired[DiscoveryStatus]  #: with ``discovery = "etcd"``: the registry's own
 
 
 @dataclass
@@ -112,7 +129,7 @@ class Stats:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def snapshot(self, requests: RequestCounts, peers: list[str], peer_versions: dict[str, int],
-                 discovery: dict[str, object] | None = None) -> ServiceStatus:
+                 discovery: DiscoveryStatus | None = None) -> ServiceStatus:
         status = ServiceStatus(
             outcomes={f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
             bytes_sent=self.bytes["send"],

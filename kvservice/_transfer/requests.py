@@ -118,6 +118,7 @@ class SendRequest(_Request):
 
     bootstrap_deadline: float = 0.0
     receiver: str | None = None  # canonical address the request is pinned to (send(receiver=))
+    member: str | None = None  # the discovery member whose registered address ``receiver`` is (named so)
     peer: str | None = None  # destination agent, once the receiver's Expect arrived
     peer_address: str | None = None  # where that agent is (proven, else as it advertises itself): for messages
     kv: PeerKV | None = None  # the receiver's memory, paired with ours
