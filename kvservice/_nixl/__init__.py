@@ -19,7 +19,8 @@ handle, and no NIXL exception crosses it except as the ``original`` of a
 
 Who may call it: the request plane (``_transfer``: the watchdog posts and checks), the
 control plane (``_control``: loading and unloading peers), the service's lifetime
-(``_service``: creating and closing the agent) and the vetting child.  Unit tests put a
+(``_service``: creating and closing the agent), the vetting (``_trust.vetting``: which NIXL
+build its child loads) and the vetting child.  Unit tests put a
 scripted fake behind the same interface (``kvservice.testing``); integration and fault
 tests drive the real one.
 """
