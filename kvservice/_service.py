@@ -140,7 +140,7 @@ class TransferService:
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port "
                                f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
-        # The vetting child boots (~2 s of CPU) while the pool and the agent are made, so a
+        # The vetting child boots (~0.3 s of CPU) while the pool and the agent are made, so a
         # peer's first handshake waits for less of it (_trust/vetting.py).  The port does not
         # wait for it: every service start would then take the boot (seconds on a busy machine).
         # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.

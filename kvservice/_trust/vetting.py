@@ -16,14 +16,15 @@ every request of every peer.  No ``try`` can catch that, so before the door's
 Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
 the same agent is not loaded twice); so is metadata that killed a child.
 
-The child starts as the service starts: importing NIXL and creating an agent
-take ~2 s of CPU here and it holds ~250 MB, which a service that never peers
-pays too.  It boots while the service makes its pool and agent, and the service
-opens its port only once the child serves: a peer's handshake waits for the
-acceptor's child inside that peer's ``connect_timeout_s``, so a child still
-booting there cost first links their deadline under load.  A child that died
-after serving is replaced at once, in the background; a handshake waits for a
-child that is (re)starting before its own deadline begins.
+The child starts as the service starts.  It imports NIXL and nothing of the
+service (``vetchild``): ~0.3 s of CPU and ~55 MB resident here, which a service
+that never peers pays too (~2.3 s and ~590 MB in SGLang's environment when it
+imported the whole package and torch).  It boots while the service makes its
+pool and agent, and the port opens without waiting for it.  A handshake here
+waits for a child that is (re)starting before its own deadline begins, but the
+peer at the other end waits inside its ``connect_timeout_s``: a child still
+booting cost first links their deadline under load, which is why it is kept
+light.  A child that died after serving is replaced at once, in the background.
 The child is spawned without ``fork()`` (see ``_supervise``), talks over a
 socket pair, and is stopped and reaped when the service's task group ends,
 cancelled or not.
@@ -38,10 +39,8 @@ import collections
 import hashlib
 import itertools
 import json
-import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import uuid
@@ -55,20 +54,15 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._log import get_logger
+from .._nixl.trial import nixl_build
 from .metadata import check_metadata
+from .vetchild import BROKEN, LOADED, READY, REPLY, REQUEST
 
 log = get_logger("kvservice.vetting")
 
-#: the vetting child's wire (``vetchild``): request id, length, metadata; reply id, status, length, message
-REQUEST = struct.Struct(">QI")
-REPLY = struct.Struct(">QBI")
-LOADED, REFUSED, READY, BROKEN = 0, 1, 2, 3
-#: larger requests end the child: the service never sends them (its frames are smaller)
-MAX_REQUEST_BYTES = 1 << 26
-
 METADATA_UNSAFE = "metadata_unsafe"
 VETTING_UNAVAILABLE = "vetting_unavailable"
-#: importing NIXL and creating an agent: ~1.5-2 s on an idle 2-core machine
+#: importing NIXL and creating an agent: ~0.5 s on an idle 2-core machine, seconds on a loaded one
 START_TIMEOUT_S = 60.0
 #: a trial load is a few milliseconds; one that hangs is refused and its child replaced
 LOAD_TIMEOUT_S = 10.0
@@ -76,9 +70,8 @@ LOAD_TIMEOUT_S = 10.0
 REMEMBERED = 4096
 #: children a single metadata may be tried on when others' metadata killed them first
 ATTEMPTS = 3
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-#: what the child runs (``python -m``)
-CHILD_MODULE = "kvservice._trust.vetchild"
+#: what the child runs (``python -P``: by path, see ``vetchild``)
+CHILD = str(Path(__file__).with_name("vetchild.py"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,9 +229,6 @@ class MetadataVetter:
         # A ':' no peer's agent name may hold (``checks.AGENT_NAME``): no metadata can name the
         # child's own agent, which NIXL would refuse without unpacking anything.
         agent = f"{self._agent_prefix}:vet-{uuid.uuid4().hex[:12]}"
-        config = json.dumps({"agent": agent, "ucx_env": self._ucx_env})
-        path = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "PYTHONPATH": _PACKAGE_ROOT + (os.pathsep + path if path else "")}
         ours, theirs = socket.socketpair()
         try:
             # subprocess.Popen, not the event loop's spawn: it starts the child without a
@@ -248,8 +238,11 @@ class MetadataVetter:
             # 1.2-1.5; 10-15 % between two in-process services), and with RDMA-registered memory
             # a fork is worse than slow.
             def spawn() -> subprocess.Popen[bytes]:
-                return subprocess.Popen([sys.executable, "-m", CHILD_MODULE, config, str(theirs.fileno())],
-                                        stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=env)
+                # the NIXL build this process loaded (at once in a service: its door has), so
+                # that the child runs the same UCX
+                config = json.dumps({"agent": agent, "ucx_env": self._ucx_env, "nixl": nixl_build()})
+                return subprocess.Popen([sys.executable, "-P", CHILD, config, str(theirs.fileno())],
+                                        stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
 
             with anyio.CancelScope(shield=True):  # a child spawned is a child reaped
                 proc = await anyio.to_thread.run_sync(spawn)

@@ -326,13 +326,13 @@ def vetting_children() -> set[int]:
                 cmdline = f.read()
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if ppid == os.getpid() and vetting.CHILD_MODULE.encode() in cmdline:
+        if ppid == os.getpid() and vetting.CHILD.encode() in cmdline:
             found.add(int(entry))
     return found
 
 
 async def test_a_services_vetting_child_boots_as_it_starts() -> None:
-    """The child boots (~2 s of CPU) from the start of the service's start, while the pool and
+    """The child boots (~0.3 s of CPU) from the start of the service's start, while the pool and
     the agent are made, not at a peer's first handshake (inside that peer's
     connect_timeout_s); one child, serving without a peer ever asking, reaped at the end."""
     before = vetting_children()
@@ -378,11 +378,11 @@ async def test_a_sidecar_daemon_refuses_it_too() -> None:
 
 
 async def test_without_a_vetting_child_nobody_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A child that cannot start (here: its module is missing) leaves the service refusing
+    """A child that cannot start (here: its file is missing) leaves the service refusing
     every peer (``vetting_unavailable``) rather than loading unvetted metadata."""
     import kvservice._trust.vetting as vetting
 
-    monkeypatch.setattr(vetting, "CHILD_MODULE", "kvservice._trust.no_such_module")
+    monkeypatch.setattr(vetting, "CHILD", vetting.CHILD.replace("vetchild.py", "no_such_file.py"))
     async with peers(peer_config()) as (decode,), TransferService(config()) as svc:
         rid = f"refused-{next(_rids)}"
         await decode.command(op="expect", rid=rid, pages=[1, 2], sender=svc.address)
