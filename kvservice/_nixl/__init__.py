@@ -11,6 +11,8 @@ handle, and no NIXL exception crosses it except as the ``original`` of a
   to failure reasons (``classify``); ``TrialLoader``, what the vetting child
   (``_trust.vetchild``) loads peers' metadata with, so that child too reaches NIXL only
   here.  It imports ``nixl``, lazily where it can: ``import kvservice`` never needs it.
+- ``native_log``: UCX's own log lines read from a pipe and logged as kvservice's
+  ``ucx.*`` events, and NIXL's own level while it loads.  No ``nixl`` import.
 
 Who may call it: the request plane (``_transfer``: the watchdog posts and checks), the
 control plane (``_control``: loading and unloading peers), the service's lifetime

@@ -33,12 +33,14 @@ import numpy.typing as npt
 from .._log import get_logger
 from .._results import FailureReason, KVServiceError, NixlUnavailable
 from .door import DoorError, LocalTable, Segment, XferId, XferState
+from .native_log import after_agent_created, nixl_log_level, ucx_log_file
 
 log = get_logger("kvservice.nixl")
 
 try:
-    from nixl import _bindings as _nb
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    with nixl_log_level():  # NIXL reads it as it loads (see native_log)
+        from nixl import _bindings as _nb
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     NIXL_IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # pragma: no cover - exercised only without nixl installed
@@ -116,10 +118,15 @@ def classify(exc: BaseException) -> FailureReason:
 @contextlib.contextmanager
 def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
     """Apply ``overrides`` (variables already set win) and restore on exit, so one
-    service's UCX settings never leak into another created later in the process."""
-    saved = {key: os.environ.get(key) for key in overrides}
+    service's UCX settings never leak into another created later in the process.
+    Unless the operator chose where UCX logs, UCX's log goes to a pipe kvservice reads
+    and logs as its own events (``native_log``)."""
+    log_file = ucx_log_file(overrides)
+    forced = {"UCX_LOG_FILE": log_file} if log_file is not None else {}
+    saved = {key: os.environ.get(key) for key in {**overrides, **forced}}
     for key, value in overrides.items():
         os.environ.setdefault(key, value)
+    os.environ.update(forced)
     try:
         yield
     finally:
@@ -128,6 +135,7 @@ def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+    after_agent_created()
 
 
 class NixlStatusError(KVServiceError):
