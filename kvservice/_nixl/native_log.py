@@ -105,17 +105,21 @@ def _ucx_loaded() -> bool:
 def ucx_log_file(ucx_env: Mapping[str, str]) -> str | None:
     """The ``UCX_LOG_FILE`` an agent about to start must have, over the environment's:
     this process's pipe, read and re-logged here (started on first use); ``None`` when
-    the operator chose (``ucx_env`` or the environment) or UCX is loaded already."""
+    the operator chose (``ucx_env`` or the environment) or UCX is loaded already;
+    ``stderr`` where no pipe can be had (never UCX's own default, the application's
+    stdout)."""
     global _pipe
     with _lock:
         if _pipe is None:
             if _operator_chose(ucx_env) or _ucx_loaded():
                 return None
+            if not os.path.isdir(f"/proc/{os.getpid()}/fd"):  # UCX would fail to open the pipe's name
+                return "stderr"
             try:
                 read_fd, write_fd = os.pipe()  # both close on exec: no child inherits them
             except OSError as exc:
                 log.warning("ucx.log_not_captured", error=repr(exc), note="UCX logs to stderr")
-                return None
+                return "stderr"
             with contextlib.suppress(OSError, AttributeError):  # Linux only; a smaller pipe still works
                 fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             _pipe = (read_fd, write_fd)
