@@ -16,6 +16,9 @@ handle, and no NIXL exception crosses it except as the ``original`` of a
   when a loader is made, and nothing else of kvservice but ``_results``: the child runs it
   without the rest of the package (and without torch).  This ``__init__`` imports nothing,
   so that the child's import of ``trial`` stays light.
+- ``native_log``: UCX's own log lines read from a pipe and logged as kvservice's
+  ``ucx.*`` events (the door's agents; the vetting child's stay on its stderr), and
+  NIXL's own level while it loads.  No ``nixl`` import.
 
 Who may call it: the request plane (``_transfer``: the watchdog posts and checks), the
 control plane (``_control``: loading and unloading peers), the service's lifetime

@@ -20,10 +20,12 @@ measured with nixl 1.5.1 (see the README's "How NIXL behaves" section):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import struct
 import threading
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,13 +34,15 @@ import numpy.typing as npt
 from .._log import get_logger
 from .._results import FailureReason, KVServiceError, NixlUnavailable
 from .door import DoorError, LocalTable, Segment, XferId, XferState
+from .native_log import after_agent_created, nixl_log_level, ucx_log_file
 from .trial import ucx_environment
 
 log = get_logger("kvservice.nixl")
 
 try:
-    from nixl import _bindings as _nb
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    with nixl_log_level():  # NIXL reads it as it loads (see native_log)
+        from nixl import _bindings as _nb
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     NIXL_IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # pragma: no cover - exercised only without nixl installed
@@ -113,6 +117,25 @@ def classify(exc: BaseException) -> FailureReason:
     raise TypeError(f"not a NIXL error: {type(exc).__name__}")  # a bug in the caller
 
 
+@contextlib.contextmanager
+def door_environment(overrides: Mapping[str, str]) -> Iterator[None]:
+    """``ucx_environment``, with UCX's log going to a pipe kvservice reads and logs as
+    its own events, unless the operator chose where UCX logs (``native_log``)."""
+    log_file = ucx_log_file(overrides)
+    saved = os.environ.get("UCX_LOG_FILE")
+    if log_file is not None:
+        os.environ["UCX_LOG_FILE"] = log_file
+    try:
+        with ucx_environment(overrides):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("UCX_LOG_FILE", None)
+        else:
+            os.environ["UCX_LOG_FILE"] = saved
+    after_agent_created()
+
+
 class NixlStatusError(KVServiceError):
     """``transfer``/``check_xfer_state`` returned ``"ERR"`` without raising.
 
@@ -146,7 +169,7 @@ class NixlDoor:
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
-            with ucx_environment(ucx_env):  # UCX reads its settings when the backend starts
+            with door_environment(ucx_env):  # UCX reads its settings when the backend starts
                 self._agent: Any = nixl_agent(agent_name, config)
         except (RuntimeError, *NIXL_ERRORS) as exc:  # type: ignore[misc]
             raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc

@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -53,6 +54,12 @@ def ucx_environment(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
+#: a trial loader's warm-up drives its partner and itself this many times, this far apart
+#: (5 rounds settled the connection on a loaded 2-core machine)
+WARM_UP_ROUNDS = 10
+WARM_UP_PAUSE_S = 0.002
+
+
 class TrialLoader:
     """A bare NIXL agent (UCX backend, no memory) that loads a peer's metadata and
     unloads it at once: the vetting child's half of ``add_peer``.  ``build`` is the
@@ -83,11 +90,20 @@ class TrialLoader:
     def warm_up(self) -> str | None:
         """Load and unload a partner agent of this process once: the first load in a
         process pays UCX's one-time set-up (~9 ms here, later ones ~0.3 ms), so that
-        no peer's vetting does.  ``None``, or NIXL's error."""
+        no peer's vetting does.  ``None``, or NIXL's error.
+
+        The load opens a UCX connection to the partner that only completes while the
+        partner's side is driven too: gone at once, it left UCX retrying to connect to a
+        closed port (``Connection refused``, logged by UCX).  So both are driven a few
+        times (at most ``WARM_UP_ROUNDS``) before the partner goes."""
         partner = TrialLoader(f"{self._name}-warm", ucx_env=self._ucx_env, build=self._build)
         try:
             return self.try_load(bytes(partner._agent.get_agent_metadata()))
         finally:
+            for _ in range(WARM_UP_ROUNDS):
+                self.progress()
+                partner.progress()
+                time.sleep(WARM_UP_PAUSE_S)
             del partner
 
     def try_load(self, metadata: bytes) -> str | None:
