@@ -156,6 +156,33 @@ async def test_a_worker_address_of_an_unknown_version_is_refused_and_the_decode_
         await legit_transfer(svc, decode)
 
 
+def section_type_altered(md: bytes, mem_type: int) -> bytes:
+    """The first memory section's type (a 4-byte ``t`` after ``nixlSDList``) set to ``mem_type``."""
+    tag = b"nixlSDList|t" + struct.pack("<Q", 4)
+    at = md.index(tag) + len(tag)
+    return md[:at] + struct.pack("<I", mem_type) + md[at + 4:]
+
+
+async def test_a_section_type_nixl_reads_out_of_bounds_never_reaches_the_vetting_child() -> None:
+    """The finding: a memory section of type 5 (past NIXL's last, FILE_SEG) killed the vetting
+    child; Joins with it under fresh names killed it again and again while a legitimate
+    peer's first link waited for its restarts.  Refused by structure now: the child that
+    started with the service is the only one, and the legitimate peer links beside it."""
+    async with (donor() as md, peers(peer_config()) as (decode,),
+                TransferService(config()) as svc):
+        vetter = svc._vetter
+        assert vetter is not None
+        await vetter.ready()
+        first = vetter.pid
+        for i in range(1, 8):
+            answer = await present(svc.address, donor_name(i), section_type_altered(renamed(md, i), 5))
+            assert isinstance(answer, Reject) and answer.kind == "metadata_unsafe", answer
+            assert "memory type 5" in answer.message, answer.message
+        assert svc.status()["refused"].get("metadata_unsafe") == 7
+        await legit_transfer(svc, decode)
+        assert vetter.children_started == 1 and vetter.pid == first
+
+
 def mutations(md: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
     """Targeted mutations first, then random ones; each under its own agent name."""
     a_at, a_len = ucx_address_span(md)
