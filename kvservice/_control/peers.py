@@ -24,8 +24,10 @@ from .links import PeerLink
 from .preauth import EVICTED, LIMIT, SOURCE_LIMIT
 from .protocol import PROTOCOL_VERSION, Hello, Join, Message, Reject
 
+#: a handshake past its source's share of ``max_peers``
+PEER_SOURCE_LIMIT = "peer_source_limit"
 #: refusals that mean "not allowed" rather than "cannot work together"
-REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
+REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED})
 
 
 class PeerEvents(Protocol):
@@ -58,6 +60,7 @@ class Peer:
     kv: PeerKV  # its KV memory, paired with ours
     link: PeerLink
     secrets: LinkSecrets
+    source: str  # the IP address its link comes from (``preauth.source_of``): what shared bounds charge
 
 
 def check_hello(hello: Hello, own_agent: str) -> None:
