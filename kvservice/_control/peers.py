@@ -17,6 +17,7 @@ from .._nixl.door import Door, DoorError
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._trust import checks
 from .._trust.handshake import NONCE_BYTES, LinkSecrets
+from .._trust.vetting import VETTING_BACKOFF
 from ..memory._pairing import PeerKV
 from ..memory._regions import KVMemory
 from ..memory._staging import StagingArea
@@ -27,7 +28,8 @@ from .protocol import PROTOCOL_VERSION, Hello, Join, Message, Reject
 #: a handshake past its source's share of ``max_peers``
 PEER_SOURCE_LIMIT = "peer_source_limit"
 #: refusals that mean "not allowed" rather than "cannot work together"
-REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED})
+REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED,
+                           VETTING_BACKOFF})
 
 
 class PeerEvents(Protocol):

@@ -45,7 +45,7 @@ async def vet(vetter: MetadataVetter | None, framed: ControlStream, metadata: by
     """Metadata that could abort this process is never loaded (``_trust.vetting``; ``None``:
     the door's metadata is not NIXL's).  Refused when dialling, the acceptor hears why and it
     is counted here (an acceptor's refusals are counted by ``handshake_failed``)."""
-    refusal = None if vetter is None else await vetter.vet(metadata)
+    refusal = None if vetter is None else await vetter.vet(metadata, source)
     if refusal is None:
         return
     if dialled is not None:

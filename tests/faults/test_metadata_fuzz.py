@@ -97,9 +97,16 @@ def rkey_span(md: bytes) -> tuple[int, int]:
     return at + 8 + 24, n - 24
 
 
+#: where the forged Joins come from: a source of their own (vetting charges a source whose metadata
+#: cost a child, and the legitimate peers here link from 127.0.0.1)
+ATTACKER = "127.0.0.2"
+
+
 async def present(address: str, agent: str, metadata: bytes) -> Message | None:
-    """A peer claiming ``agent`` joins with ``metadata``; the answer (a Join when it loaded)."""
-    raw = await authenticate(address, key=own_key(), agent=agent, my_address=f"127.0.0.1:{next(_ports)}")
+    """A peer claiming ``agent`` joins with ``metadata`` from ``ATTACKER``; the answer (a Join
+    when it loaded)."""
+    raw = await authenticate(address, key=own_key(), agent=agent, my_address=f"127.0.0.1:{next(_ports)}",
+                             source=ATTACKER)
     try:
         await raw.send(join_for(agent, metadata=metadata, memory=MEMORY or None))
         return await raw.recv()
@@ -275,7 +282,7 @@ async def test_metadata_that_kills_the_vetting_child_is_refused_and_the_service_
         answer = await present(svc.address, donor_name(1), version_altered(renamed(md, 1)))
         assert isinstance(answer, Reject) and answer.kind == "metadata_unsafe", answer
         assert vetter.children_started == 2
-        # a good agent's metadata loads on the fresh child
+        # a good agent's metadata from that source loads, on the child its source is vetted on now
         assert isinstance(await present(svc.address, donor_name(2), renamed(md, 2)), Join)
         assert vetter.pid not in (None, first)
         await legit_transfer(svc, decode)
