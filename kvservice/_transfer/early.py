@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from .._config import ServiceConfig
 from ..memory._layout import PageIndex
 
 __all__ = ["PEER_LIMIT", "SOURCE_LIMIT", "EarlyExpects", "ExpectRefused"]
@@ -63,6 +64,13 @@ class EarlyExpects:
         self._source_count: collections.Counter[str] = collections.Counter()
         self._source_pages: collections.Counter[str] = collections.Counter()
         self.pages = 0  # held for all peers
+
+    @classmethod
+    def configured(cls, cfg: ServiceConfig) -> EarlyExpects:
+        """The bounds ``cfg`` names (``max_unknown_expect*``, ``unknown_expect_ttl_s``)."""
+        return cls(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s, cfg.max_unknown_expect_pages,
+                   cfg.max_unknown_expect_pages_total, per_source=cfg.max_unknown_expects_per_source,
+                   pages_per_source=cfg.max_unknown_expect_pages_per_source)
 
     def add(self, rid: str, agent: str, pages: PageIndex, now: float, source: str = "-") -> ExpectRefused | None:
         """Remember ``agent``'s Expect (its link comes from ``source``); if a bound stops it,

@@ -69,10 +69,7 @@ class RequestPlane:
         self.recvs_done: Recent[str, TransferResult] = Recent(results_kept)
         self.deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
         # Expects that arrived before the matching send()
-        self.early = EarlyExpects(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s,
-                                  cfg.max_unknown_expect_pages, cfg.max_unknown_expect_pages_total,
-                                  per_source=cfg.max_unknown_expects_per_source,
-                                  pages_per_source=cfg.max_unknown_expect_pages_per_source)
+        self.early = EarlyExpects.configured(cfg)
         # Expects dropped (peer lost / aborted) before any send(), per peer, with the
         # addresses it was proven at: a later send that peer may receive fails at once.
         self.dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)
