@@ -117,8 +117,12 @@ class ServiceConfig:
     #: holding fewer than the heaviest takes that one's oldest slot, else it is refused
     max_handshakes: int = 64
     max_handshakes_per_source: int = 16
-    #: peers linked at once; a handshake beyond it is rejected
+    #: peers linked at once, in all and from one source IP; a handshake beyond either is rejected.
+    #: Shared bounds are charged per source as well as per peer: an agent's name costs a key
+    #: holder nothing to mint, an address it connects from does (a per-source bound at or above
+    #: its total lets one source take all of it: one host's peers on loopback, say)
     max_peers: int = 1024
+    max_peers_per_source: int = 256
     #: frames queued for one peer; a peer that does not read past this is dropped as lost
     max_outbox_bytes: int = 16 * 1024 * 1024
     #: Expects for requests this side has not sent yet, per peer; more are refused
@@ -129,6 +133,9 @@ class ServiceConfig:
     #: held: 16 MiB and 64 MiB); an Expect beyond either is refused
     max_unknown_expect_pages: int = 1 << 22
     max_unknown_expect_pages_total: int = 1 << 24
+    #: such Expects and their pages from all peers of one source IP together: its share of the total
+    max_unknown_expects_per_source: int = 40_000
+    max_unknown_expect_pages_per_source: int = 1 << 22
     #: requests alive at once (both sides); send()/expect() beyond it raise ``Overloaded``
     max_live_requests: int = 100_000
 
@@ -170,9 +177,10 @@ class ServiceConfig:
             "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
             "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
             "max_checks_per_tick", "max_frame_bytes", "max_payload_bytes", "results_kept",
-            "max_handshakes", "max_handshakes_per_source", "max_peers", "max_outbox_bytes",
-            "max_unknown_expects", "unknown_expect_ttl_s", "max_unknown_expect_pages",
-            "max_unknown_expect_pages_total", "max_live_requests",
+            "max_handshakes", "max_handshakes_per_source", "max_peers", "max_peers_per_source",
+            "max_outbox_bytes", "max_unknown_expects", "unknown_expect_ttl_s", "max_unknown_expect_pages",
+            "max_unknown_expect_pages_total", "max_unknown_expects_per_source",
+            "max_unknown_expect_pages_per_source", "max_live_requests",
         )
         for key in positive:
             value = getattr(self, key)

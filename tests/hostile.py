@@ -150,12 +150,13 @@ class Raw:
 
 async def dial(
     address: str, *, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
-    hello: dict[str, Any] | None = None, rcvbuf: int | None = None,
+    hello: dict[str, Any] | None = None, rcvbuf: int | None = None, source: str | None = None,
 ) -> tuple[Raw, Message | None, bytes]:
-    """Open a connection and send this release's Hello (fields overridden by ``hello``);
-    returns the connection, the service's answer, and the transcript (for a proof).
-    ``raw.agreed`` is what the two Hellos settled, when the answer is a Hello."""
-    raw = await Raw.connect(address, rcvbuf=rcvbuf)
+    """Open a connection (from ``source``, see ``Raw.connect``) and send this release's Hello
+    (fields overridden by ``hello``); returns the connection, the service's answer, and the
+    transcript (for a proof).  ``raw.agreed`` is what the two Hellos settled, when the answer
+    is a Hello."""
+    raw = await Raw.connect(address, rcvbuf=rcvbuf, source=source)
     exchange = Exchange()
     mine = our_hello(agent, my_address, new_nonce(PROTOCOL_VERSION), share=exchange.share)
     fields: dict[str, Any] = {"type": "hello", **msgspec.structs.asdict(mine)}
@@ -179,10 +180,10 @@ def own_key() -> bytes:
 
 async def authenticate(
     address: str, *, key: bytes | None, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
-    rcvbuf: int | None = None,
+    rcvbuf: int | None = None, source: str | None = None,
 ) -> Raw:
     """Pass the handshake up to (not including) Join, as a peer holding ``key`` would."""
-    raw, answer, script = await dial(address, agent=agent, my_address=my_address, rcvbuf=rcvbuf)
+    raw, answer, script = await dial(address, agent=agent, my_address=my_address, rcvbuf=rcvbuf, source=source)
     assert isinstance(answer, Hello), answer
     assert verify(key, ACCEPTOR, script, answer.proof) is None, "the service's proof did not verify"
     await raw.send(Proof(prove(key, DIALER, script)))

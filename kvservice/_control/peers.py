@@ -25,6 +25,7 @@ from .._trust.handshake import (
     LinkSecrets,
     transcript,
 )
+from .._trust.vetting import VETTING_BACKOFF
 from ..memory._pairing import PeerKV
 from ..memory._regions import KVMemory
 from ..memory._staging import StagingArea
@@ -32,8 +33,11 @@ from .links import PeerLink
 from .preauth import EVICTED, LIMIT, SOURCE_LIMIT
 from .protocol import Hello, Join, Message, Reject, negotiate
 
+#: a handshake past its source's share of ``max_peers``
+PEER_SOURCE_LIMIT = "peer_source_limit"
 #: refusals that mean "not allowed" rather than "cannot work together"
-REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
+REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED,
+                           VETTING_BACKOFF})
 
 
 class PeerEvents(Protocol):
@@ -67,6 +71,7 @@ class Peer:
     link: PeerLink
     secrets: LinkSecrets
     version: int  # the protocol version the link speaks (``protocol.negotiate``)
+    source: str  # the IP address its link comes from (``preauth.source_of``): what shared bounds charge
 
 
 def check_hello(hello: Hello, own_agent: str) -> int:

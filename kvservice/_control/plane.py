@@ -31,7 +31,8 @@ each link guards its own reader (``PeerLink``): nothing a peer sends reaches
 the service's task group.  Bounds: ``max_handshakes`` connections in their
 handshake, ``max_handshakes_per_source`` of them from one source IP, shared
 fairly (``preauth``; a refused or evicted one gets a ``Reject`` saying so),
-``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()`` errors back off
+``max_peers`` peers (``max_peers_per_source`` of them from one source IP:
+agent names cost nothing, addresses do), ``max_outbox_bytes`` per link; ``accept()`` errors back off
 and go on (``accept``).
 """
 
@@ -48,7 +49,7 @@ import msgspec
 
 from .._config import ServiceConfig
 from .._log import get_logger
-from .._nixl.door import Door, DoorError, DoorThread
+from .._nixl.door import Door, DoorThread
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._stats import Stats
 from .._transfer.requests import Recent
@@ -91,7 +92,7 @@ from .peers import (
     load_peer,
     rejected_by,
 )
-from .preauth import EVICTED, SOURCE_LIMIT, HandshakeSlots, source_of
+from .preauth import EVICTED, NO_ADDRESS, HandshakeSlots, source_of
 from .protocol import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -102,14 +103,12 @@ from .protocol import (
     Proof,
     Reject,
     hello,
-    text,
 )
+from .refusals import check_room, handshake_failed, refuse_handshake, vet
 from .transport import ByteListener, TcpTransport, Transport
 
 log = get_logger("kvservice.control")
 
-#: the longest a refused connection's Reject may take to write (it fits a new socket's buffer)
-REJECT_SEND_S = 0.05
 #: inbound notification keys kept per agent: its current link's and the ones before
 _NOTIF_KEYS_PER_AGENT = 2
 
@@ -184,7 +183,7 @@ class ControlPlane:
         slot = self._slots.take(source)
         framed = ControlStream(stream, self._cfg.max_frame_bytes)
         if isinstance(slot, str):
-            await self._refuse_handshake(framed, slot, source)
+            await refuse_handshake(framed, slot, source, self._slots, self._stats)
             return
         if self._closing:
             self._slots.give_back(slot)
@@ -201,7 +200,7 @@ class ControlPlane:
                     peer = await self._handshake_as_acceptor(framed)
                     probed = peer is None
         except Exception as exc:  # noqa: BLE001 - one connection's failure is that connection's
-            await self._handshake_failed("accept", framed, exc)
+            await handshake_failed("accept", framed, exc, self._stats)
             return
         finally:
             self._slots.give_back(slot)
@@ -209,24 +208,9 @@ class ControlPlane:
             await framed.aclose()
             return
         if peer is None:  # evicted: a source holding fewer slots took this one's
-            await self._refuse_handshake(framed, EVICTED, source)
+            await refuse_handshake(framed, EVICTED, source, self._slots, self._stats)
             return
         await peer.link.run()
-
-    async def _refuse_handshake(self, framed: ControlStream, kind: str, source: str) -> None:
-        """Tell a connection the handshake pool refused it, count it, close it.  The Reject
-        is tiny and the connection new, so it fits the socket's buffer; ``REJECT_SEND_S``
-        only guards against waiting on a stranger."""
-        slots = self._slots
-        if (unlogged := self._stats.refuse(kind)) is not None:
-            log.warning("peer.refused", side="accept", kind=kind, source=source, held=slots.held_by(source),
-                        limit=slots.per_source if kind == SOURCE_LIMIT else slots.total, unlogged=unlogged)
-        why = {SOURCE_LIMIT: f"too many handshakes from {source} (max_handshakes_per_source = {slots.per_source})",
-               EVICTED: "handshake ended: its slot went to a source holding fewer (max_handshakes = "
-                        f"{slots.total})"}.get(kind, f"too many handshakes (max_handshakes = {slots.total})")
-        with anyio.CancelScope(shield=True):
-            await try_send(framed, Reject(why, kind), timeout=REJECT_SEND_S)
-            await framed.aclose()
 
     async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer | None:
         local = self._local
@@ -402,7 +386,8 @@ class ControlPlane:
             raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
         # Outside the table lock: a vetting child restarting after bad metadata (seconds)
         # delays this peer only, not every other admit and drop.
-        await self._vet(framed, join, dialled)
+        source = framed.source
+        await vet(self._vetter, framed, join.metadata, source, dialled, self._stats)
         await self._let_dying_link_end(agent)
         async with self._table_lock:
             current = self._peers.get(agent)
@@ -411,8 +396,7 @@ class ControlPlane:
                     raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
                 # Its old link has ended and its drop waits for this lock: do it now.
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
-            if len(self._peers) >= self._cfg.max_peers:
-                raise ProtocolError(f"too many peers (max_peers = {self._cfg.max_peers})", "peer_limit")
+            check_room(self._peers, self._cfg, source)
             old = self._book.agent_at(dialled) if dialled is not None else None
             if old is not None and old != agent:
                 # We dialled the address and a new agent proved itself there: the old
@@ -429,7 +413,7 @@ class ControlPlane:
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, kv, link, secrets, version)
+            peer = Peer(agent, hello.address, kv, link, secrets, version, source)
             self._peers[agent] = peer
             self._stats.peers.linked(agent, hello.address)
             self._book.linked(agent, canon, dialled)
@@ -444,18 +428,10 @@ class ControlPlane:
         self._events.on_peer_linked(agent)
         return peer
 
-    async def _vet(self, framed: ControlStream, join: Join, dialled: str | None) -> None:
-        """Metadata that could abort this process is never loaded (``_trust.vetting``).
-        Refused when dialling, the acceptor hears why and it is counted here (an
-        acceptor's refusals are counted by ``_handshake_failed``)."""
-        refusal = None if self._vetter is None else await self._vetter.vet(join.metadata)
-        if refusal is None:
-            return
-        if dialled is not None:
-            await try_send(framed, Reject(text(refusal.message), refusal.kind))
-            if (unlogged := self._stats.refuse(refusal.kind)) is not None:
-                log.warning("peer.refused", side="dial", kind=refusal.kind, error=refusal.message, unlogged=unlogged)
-        raise ProtocolError(refusal.message, refusal.kind)
+    def source_of(self, agent: str) -> str:
+        """The IP address linked ``agent``'s link comes from (``NO_ADDRESS`` when not linked)."""
+        peer = self._peers.get(agent)
+        return peer.source if peer is not None else NO_ADDRESS
 
     async def _let_dying_link_end(self, agent: str) -> None:
         """A peer reconnecting may reach us before we noticed its old link end: give
@@ -464,28 +440,6 @@ class ControlPlane:
         if current is not None and not current.link.alive(self._cfg.heartbeat_interval_s):
             with anyio.move_on_after(self._cfg.heartbeat_interval_s):
                 await current.link.ended.wait()
-
-    async def _handshake_failed(self, side: str, framed: ControlStream, exc: Exception) -> None:
-        if isinstance(exc, ProtocolError):
-            kind = exc.kind
-            told = exc.for_peer if isinstance(exc, IncompatiblePeer) else str(exc)
-            await try_send(framed, Reject(text(told), kind))
-        elif isinstance(exc, TimeoutError):
-            kind = "handshake_timeout"
-        elif isinstance(exc, FrameError):
-            kind = "frame"
-            await try_send(framed, Reject(text(str(exc)), kind))
-        elif isinstance(exc, DoorError):
-            kind = "nixl_refused"
-            await try_send(framed, Reject(text(f"cannot load this agent into NIXL: {exc}"), kind))
-        elif isinstance(exc, CONNECTION_ERRORS):
-            kind = "handshake_incomplete"
-        else:
-            kind = "handler_error"
-            log.error("peer.handshake_crashed", side=side, exc_info=exc)
-        if (unlogged := self._stats.refuse(kind)) is not None:
-            log.warning("peer.handshake_failed", side=side, kind=kind, error=str(exc) or repr(exc), unlogged=unlogged)
-        await framed.aclose()
 
     # -- links ----------------------------------------------------------------------
     def _on_message(self, link: PeerLink, msg: Message) -> None:

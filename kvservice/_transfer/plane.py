@@ -31,8 +31,9 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from .deadlines import Deadlines
+from .early import EarlyExpects
 from .ends import SendEnds
-from .requests import Chunk, EarlyExpects, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
+from .requests import Chunk, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
 from .settle import Settlement
 from .staging import NO_CELL, Stager
 from .watchdog import Watchdog
@@ -68,8 +69,7 @@ class RequestPlane:
         self.recvs_done: Recent[str, TransferResult] = Recent(results_kept)
         self.deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
         # Expects that arrived before the matching send()
-        self.early = EarlyExpects(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s,
-                                  cfg.max_unknown_expect_pages, cfg.max_unknown_expect_pages_total)
+        self.early = EarlyExpects.configured(cfg)
         # Expects dropped (peer lost / aborted) before any send(), per peer, with the
         # addresses it was proven at: a later send that peer may receive fails at once.
         self.dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)

@@ -16,6 +16,13 @@ every request of every peer.  No ``try`` can catch that, so before the door's
 Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
 the same agent is not loaded twice); so is metadata that killed a child.
 
+One source cannot keep the child down (``strikes``): metadata that kills or
+taints a child is charged to the source it came from (its IP address; agent names
+cost nothing), whose metadata is from then on vetted on a second child, started
+for such sources only when one needs it; the first child, which every other
+peer's first link is vetted on, is not lost to that source again.  Each further
+charge refuses the source's Joins for a doubling backoff (``vetting_backoff``).
+
 The child starts as the service starts.  It imports NIXL and nothing of the
 service (``vetchild``): ~0.3 s of CPU and ~55 MB resident here, which a service
 that never peers pays too (~2.3 s and ~590 MB in SGLang's environment when it
@@ -43,6 +50,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,12 +64,17 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from .._log import get_logger
 from .._nixl.trial import nixl_build
 from .metadata import check_metadata
+from .strikes import Strikes
 from .vetchild import BROKEN, LOADED, READY, REPLY, REQUEST
 
 log = get_logger("kvservice.vetting")
 
 METADATA_UNSAFE = "metadata_unsafe"
 VETTING_UNAVAILABLE = "vetting_unavailable"
+#: a source whose metadata cost a child recently (``strikes``)
+VETTING_BACKOFF = "vetting_backoff"
+#: the source of metadata whose connection has no IP address
+NO_SOURCE = "-"
 #: importing NIXL and creating an agent: ~0.5 s on an idle 2-core machine, seconds on a loaded one
 START_TIMEOUT_S = 60.0
 #: a trial load is a few milliseconds; one that hangs is refused and its child replaced
@@ -83,6 +96,7 @@ class Refusal:
 @dataclass(eq=False)
 class _Pending:
     digest: bytes
+    source: str = NO_SOURCE  # where it came from: charged if it costs the child
     done: anyio.Event = field(default_factory=anyio.Event)
     status: int | None = None  # LOADED / REFUSED; None: the child died (see ``killed``)
     killed: str | None = None  # the child died while loading this one: how
@@ -91,6 +105,7 @@ class _Pending:
 
 @dataclass(eq=False)
 class _Child:
+    apart: bool = False  # the second lane's: only sources that cost a child before are vetted on it
     ready: anyio.Event = field(default_factory=anyio.Event)  # set when ready, broken or ended
     ended: anyio.Event = field(default_factory=anyio.Event)
     proc: subprocess.Popen[bytes] | None = None
@@ -110,17 +125,20 @@ class MetadataVetter:
     """Vets peers' metadata for one service; its child lives in that service's task group."""
 
     def __init__(self, tg: anyio.abc.TaskGroup, ucx_env: Mapping[str, str], *, agent_prefix: str = "kvservice",
-                 start_timeout_s: float = START_TIMEOUT_S, load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, load_timeout_s: float = LOAD_TIMEOUT_S,
+                 strikes: Strikes | None = None) -> None:
         self._tg = tg
         self._ucx_env = dict(ucx_env)
         self._agent_prefix = agent_prefix
         self._start_timeout = start_timeout_s
         self._load_timeout = load_timeout_s
         self._child: _Child | None = None
+        self._apart: _Child | None = None  # the second lane's child, while one runs
+        self.strikes = strikes or Strikes()
         self._ids = itertools.count(1)
         self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._unsafe: collections.OrderedDict[bytes, str] = collections.OrderedDict()
-        self.children_started = 0
+        self.children_started = 0  # both lanes'
 
     @property
     def pid(self) -> int | None:
@@ -148,8 +166,8 @@ class MetadataVetter:
         if self._child is not None:
             await self._ready()
 
-    async def _ready(self) -> _Child:
-        child = self._current()
+    async def _ready(self, apart: bool = False) -> _Child:
+        child = self._current(apart)
         with anyio.move_on_after(self._start_timeout):
             await child.ready.wait()
         if not child.ready.is_set():
@@ -157,8 +175,9 @@ class MetadataVetter:
             self._kill(child)
         return child
 
-    async def vet(self, metadata: bytes) -> Refusal | None:
-        """``None`` when ``metadata`` may be loaded into NIXL; else why not."""
+    async def vet(self, metadata: bytes, source: str = NO_SOURCE) -> Refusal | None:
+        """``None`` when ``metadata`` (from ``source``, an IP address) may be loaded into NIXL;
+        else why not."""
         why = check_metadata(metadata)
         if why is not None:
             return Refusal(METADATA_UNSAFE, why)
@@ -168,13 +187,19 @@ class MetadataVetter:
             return None
         if (known := self._unsafe.get(digest)) is not None:
             return Refusal(METADATA_UNSAFE, known)
+        now = time.monotonic()
+        if (backoff := self.strikes.refused(source, now)) is not None:
+            strikes, left = backoff
+            return Refusal(VETTING_BACKOFF, f"metadata from {source} cost the vetting process {strikes} time(s); "
+                                            f"its peers are refused for {left:.1f} s more")
+        apart = self.strikes.struck(source, now)
         for _ in range(ATTEMPTS):
-            child = await self._ready()
+            child = await self._ready(apart)
             if child.broken is not None:
                 return Refusal(VETTING_UNAVAILABLE, f"cannot vet NIXL metadata: {child.broken}")
             if child.ended.is_set() or child.tainted:  # replaced meanwhile
                 continue
-            pending = await self._ask(child, metadata, digest)
+            pending = await self._ask(child, metadata, digest, source)
             if pending.retry:
                 continue
             if pending.killed is not None:
@@ -187,21 +212,30 @@ class MetadataVetter:
         return Refusal(VETTING_UNAVAILABLE, f"the vetting process died {ATTEMPTS} times under other peers' metadata")
 
     # -- the child --------------------------------------------------------------------
-    def _current(self) -> _Child:
-        child = self._child
+    def _current(self, apart: bool = False) -> _Child:
+        child = self._apart if apart else self._child
         if child is None or child.ended.is_set() or child.tainted:
-            child = self._child = _Child()
+            child = _Child(apart)
+            if apart:
+                self._apart = child
+            else:
+                self._child = child
             self._tg.start_soon(self._supervise, child)
         return child
 
-    async def _ask(self, child: _Child, metadata: bytes, digest: bytes) -> _Pending:
+    def _charge(self, pending: _Pending, how: str) -> None:
+        """``pending``'s metadata cost its child (``how``): its source backs off (``strikes``)."""
+        strikes, backoff = self.strikes.charge(pending.source, time.monotonic())
+        log.warning("vetting.source_charged", source=pending.source, how=how, strikes=strikes, backoff_s=backoff)
+
+    async def _ask(self, child: _Child, metadata: bytes, digest: bytes, source: str) -> _Pending:
         async with child.turn:
             if child.ended.is_set() or child.tainted:  # replaced while this one waited its turn
                 pending = _Pending(digest, retry=True)
                 pending.done.set()
                 return pending
             rid = next(self._ids)
-            pending = child.pending[rid] = _Pending(digest)
+            pending = child.pending[rid] = _Pending(digest, source)
             assert child.stream is not None
             try:
                 await child.stream.send(REQUEST.pack(rid, len(metadata)) + metadata)
@@ -277,6 +311,7 @@ class MetadataVetter:
                         if status != LOADED:
                             child.tainted = True
                             self._kill(child)
+                            self._charge(pending, f"tainted it: {message}")
                     pending.done.set()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
                 OSError):
@@ -298,7 +333,9 @@ class MetadataVetter:
                 pending.killed = how
                 _remember(self._unsafe, pending.digest,
                           f"NIXL metadata that UCX cannot unpack: the vetting process {how}")
-                log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how)
+                log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how,
+                            source=pending.source, apart=child.apart)
+                self._charge(pending, how)
             else:
                 pending.retry = True
             pending.done.set()
@@ -308,8 +345,11 @@ class MetadataVetter:
         child.ended.set()
         if self._child is child:
             self._child = None
-        if served and not closing and not self._tg.cancel_scope.cancel_called:
+        if self._apart is child:
+            self._apart = None
+        if served and not child.apart and not closing and not self._tg.cancel_scope.cancel_called:
             self.start()  # its replacement boots now, not in the next peer's handshake
+            # (the second lane's is started only when a source that needs it comes back)
 
     @staticmethod
     async def _reap(proc: subprocess.Popen[bytes], stream: anyio.abc.SocketStream | socket.socket) -> None:
