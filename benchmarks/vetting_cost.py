@@ -3,7 +3,7 @@ CPU and resident memory.
 
 Starts ``MetadataVetter``'s child as a service does, waits until it serves, and reads its
 ``VmRSS`` and ``utime + stime`` from ``/proc/<pid>/``.  Run it with the interpreter the
-ranks use (for SGLang: ``$(bash scripts/sglang-env.sh)/bin/python``), kvservice on
+ranks use (for SGLang: ``$(bash scripts/engine-env.sh sglang)/bin/python``), kvservice on
 ``PYTHONPATH``::
 
     PYTHONPATH=$PWD python -m benchmarks.vetting_cost 5
@@ -18,6 +18,7 @@ import time
 
 import anyio
 
+from kvservice._nixl.trial import nixl_build
 from kvservice._trust.vetting import MetadataVetter
 
 UCX_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
@@ -51,6 +52,7 @@ async def once() -> tuple[float, float, float]:
 
 
 async def main(runs: int) -> None:
+    nixl_build()  # a service has NIXL imported (its door) before its child starts: not counted
     results = [await once() for _ in range(runs)]
     print(f"{'start s':>8} {'cpu s':>6} {'rss MiB':>8}")
     for took, cpu, rss in results:

@@ -16,7 +16,7 @@ from ._trust.keys import ServiceKey, load_key, resolve_key
 from .discovery.settings import DiscoveryKind, DiscoverySettings, Unreachable
 from .memory._layout import KVLayout
 
-__all__ = ["LOOPS", "UCX_ENV_DEFAULTS", "ConfigError", "ServiceConfig"]
+__all__ = ["LOOPS", "ConfigError", "ServiceConfig"]
 
 LOOPS = ("auto", "asyncio", "uvloop")
 #: the most ``metrics_peer_labels`` may be: each label costs ~60 series in ``/metrics``
@@ -26,12 +26,6 @@ DISCOVERY_KEYS = tuple(f.name for f in dataclasses.fields(DiscoverySettings))
 #: the largest staging buffer (64 GiB): past it, a typo
 MAX_STAGING_BYTES = 1 << 36
 
-#: UCX settings applied unless ``ucx_env`` or the process's environment sets them.  UCX
-#: writes its log lines (``UCX ERROR connect(...) failed`` when a peer dies) to stdout by
-#: default, which the application may use for itself (JSON lines, a pipe to a parent);
-#: on stderr they sit with the warnings Python writes there.  UCX's level stays its own
-#: default (``UCX_LOG_LEVEL=warn``).
-UCX_ENV_DEFAULTS: Mapping[str, str] = {"UCX_LOG_FILE": "stderr"}
 #: where Linux lists RDMA devices (InfiniBand, RoCE, EFA)
 RDMA_DEVICES = "/sys/class/infiniband"
 #: UCX's modules that drive RDMA devices, left unloaded on a host that has none
@@ -41,7 +35,8 @@ UCX_RDMA_MODULES = "^ib,ib_mlx5,ib_efa,ib_mlx5_gda,rdmacm"
 
 @functools.cache
 def host_ucx_defaults() -> Mapping[str, str]:
-    """UCX settings this host needs, applied like ``UCX_ENV_DEFAULTS``.
+    """UCX settings this host needs, applied unless ``ucx_env`` or the process's
+    environment sets them.
 
     On a host with ``libibverbs`` installed but no RDMA device (a cloud VM with
     rdma-core, a container built from a GPU image), UCX loads its InfiniBand
@@ -76,8 +71,9 @@ class ServiceConfig:
     #: NIXL progress thread.  Off is faster here (see README); the watchdog then
     #: drives progress by calling into NIXL every ``poll_interval_s``.
     progress_thread: bool = False
-    #: UCX environment applied (if not already set) before the agent is created, over
-    #: ``UCX_ENV_DEFAULTS`` (see ``ucx_environment``)
+    #: UCX environment applied (if not already set) before the agent is created (see
+    #: ``ucx_environment``).  Without ``UCX_LOG_FILE`` here or in the environment, UCX's
+    #: log lines become kvservice's ``ucx.*`` events (``_nixl.native_log``).
     ucx_env: Mapping[str, str] = field(default_factory=dict)
     #: a send waits at most this long for the receiver's ``expect``
     bootstrap_timeout_s: float = 30.0
@@ -121,8 +117,12 @@ class ServiceConfig:
     #: holding fewer than the heaviest takes that one's oldest slot, else it is refused
     max_handshakes: int = 64
     max_handshakes_per_source: int = 16
-    #: peers linked at once; a handshake beyond it is rejected
+    #: peers linked at once, in all and from one source IP; a handshake beyond either is rejected.
+    #: Shared bounds are charged per source as well as per peer: an agent's name costs a key
+    #: holder nothing to mint, an address it connects from does (a per-source bound at or above
+    #: its total lets one source take all of it: one host's peers on loopback, say)
     max_peers: int = 1024
+    max_peers_per_source: int = 256
     #: frames queued for one peer; a peer that does not read past this is dropped as lost
     max_outbox_bytes: int = 16 * 1024 * 1024
     #: Expects for requests this side has not sent yet, per peer; more are refused
@@ -133,6 +133,9 @@ class ServiceConfig:
     #: held: 16 MiB and 64 MiB); an Expect beyond either is refused
     max_unknown_expect_pages: int = 1 << 22
     max_unknown_expect_pages_total: int = 1 << 24
+    #: such Expects and their pages from all peers of one source IP together: its share of the total
+    max_unknown_expects_per_source: int = 40_000
+    max_unknown_expect_pages_per_source: int = 1 << 22
     #: requests alive at once (both sides); send()/expect() beyond it raise ``Overloaded``
     max_live_requests: int = 100_000
 
@@ -174,9 +177,10 @@ class ServiceConfig:
             "connect_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
             "poll_interval_s", "idle_poll_interval_s", "max_posts_per_tick", "max_post_bytes_per_tick",
             "max_checks_per_tick", "max_frame_bytes", "max_payload_bytes", "results_kept",
-            "max_handshakes", "max_handshakes_per_source", "max_peers", "max_outbox_bytes",
-            "max_unknown_expects", "unknown_expect_ttl_s", "max_unknown_expect_pages",
-            "max_unknown_expect_pages_total", "max_live_requests",
+            "max_handshakes", "max_handshakes_per_source", "max_peers", "max_peers_per_source",
+            "max_outbox_bytes", "max_unknown_expects", "unknown_expect_ttl_s", "max_unknown_expect_pages",
+            "max_unknown_expect_pages_total", "max_unknown_expects_per_source",
+            "max_unknown_expect_pages_per_source", "max_live_requests",
         )
         for key in positive:
             value = getattr(self, key)
@@ -234,10 +238,9 @@ class ServiceConfig:
 
     @property
     def ucx_environment(self) -> dict[str, str]:
-        """What the agent starts with: ``ucx_env`` over ``UCX_ENV_DEFAULTS`` and this host's
-        ``host_ucx_defaults`` (a variable already set in the process's environment wins
-        over all)."""
-        return {**UCX_ENV_DEFAULTS, **host_ucx_defaults(), **self.ucx_env}
+        """What the agent starts with: ``ucx_env`` over this host's ``host_ucx_defaults``
+        (a variable already set in the process's environment wins over all)."""
+        return {**host_ucx_defaults(), **self.ucx_env}
 
     def resolve_key(self) -> ServiceKey:
         """The key this service authenticates with; may create this user's key (file I/O)."""

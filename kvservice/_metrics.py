@@ -33,7 +33,8 @@ class Measured(Protocol):
     def stats(self) -> Stats: ...
     def status(self) -> Mapping[str, Any]: ...
 
-__all__ = ["ServiceCollector", "peer_families", "refused_family", "service_families", "service_refusals"]
+__all__ = ["ServiceCollector", "discovery_families", "peer_families", "refused_family", "service_families",
+           "service_refusals"]
 
 #: a scrape from another thread may meet a dict or deque the loop is changing; read again
 _READ_TRIES = 3
@@ -87,14 +88,20 @@ def service_families(svc: Measured) -> list[Metric]:
                             labels=["quantile"])
     lag.add_metric(["0.99"], snap["loop_lag_p99_s"])
     lag.add_metric(["1"], snap["loop_lag_max_s"])
+    peer_versions = GaugeMetricFamily("kvservice_peer_links", "Live control links by the protocol version they speak",
+                                      labels=["protocol"])
+    for version, n in snap["peer_versions"].items():
+        peer_versions.add_metric([version], n)
     return [
         *peer_families(snap["peer_histograms"]),
+        *discovery_families(snap.get("discovery")),
         transfers, moved, in_flight,
         GaugeMetricFamily("kvservice_nixl_handles_live", "NIXL transfer handles not yet released",
                           value=snap["live_nixl_handles"]),
         duration,
         GaugeMetricFamily("kvservice_peers_connected", "Peer services with a live control link",
                           value=len(snap["peers"])),
+        peer_versions,
         GaugeMetricFamily("kvservice_unsettled_pages",
                           "Pages of failed requests a sender may still write into (not reusable yet)",
                           value=snap["unsettled_pages"]),
@@ -124,6 +131,21 @@ def peer_families(histograms: dict[str, Any]) -> list[Metric]:
         buckets, total = series["post_time"]
         post.add_metric([peer], buckets, total)
     return [xfer, post, failed]
+
+
+def discovery_families(discovery: Mapping[str, Any] | None) -> list[Metric]:
+    """``kvservice_discovery_ignored_total{why}``, with ``discovery = "etcd"`` (``status()
+    ["discovery"]``): entries in etcd that are no valid member, by why (each also counted
+    once in ``kvservice_refused_total{kind="discovery_member"}``)."""
+    if discovery is None:
+        return []
+    ignored = CounterMetricFamily(
+        "kvservice_discovery_ignored_total",
+        "Entries under the cluster's etcd prefix that discovery ignored (no valid member), by why",
+        labels=["why"])
+    for why, n in sorted(discovery["ignored"].items()):
+        ignored.add_metric([why], n)
+    return [ignored]
 
 
 def refused_family(samples: Iterable[tuple[str, str, int]]) -> CounterMetricFamily:

@@ -140,7 +140,7 @@ class TransferService:
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port "
                                f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
-        # The vetting child boots (~2 s of CPU) while the pool and the agent are made, so a
+        # The vetting child boots (~0.3 s of CPU) while the pool and the agent are made, so a
         # peer's first handshake waits for less of it (_trust/vetting.py).  The port does not
         # wait for it: every service start would then take the boot (seconds on a busy machine).
         # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
@@ -278,20 +278,22 @@ class TransferService:
                 raise ValueError(f"payload of {len(payload)} bytes exceeds max_payload_bytes "
                                  f"({self.config.max_payload_bytes})")
         pinned: str | None = None
+        member: str | None = None
         unknown: PeerUnknown | None = None
         if receiver is not None:
             if plane.sent_before(request_id):
                 raise ValueError(f"request {request_id!r}: receiver= goes with the first chunk only")
             if self._discovery is not None:  # a member's name: where it registered
                 try:
-                    receiver = self._discovery.address_of(receiver)
+                    receiver, member = self._discovery.resolve(receiver)
                 except PeerUnknown as exc:  # as expect(sender=): the request fails PEER_LOST
                     unknown = exc
             if unknown is None:
                 pinned = await plane.control.canonical(receiver)  # ValueError when malformed
             self._running()
         return TransferHandle(plane.send(request_id, src, lo, hi, last=last, timeout=timeout, pinned=pinned,
-                                         unknown=unknown, payload=payload, fit_tail=fit == "tail"))
+                                         unknown=unknown, payload=payload, fit_tail=fit == "tail",
+                                         member=member))
 
     async def await_completion(self, handle: TransferHandle, timeout: float | None = None) -> TransferResult:
         """Wait for the request behind ``handle`` to end.
@@ -337,7 +339,7 @@ class TransferService:
         unknown: PeerUnknown | None = None
         if self._discovery is not None:  # a member's name: where it registered
             try:
-                sender = self._discovery.address_of(sender)
+                sender, _ = self._discovery.resolve(sender)
             except PeerUnknown as exc:
                 unknown = exc
         if unknown is None:
@@ -432,13 +434,13 @@ class TransferService:
         if plane is None:
             return self.stats.snapshot(RequestCounts(
                 sending=0, receiving=0, expects_before_send=0, unsettled_pages=0, inflight_handles=0,
-                live_nixl_handles=0, staging_held_bytes=0), [], discovery)
+                live_nixl_handles=0, staging_held_bytes=0), [], {}, discovery)
         wd = plane.watchdog
         return self.stats.snapshot(RequestCounts(
             sending=len(plane.sends), receiving=len(plane.recvs), expects_before_send=len(plane.early),
             unsettled_pages=plane.settlement.unsettled_pages, inflight_handles=wd.inflight,
             live_nixl_handles=wd.live_handles, staging_held_bytes=wd.staging_held,
-        ), plane.control.peer_addresses(), discovery)
+        ), plane.control.peer_addresses(), plane.control.peer_versions(), discovery)
 
     # -- discovery (discovery = "etcd"; kvservice.discovery) ---------------------------
     def live_peers(self, role: str | None = None) -> list[Member]:

@@ -32,6 +32,23 @@ class RequestCounts(TypedDict):
     staging_held_bytes: int  #: staging buffer bytes held by requests
 
 
+class DiscoveryStatus(TypedDict):
+    """``ServiceStatus["discovery"]`` with ``discovery = "etcd"``: the registry's own counts."""
+
+    name: str  #: the name this service registers under
+    cluster: str
+    registered: bool  #: holds a lease now
+    etcd: str | None  #: the endpoint it talks to now (None while none answers)
+    members: int  #: live peers (this service not counted)
+    lapsed: list[str]  #: members whose lease lapsed, not judged lost yet
+    registrations: int  #: leases registered on (1 + re-registrations)
+    outages: int  #: times etcd was found unreachable
+    rewrites: int  #: own key found changed by another writer, and written again
+    #: entries under the prefix that are no valid member, by why (every kind, zeros too):
+    #: docs/cluster.md "What it reads, and what it ignores"
+    ignored: dict[str, int]
+
+
 class ServiceStatus(RequestCounts):
     """``TransferService.status()``: a snapshot for operators, cheap enough to poll (a
     dict, typed: it crosses the sidecar's wire and goes into JSON as it is)."""
@@ -47,7 +64,9 @@ class ServiceStatus(RequestCounts):
     loop_lag_max_s: float
     peer_times: dict[str, Any]  #: by peer label: time per transfer and to post, counts and sums
     peers: list[str]  #: linked peers' addresses
-    discovery: NotRequired[dict[str, object]]  #: with ``discovery = "etcd"``: the registry's own
+    #: live links by the protocol version they speak ("5", "6"): how far a rolling upgrade is
+    peer_versions: dict[str, int]
+    discovery: NotRequired[DiscoveryStatus]  #: with ``discovery = "etcd"``: the registry's own
 
 
 @dataclass
@@ -109,8 +128,8 @@ class Stats:
         ordered = sorted(self.lag_samples)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    def snapshot(self, requests: RequestCounts, peers: list[str],
-                 discovery: dict[str, object] | None = None) -> ServiceStatus:
+    def snapshot(self, requests: RequestCounts, peers: list[str], peer_versions: dict[str, int],
+                 discovery: DiscoveryStatus | None = None) -> ServiceStatus:
         status = ServiceStatus(
             outcomes={f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
             bytes_sent=self.bytes["send"],
@@ -123,6 +142,7 @@ class Stats:
             loop_lag_max_s=self.max_lag_s,
             peer_times=self.peers.snapshot(),
             peers=peers,
+            peer_versions=peer_versions,
             sending=requests["sending"],
             receiving=requests["receiving"],
             expects_before_send=requests["expects_before_send"],

@@ -306,7 +306,4 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     configure_logging(args.log_level)
-    # NIXL's C++ log repeats, line by line, failures the demo reports as results.
-    # Read when NIXL loads, so set before any service starts (children inherit it).
-    os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
     return run(_main, args.requests, args.seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import socket
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -43,6 +44,14 @@ def plane_indices(layout: KVLayout, pages: Sequence[int] | npt.NDArray[np.int32]
     service's code: entry ``plane * num_pages + page``, plane-major (plane = layer * 2 + K/V)."""
     planes = np.arange(2 * layout.layers, dtype=np.int32)[:, None] * layout.num_pages
     return (planes + np.asarray(pages, dtype=np.int32)[None, :]).ravel()
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a service that must restart on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:

@@ -18,6 +18,7 @@ import msgspec
 
 from kvservice._config import ServiceConfig
 from kvservice._control.addresses import split_address
+from kvservice._control.peers import agree
 from kvservice._control.protocol import (
     HEADER_BYTES,
     PROTOCOL_VERSION,
@@ -30,8 +31,20 @@ from kvservice._control.protocol import (
     decode_body,
     encode_body,
     frame,
+    negotiate,
 )
-from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac, LinkSecrets, new_nonce, prove, transcript, verify
+from kvservice._control.protocol import hello as our_hello
+from kvservice._trust.handshake import (
+    ACCEPTOR,
+    DIALER,
+    Agreement,
+    Exchange,
+    FrameMac,
+    LinkSecrets,
+    new_nonce,
+    prove,
+    verify,
+)
 from kvservice.memory import KVLayout
 from kvservice.memory.engines import pool_regions
 from tests.helpers import SMALL
@@ -53,6 +66,7 @@ class Raw:
         self.mac: FrameMac | None = None
         #: the link's secrets once authenticated: Joins sent are sealed, Sealed replies opened
         self.secrets: LinkSecrets | None = None
+        self.agreed: Agreement | None = None  # what the Hellos settled (``dial``)
         self.sent: list[bytes] = []  # every byte string written, for replays
 
     @classmethod
@@ -136,21 +150,24 @@ class Raw:
 
 async def dial(
     address: str, *, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
-    hello: dict[str, Any] | None = None, rcvbuf: int | None = None,
+    hello: dict[str, Any] | None = None, rcvbuf: int | None = None, source: str | None = None,
 ) -> tuple[Raw, Message | None, bytes]:
-    """Open a connection and send a Hello (fields overridden by ``hello``); returns the
-    connection, the service's answer, and the transcript (for a proof)."""
-    raw = await Raw.connect(address, rcvbuf=rcvbuf)
-    nonce = new_nonce()
-    fields: dict[str, Any] = {"type": "hello", "version": PROTOCOL_VERSION, "agent": agent,
-                              "address": my_address, "nonce": nonce, "proof": b""}
+    """Open a connection (from ``source``, see ``Raw.connect``) and send this release's Hello
+    (fields overridden by ``hello``); returns the connection, the service's answer, and the
+    transcript (for a proof).  ``raw.agreed`` is what the two Hellos settled, when the answer
+    is a Hello."""
+    raw = await Raw.connect(address, rcvbuf=rcvbuf, source=source)
+    exchange = Exchange()
+    mine = our_hello(agent, my_address, new_nonce(PROTOCOL_VERSION), share=exchange.share)
+    fields: dict[str, Any] = {"type": "hello", **msgspec.structs.asdict(mine)}
     fields.update(hello or {})
     await raw.send(fields)
     answer = await raw.recv()
     script = b""
     if isinstance(answer, Hello):
-        script = transcript((fields["agent"], fields["address"], fields["nonce"]),
-                            (answer.agent, answer.address, answer.nonce))
+        sent = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Hello)
+        raw.agreed = agree(negotiate(answer), sent, answer, exchange, DIALER)
+        script = raw.agreed.script
     return raw, answer, script
 
 
@@ -163,14 +180,15 @@ def own_key() -> bytes:
 
 async def authenticate(
     address: str, *, key: bytes | None, agent: str = "kv-stranger-1", my_address: str = "127.0.0.1:1",
-    rcvbuf: int | None = None,
+    rcvbuf: int | None = None, source: str | None = None,
 ) -> Raw:
     """Pass the handshake up to (not including) Join, as a peer holding ``key`` would."""
-    raw, answer, script = await dial(address, agent=agent, my_address=my_address, rcvbuf=rcvbuf)
+    raw, answer, script = await dial(address, agent=agent, my_address=my_address, rcvbuf=rcvbuf, source=source)
     assert isinstance(answer, Hello), answer
     assert verify(key, ACCEPTOR, script, answer.proof) is None, "the service's proof did not verify"
     await raw.send(Proof(prove(key, DIALER, script)))
-    raw.secrets = LinkSecrets(key, script, DIALER)
+    assert raw.agreed is not None
+    raw.secrets = raw.agreed.secrets(key, DIALER)
     raw.mac = raw.secrets.frame_mac
     return raw
 

@@ -14,4 +14,8 @@ travels here; what the requests *mean* lives in the request plane (``_transfer``
   proven (never merely claimed) to answer at which address.
 - ``plane``: ``ControlPlane``, the peer table: the handshake (``_trust`` holds the keys,
   proofs and checks), admission and loading into NIXL, dialling, probes, drops.
+- ``refusals``: what a handshake is refused for (room in all and per source, metadata
+  vetting) and how a refusal is told, counted and logged.
+- **source**: the IP address a connection comes from (``preauth.source_of``).  Agent
+  names cost a key holder nothing; sources do, so shared bounds are charged to them.
 """

@@ -10,11 +10,11 @@ import anyio
 
 from .._config import ServiceConfig
 from .._results import AuthenticationError, ProtocolError
-from .._trust.handshake import ACCEPTOR, new_nonce, transcript, verify
+from .._trust.handshake import ACCEPTOR, DIALER, Agreement, Exchange, check_versions, new_nonce, verify
 from .addresses import split_address
 from .links import ControlStream, try_send
-from .peers import LocalPeer, check_hello, rejected_by
-from .protocol import PREAUTH_FRAME_BYTES, PROTOCOL_VERSION, Hello, Reject
+from .peers import LocalPeer, agree, check_hello, rejected_by
+from .protocol import PREAUTH_FRAME_BYTES, PROTOCOL_VERSION, Hello, Reject, hello
 from .transport import Transport
 
 
@@ -38,24 +38,25 @@ class Dialing:
             raise cls(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
         return ControlStream(stream, self._cfg.max_frame_bytes)
 
-    async def hello(self, framed: ControlStream, address: str, *, probe: bool) -> tuple[Hello, bytes]:
-        """Our Hello, the acceptor's, its proof checked: (its Hello, the transcript)."""
-        local, me = self._local, self._my_address()
-        nonce = new_nonce()
-        await framed.send(Hello(PROTOCOL_VERSION, local.agent, me, nonce, probe=probe))
+    async def hello(self, framed: ControlStream, address: str, *, probe: bool) -> tuple[Hello, Agreement]:
+        """Our Hello, the acceptor's, its proof checked: (its Hello, what they settled)."""
+        local = self._local
+        exchange = Exchange()
+        mine = hello(local.agent, self._my_address(), new_nonce(PROTOCOL_VERSION), probe=probe, share=exchange.share)
+        await framed.send(mine)
         reply = await framed.recv(PREAUTH_FRAME_BYTES)
         if isinstance(reply, Reject):
             raise rejected_by(address, reply)
         if not isinstance(reply, Hello):
             raise ProtocolError(f"{address} answered {type(reply).__name__}, not hello")
-        check_hello(reply, local.agent)
-        script = transcript((local.agent, me, nonce), (reply.agent, reply.address, reply.nonce))
-        why = verify(local.key, ACCEPTOR, script, reply.proof)
+        agreed = agree(check_hello(reply, local.agent), mine, reply, exchange, DIALER)
+        why = verify(local.key, ACCEPTOR, agreed.script, reply.proof) or check_versions(
+            reply.nonce, PROTOCOL_VERSION, agreed.version)
         if why is not None:
             if not probe:
                 await try_send(framed, Reject(why, "auth"))
             raise AuthenticationError(f"{address}: {why}")
-        return reply, script
+        return reply, agreed
 
     async def probe(self, address: str) -> str:
         """The agent that answers at ``address`` now, proven by its proof over our fresh

@@ -20,6 +20,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from .._log import get_logger
 from .._results import KVServiceError
 from .._trust.handshake import FrameMac, LinkSecrets
+from .preauth import source_of
 from .protocol import (
     HEADER_BYTES,
     Bye,
@@ -107,6 +108,11 @@ class ControlStream(FramedStream[Message]):
     def __init__(self, stream: anyio.abc.ByteStream, max_frame_bytes: int) -> None:
         super().__init__(stream, max_frame_bytes, decode_body, encode_frame)
         self.mac: FrameMac | None = None
+
+    @property
+    def source(self) -> str:
+        """The remote IP address of this connection (``preauth.source_of``)."""
+        return source_of(self._stream)
 
     async def recv(self, limit: int | None = None) -> Message:
         """The next message (``limit``: a smaller frame bound, before authentication)."""

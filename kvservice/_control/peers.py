@@ -18,16 +18,28 @@ import anyio
 from .._nixl.door import Door, DoorError
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._trust import checks
-from .._trust.handshake import NONCE_BYTES, LinkSecrets
+from .._trust.handshake import (
+    DIALER,
+    EXCHANGE_SINCE,
+    NONCE_BYTES,
+    Agreement,
+    Exchange,
+    LinkSecrets,
+    transcript,
+)
+from .._trust.vetting import VETTING_BACKOFF
 from ..memory._pairing import PeerKV
 from ..memory._regions import KVMemory
 from ..memory._staging import StagingArea
 from .links import PeerLink
 from .preauth import EVICTED, LIMIT, SOURCE_LIMIT
-from .protocol import PROTOCOL_VERSION, Hello, Join, Message, Reject
+from .protocol import Hello, Join, Message, Reject, negotiate
 
+#: a handshake past its source's share of ``max_peers``
+PEER_SOURCE_LIMIT = "peer_source_limit"
 #: refusals that mean "not allowed" rather than "cannot work together"
-REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", LIMIT, SOURCE_LIMIT, EVICTED})
+REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED,
+                           VETTING_BACKOFF})
 
 
 class PeerEvents(Protocol):
@@ -62,18 +74,36 @@ class Peer:
     kv: PeerKV  # its KV memory, paired with ours
     link: PeerLink
     secrets: LinkSecrets
+    version: int  # the protocol version the link speaks (``protocol.negotiate``)
+    source: str  # the IP address its link comes from (``preauth.source_of``): what shared bounds charge
 
 
-def check_hello(hello: Hello, own_agent: str) -> None:
-    """Pre-authentication checks of a Hello (raises ``ProtocolError``)."""
-    if hello.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {hello.version}, this service speaks {PROTOCOL_VERSION}", "version")
+def check_hello(hello: Hello, own_agent: str) -> int:
+    """Pre-authentication checks of a Hello (raises ``ProtocolError``); the version a
+    link with its sender speaks."""
+    version = negotiate(hello)
     if len(hello.nonce) != NONCE_BYTES:
         raise ProtocolError(f"nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", "hello_invalid")
     why = checks.check_agent(hello.agent, own_agent) or checks.check_address(hello.address)
     if why is not None:
         raise ProtocolError(why, "hello_invalid")
+    return version
+
+
+def agree(version: int, mine: Hello, theirs: Hello, exchange: Exchange, role: str) -> Agreement:
+    """What our Hello ``mine`` and the peer's checked ``theirs`` settle for a link of
+    ``version`` when we play ``role``: the transcript and, from version 6, the shared
+    secret of the key exchange (raises ``ProtocolError`` for a share that is not a key)."""
+    dialer, acceptor = (mine, theirs) if role == DIALER else (theirs, mine)
+    shared = None
+    if version >= EXCHANGE_SINCE:
+        try:
+            shared = exchange.shared(theirs.share)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), "hello_invalid") from exc
+    script = transcript((dialer.agent, dialer.address, dialer.nonce),
+                        (acceptor.agent, acceptor.address, acceptor.nonce), version, (dialer.share, acceptor.share))
+    return Agreement(version, script, shared)
 
 
 def dial_failure(exc: BaseException) -> FailureReason:

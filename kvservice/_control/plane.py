@@ -31,22 +31,25 @@ each link guards its own reader (``PeerLink``): nothing a peer sends reaches
 the service's task group.  Bounds: ``max_handshakes`` connections in their
 handshake, ``max_handshakes_per_source`` of them from one source IP, shared
 fairly (``preauth``; a refused or evicted one gets a ``Reject`` saying so),
-``max_peers`` peers, ``max_outbox_bytes`` per link; ``accept()`` errors back off
+``max_peers`` peers (``max_peers_per_source`` of them from one source IP:
+agent names cost nothing, addresses do), ``max_outbox_bytes`` per link; ``accept()`` errors back off
 and go on (``accept``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import msgspec
 
 from .._config import ServiceConfig
 from .._log import get_logger
-from .._nixl.door import Door, DoorError, DoorThread
+from .._nixl.door import Door, DoorThread
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._stats import Stats
 from .._transfer.requests import Recent
@@ -54,10 +57,11 @@ from .._trust import checks
 from .._trust.handshake import (
     ACCEPTOR,
     DIALER,
+    Exchange,
     LinkSecrets,
+    check_versions,
     new_nonce,
     prove,
-    transcript,
     verify,
 )
 from .._trust.vetting import MetadataVetter
@@ -81,13 +85,14 @@ from .peers import (
     LocalPeer,
     Peer,
     PeerEvents,
+    agree,
     check_hello,
     dial_failure,
     endpoint_gone,
     load_peer,
     rejected_by,
 )
-from .preauth import EVICTED, SOURCE_LIMIT, HandshakeSlots, source_of
+from .preauth import EVICTED, NO_ADDRESS, HandshakeSlots, source_of
 from .protocol import (
     PREAUTH_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -97,14 +102,13 @@ from .protocol import (
     Message,
     Proof,
     Reject,
-    text,
+    hello,
 )
+from .refusals import check_room, handshake_failed, refuse_handshake, vet
 from .transport import ByteListener, TcpTransport, Transport
 
 log = get_logger("kvservice.control")
 
-#: the longest a refused connection's Reject may take to write (it fits a new socket's buffer)
-REJECT_SEND_S = 0.05
 #: inbound notification keys kept per agent: its current link's and the ones before
 _NOTIF_KEYS_PER_AGENT = 2
 
@@ -179,7 +183,7 @@ class ControlPlane:
         slot = self._slots.take(source)
         framed = ControlStream(stream, self._cfg.max_frame_bytes)
         if isinstance(slot, str):
-            await self._refuse_handshake(framed, slot, source)
+            await refuse_handshake(framed, slot, source, self._slots, self._stats)
             return
         if self._closing:
             self._slots.give_back(slot)
@@ -196,7 +200,7 @@ class ControlPlane:
                     peer = await self._handshake_as_acceptor(framed)
                     probed = peer is None
         except Exception as exc:  # noqa: BLE001 - one connection's failure is that connection's
-            await self._handshake_failed("accept", framed, exc)
+            await handshake_failed("accept", framed, exc, self._stats)
             return
         finally:
             self._slots.give_back(slot)
@@ -204,49 +208,35 @@ class ControlPlane:
             await framed.aclose()
             return
         if peer is None:  # evicted: a source holding fewer slots took this one's
-            await self._refuse_handshake(framed, EVICTED, source)
+            await refuse_handshake(framed, EVICTED, source, self._slots, self._stats)
             return
         await peer.link.run()
 
-    async def _refuse_handshake(self, framed: ControlStream, kind: str, source: str) -> None:
-        """Tell a connection the handshake pool refused it, count it, close it.  The Reject
-        is tiny and the connection new, so it fits the socket's buffer; ``REJECT_SEND_S``
-        only guards against waiting on a stranger."""
-        slots = self._slots
-        if (unlogged := self._stats.refuse(kind)) is not None:
-            log.warning("peer.refused", side="accept", kind=kind, source=source, held=slots.held_by(source),
-                        limit=slots.per_source if kind == SOURCE_LIMIT else slots.total, unlogged=unlogged)
-        why = {SOURCE_LIMIT: f"too many handshakes from {source} (max_handshakes_per_source = {slots.per_source})",
-               EVICTED: "handshake ended: its slot went to a source holding fewer (max_handshakes = "
-                        f"{slots.total})"}.get(kind, f"too many handshakes (max_handshakes = {slots.total})")
-        with anyio.CancelScope(shield=True):
-            await try_send(framed, Reject(why, kind), timeout=REJECT_SEND_S)
-            await framed.aclose()
-
     async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer | None:
         local = self._local
-        hello = await framed.recv(PREAUTH_FRAME_BYTES)
-        if not isinstance(hello, Hello):
-            raise ProtocolError(f"expected hello, got {type(hello).__name__}", "hello_invalid")
-        check_hello(hello, self._local.agent)
-        nonce = new_nonce()
-        script = transcript((hello.agent, hello.address, hello.nonce), (local.agent, self.address, nonce))
-        await framed.send(Hello(PROTOCOL_VERSION, local.agent, self.address, nonce,
-                                prove(local.key, ACCEPTOR, script)))
-        if hello.probe:  # "who answers here?": our proof says it; nothing else follows
+        theirs = await framed.recv(PREAUTH_FRAME_BYTES)
+        if not isinstance(theirs, Hello):
+            raise ProtocolError(f"expected hello, got {type(theirs).__name__}", "hello_invalid")
+        version = check_hello(theirs, self._local.agent)
+        exchange = Exchange()
+        mine = hello(local.agent, self.address, new_nonce(PROTOCOL_VERSION), share=exchange.share)
+        agreed = agree(version, mine, theirs, exchange, ACCEPTOR)
+        await framed.send(msgspec.structs.replace(mine, proof=prove(local.key, ACCEPTOR, agreed.script)))
+        if theirs.probe:  # "who answers here?": our proof says it; nothing else follows
             return None
         answer = await framed.recv(PREAUTH_FRAME_BYTES)
         if isinstance(answer, Reject):
-            raise rejected_by(hello.address, answer)
+            raise rejected_by(theirs.address, answer)
         if not isinstance(answer, Proof):
             raise ProtocolError(f"expected proof, got {type(answer).__name__}", "hello_invalid")
-        why = verify(local.key, DIALER, script, answer.proof)
+        why = verify(local.key, DIALER, agreed.script, answer.proof) or check_versions(
+            theirs.nonce, PROTOCOL_VERSION, version)
         if why is not None:
             raise AuthenticationError(why)
-        secrets = LinkSecrets(local.key, script, ACCEPTOR)
+        secrets = agreed.secrets(local.key, ACCEPTOR)
         framed.mac = secrets.frame_mac
         join = open_join(await framed.recv(), secrets)
-        peer = await self._admit(framed, hello, join, secrets)
+        peer = await self._admit(framed, theirs, join, secrets, version)
         try:
             await send_join(framed, local.join, secrets)
         except BaseException:
@@ -343,16 +333,16 @@ class ControlPlane:
         with anyio.fail_after(self._cfg.connect_timeout_s):
             framed = await self._dialing.connect(address)
             try:
-                reply, script = await self._dialing.hello(framed, address, probe=False)
-                await framed.send(Proof(prove(local.key, DIALER, script)))
-                secrets = LinkSecrets(local.key, script, DIALER)
+                reply, agreed = await self._dialing.hello(framed, address, probe=False)
+                await framed.send(Proof(prove(local.key, DIALER, agreed.script)))
+                secrets = agreed.secrets(local.key, DIALER)
                 framed.mac = secrets.frame_mac
                 await send_join(framed, local.join, secrets)
                 answer = await recv_join_or_reject(framed)
                 if isinstance(answer, Reject):
                     raise rejected_by(address, answer)
                 join = open_join(answer, secrets)
-                peer = await self._admit(framed, reply, join, secrets, dialled=canon)
+                peer = await self._admit(framed, reply, join, secrets, agreed.version, dialled=canon)
             except BaseException:
                 await framed.aclose()
                 raise
@@ -366,10 +356,11 @@ class ControlPlane:
         return dial_failure(exc)
 
     # -- the handshake ---------------------------------------------------------------
-    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets,
+    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets, version: int,
                      dialled: str | None = None) -> Peer:
         """Check an authenticated peer's pool, load it into NIXL and link it (raises
-        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at."""
+        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at;
+        ``version``: the protocol version the link speaks."""
         memory, why, theirs = checks.check_memory(self._local.memory, join.memory)
         if memory is None:
             why = why or "invalid KV memory"
@@ -395,7 +386,8 @@ class ControlPlane:
             raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
         # Outside the table lock: a vetting child restarting after bad metadata (seconds)
         # delays this peer only, not every other admit and drop.
-        await self._vet(framed, join, dialled)
+        source = framed.source
+        await vet(self._vetter, framed, join.metadata, source, dialled, self._stats)
         await self._let_dying_link_end(agent)
         await self._let_drain_end(agent)
         async with self._table_lock:
@@ -406,8 +398,7 @@ class ControlPlane:
                 # Its old link has ended and its drop waits for this lock: do it now.
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
                 await self._let_drain_end(agent)  # bounded; a peer linking again is alive: short
-            if len(self._peers) >= self._cfg.max_peers:
-                raise ProtocolError(f"too many peers (max_peers = {self._cfg.max_peers})", "peer_limit")
+            check_room(self._peers, self._cfg, source)
             old = self._book.agent_at(dialled) if dialled is not None else None
             if old is not None and old != agent:
                 # We dialled the address and a new agent proved itself there: the old
@@ -424,14 +415,14 @@ class ControlPlane:
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, kv, link, secrets)
+            peer = Peer(agent, hello.address, kv, link, secrets, version, source)
             self._peers[agent] = peer
             self._stats.peers.linked(agent, hello.address)
             self._book.linked(agent, canon, dialled)
             keys = self._notif_in.get(agent) or []
             self._notif_in.put(agent, [secrets.notif_in, *keys][:_NOTIF_KEYS_PER_AGENT])
         log.info("peer.connected", peer=hello.address, agent=agent, generation=link.generation,
-                 authenticated=self._local.key is not None)
+                 authenticated=self._local.key is not None, version=version)
         if self._book.unproven_claim(agent) is not None and not self._closing:
             # It dialled us: find out now whether it answers where it says it does, so a
             # request pinned to that address binds without waiting.
@@ -439,18 +430,10 @@ class ControlPlane:
         self._events.on_peer_linked(agent)
         return peer
 
-    async def _vet(self, framed: ControlStream, join: Join, dialled: str | None) -> None:
-        """Metadata that could abort this process is never loaded (``_trust.vetting``).
-        Refused when dialling, the acceptor hears why and it is counted here (an
-        acceptor's refusals are counted by ``_handshake_failed``)."""
-        refusal = None if self._vetter is None else await self._vetter.vet(join.metadata)
-        if refusal is None:
-            return
-        if dialled is not None:
-            await try_send(framed, Reject(text(refusal.message), refusal.kind))
-            if (unlogged := self._stats.refuse(refusal.kind)) is not None:
-                log.warning("peer.refused", side="dial", kind=refusal.kind, error=refusal.message, unlogged=unlogged)
-        raise ProtocolError(refusal.message, refusal.kind)
+    def source_of(self, agent: str) -> str:
+        """The IP address linked ``agent``'s link comes from (``NO_ADDRESS`` when not linked)."""
+        peer = self._peers.get(agent)
+        return peer.source if peer is not None else NO_ADDRESS
 
     async def _let_drain_end(self, agent: str) -> None:
         """A lost peer linking again: let the handles still draining to it end first, as
@@ -467,28 +450,6 @@ class ControlPlane:
         if current is not None and not current.link.alive(self._cfg.heartbeat_interval_s):
             with anyio.move_on_after(self._cfg.heartbeat_interval_s):
                 await current.link.ended.wait()
-
-    async def _handshake_failed(self, side: str, framed: ControlStream, exc: Exception) -> None:
-        if isinstance(exc, ProtocolError):
-            kind = exc.kind
-            told = exc.for_peer if isinstance(exc, IncompatiblePeer) else str(exc)
-            await try_send(framed, Reject(text(told), kind))
-        elif isinstance(exc, TimeoutError):
-            kind = "handshake_timeout"
-        elif isinstance(exc, FrameError):
-            kind = "frame"
-            await try_send(framed, Reject(text(str(exc)), kind))
-        elif isinstance(exc, DoorError):
-            kind = "nixl_refused"
-            await try_send(framed, Reject(text(f"cannot load this agent into NIXL: {exc}"), kind))
-        elif isinstance(exc, CONNECTION_ERRORS):
-            kind = "handshake_incomplete"
-        else:
-            kind = "handler_error"
-            log.error("peer.handshake_crashed", side=side, exc_info=exc)
-        if (unlogged := self._stats.refuse(kind)) is not None:
-            log.warning("peer.handshake_failed", side=side, kind=kind, error=str(exc) or repr(exc), unlogged=unlogged)
-        await framed.aclose()
 
     # -- links ----------------------------------------------------------------------
     def _on_message(self, link: PeerLink, msg: Message) -> None:
@@ -556,9 +517,16 @@ class ControlPlane:
         peer = self._peers.get(agent)
         return peer.link.generation if peer is not None else None
 
+    def version_of(self, agent: str) -> int | None:
+        """The protocol version ``agent``'s link speaks (None when not linked)."""
+        peer = self._peers.get(agent)
+        return peer.version if peer is not None else None
+
     def speaks(self, agent: str, version: int) -> bool:
-        """Whether ``agent``'s link speaks protocol ``version`` (a stand-in until versions are negotiated)."""
-        return True
+        """Whether ``agent`` is linked and its link speaks ``version`` or newer: a message
+        newer than its version would end the link (an unknown tag is a ``FrameError``)."""
+        peer = self._peers.get(agent)
+        return peer is not None and peer.version >= version
 
     def peer_kv(self, agent: str) -> PeerKV | None:
         peer = self._peers.get(agent)
@@ -577,6 +545,10 @@ class ControlPlane:
 
     def peer_addresses(self) -> list[str]:
         return sorted(peer.address for peer in self._peers.values())
+
+    def peer_versions(self) -> dict[str, int]:
+        """Live links by the protocol version they speak (``status()["peer_versions"]``)."""
+        return dict(sorted(collections.Counter(str(peer.version) for peer in self._peers.values()).items()))
 
     async def close_all(self, timeout: float) -> None:
         self._closing = True

@@ -34,7 +34,7 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
-from .._results import KVServiceError
+from .._results import KVServiceError, ProtocolError
 from .._trust.handshake import NOTIF_MAC_BYTES, notif_mac
 
 T = TypeVar("T")
@@ -44,7 +44,13 @@ T = TypeVar("T")
 #:    ``Hello.probe``
 #: 5: ``MemoryWire`` names the staging buffer, ``Expect.staging`` a range of it (a peer of
 #:    version 4 would ignore the range and write where the receiver does not look)
-PROTOCOL_VERSION = 5
+#: 6: versions are negotiated (``Hello.top``; see ``negotiate``); a link of version 6 derives
+#:    its secrets with an ephemeral X25519 exchange (``Hello.share``: forward secrecy)
+#:    and a receiver asks a sender it linked with again about what it holds (``Ask``)
+PROTOCOL_VERSION = 6
+#: the oldest version this release still speaks: each release links with the one before it
+#: (README "Upgrades"), so a fleet upgrades one pod at a time without failing a request
+OLDEST_VERSION = 5
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size
 #: the largest frame read before the peer has proved the key (Hello, Proof, Reject)
@@ -72,7 +78,14 @@ def text(s: str) -> str:
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    """First frame each way.  ``version`` is checked before anything else."""
+    """First frame each way.  The versions are checked before anything else.
+
+    ``version`` is the *oldest* version the sender speaks and ``top`` its newest (0: only
+    ``version``): a peer of version 5, which knows no ``top`` (an unknown field is skipped)
+    and requires ``version == 5``, still links with a release that speaks 5 and 6.  A link
+    speaks the newest version both know (``negotiate``); the versions are bound to the
+    proofs through the nonces (``_trust.handshake.new_nonce``), so nobody on the path
+    can talk two peers down to an older version."""
 
     version: int
     agent: _Agent
@@ -81,6 +94,31 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     proof: _Proof = b""  # the acceptor's; empty from the dialer
     #: from a dialer: "only prove who you are at this address", no link follows
     probe: bool = False
+    top: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: the sender's ephemeral X25519 public key (from version 6; ``_trust.handshake.Exchange``)
+    share: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+
+    @property
+    def newest(self) -> int:
+        """The newest version the sender speaks."""
+        return max(self.version, self.top)
+
+
+def hello(agent: str, address: str, nonce: bytes, proof: bytes = b"", *, probe: bool = False,
+          share: bytes = b"") -> Hello:
+    """This release's Hello: it speaks ``OLDEST_VERSION`` to ``PROTOCOL_VERSION``."""
+    return Hello(OLDEST_VERSION, agent, address, nonce, proof, probe, PROTOCOL_VERSION, share)
+
+
+def negotiate(theirs: Hello) -> int:
+    """The version a link with the sender of ``theirs`` speaks: the newest both know.
+    Raises ``ProtocolError`` (kind ``version``) when the ranges do not meet."""
+    version = min(theirs.newest, PROTOCOL_VERSION)
+    if version < max(theirs.version, OLDEST_VERSION):
+        span = f"{theirs.version}" if theirs.newest == theirs.version else f"{theirs.version}-{theirs.newest}"
+        raise ProtocolError(f"the peer speaks protocol version {span}, this service speaks "
+                            f"{OLDEST_VERSION}-{PROTOCOL_VERSION}", "version")
+    return version
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):

@@ -1,4 +1,4 @@
-"""NixlDoor: the door over a real NIXL agent (the one module of ``_nixl`` that imports ``nixl``).
+"""NixlDoor: the door over a real NIXL agent (where the service imports ``nixl``).
 
 It implements ``door.Door`` over a real ``nixl_agent`` and maps NIXL's
 exceptions to ``FailureReason`` (see ``classify``).  Behaviour it relies on,
@@ -13,8 +13,9 @@ measured with nixl 1.5.1 (see the README's "How NIXL behaves" section):
 * ``add_remote_agent`` hands a peer's bytes to UCX, which unpacks them with
   assertions: malformed bytes can abort the process.  So the service proves a
   peer's metadata loadable in a vetting child first (``_trust.vetting``); the
-  child loads it with ``TrialLoader`` below, so this module stays the only one
-  that imports ``nixl``, in the service and in that child alike.
+  child loads it with ``trial.TrialLoader``, which imports the same NIXL build
+  by name: ``_nixl`` stays the only package that imports ``nixl``, in the
+  service and in that child alike.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ import numpy.typing as npt
 from .._log import get_logger
 from .._results import FailureReason, KVServiceError, NixlUnavailable
 from .door import DoorError, LocalTable, Segment, XferId, XferState
+from .native_log import after_agent_created, nixl_log_level, ucx_log_file
+from .trial import ucx_environment
 
 log = get_logger("kvservice.nixl")
 
 try:
-    from nixl import _bindings as _nb
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    with nixl_log_level():  # NIXL reads it as it loads (see native_log)
+        from nixl import _bindings as _nb
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     NIXL_IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:  # pragma: no cover - exercised only without nixl installed
@@ -114,20 +118,22 @@ def classify(exc: BaseException) -> FailureReason:
 
 
 @contextlib.contextmanager
-def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
-    """Apply ``overrides`` (variables already set win) and restore on exit, so one
-    service's UCX settings never leak into another created later in the process."""
-    saved = {key: os.environ.get(key) for key in overrides}
-    for key, value in overrides.items():
-        os.environ.setdefault(key, value)
+def door_environment(overrides: Mapping[str, str]) -> Iterator[None]:
+    """``ucx_environment``, with UCX's log going to a pipe kvservice reads and logs as
+    its own events, unless the operator chose where UCX logs (``native_log``)."""
+    log_file = ucx_log_file(overrides)
+    saved = os.environ.get("UCX_LOG_FILE")
+    if log_file is not None:
+        os.environ["UCX_LOG_FILE"] = log_file
     try:
-        yield
+        with ucx_environment(overrides):
+            yield
     finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+        if saved is None:
+            os.environ.pop("UCX_LOG_FILE", None)
+        else:
+            os.environ["UCX_LOG_FILE"] = saved
+    after_agent_created()
 
 
 class NixlStatusError(KVServiceError):
@@ -144,57 +150,6 @@ def nixl_version() -> str:
         return version("nixl")
     except Exception:  # noqa: BLE001 - metadata is informational only
         return "unknown"
-
-
-class TrialLoader:
-    """A bare NIXL agent (UCX backend, no memory) that loads a peer's metadata and
-    unloads it at once: the vetting child's half of ``add_peer``, so that bytes
-    which would abort a process abort that child, not the service."""
-
-    def __init__(self, agent_name: str, *, ucx_env: Mapping[str, str]) -> None:
-        if NIXL_IMPORT_ERROR is not None:
-            raise NixlUnavailable(f"cannot import nixl: {NIXL_IMPORT_ERROR}") from NIXL_IMPORT_ERROR
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        try:
-            with _environment(ucx_env):
-                self._agent: Any = nixl_agent(agent_name, config)
-        except (RuntimeError, *NIXL_ERRORS) as exc:  # type: ignore[misc]
-            raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc
-        self._name = agent_name
-        self._ucx_env = ucx_env
-
-    def warm_up(self) -> str | None:
-        """Load and unload a partner agent of this process once: the first load in a
-        process pays UCX's one-time set-up (~9 ms here, later ones ~0.3 ms), so that
-        no peer's vetting does.  ``None``, or NIXL's error."""
-        partner = TrialLoader(f"{self._name}-warm", ucx_env=self._ucx_env)
-        try:
-            return self.try_load(bytes(partner._agent.get_agent_metadata()))
-        finally:
-            del partner
-
-    def try_load(self, metadata: bytes) -> str | None:
-        """``None`` when NIXL loaded ``metadata`` (it is unloaded again), else NIXL's
-        error.  An abort here ends the calling process: run it in a child only."""
-        try:
-            loaded = self._agent.add_remote_agent(metadata)
-        except NIXL_ERRORS as exc:
-            return f"{type(exc).__name__}: {exc}"
-        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        try:
-            self._agent.remove_remote_agent(name)
-        except NIXL_ERRORS as exc:
-            return f"loaded, but not removed again: {type(exc).__name__}: {exc}"
-        self.progress()  # let UCX finish closing what the load opened towards the peer
-        return None
-
-    def progress(self) -> None:
-        """Drive UCX's progress once (this agent has no progress thread): endpoints it
-        is closing finish closing, and what peers send it is read rather than left
-        queued in the kernel."""
-        self._agent.get_new_notifs()
 
 
 class NixlDoor:
@@ -214,7 +169,7 @@ class NixlDoor:
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
-            with _environment(ucx_env):  # UCX reads its settings when the backend starts
+            with door_environment(ucx_env):  # UCX reads its settings when the backend starts
                 self._agent: Any = nixl_agent(agent_name, config)
         except (RuntimeError, *NIXL_ERRORS) as exc:  # type: ignore[misc]
             raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc

@@ -12,8 +12,9 @@ except what the door thread runs for it.
 Reading path:
 
 - ``requests``: a request's state on each side (``SendRequest``, ``RecvRequest``), the
-  public ``TransferHandle``, results made from requests, and the bounded tables
-  (``Recent``, ``EarlyExpects``).
+  public ``TransferHandle``, results made from requests, and ``Recent``, a bounded table.
+- ``early``: ``EarlyExpects``, Expects held for a ``send()`` not made yet, bounded per
+  peer, per source and in total.
 - ``plane``: ``RequestPlane``: the tables, the entry points (send, expect, abort, drain),
   the transitions (bind, finish, fail) and the watchdog's callbacks.
 - ``waits``: how callers wait on the plane (for an end, an arrival, a settling).
@@ -37,7 +38,9 @@ Glossary:
 - **bound**: a send is bound once a receiver's Expect gave it its destination pages;
   before that it is *bootstrapping* and its chunks queue.
 - **early expect**: an Expect that arrived before the ``send()`` of its id; held
-  (bounded per peer and in total, with a TTL) for the first send to bind.
+  (bounded per peer, per source and in total, with a TTL) for the first send to bind.
+- **source**: the IP address a peer's link comes from.  A key holder mints agent names
+  for nothing, not addresses: shared bounds are charged to the source as well.
 - **pinned**: a send made with ``receiver=``: only the agent proven to answer at that
   address may bind it; any other peer's Expect is refused (``REFUSED``) and counted.
 - **proven**: an agent is proven at an address when this service dialled that address

@@ -104,9 +104,12 @@ class Inbound:
                             "request already ended on the sender")
         elif p.early.has(rid, agent):
             p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
-        elif (why := p.early.add(rid, agent, pages, time.monotonic())) is not None:
-            p.stats.refuse("unknown_expect_limit")
-            p.refuse_expect(agent, rid, FailureReason.REFUSED, f"too many expects for requests not sent yet: {why}")
+        elif (refused := p.early.add(rid, agent, pages, time.monotonic(), p.control.source_of(agent))) is not None:
+            if (unlogged := p.stats.refuse(refused.kind)) is not None:
+                log.warning("expect.refused", peer=agent, source=p.control.source_of(agent), kind=refused.kind,
+                            error=refused.why, unlogged=unlogged)
+            p.refuse_expect(agent, rid, FailureReason.REFUSED,
+                            f"too many expects for requests not sent yet: {refused.why}")
 
     def _on_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
         p = self._plane

@@ -31,8 +31,9 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from .deadlines import Deadlines
+from .early import EarlyExpects
 from .ends import SendEnds
-from .requests import Chunk, EarlyExpects, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
+from .requests import Chunk, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
 from .settle import Settlement
 from .staging import NO_CELL, Stager
 from .watchdog import Watchdog
@@ -68,8 +69,7 @@ class RequestPlane:
         self.recvs_done: Recent[str, TransferResult] = Recent(results_kept)
         self.deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
         # Expects that arrived before the matching send()
-        self.early = EarlyExpects(cfg.max_unknown_expects, cfg.unknown_expect_ttl_s,
-                                  cfg.max_unknown_expect_pages, cfg.max_unknown_expect_pages_total)
+        self.early = EarlyExpects.configured(cfg)
         # Expects dropped (peer lost / aborted) before any send(), per peer, with the
         # addresses it was proven at: a later send that peer may receive fails at once.
         self.dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)
@@ -96,12 +96,12 @@ class RequestPlane:
     # -- entry points (TransferService has checked the arguments) -------------------------
     def send(self, request_id: str, src: PageIndex, lo: int, hi: int, *, last: bool, timeout: float | None,
              pinned: str | None, unknown: BaseException | None, payload: bytes | None,
-             fit_tail: bool = False) -> SendRequest:
+             fit_tail: bool = False, member: str | None = None) -> SendRequest:
         """Queue pages ``src`` of layers ``lo:hi`` of ``request_id`` (the first chunk makes
         the request): the request itself, or the ended stand-in of a sticky failure.
         ``ValueError`` for a chunk the request's state refuses (nothing changes then).
         ``fit_tail``: the request's only chunk; its receiver may take its last pages
-        (see ``bind``)."""
+        (see ``bind``).  ``member``: the discovery member ``pinned`` was resolved from."""
         req = self.sends.get(request_id)
         if fit_tail and (req is not None or not last or lo != 0 or hi != self.memory.layers):
             raise ValueError(f"request {request_id!r}: fit= goes with a request's only chunk "
@@ -133,7 +133,7 @@ class RequestPlane:
                 raise ValueError(
                     f"request {request_id!r}: last chunk ends at {queued} pages, receiver expects {dest.size}")
         if req is None:
-            req = self._new_send(request_id, timeout, pinned, unknown, match=not fit_tail)
+            req = self._new_send(request_id, timeout, pinned, unknown, match=not fit_tail, member=member)
             if req.result is not None:
                 return req
         if req.pending is None:
@@ -161,14 +161,14 @@ class RequestPlane:
         return request_id in self.sends or request_id in self.sends_done
 
     def _new_send(self, request_id: str, timeout: float | None, receiver: str | None,
-                  unknown: BaseException | None, *, match: bool = True) -> SendRequest:
+                  unknown: BaseException | None, *, match: bool = True, member: str | None = None) -> SendRequest:
         self._check_capacity()
         now = time.monotonic()
         cfg = self.config
         req = SendRequest(
             request_id=request_id, created=now,
             deadline=now + (timeout or cfg.transfer_timeout_s) + cfg.bootstrap_timeout_s,
-            bootstrap_deadline=now + cfg.bootstrap_timeout_s, receiver=receiver,
+            bootstrap_deadline=now + cfg.bootstrap_timeout_s, receiver=receiver, member=member,
         )
         self.sends[request_id] = req
         self.deadlines.push(req)
@@ -279,24 +279,24 @@ class RequestPlane:
         return (request_id in self.sends or request_id in self.recvs or request_id in self.sends_done
                 or request_id in self.recvs_done or request_id in self.dropped)
 
-    def drop_agent(self, agent: str, cause: BaseException, address: str | None = None) -> None:
-        """Drop the link to ``agent`` as lost (its requests fail ``PEER_LOST``), if linked.
-        With the ``address`` it registered at (discovery judged it lost), the sends pinned
-        to that address and bound to nobody yet fail too: no Expect can come from it."""
+    def drop_agent(self, agent: str, cause: BaseException, member: str, address: str) -> None:
+        """Discovery judged ``member`` (named by the engine; ``agent`` at ``address``) lost:
+        the sends named to it and bound to nobody yet fail ``PEER_LOST``, and the link to
+        ``agent`` is dropped as lost only if it is proven to answer at ``address``."""
         if self.closing:
             return
-        self.control.drop_peer(agent, cause)
-        if address is not None:
-            self.tg.start_soon(self._fail_pinned_to, address, cause)
-
-    async def _fail_pinned_to(self, address: str, cause: BaseException) -> None:
-        try:
-            canon = await self.control.canonical(address)  # as send() pinned it
-        except (ValueError, OSError):  # no send can be pinned to it either
-            return
-        for req in [r for r in self.sends.values() if r.peer is None and r.receiver == canon]:
-            self.fail(req, FailureReason.PEER_LOST, f"receiver {address} lost before the request was bound: {cause}",
+        for req in [r for r in self.sends.values() if r.peer is None and r.member == member]:
+            self.fail(req, FailureReason.PEER_LOST, f"receiver {member} lost before the request was bound: {cause}",
                       error=cause)
+        self.tg.start_soon(self._drop_if_proven, agent, address, cause)
+
+    async def _drop_if_proven(self, agent: str, address: str, cause: BaseException) -> None:
+        try:
+            canon = await self.control.canonical(address)  # resolved already when it was named
+        except (ValueError, OSError):  # nobody can be proven there either
+            return
+        if self.control.at_address(agent, canon):
+            self.control.drop_peer(agent, cause)
 
     # -- sends meet receivers ------------------------------------------------------------
     def _check_capacity(self) -> None:

@@ -118,6 +118,7 @@ class SendRequest(_Request):
 
     bootstrap_deadline: float = 0.0
     receiver: str | None = None  # canonical address the request is pinned to (send(receiver=))
+    member: str | None = None  # the discovery member whose registered address ``receiver`` is (named so)
     peer: str | None = None  # destination agent, once the receiver's Expect arrived
     peer_address: str | None = None  # where that agent is (proven, else as it advertises itself): for messages
     kv: PeerKV | None = None  # the receiver's memory, paired with ours
@@ -352,104 +353,6 @@ class Recent(Generic[K, V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._d
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-
-class EarlyExpects:
-    """Expects that arrived before the matching ``send()``, bounded per peer (count and
-    pages), in total (pages) and by age.
-
-    A peer may announce requests this side has not sent yet (the normal race), but
-    not without limit: past ``per_peer`` entries, or ``pages_per_peer`` pages held
-    for it (``pages_total`` for all peers), a peer's new Expects are refused, and an
-    entry older than ``ttl`` is dropped by ``expire``.  Several peers may announce
-    the same id: each entry is its own, and which one binds is the service's choice
-    (the pinned receiver, else the first).  Entries are kept in arrival order, so
-    expiry looks only at the oldest."""
-
-    def __init__(self, per_peer: int, ttl: float, pages_per_peer: int, pages_total: int) -> None:
-        self._per_peer = per_peer
-        self._ttl = ttl
-        self._pages_per_peer = pages_per_peer
-        self._pages_total = pages_total
-        self._d: dict[tuple[str, str], tuple[PageIndex, float]] = {}  # (rid, agent) -> (pages, arrived)
-        self._by_rid: dict[str, list[str]] = {}  # rid -> agents, in arrival order
-        self._count: collections.Counter[str] = collections.Counter()
-        self._pages: collections.Counter[str] = collections.Counter()
-        self.pages = 0  # held for all peers
-
-    def add(self, rid: str, agent: str, pages: PageIndex, now: float) -> str | None:
-        """Remember an Expect; if a bound stops it, which one (nothing is stored)."""
-        n = int(pages.size)
-        if self._count[agent] >= self._per_peer:
-            return f"{self._count[agent]} expects held for requests not sent yet (max_unknown_expects)"
-        if self._pages[agent] + n > self._pages_per_peer:
-            return (f"{self._pages[agent]} pages held for expects not sent yet, {n} more exceed "
-                    f"max_unknown_expect_pages ({self._pages_per_peer})")
-        if self.pages + n > self._pages_total:
-            return (f"{self.pages} pages held for all peers' expects not sent yet, {n} more exceed "
-                    f"max_unknown_expect_pages_total ({self._pages_total})")
-        self._d[(rid, agent)] = (pages, now)
-        self._by_rid.setdefault(rid, []).append(agent)
-        self._count[agent] += 1
-        self._pages[agent] += n
-        self.pages += n
-        return None
-
-    def agents(self, rid: str) -> list[str]:
-        """The peers that expect ``rid``, first come first."""
-        return list(self._by_rid.get(rid, ()))
-
-    def has(self, rid: str, agent: str) -> bool:
-        return (rid, agent) in self._d
-
-    def pages_of(self, rid: str, agent: str) -> PageIndex | None:
-        entry = self._d.get((rid, agent))
-        return entry[0] if entry is not None else None
-
-    def pop(self, rid: str, agent: str) -> PageIndex | None:
-        entry = self._d.pop((rid, agent), None)
-        if entry is None:
-            return None
-        self._forget(rid, agent, entry[0])
-        return entry[0]
-
-    def drop_peer(self, agent: str) -> list[str]:
-        """Forget ``agent``'s entries; their request ids."""
-        rids = [rid for (rid, a) in self._d if a == agent]
-        for rid in rids:
-            self.pop(rid, agent)
-        return rids
-
-    def expire(self, now: float) -> list[tuple[str, str]]:
-        """Drop entries older than ``ttl``: their (request id, agent)."""
-        gone: list[tuple[str, str]] = []
-        while self._d:
-            (rid, agent), (pages, arrived) = next(iter(self._d.items()))
-            if now - arrived < self._ttl:
-                break
-            del self._d[(rid, agent)]
-            self._forget(rid, agent, pages)
-            gone.append((rid, agent))
-        return gone
-
-    def _forget(self, rid: str, agent: str, pages: PageIndex) -> None:
-        agents = self._by_rid[rid]
-        agents.remove(agent)
-        if not agents:
-            del self._by_rid[rid]
-        n = int(pages.size)
-        self.pages -= n
-        self._pages[agent] -= n
-        self._count[agent] -= 1
-        if self._count[agent] <= 0:
-            del self._count[agent]
-            del self._pages[agent]
-
-    def __contains__(self, rid: object) -> bool:
-        return rid in self._by_rid
 
     def __len__(self) -> int:
         return len(self._d)

@@ -11,4 +11,6 @@
   malformed, before NIXL sees it.
 * ``vetting`` and ``vetchild``: what passes is loaded first in a child process
   with its own NIXL agent; metadata that kills the child is never loaded here.
+* ``strikes``: a source whose metadata cost a vetting child is vetted on a child
+  of its own, and refused for a doubling backoff when it does so again.
 """

@@ -23,6 +23,17 @@ chooses.  Each carries a MAC under the link's per-direction notification key
 (``LinkSecrets.notif_out`` / ``notif_in``), so only the peer at the other end of
 this link can complete or settle anything here.
 
+Versions and forward secrecy.  Each Hello names the versions its sender speaks,
+and the link speaks the newest both know (``_control.protocol.negotiate``).  From
+version 6 every nonce ends with its sender's newest version (``new_nonce``), and
+the proofs cover the nonces: whoever strips or lowers a Hello's version on the path
+is caught once the proofs check (``check_versions``).  From version 6 each side
+also sends an ephemeral X25519 public key (``Exchange``); the transcript covers
+both keys and the link's secrets are derived from the cluster key *and* the
+exchange's shared secret, so a recorded handshake opens nothing, even to a
+holder of the cluster key (forward secrecy).  Links of version 5 derive them from
+the key and the transcript alone.
+
 Without a key (``allow_unauthenticated``) proofs are empty, frames carry no MAC
 and the Join is sent in clear; notification keys are then derived from the
 transcript alone, which an agent that was not on this link never saw.  A keyed
@@ -35,9 +46,11 @@ import hashlib
 import hmac
 import secrets
 import struct
+from dataclasses import dataclass
 
 import msgspec
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 NONCE_BYTES = 32
@@ -54,17 +67,84 @@ _UNKEYED = b"kvservice-unkeyed"
 #: bytes of MAC appended to each NIXL notification
 NOTIF_MAC_BYTES = 16
 _JOIN_NONCE = bytes(12)  # each Join key encrypts exactly one message
+#: the first protocol version whose links use the X25519 exchange and versioned nonces
+EXCHANGE_SINCE = 6
+#: bytes of an X25519 public key (``Hello.share``)
+SHARE_BYTES = 32
+#: a nonce's last bytes from version 6: this marker and its sender's newest version
+_TOP_MARK = b"kvs-top:"
+_TOP = struct.Struct(">I")
+_RANDOM_BYTES = NONCE_BYTES - len(_TOP_MARK) - _TOP.size  # 20: 160 random bits
 
 
-def new_nonce() -> bytes:
-    return secrets.token_bytes(NONCE_BYTES)
+def new_nonce(newest: int | None = None) -> bytes:
+    """A fresh nonce; given ``newest``, the newest protocol version its sender speaks,
+    the nonce carries it (an older peer sees 32 opaque bytes).  Both proofs cover both
+    nonces, so the versions two peers said cannot be changed on the path
+    (``check_versions``)."""
+    if newest is None:
+        return secrets.token_bytes(NONCE_BYTES)
+    return secrets.token_bytes(_RANDOM_BYTES) + _TOP_MARK + _TOP.pack(newest)
+
+
+def newest_in(nonce: bytes) -> int | None:
+    """The newest version a nonce's sender speaks, or ``None`` for a nonce of version 5
+    (random throughout: it carries the marker by chance once in 2**64)."""
+    if len(nonce) != NONCE_BYTES or nonce[_RANDOM_BYTES:-_TOP.size] != _TOP_MARK:
+        return None
+    newest: int = _TOP.unpack(nonce[-_TOP.size:])[0]
+    return newest
+
+
+def check_versions(their_nonce: bytes, ours: int, agreed: int) -> str | None:
+    """After the peer's proof checked out: ``None`` if ``agreed`` is what its (proven)
+    nonce says both sides speak; else why not.  ``ours``: our newest version."""
+    theirs = newest_in(their_nonce)
+    if theirs is None or min(theirs, ours) == agreed:
+        return None
+    return (f"the handshake was tampered with: the peer speaks up to protocol version {theirs}, "
+            f"yet version {agreed} was agreed")
+
+
+class Exchange:
+    """One side's ephemeral X25519 key for one handshake (from version 6)."""
+
+    __slots__ = ("_private", "share")
+
+    def __init__(self) -> None:
+        self._private = X25519PrivateKey.generate()
+        self.share = self._private.public_key().public_bytes_raw()
+
+    def shared(self, theirs: bytes) -> bytes:
+        """The shared secret with the peer's public key ``theirs``; raises ``ValueError``
+        for a key that is not one (wrong length, or a low-order point)."""
+        if len(theirs) != SHARE_BYTES:
+            raise ValueError(f"key exchange: a public key of {len(theirs)} bytes, not {SHARE_BYTES}")
+        return self._private.exchange(X25519PublicKey.from_public_bytes(theirs))
 
 
 def transcript(
     dialer: tuple[str, str, bytes], acceptor: tuple[str, str, bytes],
+    version: int = EXCHANGE_SINCE - 1, shares: tuple[bytes, bytes] = (b"", b""),
 ) -> bytes:
-    """What both proofs cover: (agent, address, nonce) of each side, in role order."""
-    return msgspec.msgpack.encode([list(dialer), list(acceptor)])
+    """What both proofs cover: (agent, address, nonce) of each side, in role order; from
+    version 6 also each side's X25519 public key and the agreed version."""
+    if version < EXCHANGE_SINCE:
+        return msgspec.msgpack.encode([list(dialer), list(acceptor)])
+    return msgspec.msgpack.encode([[*dialer, shares[0]], [*acceptor, shares[1]], version])
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What two Hellos settled: the link's version, the transcript both proofs cover,
+    and (from version 6) the exchange's shared secret."""
+
+    version: int
+    script: bytes
+    shared: bytes | None = None
+
+    def secrets(self, key: bytes | None, role: str) -> LinkSecrets:
+        return LinkSecrets(key, self.script, role, shared=self.shared)
 
 
 def _derive(key: bytes, purpose: bytes, role: str, script: bytes) -> bytes:
@@ -130,9 +210,13 @@ class LinkSecrets:
 
     __slots__ = ("_join_in", "_join_out", "frame_mac", "notif_in", "notif_out")
 
-    def __init__(self, key: bytes | None, script: bytes, role: str) -> None:
+    def __init__(self, key: bytes | None, script: bytes, role: str, shared: bytes | None = None) -> None:
         peer = _peer_role(role)
-        base = key if key is not None else _UNKEYED
+        if shared is not None:  # version 6: what the transcript alone does not give away
+            key = None if key is None else hmac.digest(key, _LABEL + b"exchange " + shared, "sha256")
+            base = key or hmac.digest(_UNKEYED, _LABEL + b"exchange " + shared, "sha256")
+        else:
+            base = key if key is not None else _UNKEYED
         self.notif_out = _derive(base, b"notifs ", role, script)
         self.notif_in = _derive(base, b"notifs ", peer, script)
         self.frame_mac = FrameMac(key, script, role) if key is not None else None

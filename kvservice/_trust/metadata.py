@@ -14,7 +14,10 @@ for the ``Reject``, anything that is not well formed, before NIXL sees it:
 * the UCX worker address (UCX's ``ucp_address_pack``): its header's version must
   be one UCX knows (v1 or v2), anything else is the assertion measured above;
 * ``MemSection``: per backend (``bknd``) a descriptor list (``nixlDList`` of kind
-  ``nixlSDList``, a 4-byte memory type, an 8-byte count) of descriptors, each the
+  ``nixlSDList``, a 4-byte memory type, an 8-byte count) of descriptors.  Only the
+  sections NIXL's UCX backend produces: backend ``UCX``, memory type DRAM or VRAM,
+  each at most once (NIXL 1.5 reads a memory type past its last, ``FILE_SEG``, out
+  of bounds: that metadata killed the process loading it).  Each descriptor is the
   24-byte ``(addr, len, dev_id)`` followed by the backend's blob; for UCX that
   blob is a packed remote key (UCX's ``ucp_rkey_pack``), which UCX reads without
   a length: its walk (an 8-byte MD map, a memory type, one sized key per MD) must
@@ -43,7 +46,10 @@ _SEP = b"|"
 MAX_AGENT_BYTES = 256
 MAX_BACKENDS = 8
 MAX_CONN_INFO_BYTES = 64 * 1024
-MAX_SECTIONS = 64
+#: the sections a UCX agent produces: (backend, memory type), DRAM_SEG = 0 and VRAM_SEG = 1 of
+#: NIXL's ``nixl_mem_t``; any other is refused here, before a vetting child ever sees it
+SECTION_TYPES = {("UCX", 0): "DRAM", ("UCX", 1): "VRAM"}
+MAX_SECTIONS = len(SECTION_TYPES)
 #: a descriptor: ``nixlBasicDesc`` (addr, len, dev_id), then the backend's blob
 BASIC_DESC_BYTES = 24
 MAX_BLOB_BYTES = 4096
@@ -167,12 +173,17 @@ def _sections(r: _Reader) -> tuple[Section, ...]:
     count = r.integer(b"nixlSecElms", "section count", 8)
     if count > MAX_SECTIONS:
         raise MetadataError(f"section count {count}, more than {MAX_SECTIONS}")
-    sections = []
+    sections: list[Section] = []
     for i in range(count):
         backend = r.text(b"bknd", f"section {i} backend", 64)
         if r.field(b"nixlDList", f"section {i} list kind", 16) != b"nixlSDList":
             raise MetadataError(f"section {i}: not a descriptor list NIXL loads (nixlSDList)")
         mem_type = r.integer(b"t", f"section {i} memory type", 4)
+        if (backend, mem_type) not in SECTION_TYPES:
+            raise MetadataError(f"section {i}: backend {backend} memory type {mem_type}; a UCX agent's are "
+                                + ", ".join(f"{b} {t} ({name})" for (b, t), name in SECTION_TYPES.items()))
+        if any(s.backend == backend and s.mem_type == mem_type for s in sections):
+            raise MetadataError(f"section {i}: backend {backend} memory type {mem_type} listed twice")
         n = r.integer(b"n", f"section {i} descriptor count", 8)
         # each descriptor takes at least its tag-less header, length and separator
         if n == 0 or n * (_U64.size + BASIC_DESC_BYTES + 1) > r.left:

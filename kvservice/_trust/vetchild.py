@@ -1,9 +1,10 @@
 """The vetting child: loads a peer's NIXL metadata where an abort hurts no one.
 
-``python -m kvservice._trust.vetchild CONFIG_JSON FD`` holds one bare NIXL agent
-(``_nixl.TrialLoader``: UCX backend, the service's UCX settings, no memory) and
-answers requests on the socket ``FD`` (one end of a socket pair whose other end
-its service holds), one at a time (``vetting``'s ``REQUEST`` and ``REPLY``)::
+``python -P <this file> CONFIG_JSON FD`` (``-P``: this folder stays off
+``sys.path``) holds one bare NIXL agent (``_nixl.trial.TrialLoader``: UCX
+backend, the service's UCX settings and NIXL build, no memory) and answers
+requests on the socket ``FD`` (one end of a socket pair whose other end its
+service holds), one at a time (``REQUEST`` and ``REPLY``)::
 
     request: id (u64) | length (u32) | metadata
     reply:   id (u64) | status (u8)  | length (u32) | message (UTF-8)
@@ -13,25 +14,42 @@ it could not be created; then ``LOADED`` (NIXL loaded the metadata, and it is
 unloaded again) or ``REFUSED`` (NIXL raised: the message says what).  If UCX
 aborts on the bytes, this process ends and its service sees the socket close.
 
+Every service (every engine rank) runs one, and a peer's first link may wait for
+it to serve, so it starts light: it is run by path, not with ``-m``, which would
+first run ``kvservice/__init__`` and import the whole service and torch (in
+SGLang's environment ~590 MiB resident and ~2.3 s of CPU; this way ~57 MiB and
+~0.3 s: docs/perf).  It enters ``kvservice`` as a bare package (its folder,
+none of its ``__init__``) and imports ``_nixl.trial`` and what that imports;
+until then only the standard library, which is also all that ``vetting``
+imports from here (the wire below).
+
 "One door" holds here too: this module never imports ``nixl``; it asks
-``_nixl.TrialLoader``, the door's counterpart, to load.  The child exits when
-its socket closes (its service ended, or died), ignores SIGINT (its service
+``_nixl.trial.TrialLoader``, the door's counterpart, to load.  The child exits
+when its socket closes (its service ended, or died), ignores SIGINT (its service
 decides when it ends), and sends what native libraries print on stdout to
 stderr: an application's stdout stays its own.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import select
 import signal
 import socket
+import struct
 import sys
+from pathlib import Path
 from typing import BinaryIO
 
-from .vetting import BROKEN, LOADED, MAX_REQUEST_BYTES, READY, REFUSED, REPLY, REQUEST
-
+#: the wire: request id, length, metadata; reply id, status, length, message
+REQUEST = struct.Struct(">QI")
+REPLY = struct.Struct(">QBI")
+LOADED, REFUSED, READY, BROKEN = 0, 1, 2, 3
+#: larger requests end the child: the service never sends them (its frames are smaller)
+MAX_REQUEST_BYTES = 1 << 26
 #: how often an idle child drives UCX's progress
 IDLE_PROGRESS_S = 0.05
 
@@ -58,9 +76,9 @@ def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[2]))
     requests = sock.makefile("rb")
     try:
-        from .._nixl.agent import TrialLoader
+        from kvservice._nixl.trial import TrialLoader  # absolute: this file runs as ``__main__``
 
-        loader = TrialLoader(config["agent"], ucx_env=config["ucx_env"])
+        loader = TrialLoader(config["agent"], ucx_env=config["ucx_env"], build=config["nixl"])
         loader.warm_up()  # an error here shows in the first real load's answer
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which refuses to load anything
         _reply(sock, 0, BROKEN, f"{type(exc).__name__}: {exc}")
@@ -86,5 +104,14 @@ def main() -> int:
         _reply(sock, rid, LOADED if why is None else REFUSED, why or "")
 
 
+def enter_package_bare() -> None:
+    """Make ``kvservice``'s modules importable without running its ``__init__``: this
+    process needs ``_nixl.trial``, not the service (nor the torch it imports)."""
+    spec = importlib.machinery.ModuleSpec("kvservice", None, is_package=True)
+    spec.submodule_search_locations = [str(Path(__file__).resolve().parents[1])]
+    sys.modules["kvservice"] = importlib.util.module_from_spec(spec)
+
+
 if __name__ == "__main__":
+    enter_package_bare()
     sys.exit(main())

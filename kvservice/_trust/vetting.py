@@ -16,14 +16,22 @@ every request of every peer.  No ``try`` can catch that, so before the door's
 Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
 the same agent is not loaded twice); so is metadata that killed a child.
 
-The child starts as the service starts: importing NIXL and creating an agent
-take ~2 s of CPU here and it holds ~250 MB, which a service that never peers
-pays too.  It boots while the service makes its pool and agent, and the service
-opens its port only once the child serves: a peer's handshake waits for the
-acceptor's child inside that peer's ``connect_timeout_s``, so a child still
-booting there cost first links their deadline under load.  A child that died
-after serving is replaced at once, in the background; a handshake waits for a
-child that is (re)starting before its own deadline begins.
+One source cannot keep the child down (``strikes``): metadata that kills or
+taints a child is charged to the source it came from (its IP address; agent names
+cost nothing), whose metadata is from then on vetted on a second child, started
+for such sources only when one needs it; the first child, which every other
+peer's first link is vetted on, is not lost to that source again.  Each further
+charge refuses the source's Joins for a doubling backoff (``vetting_backoff``).
+
+The child starts as the service starts.  It imports NIXL and nothing of the
+service (``vetchild``): ~0.3 s of CPU and ~55 MB resident here, which a service
+that never peers pays too (~2.3 s and ~590 MB in SGLang's environment when it
+imported the whole package and torch).  It boots while the service makes its
+pool and agent, and the port opens without waiting for it.  A handshake here
+waits for a child that is (re)starting before its own deadline begins, but the
+peer at the other end waits inside its ``connect_timeout_s``: a child still
+booting cost first links their deadline under load, which is why it is kept
+light.  A child that died after serving is replaced at once, in the background.
 The child is spawned without ``fork()`` (see ``_supervise``), talks over a
 socket pair, and is stopped and reaped when the service's task group ends,
 cancelled or not.
@@ -38,12 +46,11 @@ import collections
 import hashlib
 import itertools
 import json
-import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,20 +62,20 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._log import get_logger
+from .._nixl.trial import nixl_build
 from .metadata import check_metadata
+from .strikes import Strikes
+from .vetchild import BROKEN, LOADED, READY, REPLY, REQUEST
 
 log = get_logger("kvservice.vetting")
 
-#: the vetting child's wire (``vetchild``): request id, length, metadata; reply id, status, length, message
-REQUEST = struct.Struct(">QI")
-REPLY = struct.Struct(">QBI")
-LOADED, REFUSED, READY, BROKEN = 0, 1, 2, 3
-#: larger requests end the child: the service never sends them (its frames are smaller)
-MAX_REQUEST_BYTES = 1 << 26
-
 METADATA_UNSAFE = "metadata_unsafe"
 VETTING_UNAVAILABLE = "vetting_unavailable"
-#: importing NIXL and creating an agent: ~1.5-2 s on an idle 2-core machine
+#: a source whose metadata cost a child recently (``strikes``)
+VETTING_BACKOFF = "vetting_backoff"
+#: the source of metadata whose connection has no IP address
+NO_SOURCE = "-"
+#: importing NIXL and creating an agent: ~0.5 s on an idle 2-core machine, seconds on a loaded one
 START_TIMEOUT_S = 60.0
 #: a trial load is a few milliseconds; one that hangs is refused and its child replaced
 LOAD_TIMEOUT_S = 10.0
@@ -76,9 +83,8 @@ LOAD_TIMEOUT_S = 10.0
 REMEMBERED = 4096
 #: children a single metadata may be tried on when others' metadata killed them first
 ATTEMPTS = 3
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-#: what the child runs (``python -m``)
-CHILD_MODULE = "kvservice._trust.vetchild"
+#: what the child runs (``python -P``: by path, see ``vetchild``)
+CHILD = str(Path(__file__).with_name("vetchild.py"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,7 @@ class Refusal:
 @dataclass(eq=False)
 class _Pending:
     digest: bytes
+    source: str = NO_SOURCE  # where it came from: charged if it costs the child
     done: anyio.Event = field(default_factory=anyio.Event)
     status: int | None = None  # LOADED / REFUSED; None: the child died (see ``killed``)
     killed: str | None = None  # the child died while loading this one: how
@@ -98,6 +105,7 @@ class _Pending:
 
 @dataclass(eq=False)
 class _Child:
+    apart: bool = False  # the second lane's: only sources that cost a child before are vetted on it
     ready: anyio.Event = field(default_factory=anyio.Event)  # set when ready, broken or ended
     ended: anyio.Event = field(default_factory=anyio.Event)
     proc: subprocess.Popen[bytes] | None = None
@@ -117,17 +125,20 @@ class MetadataVetter:
     """Vets peers' metadata for one service; its child lives in that service's task group."""
 
     def __init__(self, tg: anyio.abc.TaskGroup, ucx_env: Mapping[str, str], *, agent_prefix: str = "kvservice",
-                 start_timeout_s: float = START_TIMEOUT_S, load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, load_timeout_s: float = LOAD_TIMEOUT_S,
+                 strikes: Strikes | None = None) -> None:
         self._tg = tg
         self._ucx_env = dict(ucx_env)
         self._agent_prefix = agent_prefix
         self._start_timeout = start_timeout_s
         self._load_timeout = load_timeout_s
         self._child: _Child | None = None
+        self._apart: _Child | None = None  # the second lane's child, while one runs
+        self.strikes = strikes or Strikes()
         self._ids = itertools.count(1)
         self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._unsafe: collections.OrderedDict[bytes, str] = collections.OrderedDict()
-        self.children_started = 0
+        self.children_started = 0  # both lanes'
 
     @property
     def pid(self) -> int | None:
@@ -155,8 +166,8 @@ class MetadataVetter:
         if self._child is not None:
             await self._ready()
 
-    async def _ready(self) -> _Child:
-        child = self._current()
+    async def _ready(self, apart: bool = False) -> _Child:
+        child = self._current(apart)
         with anyio.move_on_after(self._start_timeout):
             await child.ready.wait()
         if not child.ready.is_set():
@@ -164,8 +175,9 @@ class MetadataVetter:
             self._kill(child)
         return child
 
-    async def vet(self, metadata: bytes) -> Refusal | None:
-        """``None`` when ``metadata`` may be loaded into NIXL; else why not."""
+    async def vet(self, metadata: bytes, source: str = NO_SOURCE) -> Refusal | None:
+        """``None`` when ``metadata`` (from ``source``, an IP address) may be loaded into NIXL;
+        else why not."""
         why = check_metadata(metadata)
         if why is not None:
             return Refusal(METADATA_UNSAFE, why)
@@ -175,13 +187,19 @@ class MetadataVetter:
             return None
         if (known := self._unsafe.get(digest)) is not None:
             return Refusal(METADATA_UNSAFE, known)
+        now = time.monotonic()
+        if (backoff := self.strikes.refused(source, now)) is not None:
+            strikes, left = backoff
+            return Refusal(VETTING_BACKOFF, f"metadata from {source} cost the vetting process {strikes} time(s); "
+                                            f"its peers are refused for {left:.1f} s more")
+        apart = self.strikes.struck(source, now)
         for _ in range(ATTEMPTS):
-            child = await self._ready()
+            child = await self._ready(apart)
             if child.broken is not None:
                 return Refusal(VETTING_UNAVAILABLE, f"cannot vet NIXL metadata: {child.broken}")
             if child.ended.is_set() or child.tainted:  # replaced meanwhile
                 continue
-            pending = await self._ask(child, metadata, digest)
+            pending = await self._ask(child, metadata, digest, source)
             if pending.retry:
                 continue
             if pending.killed is not None:
@@ -194,21 +212,30 @@ class MetadataVetter:
         return Refusal(VETTING_UNAVAILABLE, f"the vetting process died {ATTEMPTS} times under other peers' metadata")
 
     # -- the child --------------------------------------------------------------------
-    def _current(self) -> _Child:
-        child = self._child
+    def _current(self, apart: bool = False) -> _Child:
+        child = self._apart if apart else self._child
         if child is None or child.ended.is_set() or child.tainted:
-            child = self._child = _Child()
+            child = _Child(apart)
+            if apart:
+                self._apart = child
+            else:
+                self._child = child
             self._tg.start_soon(self._supervise, child)
         return child
 
-    async def _ask(self, child: _Child, metadata: bytes, digest: bytes) -> _Pending:
+    def _charge(self, pending: _Pending, how: str) -> None:
+        """``pending``'s metadata cost its child (``how``): its source backs off (``strikes``)."""
+        strikes, backoff = self.strikes.charge(pending.source, time.monotonic())
+        log.warning("vetting.source_charged", source=pending.source, how=how, strikes=strikes, backoff_s=backoff)
+
+    async def _ask(self, child: _Child, metadata: bytes, digest: bytes, source: str) -> _Pending:
         async with child.turn:
             if child.ended.is_set() or child.tainted:  # replaced while this one waited its turn
                 pending = _Pending(digest, retry=True)
                 pending.done.set()
                 return pending
             rid = next(self._ids)
-            pending = child.pending[rid] = _Pending(digest)
+            pending = child.pending[rid] = _Pending(digest, source)
             assert child.stream is not None
             try:
                 await child.stream.send(REQUEST.pack(rid, len(metadata)) + metadata)
@@ -236,9 +263,6 @@ class MetadataVetter:
         # A ':' no peer's agent name may hold (``checks.AGENT_NAME``): no metadata can name the
         # child's own agent, which NIXL would refuse without unpacking anything.
         agent = f"{self._agent_prefix}:vet-{uuid.uuid4().hex[:12]}"
-        config = json.dumps({"agent": agent, "ucx_env": self._ucx_env})
-        path = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "PYTHONPATH": _PACKAGE_ROOT + (os.pathsep + path if path else "")}
         ours, theirs = socket.socketpair()
         try:
             # subprocess.Popen, not the event loop's spawn: it starts the child without a
@@ -248,8 +272,11 @@ class MetadataVetter:
             # 1.2-1.5; 10-15 % between two in-process services), and with RDMA-registered memory
             # a fork is worse than slow.
             def spawn() -> subprocess.Popen[bytes]:
-                return subprocess.Popen([sys.executable, "-m", CHILD_MODULE, config, str(theirs.fileno())],
-                                        stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), env=env)
+                # the NIXL build this process loaded (at once in a service: its door has), so
+                # that the child runs the same UCX
+                config = json.dumps({"agent": agent, "ucx_env": self._ucx_env, "nixl": nixl_build()})
+                return subprocess.Popen([sys.executable, "-P", CHILD, config, str(theirs.fileno())],
+                                        stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
 
             with anyio.CancelScope(shield=True):  # a child spawned is a child reaped
                 proc = await anyio.to_thread.run_sync(spawn)
@@ -284,6 +311,7 @@ class MetadataVetter:
                         if status != LOADED:
                             child.tainted = True
                             self._kill(child)
+                            self._charge(pending, f"tainted it: {message}")
                     pending.done.set()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
                 OSError):
@@ -305,7 +333,9 @@ class MetadataVetter:
                 pending.killed = how
                 _remember(self._unsafe, pending.digest,
                           f"NIXL metadata that UCX cannot unpack: the vetting process {how}")
-                log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how)
+                log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how,
+                            source=pending.source, apart=child.apart)
+                self._charge(pending, how)
             else:
                 pending.retry = True
             pending.done.set()
@@ -315,8 +345,11 @@ class MetadataVetter:
         child.ended.set()
         if self._child is child:
             self._child = None
-        if served and not closing and not self._tg.cancel_scope.cancel_called:
+        if self._apart is child:
+            self._apart = None
+        if served and not child.apart and not closing and not self._tg.cancel_scope.cancel_called:
             self.start()  # its replacement boots now, not in the next peer's handshake
+            # (the second lane's is started only when a source that needs it comes back)
 
     @staticmethod
     async def _reap(proc: subprocess.Popen[bytes], stream: anyio.abc.SocketStream | socket.socket) -> None:

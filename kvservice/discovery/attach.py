@@ -1,6 +1,16 @@
 """What a ``TransferService`` does with discovery: its ``Member``, name resolution, and a
 lost member turned into the control plane's own peer loss (nothing of its own).
 
+Discovery acts only on what it vouched for.  Anyone who can write to etcd can register
+a member naming any agent, so a registration's word is never enough to drop a link:
+a member judged lost (its lease lapsed, or it registered again as a new incarnation)
+fails only the sends named to it, and drops the link to its agent only when the engine
+*named* that member (``expect(sender=name)``, ``send(receiver=name)``) while it was
+registered with that agent, and that agent is proven (dialled, or probed) to answer at
+the address the member registered.  A link the engine made by address, or that a peer
+dialled in, for a member it never named, is the link's own: its heartbeats and the data
+path judge it.
+
 Discovery is attached through values and callables (what the service is, how loaded it
 is, how to drop a link), never the service object: discovery is a layer below it.
 """
@@ -32,7 +42,7 @@ class PeerUnknown(KVServiceError):
 
 
 class MemberLost(KVServiceError):
-    """Why a link was dropped on discovery's word (its lease lapsed, it restarted).
+    """Why a link to a member the engine named was dropped (its lease lapsed, it restarted).
 
     Never raised: it is the ``error`` of the requests that fail ``PEER_LOST`` with the link."""
 
@@ -41,18 +51,23 @@ class Discovery:
     """A started service's discovery (``discovery = "etcd"``).
 
     ``load()`` answers (peers linked, requests in flight), read at each keep-alive;
-    ``drop(agent, cause, address)`` drops the link to a member whose lease lapsed or that
-    restarted, as the control plane drops a lost peer, and fails the sends pinned to the
-    address it registered that no Expect bound yet."""
+    ``drop(agent, cause, member, address)``, for a member the engine named, judged lost,
+    fails the sends named to ``member`` that no Expect bound yet and drops the link to
+    ``agent`` as the control plane drops a lost peer, if that agent is proven to answer
+    at ``address`` (where the member registered)."""
 
     def __init__(self, config: DiscoverySettings, stats: Stats, *, agent: str, address: str, memory: KVMemory,
-                 load: Callable[[], tuple[int, int]], drop: Callable[[str, BaseException, str], None]) -> None:
+                 load: Callable[[], tuple[int, int]],
+                 drop: Callable[[str, BaseException, str, str], None]) -> None:
         self._config = config
         self._agent = agent
         self._address = address
         self._memory = memory
         self._load = load
         self._drop = drop
+        #: member name -> the agent it was registered with when the engine last named it:
+        #: what discovery vouches for (one entry per member named, gone with its loss)
+        self._named: dict[str, str] = {}
         self.incarnation = incarnation()
         self.started_at = time.time()
         self.registry = Registry(config, self.member, self._lost, stats)
@@ -71,16 +86,28 @@ class Discovery:
             memory={"bytes": memory.nbytes, "pages": memory.num_pages, "regions": len(memory.regions)},
             started_at=self.started_at, linked=linked, inflight=inflight)
 
-    def address_of(self, peer: str) -> str:
-        """``peer`` as an address: a member's name resolves to where it registered; an
-        address stays itself.  ``PeerUnknown`` for a name no live member has."""
+    def resolve(self, peer: str) -> tuple[str, str | None]:
+        """``peer`` as (address, the member it names): a member's name resolves to where it
+        registered (and discovery vouches for that member's agent from then on); an address
+        stays itself, naming no member.  ``PeerUnknown`` for a name no live member has."""
         if ":" in peer:
-            return peer
-        address = self.registry.address_of(peer)
-        if address is None:
+            return peer, None
+        if peer == self.registry.name:
+            return self._address, None
+        m = self.registry.member(peer)
+        if m is None:
             raise PeerUnknown(f"no live member named {peer!r} in cluster {self._config.cluster!r}")
-        split_address(address)
-        return address
+        split_address(m.address)
+        self._named[peer] = m.agent
+        return m.address, peer
 
     def _lost(self, member: Member, why: str) -> None:
-        self._drop(member.agent, MemberLost(why), member.address)
+        named = self._named.get(member.name)
+        if named != member.agent:
+            log.info("discovery.loss_ignored", peer=member.name, agent=member.agent,
+                     detail="no request named this member while it was registered with this agent: "
+                            "nothing is dropped on its registration's word (links made by address, or "
+                            "dialled in, are judged by their own liveness)")
+            return
+        del self._named[member.name]
+        self._drop(member.agent, MemberLost(why), member.name, member.address)

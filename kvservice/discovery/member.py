@@ -32,7 +32,8 @@ _NAME = re.compile(_NAME_PATTERN)
 _Name = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN)]
 
 #: why an entry read from etcd is ignored (each counted, in ``Registry.status()["ignored"]``)
-IGNORED = ("key_outside_prefix", "key_too_long", "key_not_utf8", "name_invalid", "value_invalid", "agent_taken")
+IGNORED = ("key_outside_prefix", "key_too_long", "key_not_utf8", "name_invalid", "value_too_long", "value_invalid",
+           "agent_taken")
 _Text = Annotated[str, msgspec.Meta(max_length=255)]
 
 
@@ -99,13 +100,13 @@ def name_of(key: bytes, prefix: str) -> str | Ignored:
 
 def read(key: bytes, value: bytes, prefix: str) -> Member | Ignored:
     """The member at ``key``, or why it is ignored: its key (``name_of``), or its value
-    (``value_invalid``: too long, wrong types, a name that is not its key's, an address
-    that does not parse)."""
+    (``value_too_long``; ``value_invalid``: not JSON, wrong types, a name that is not its
+    key's, an address that does not parse)."""
     name = name_of(key, prefix)
     if isinstance(name, Ignored):
         return name
     if len(value) > MAX_VALUE_BYTES:
-        return Ignored("value_invalid", f"{len(value)} bytes, at most {MAX_VALUE_BYTES}")
+        return Ignored("value_too_long", f"{len(value)} bytes, at most {MAX_VALUE_BYTES}")
     try:
         member = _decoder.decode(value)
         split_address(member.address)

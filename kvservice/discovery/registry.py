@@ -11,10 +11,12 @@ key deleted (its lease lapsed, or it left) makes it *lapsed*; one that registers
 with the same incarnation within ``etcd_rejoin_grace_s`` was never lost: every lease
 lapses at once when a stopped etcd resumes, and each service then registers again.
 A lapse past the grace, or a registration with a new incarnation (the process
-restarted), calls ``on_lost``: the service drops that agent through the control
-plane's own peer-lost path.  A lapse is not proof that the process is gone, so it
-settles nothing (README "Settled").  Lapses are judged only while the watch runs:
-without etcd this service knows nothing new, and drops nobody.
+restarted), calls ``on_lost``: the service drops what it linked to that member because
+the engine named it (``attach.Discovery``), through the control plane's own peer-lost
+path; a registration's word about an agent nobody named it for drops nothing.  A
+lapse is not proof that the process is gone, so it settles nothing (README "Settled").
+Lapses are judged only while the watch runs: without etcd this service knows nothing
+new, and drops nobody.
 
 etcd is not on the data path.  Losing it stops nothing but this loop, which retries
 with backoff (logged, throttled) and lists again when it is back.
@@ -31,7 +33,7 @@ import anyio
 import anyio.abc
 
 from .._log import get_logger
-from .._stats import Stats
+from .._stats import DiscoveryStatus, Stats
 from . import member as members
 from ._etcd import Etcd, EtcdOptions, EtcdUnavailable, Event
 from .member import Ignored, Member
@@ -91,24 +93,23 @@ class Registry:
         self.ignored: collections.Counter[str] = collections.Counter()  # entries ignored, by why
 
     # -- what the service asks ------------------------------------------------------
-    def address_of(self, name: str) -> str | None:
-        """Where ``name`` registered: a live member, or one whose lease lapsed and that is
-        not judged lost yet (within the grace: etcd resuming lapses every lease at once)."""
+    def member(self, name: str) -> Member | None:
+        """The peer registered as ``name``: a live member, or one whose lease lapsed and that
+        is not judged lost yet (within the grace: etcd resuming lapses every lease at once)."""
         m = self.members.get(name)
         if m is None and name in self._lapsed:
             m = self._lapsed[name].member
-        if m is None and name == self.name:
-            return self._me().address
-        return m.address if m is not None else None
+        return m
 
     def live(self, role: str | None = None) -> list[Member]:
         return sorted((m for m in self.members.values() if role is None or m.role == role), key=lambda m: m.name)
 
-    def status(self) -> dict[str, object]:
-        return {"name": self.name, "cluster": self._cfg.cluster, "registered": self._lease is not None,
-                "etcd": self._etcd.endpoint if self._etcd is not None else None, "members": len(self.members),
-                "lapsed": sorted(self._lapsed), "registrations": self.registrations, "outages": self.outages,
-                "rewrites": self.rewrites, "ignored": dict(self.ignored)}
+    def status(self) -> DiscoveryStatus:
+        return DiscoveryStatus(
+            name=self.name, cluster=self._cfg.cluster, registered=self._lease is not None,
+            etcd=self._etcd.endpoint if self._etcd is not None else None, members=len(self.members),
+            lapsed=sorted(self._lapsed), registrations=self.registrations, outages=self.outages,
+            rewrites=self.rewrites, ignored={why: self.ignored[why] for why in members.IGNORED})
 
     # -- the loop ---------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -306,8 +307,8 @@ class Registry:
                 if now - lapse.since >= grace:
                     del self._lapsed[name]
                     log.warning("discovery.peer_lapsed", peer=name, agent=lapse.member.agent,
-                                detail="its lease lapsed and it did not register again: its requests fail "
-                                       "PEER_LOST; nothing is settled by this")
+                                detail="its lease lapsed and it did not register again: the requests named to "
+                                       "it fail PEER_LOST; nothing is settled by this")
                     self._on_lost(lapse.member, f"{name}'s etcd lease lapsed")
 
     async def leave(self) -> None:

@@ -23,7 +23,16 @@ from .._results import KVServiceError
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
 from ..memory._layout import KVLayout
 from .shm import Segment, SegmentError, check_shm_name
-from .wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, ServerMessage, Welcome, decode_server, frame_stream
+from .wire import (
+    SIDECAR_OLDEST_VERSION,
+    SIDECAR_PROTOCOL_VERSION,
+    Error,
+    Hello,
+    ServerMessage,
+    Welcome,
+    decode_server,
+    frame_stream,
+)
 
 #: the largest frame a worker takes from its daemon
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -54,6 +63,10 @@ async def handshake(path: str, name: str, *, timeout: float,
         await framed.aclose()
         why = reply.message if isinstance(reply, Error) else type(reply).__name__
         raise KVServiceError(f"the sidecar at {path} refused us: {why}")
+    if not SIDECAR_OLDEST_VERSION <= reply.version <= SIDECAR_PROTOCOL_VERSION:
+        await framed.aclose()
+        raise KVServiceError(f"the sidecar at {path} speaks protocol version {reply.version}, this client "
+                             f"{SIDECAR_OLDEST_VERSION}-{SIDECAR_PROTOCOL_VERSION}: upgrade the older of the two")
     return framed, reply, daemon
 
 

@@ -42,6 +42,7 @@ from .connection import Connection, ServerCounters
 from .owners import NotOwnerError, Owners
 from .settings import SidecarConfig
 from .wire import (
+    SIDECAR_OLDEST_VERSION,
     SIDECAR_PROTOCOL_VERSION,
     Abort,
     Bye,
@@ -57,6 +58,7 @@ from .wire import (
     Welcome,
     decode_client,
     frame_stream,
+    sidecar_version,
 )
 
 log = get_logger("kvservice.sidecar")
@@ -175,8 +177,10 @@ class SidecarServer:
                 hello = await conn.framed.recv()
             if not isinstance(hello, Hello):
                 raise FrameError(f"expected hello, got {type(hello).__name__}")
-            if hello.version != SIDECAR_PROTOCOL_VERSION:
-                raise FrameError(f"protocol version {hello.version}, this sidecar speaks {SIDECAR_PROTOCOL_VERSION}")
+            version = sidecar_version(hello.version)
+            if version is None:
+                raise FrameError(f"protocol version {hello.version}, this sidecar speaks "
+                                 f"{SIDECAR_OLDEST_VERSION}-{SIDECAR_PROTOCOL_VERSION}")
         except FrameError as exc:
             await self._refuse(conn, "hello_invalid", str(exc), "ProtocolError")
             return False
@@ -191,15 +195,15 @@ class SidecarServer:
             return False
         conn.client = hello.client
         try:
-            await conn.framed.send(self._welcome())
+            await conn.framed.send(self._welcome(version))
         except CONNECTION_ERRORS:
             return False
         return True
 
-    def _welcome(self) -> Welcome:
+    def _welcome(self, version: int) -> Welcome:
         lay = self.svc.layout
         return Welcome(
-            version=SIDECAR_PROTOCOL_VERSION, pid=os.getpid(), agent=self.svc.agent_name,
+            version=version, pid=os.getpid(), agent=self.svc.agent_name,
             address=self.svc.address, roles=list(self.roles), shm_name=self.shm_name,
             layout={**lay.wire_shape(), "num_pages": lay.num_pages},
             max_frame_bytes=self.cfg.sidecar.max_frame_bytes, results_kept=self.svc.config.results_kept,

@@ -37,6 +37,18 @@ from ..discovery.member import MAX_ROLE_CHARS, Member
 
 #: 2: ``Send.fit``
 SIDECAR_PROTOCOL_VERSION = 2
+#: the oldest version a daemon of this release serves: the previous release's clients keep
+#: working while the daemons are upgraded first (README "Upgrades")
+SIDECAR_OLDEST_VERSION = 2
+
+
+def sidecar_version(client: int) -> int | None:
+    """The version a daemon of this release speaks with a client that says ``client``:
+    its own, for a client as new or newer (that client may still speak it: it decides
+    on the ``Welcome``), the client's for an older one it still serves, else ``None``."""
+    if client >= SIDECAR_PROTOCOL_VERSION:
+        return SIDECAR_PROTOCOL_VERSION
+    return client if client >= SIDECAR_OLDEST_VERSION else None
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 CallId = Annotated[int, msgspec.Meta(ge=1, le=2**53)]

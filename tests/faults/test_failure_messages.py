@@ -14,7 +14,6 @@ original error as its ``__cause__``.
 from __future__ import annotations
 
 import signal
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,7 +23,7 @@ import pytest
 
 from kvservice import FailureReason, KVPoll, TransferFailed, TransferResult, TransferService
 from kvservice.testing import PeerProcess
-from tests.helpers import config, eventually, peer_config, peers
+from tests.helpers import config, eventually, free_port, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -45,12 +44,6 @@ def says_why(raised: TransferFailed, result: TransferResult, reason: FailureReas
     assert result.error is not None and raised.__cause__ is result.error, (text, result.error)
     said = str(result.error)  # the original is described, even when its own message is empty
     assert (said and said in text) or type(result.error).__name__ in text, text
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import secrets
 import signal
+import struct
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,8 +24,20 @@ import msgspec
 import pytest
 
 from kvservice import FailureReason, KVPoll, TransferService
-from kvservice._control.protocol import FENCE, ChunkNotif, Failed, Message, Outcome, encode_notif
-from kvservice._trust.keys import generate_key
+from kvservice._control.protocol import (
+    FENCE,
+    ChunkNotif,
+    Failed,
+    Hello,
+    Message,
+    Outcome,
+    Sealed,
+    decode_body,
+    encode_notif,
+    negotiate,
+)
+from kvservice._trust.handshake import ACCEPTOR, DIALER, EXCHANGE_SINCE, MAC_BYTES, LinkSecrets, transcript
+from kvservice._trust.keys import generate_key, load_key
 from kvservice.testing import PeerProcess, pattern
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
 from tests.helpers import SMALL, config, eventually, peer_config, peers
@@ -183,16 +196,19 @@ async def test_forged_completions_complete_nothing(key_file: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def relay(target: str) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A TCP relay on the path to ``target``: its address, and every byte it carried."""
+async def relay(target: str) -> AsyncIterator[tuple[str, list[bytes], dict[str, bytearray]]]:
+    """A TCP relay on the path to ``target``: its address, every byte it carried, and
+    the bytes by direction ("up": towards ``target``, "down": back)."""
     host, port = target.rsplit(":", 1)
     seen: list[bytes] = []
+    ways = {"up": bytearray(), "down": bytearray()}
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
 
-    async def pipe(src: anyio.abc.ByteStream, dst: anyio.abc.ByteStream) -> None:
+    async def pipe(src: anyio.abc.ByteStream, dst: anyio.abc.ByteStream, way: str) -> None:
         with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             async for data in src:
                 seen.append(data)
+                ways[way] += data
                 await dst.send(data)
         with contextlib.suppress(Exception):
             await dst.aclose()
@@ -200,14 +216,14 @@ async def relay(target: str) -> AsyncIterator[tuple[str, list[bytes]]]:
     async def serve(client: anyio.abc.SocketStream) -> None:
         server = await anyio.connect_tcp(host, int(port))
         async with client, server, anyio.create_task_group() as tg:
-            tg.start_soon(pipe, client, server)
-            tg.start_soon(pipe, server, client)
+            tg.start_soon(pipe, client, server, "up")
+            tg.start_soon(pipe, server, client, "down")
 
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, serve)
         port_ = listener.extra(anyio.abc.SocketAttribute.local_port)
         try:
-            yield f"127.0.0.1:{port_}", seen
+            yield f"127.0.0.1:{port_}", seen, ways
         finally:
             tg.cancel_scope.cancel()
 
@@ -225,7 +241,7 @@ async def test_the_join_crosses_the_wire_encrypted_when_keyed(key_file: str, key
     relayed link passes byte-exact either way."""
     trust: dict[str, Any] = {"auth_key_file": key_file} if keyed else {"allow_unauthenticated": True}
     async with (TransferService(config(**trust)) as prefill, TransferService(config(**trust)) as decode,
-                relay(prefill.address) as (via, seen)):
+                relay(prefill.address) as (via, seen, _)):
         prefill.kv.write([1, 2], pattern(SMALL, "relayed", 2))
         await decode.expect("relayed", [7, 8], sender=via)
         sent = await prefill.await_completion(await prefill.send("relayed", [1, 2], last=True), timeout=WAIT_S)
@@ -235,6 +251,60 @@ async def test_the_join_crosses_the_wire_encrypted_when_keyed(key_file: str, key
         assert len(wire) > 1000  # the handshake went through the relay
         for svc in (prefill, decode):
             assert leaks(metadata_of(svc), wire) is not keyed
+
+
+def frames(wire: bytes, count: int) -> list[bytes]:
+    """The first ``count`` frame bodies in one direction's bytes (MACs left on)."""
+    bodies, at = [], 0
+    for _ in range(count):
+        (n,) = struct.unpack(">I", wire[at:at + 4])
+        bodies.append(wire[at + 4:at + 4 + n])
+        at += 4 + n
+    return bodies
+
+
+async def test_a_key_holder_who_recorded_the_handshake_opens_nothing(key_file: str) -> None:
+    """A member holding the cluster key records a link's handshake (a relay on the path)
+    and derives every secret the transcript gives: neither Join opens (each side's NIXL
+    metadata stays unknown to it), and its forged completion under the notification key
+    it derives is refused.  Before the key exchange of protocol version 6, the transcript
+    and the key were all a link's secrets came from, and both Joins opened."""
+    key = load_key(key_file)
+    keyed = {"auth_key_file": key_file}
+    async with (TransferService(config(**keyed)) as prefill, TransferService(config(**keyed)) as decode,
+                relay(prefill.address) as (via, _, ways)):
+        prefill.kv.write([1, 2], pattern(SMALL, "recorded", 2))
+        await decode.expect("recorded", [7, 8], sender=via)
+        sent = await prefill.await_completion(await prefill.send("recorded", [1, 2], last=True), timeout=WAIT_S)
+        assert sent.ok and (await decode.await_arrival("recorded", timeout=WAIT_S)).ok
+        hello_d, _proof, join_d = frames(bytes(ways["up"]), 3)
+        hello_a, join_a = frames(bytes(ways["down"]), 2)
+        d, a = decode_body(hello_d), decode_body(hello_a)
+        assert isinstance(d, Hello) and isinstance(a, Hello) and len(d.share) == len(a.share) == 32
+        boxes = [decode_body(body[:-MAC_BYTES]) for body in (join_d, join_a)]
+        assert all(isinstance(box, Sealed) for box in boxes)
+        version = negotiate(d)
+        assert version >= EXCHANGE_SINCE
+        scripts = [  # what a key holder can compute from the recording
+            transcript((d.agent, d.address, d.nonce), (a.agent, a.address, a.nonce)),
+            transcript((d.agent, d.address, d.nonce), (a.agent, a.address, a.nonce), version, (d.share, a.share)),
+        ]
+        for script in scripts:
+            for box, role in zip(boxes, (ACCEPTOR, DIALER), strict=True):  # each side opens its peer's
+                assert LinkSecrets(key, script, role).open_join(box.box) is None  # type: ignore[union-attr]
+        # its forged completion of a request the decode expects from the prefill
+        await decode.expect("forged", [9], sender=via)
+        forger = LinkSecrets(key, scripts[1], ACCEPTOR)
+        assert decode._plane is not None
+        refused_before = refused(decode, "notif_forged")
+        decode._plane.inbound.on_notifs({prefill.agent_name: [
+            encode_notif(ChunkNotif("forged", 0, 1, b"forged payload"), forger.notif_out)]})
+        assert refused(decode, "notif_forged") == refused_before + 1
+        assert decode.status()["receiving"] == 1  # "forged" still waits for the real sender
+        prefill.kv.write([3], pattern(SMALL, "forged", 1))
+        sent = await prefill.await_completion(await prefill.send("forged", [3], last=True), timeout=WAIT_S)
+        assert sent.ok and (await decode.await_arrival("forged", timeout=WAIT_S)).ok
+        assert bool((decode.kv.pages([9]) == pattern(SMALL, "forged", 1)).all())
 
 
 # -- 5. a request answers only to its peer -------------------------------------------------------

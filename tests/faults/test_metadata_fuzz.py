@@ -97,9 +97,16 @@ def rkey_span(md: bytes) -> tuple[int, int]:
     return at + 8 + 24, n - 24
 
 
+#: where the forged Joins come from: a source of their own (vetting charges a source whose metadata
+#: cost a child, and the legitimate peers here link from 127.0.0.1)
+ATTACKER = "127.0.0.2"
+
+
 async def present(address: str, agent: str, metadata: bytes) -> Message | None:
-    """A peer claiming ``agent`` joins with ``metadata``; the answer (a Join when it loaded)."""
-    raw = await authenticate(address, key=own_key(), agent=agent, my_address=f"127.0.0.1:{next(_ports)}")
+    """A peer claiming ``agent`` joins with ``metadata`` from ``ATTACKER``; the answer (a Join
+    when it loaded)."""
+    raw = await authenticate(address, key=own_key(), agent=agent, my_address=f"127.0.0.1:{next(_ports)}",
+                             source=ATTACKER)
     try:
         await raw.send(join_for(agent, metadata=metadata, memory=MEMORY or None))
         return await raw.recv()
@@ -154,6 +161,33 @@ async def test_a_worker_address_of_an_unknown_version_is_refused_and_the_decode_
         assert "version 5" in answer.message
         assert (await refused(decode)).get("metadata_unsafe") == 1
         await legit_transfer(svc, decode)
+
+
+def section_type_altered(md: bytes, mem_type: int) -> bytes:
+    """The first memory section's type (a 4-byte ``t`` after ``nixlSDList``) set to ``mem_type``."""
+    tag = b"nixlSDList|t" + struct.pack("<Q", 4)
+    at = md.index(tag) + len(tag)
+    return md[:at] + struct.pack("<I", mem_type) + md[at + 4:]
+
+
+async def test_a_section_type_nixl_reads_out_of_bounds_never_reaches_the_vetting_child() -> None:
+    """The finding: a memory section of type 5 (past NIXL's last, FILE_SEG) killed the vetting
+    child; Joins with it under fresh names killed it again and again while a legitimate
+    peer's first link waited for its restarts.  Refused by structure now: the child that
+    started with the service is the only one, and the legitimate peer links beside it."""
+    async with (donor() as md, peers(peer_config()) as (decode,),
+                TransferService(config()) as svc):
+        vetter = svc._vetter
+        assert vetter is not None
+        await vetter.ready()
+        first = vetter.pid
+        for i in range(1, 8):
+            answer = await present(svc.address, donor_name(i), section_type_altered(renamed(md, i), 5))
+            assert isinstance(answer, Reject) and answer.kind == "metadata_unsafe", answer
+            assert "memory type 5" in answer.message, answer.message
+        assert svc.status()["refused"].get("metadata_unsafe") == 7
+        await legit_transfer(svc, decode)
+        assert vetter.children_started == 1 and vetter.pid == first
 
 
 def mutations(md: bytes, rng: random.Random) -> list[tuple[str, bytes]]:
@@ -248,7 +282,7 @@ async def test_metadata_that_kills_the_vetting_child_is_refused_and_the_service_
         answer = await present(svc.address, donor_name(1), version_altered(renamed(md, 1)))
         assert isinstance(answer, Reject) and answer.kind == "metadata_unsafe", answer
         assert vetter.children_started == 2
-        # a good agent's metadata loads on the fresh child
+        # a good agent's metadata from that source loads, on the child its source is vetted on now
         assert isinstance(await present(svc.address, donor_name(2), renamed(md, 2)), Join)
         assert vetter.pid not in (None, first)
         await legit_transfer(svc, decode)
@@ -326,13 +360,13 @@ def vetting_children() -> set[int]:
                 cmdline = f.read()
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if ppid == os.getpid() and vetting.CHILD_MODULE.encode() in cmdline:
+        if ppid == os.getpid() and vetting.CHILD.encode() in cmdline:
             found.add(int(entry))
     return found
 
 
 async def test_a_services_vetting_child_boots_as_it_starts() -> None:
-    """The child boots (~2 s of CPU) from the start of the service's start, while the pool and
+    """The child boots (~0.3 s of CPU) from the start of the service's start, while the pool and
     the agent are made, not at a peer's first handshake (inside that peer's
     connect_timeout_s); one child, serving without a peer ever asking, reaped at the end."""
     before = vetting_children()
@@ -378,11 +412,11 @@ async def test_a_sidecar_daemon_refuses_it_too() -> None:
 
 
 async def test_without_a_vetting_child_nobody_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A child that cannot start (here: its module is missing) leaves the service refusing
+    """A child that cannot start (here: its file is missing) leaves the service refusing
     every peer (``vetting_unavailable``) rather than loading unvetted metadata."""
     import kvservice._trust.vetting as vetting
 
-    monkeypatch.setattr(vetting, "CHILD_MODULE", "kvservice._trust.no_such_module")
+    monkeypatch.setattr(vetting, "CHILD", vetting.CHILD.replace("vetchild.py", "no_such_file.py"))
     async with peers(peer_config()) as (decode,), TransferService(config()) as svc:
         rid = f"refused-{next(_rids)}"
         await decode.command(op="expect", rid=rid, pages=[1, 2], sender=svc.address)

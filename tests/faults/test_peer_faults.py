@@ -21,7 +21,7 @@ import structlog
 
 from kvservice import FailureReason, KVLayout, KVPoll, TransferFailed, TransferService, TransferStatus
 from kvservice.testing import pattern
-from tests.helpers import SMALL, Ticker, config, eventually, peer_config, peers
+from tests.helpers import SMALL, Ticker, config, eventually, free_port, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -204,7 +204,7 @@ async def test_abort_by_receiver_fails_sender_with_aborted() -> None:
 
 
 async def test_decode_restart_on_same_address_reconnects_cleanly() -> None:
-    port = _free_port()
+    port = free_port()
     async with TransferService(config()) as svc:
         for round_ in range(3):
             async with peers(peer_config(port=port)) as (decode,):
@@ -221,7 +221,7 @@ async def test_decode_restart_on_same_address_reconnects_cleanly() -> None:
 
 
 async def test_prefill_restart_on_same_address_reconnects_cleanly() -> None:
-    port = _free_port()
+    port = free_port()
     async with TransferService(config()) as svc:
         for round_ in range(2):
             async with peers(peer_config(port=port)) as (prefill,):
@@ -234,15 +234,6 @@ async def test_prefill_restart_on_same_address_reconnects_cleanly() -> None:
                 assert result.ok, result
                 prefill.signal(signal.SIGKILL)
             await eventually(lambda: svc.status()["peers"] == [])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def test_shutdown_fails_outstanding_work_as_shutdown_on_both_sides() -> None:

@@ -24,7 +24,7 @@ GUARD_S = 30.0  # a hang guard for each wait, never a timed assertion
 @contextlib.asynccontextmanager
 async def started_together(n: int, cfg: dict[str, Any]) -> AsyncIterator[list[PeerProcess]]:
     """``n`` child services, started concurrently (each import of torch and NIXL takes
-    a second or two, and each is up once its vetting child has booted too: 2n such boots
+    a second or two, and each starts a vetting child too, which imports NIXL: 2n boots
     at once); each one stopped, or killed, on the way out."""
     async with anyio.create_task_group() as tg:
         started: list[PeerProcess | None] = [None] * n
@@ -53,8 +53,8 @@ def spread(n: int, width: int, stride: int, offset: int = 0) -> list[list[int]]:
 
 async def test_one_prefill_serves_eight_decodes_at_once() -> None:
     decodes, per_peer, width = 8, 3, 2
-    # Nine services started at once each boot a metadata-vetting child (~2 s of CPU each,
-    # _trust.vetting; a service is up once its child is), and the prefill vets its eight
+    # Nine services started at once each boot a metadata-vetting child (~0.3 s of CPU each,
+    # _trust.vetting; a first link waits for the acceptor's), and the prefill vets its eight
     # decodes' metadata one after another: on 2 cores the first handshakes can pass the default
     # connect_timeout_s (5 s), which bounds the dial on one side and the handshake on the other
     # (CI runs saw both).  What is tested is the fan-out, not the boot: give the first links

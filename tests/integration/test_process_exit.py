@@ -53,7 +53,7 @@ def test_a_service_process_exits_zero() -> None:
 
 
 def test_an_operators_setting_wins() -> None:
-    """``ucx_env`` (and the process's environment, see ``_nixl._environment``) win over
+    """``ucx_env`` (and the process's environment, see ``_nixl.trial.ucx_environment``) win over
     the host's defaults."""
     cfg = ServiceConfig(ucx_env={"UCX_MODULES": "^cma"})
     assert cfg.ucx_environment["UCX_MODULES"] == "^cma"

@@ -1,6 +1,8 @@
 """kvservice as a library is quiet: an application that configures no logging sees
-nothing on stdout and only warnings on stderr, during transfers and failures alike;
-the command-line entry points still print what they did."""
+nothing on stdout and only warnings on stderr, during transfers and failures alike,
+and no raw UCX line when a peer dies (UCX's lines are kvservice's ``ucx.*`` events
+unless the operator sets ``UCX_LOG_FILE``); the command-line entry points still print
+what they did."""
 
 from __future__ import annotations
 
@@ -35,6 +37,29 @@ def test_unconfigured_library_writes_nothing_to_stdout(tmp_path: Path) -> None:
     assert "peer.lost" in proc.stderr or "transfer.failed" in proc.stderr, proc.stderr
     leaked = [event for event in INFO_EVENTS if event in proc.stderr]
     assert not leaked, proc.stderr
+    # the peer's death is kvservice's to report: UCX's own words about it are not printed
+    assert "UCX  ERROR" not in proc.stderr, proc.stderr
+
+
+def _ucx_log_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.ucx_log_child"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=90, check=False)
+    assert proc.returncode == 0 and proc.stdout == "", proc
+    return proc
+
+
+def test_ucx_lines_are_kvservice_events() -> None:
+    proc = _ucx_log_child(_env())
+    assert "UCX  ERROR" not in proc.stderr, proc.stderr
+    # at debug, in kvservice's words, with UCX's message
+    assert "kvservice.ucx DEBUG ucx.peer_unreachable" in proc.stderr, proc.stderr
+    assert "Connection refused" in proc.stderr, proc.stderr
+
+
+def test_the_operators_ucx_log_file_wins() -> None:
+    proc = _ucx_log_child({**_env(), "UCX_LOG_FILE": "stderr"})
+    assert "UCX  ERROR connect(" in proc.stderr, proc.stderr
+    assert "ucx.peer_unreachable" not in proc.stderr, proc.stderr
 
 
 def test_entry_points_still_print(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ class Service:
     def status(self) -> ServiceStatus:
         return self.stats.snapshot(RequestCounts(
             sending=0, receiving=2, expects_before_send=0, unsettled_pages=7, inflight_handles=0,
-            live_nixl_handles=0, staging_held_bytes=0), ["a:1"])
+            live_nixl_handles=0, staging_held_bytes=0), ["a:1", "b:2", "c:3"], {"5": 1, "6": 2})
 
 
 def test_refusals_of_every_part_are_exported_by_where_and_kind() -> None:
@@ -73,6 +73,8 @@ def test_the_in_process_service_collector_on_an_engines_registry() -> None:
     assert got['kvservice_transfer_duration_seconds_bucket{le="0.005"}'] == 1
     assert got['kvservice_transfer_duration_seconds_bucket{le="0.0025"}'] == 0
     assert got["kvservice_transfer_duration_seconds_count"] == 1
-    assert got["kvservice_peers_connected"] == 1
+    assert got["kvservice_peers_connected"] == 3
+    assert got['kvservice_peer_links{protocol="5"}'] == 1  # a rolling upgrade half done
+    assert got['kvservice_peer_links{protocol="6"}'] == 2
     assert got['kvservice_refused_total{where="service",kind="auth"}'] == 1
     assert "kvservice_up" not in got  # the daemon's, not the service's

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
-from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, encode
+from kvservice.sidecar.wire import SIDECAR_OLDEST_VERSION, SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, encode
 from kvservice.testing import pattern
 from tests.helpers import eventually
 
@@ -216,7 +216,7 @@ async def test_malformed_and_oversized_frames_never_hurt_the_daemon(pair: tuple[
         (frame(msgspec.msgpack.encode({"type": "launch", "call": 1})), True, "malformed frame"),
         ((1 << 30).to_bytes(4, "big"), True, "exceeds the limit"),
         (encode(Status(1)), False, "expected hello"),
-        (encode(Hello(SIDECAR_PROTOCOL_VERSION + 1, "future")), False, "protocol version"),
+        (encode(Hello(SIDECAR_OLDEST_VERSION - 1, "past")), False, "protocol version"),
         (encode(Hello(SIDECAR_PROTOCOL_VERSION, "twice")), True, "hello after the handshake"),
     ]
     for payload, hello, message in cases:
@@ -284,6 +284,7 @@ KVSERVICE_FAMILIES = {
     "kvservice_xfer_post_time_seconds": ("histogram", {"peer"}),
     "kvservice_xfer_failed": ("counter", {"side", "peer"}),
     "kvservice_peers_connected": ("gauge", set()),
+    "kvservice_peer_links": ("gauge", {"protocol"}),
     "kvservice_unsettled_pages": ("gauge", set()),
     "kvservice_event_loop_lag_seconds": ("gauge", {"quantile"}),
     "kvservice_stale_notifications": ("counter", set()),

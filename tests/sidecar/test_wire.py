@@ -14,6 +14,8 @@ import pytest
 
 from kvservice._control.protocol import FrameError
 from kvservice.sidecar.wire import (
+    SIDECAR_OLDEST_VERSION,
+    SIDECAR_PROTOCOL_VERSION,
     Finished,
     Send,
     SocketFrames,
@@ -23,6 +25,7 @@ from kvservice.sidecar.wire import (
     decode_server,
     encode,
     frame_stream,
+    sidecar_version,
 )
 
 RESULT = WireResult("r1", "SUCCESS", None, None, None, "", 4096, 1, 1.0, 1.5, 2.0)
@@ -159,3 +162,10 @@ def test_live_peers_frames_are_bounded_at_decoding() -> None:
     bad["members"][0]["name"] = "../etc"
     with pytest.raises(FrameError):
         decode_server(msgspec.msgpack.encode(bad))
+
+
+def test_a_daemon_serves_the_previous_release_and_answers_a_newer_client_with_its_own() -> None:
+    assert sidecar_version(SIDECAR_PROTOCOL_VERSION) == SIDECAR_PROTOCOL_VERSION
+    assert sidecar_version(SIDECAR_PROTOCOL_VERSION + 3) == SIDECAR_PROTOCOL_VERSION  # the client decides
+    assert sidecar_version(SIDECAR_OLDEST_VERSION) == SIDECAR_OLDEST_VERSION
+    assert sidecar_version(SIDECAR_OLDEST_VERSION - 1) is None

@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, Overloaded
-from kvservice._transfer.requests import EarlyExpects
+from kvservice._transfer.early import SOURCE_LIMIT, EarlyExpects, ExpectRefused
 from kvservice.memory._layout import KVLayout
 from kvservice.testing import FakeFabric
 from tests.helpers import eventually
@@ -15,11 +15,15 @@ from tests.helpers import eventually
 from .harness import GUARD_S, fill, two_services, unit_config
 
 
+def why(refused: ExpectRefused | None) -> str:
+    return "" if refused is None else refused.why
+
+
 def test_early_expects_bound_per_peer_and_expire_oldest_first() -> None:
     early = EarlyExpects(per_peer=2, ttl=10.0, pages_per_peer=100, pages_total=1000)
     pages = KVLayout().check_pages([1])
     assert early.add("a1", "A", pages, now=0.0) is None and early.add("a2", "A", pages, now=1.0) is None
-    assert "max_unknown_expects" in (early.add("a3", "A", pages, now=2.0) or "")  # A is at its limit ...
+    assert "max_unknown_expects" in why(early.add("a3", "A", pages, now=2.0))  # A is at its limit ...
     assert early.add("b1", "B", pages, now=3.0) is None  # ... B is not disturbed
     assert early.add("a2", "B", pages, now=3.5) is None  # B's Expect for an id A expects is B's own
     assert early.agents("a2") == ["A", "B"]
@@ -35,13 +39,34 @@ def test_early_expects_bound_pages_per_peer_and_in_total() -> None:
     early = EarlyExpects(per_peer=100, ttl=10.0, pages_per_peer=10, pages_total=15)
     six, five = KVLayout().check_pages(range(6)), KVLayout().check_pages(range(5))
     assert early.add("a1", "A", six, now=0.0) is None
-    assert "max_unknown_expect_pages (10)" in (early.add("a2", "A", six, now=0.0) or "")
+    assert "max_unknown_expect_pages (10)" in why(early.add("a2", "A", six, now=0.0))
     assert early.add("b1", "B", six, now=0.0) is None
-    assert "max_unknown_expect_pages_total (15)" in (early.add("c1", "C", six, now=0.0) or "")
+    assert "max_unknown_expect_pages_total (15)" in why(early.add("c1", "C", six, now=0.0))
     assert early.pages == 12
     assert early.pop("a1", "A") is not None and early.pages == 6
     assert early.add("c1", "C", five, now=0.0) is None and early.pages == 11
     assert early.expire(now=20.0) and early.pages == 0
+
+
+def test_early_expects_charge_a_sources_agents_together_and_leave_other_sources_room() -> None:
+    """Names cost nothing: four agents of one source hold at most its share, in entries and in
+    pages, and another source's Expects still fit; what the source's agents free is its again."""
+    early = EarlyExpects(per_peer=100, ttl=10.0, pages_per_peer=10, pages_total=16, per_source=3,
+                         pages_per_source=8)
+    two = KVLayout().check_pages(range(2))
+    for agent in "ABC":
+        assert early.add(f"{agent}1", agent, two, now=0.0, source="10.0.0.2") is None
+    refused = early.add("D1", "D", two, now=0.0, source="10.0.0.2")
+    assert refused is not None and refused.kind == SOURCE_LIMIT and "max_unknown_expects_per_source = 3" in refused.why
+    assert early.pop("C1", "C") is not None and early.held_by_source("10.0.0.2") == (2, 4)
+    refused = early.add("A2", "A", KVLayout().check_pages(range(5)), now=0.0, source="10.0.0.2")
+    assert refused is not None and "max_unknown_expect_pages_per_source (8)" in refused.why
+    assert early.add("D1", "D", two, now=0.0, source="10.0.0.2") is None
+    assert early.held_by_source("10.0.0.2") == (3, 6)
+    assert early.add("E1", "E", KVLayout().check_pages(range(8)), now=0.0, source="10.0.0.3") is None
+    assert early.pages == 14
+    assert early.drop_peer("A") == ["A1"] and early.held_by_source("10.0.0.2") == (2, 4)
+    assert early.expire(now=20.0) and early.held_by_source("10.0.0.2") == (0, 0) and early.pages == 0
 
 
 async def test_expects_for_unknown_ids_are_bounded_and_counted() -> None:

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice._trust.handshake import ACCEPTOR, DIALER, MAC_BYTES, FrameMac, new_nonce, prove, transcript, verify
+from kvservice._trust.handshake import (
+    ACCEPTOR,
+    DIALER,
+    MAC_BYTES,
+    Exchange,
+    FrameMac,
+    LinkSecrets,
+    check_versions,
+    new_nonce,
+    newest_in,
+    prove,
+    transcript,
+    verify,
+)
 
 KEY = b"k" * 32
 OTHER = b"o" * 32
@@ -69,3 +82,39 @@ def test_frame_macs_refuse_forgery_alteration_replay_and_reordering() -> None:
 def test_nonces_are_fresh_and_32_bytes(n: int) -> None:
     assert len(new_nonce()) == 32
     assert new_nonce() != new_nonce()
+
+
+# -- versions and the key exchange (protocol version 6) ------------------------------------------
+
+
+def test_a_nonce_carries_its_senders_newest_version_and_a_random_one_none() -> None:
+    assert newest_in(new_nonce(6)) == 6 and newest_in(new_nonce(65535)) == 65535
+    assert newest_in(new_nonce()) is None  # version 5's: random throughout
+    assert len(new_nonce(6)) == 32 and new_nonce(6) != new_nonce(6)
+
+
+def test_versions_lowered_on_the_path_are_caught_by_the_nonce() -> None:
+    assert check_versions(new_nonce(6), ours=6, agreed=6) is None
+    assert check_versions(new_nonce(), ours=6, agreed=5) is None  # a peer of version 5
+    assert check_versions(new_nonce(7), ours=6, agreed=6) is None  # a newer peer, our newest
+    assert "tampered" in (check_versions(new_nonce(6), ours=6, agreed=5) or "")  # stripped on the path
+
+
+def test_the_exchange_gives_both_sides_one_secret_and_refuses_what_is_not_a_key() -> None:
+    a, b = Exchange(), Exchange()
+    assert a.shared(b.share) == b.shared(a.share) and len(a.share) == 32
+    for bad in (b"", b"\x01" * 31, bytes(32)):  # short, and the all-zero (low-order) point
+        with pytest.raises(ValueError):
+            a.shared(bad)
+
+
+def test_link_secrets_with_an_exchange_differ_from_the_transcripts_alone() -> None:
+    s = script(new_nonce(6), new_nonce(6))
+    shared = Exchange().shared(Exchange().share)
+    plain, exchanged = LinkSecrets(KEY, s, DIALER), LinkSecrets(KEY, s, DIALER, shared=shared)
+    assert plain.notif_out != exchanged.notif_out
+    peer = LinkSecrets(KEY, s, ACCEPTOR, shared=shared)
+    assert peer.open_join(exchanged.seal_join(b"metadata")) == b"metadata"
+    assert LinkSecrets(KEY, s, ACCEPTOR).open_join(exchanged.seal_join(b"metadata")) is None
+    unkeyed = LinkSecrets(None, s, DIALER, shared=shared)
+    assert unkeyed.notif_out not in (LinkSecrets(None, s, DIALER).notif_out, exchanged.notif_out)

@@ -44,11 +44,16 @@ def metadata(*, agent: str = AGENT, backends: list[tuple[bytes, bytes]] | None =
     return out + (section_list() if sections is None else sections)
 
 
-def section_list(*descs: bytes, kind: bytes = b"nixlSDList", count: int | None = None,
-                 n: int | None = None) -> bytes:
+def section(*descs: bytes, kind: bytes = b"nixlSDList", n: int | None = None, mem_type: int = 0,
+            backend: bytes = b"UCX") -> bytes:
     descs = descs or (descriptor(),)
-    body = field(b"bknd", b"UCX") + field(b"nixlDList", kind) + field(b"t", struct.pack("<I", 0))
-    body += field(b"n", struct.pack("<Q", len(descs) if n is None else n)) + b"".join(descs)
+    body = field(b"bknd", backend) + field(b"nixlDList", kind) + field(b"t", struct.pack("<I", mem_type))
+    return body + field(b"n", struct.pack("<Q", len(descs) if n is None else n)) + b"".join(descs)
+
+
+def section_list(*descs: bytes, kind: bytes = b"nixlSDList", count: int | None = None,
+                 n: int | None = None, mem_type: int = 0, backend: bytes = b"UCX") -> bytes:
+    body = section(*descs, kind=kind, n=n, mem_type=mem_type, backend=backend)
     return field(b"nixlSecElms", struct.pack("<Q", 1 if count is None else count)) + body
 
 
@@ -102,7 +107,7 @@ def test_every_truncation_and_any_extra_byte_is_refused() -> None:
     (metadata(backends=[(b"UCX", b"\x20")]), "UCX worker address: 1 bytes"),
     (metadata(marker=b"Elsewhere"), "memory section marker missing"),
     (metadata(sections=section_list(kind=b"nixlBDList")), "nixlSDList"),
-    (metadata(sections=section_list(count=65)), "section count 65"),
+    (metadata(sections=section_list(count=3)), "section count 3"),
     (metadata(sections=section_list(n=0)), "0 descriptors"),
     (metadata(sections=section_list(n=1 << 40)), "cannot fit"),
     (metadata(sections=section_list(descriptor(blob=b""))), "no backend blob"),
@@ -110,6 +115,24 @@ def test_every_truncation_and_any_extra_byte_is_refused() -> None:
 def test_malformed_fields_are_refused_with_a_reason(data: bytes, says: str) -> None:
     why = check_metadata(data)
     assert why is not None and says in why, why
+
+
+@pytest.mark.parametrize(("mem_type", "backend"), [(2, b"UCX"), (4, b"UCX"), (5, b"UCX"), (0xFFFFFFFF, b"UCX"),
+                                                   (0, b"POSIX")])
+def test_sections_a_ucx_agent_never_writes_are_refused(mem_type: int, backend: bytes) -> None:
+    """NIXL 1.5 reads a memory type past ``FILE_SEG`` (4) out of bounds: such a section killed
+    the process loading it.  Only UCX's DRAM and VRAM sections pass, each once."""
+    why = check_metadata(metadata(backends=[(b"UCX", ADDRESS), (b"POSIX", b"x")],
+                                  sections=section_list(mem_type=mem_type, backend=backend)))
+    assert why is not None and f"memory type {mem_type}" in why, why
+
+
+def test_a_dram_and_a_vram_section_pass_and_a_repeated_one_is_refused() -> None:
+    two = field(b"nixlSecElms", struct.pack("<Q", 2))
+    md = parse_metadata(metadata(sections=two + section(mem_type=0) + section(mem_type=1)))
+    assert [s.mem_type for s in md.sections] == [0, 1]
+    why = check_metadata(metadata(sections=two + section(mem_type=1) + section(mem_type=1)))
+    assert why is not None and "listed twice" in why, why
 
 
 def test_length_fields_that_lie_are_refused() -> None:

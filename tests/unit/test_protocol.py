@@ -15,6 +15,7 @@ from kvservice._control.protocol import (
     FORGED,
     HEADER_BYTES,
     NOTIF_MAGIC,
+    OLDEST_VERSION,
     PROTOCOL_VERSION,
     Abort,
     Bye,
@@ -35,7 +36,10 @@ from kvservice._control.protocol import (
     encode_frame,
     encode_notif,
     frame_length,
+    hello,
+    negotiate,
 )
+from kvservice._results import ProtocolError
 
 MESSAGES: list[Message] = [
     Hello(version=PROTOCOL_VERSION, agent="kv-a", address="127.0.0.1:5000", nonce=b"n" * 32, proof=b"p" * 32),
@@ -201,3 +205,32 @@ async def test_framed_stream_over_tcp_refuses_an_oversize_frame() -> None:
             tg.cancel_scope.cancel()
     assert got[0] == Expect("ok", [1, 2])
     assert isinstance(got[1], FrameError) and "exceeds the limit" in str(got[1])
+
+
+def test_a_link_speaks_the_newest_version_both_know() -> None:
+    def said(version: int, top: int = 0) -> Hello:
+        return Hello(version, "kv-a", "127.0.0.1:1", b"n" * 32, top=top)
+
+    assert negotiate(hello("kv-a", "127.0.0.1:1", b"n" * 32)) == PROTOCOL_VERSION  # this release
+    assert negotiate(said(5)) == 5  # the previous release: no ``top``
+    assert negotiate(said(OLDEST_VERSION, PROTOCOL_VERSION + 3)) == PROTOCOL_VERSION  # a newer one
+    for version, top in ((OLDEST_VERSION - 1, 0), (PROTOCOL_VERSION + 1, PROTOCOL_VERSION + 2), (99, 0)):
+        with pytest.raises(ProtocolError, match=f"{OLDEST_VERSION}-{PROTOCOL_VERSION}") as raised:
+            negotiate(said(version, top))
+        assert raised.value.kind == "version"
+
+
+def test_a_previous_release_reads_this_releases_hello() -> None:
+    """A decoder that knows only version 5's fields (an unknown field is skipped) reads
+    this release's Hello, and sees the version it requires."""
+    class HelloV5(msgspec.Struct, tag="hello", frozen=True):
+        version: int
+        agent: str
+        address: str
+        nonce: bytes = b""
+        proof: bytes = b""
+        probe: bool = False
+
+    old = msgspec.msgpack.decode(encode_frame(hello("kv-a", "127.0.0.1:1", b"n" * 32, share=b"s" * 32))[4:],
+                                 type=HelloV5)
+    assert old.version == OLDEST_VERSION and old.agent == "kv-a"
