@@ -240,6 +240,8 @@ class World:
         self.settled_at: dict[tuple[str, str], float] = {}
         #: receiver requests that failed unsettled: (receiver agent, rid) -> (request, when)
         self.unsettled: dict[tuple[str, str], tuple[Req, float]] = {}
+        #: unsettled requests whose sender's NIXL was last seen stalled (the bound restarts when it is not)
+        self.stalled_keys: set[tuple[str, str]] = set()
         self.step = -1
         #: settle fences a NIXL error ate, by request: after FENCE_TRIES of them kvservice
         #: posts no other, and the receiver holds the pages until the sender exits
@@ -667,6 +669,12 @@ class World:
                 del self.unsettled[key]
             elif r.sender is not None and r.sender.door is not None and _stalled(r.sender.door):
                 self.unsettled[key] = (r, now)  # a stalled NIXL settles nothing: the bound runs from its resumption
+                self.stalled_keys.add(key)
+            elif key in self.stalled_keys:
+                # The stall ended since the last step, not necessarily by ``finishes hung`` (an
+                # injected check failure ends a hung handle too): the bound runs from here.
+                self.stalled_keys.discard(key)
+                self.unsettled[key] = (r, now)
             elif now - max(since, r.sender.resumed_at if r.sender else 0.0) > SETTLE_BOUND_S:
                 del self.unsettled[key]
                 self.violation(f"{key[1]} failed on {key[0]} at t={since:.6f} and is not settled "
