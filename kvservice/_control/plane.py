@@ -389,7 +389,6 @@ class ControlPlane:
         source = framed.source
         await vet(self._vetter, framed, join.metadata, source, dialled, self._stats)
         await self._let_dying_link_end(agent)
-        await self._let_drain_end(agent)
         async with self._table_lock:
             current = self._peers.get(agent)
             if current is not None:
@@ -397,7 +396,9 @@ class ControlPlane:
                     raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
                 # Its old link has ended and its drop waits for this lock: do it now.
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
-                await self._let_drain_end(agent)  # bounded; a peer linking again is alive: short
+            # Under the lock: its old link's drop may have started the drain just now (bounded;
+            # a peer linking again is alive, so its WRITEs end soon).
+            await self._let_drain_end(agent)
             check_room(self._peers, self._cfg, source)
             old = self._book.agent_at(dialled) if dialled is not None else None
             if old is not None and old != agent:

@@ -35,6 +35,10 @@ from __future__ import annotations
 
 import collections
 
+from .._log import get_logger
+
+log = get_logger("kvservice")
+
 
 class Proofs:
     """The unproven requests of this sender, per receiver agent; see the module docstring."""
@@ -49,10 +53,11 @@ class Proofs:
         #: an agent's whole entry had to be forgotten: an agent without one proves nothing unknown
         self._lossy = False
 
-    def unproven(self, agent: str | None, request_id: str) -> None:
-        """A WRITE of ``request_id`` to ``agent`` ended without proof that it is over."""
+    def unproven(self, agent: str | None, request_id: str, why: str) -> None:
+        """A WRITE of ``request_id`` to ``agent`` ended without proof that it is over (``why``)."""
         if agent is None:
             return
+        log.debug("transfer.unproven", request_id=request_id, peer=agent, why=why)
         ids = self._unproven.get(agent)
         if ids is None:
             ids = self._unproven[agent] = {}

@@ -155,7 +155,7 @@ class Watchdog:
         """``peer`` is about to be unloaded (which releases its handles): stop checking
         the fences posted to it."""
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
-            self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id)
+            self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id, "fence forgotten with its peer")
         self._fences = [op for op in self._fences if op.peer != peer]
         if self._ahead is not None:
             self._fences_forgotten.add(peer)
@@ -190,12 +190,12 @@ class Watchdog:
         for xid in xids:
             entry = self._inflight.get(xid) or self._draining.get(xid)
             if entry is not None:
-                self.proofs.unproven(entry[0].peer, entry[0].request_id)
+                self.proofs.unproven(entry[0].peer, entry[0].request_id, "released by the door")
 
     def _drained_one(self, xid: XferId, proven: bool) -> None:
         req, fence = self._draining.pop(xid)
         if not proven:
-            self.proofs.unproven(req.peer, req.request_id)
+            self.proofs.unproven(req.peer, req.request_id, "drain ended unfinished")
         if not fence:
             req.releasing -= 1
             self._settle_if_released(req)
@@ -217,7 +217,7 @@ class Watchdog:
             self._drained_one(xid, proven=False)
 
     def _release(self, req: SendRequest, xid: XferId) -> None:
-        self.proofs.unproven(req.peer, req.request_id)  # released before NIXL said DONE
+        self.proofs.unproven(req.peer, req.request_id, "released in flight")  # released before NIXL said DONE
         self._releases.append(xid)
         self._releasing[xid] = req
         req.releasing += 1
@@ -323,16 +323,16 @@ class Watchdog:
                 if isinstance(got, int) and state is XferState.PROC and req.peer not in self._fences_forgotten:
                     self._inflight[got] = (req, FENCE)
                 elif isinstance(got, DoorError):
-                    self.proofs.unproven(req.peer, req.request_id)
+                    self.proofs.unproven(req.peer, req.request_id, "fence post failed")
                     self._owner.fence_failed(req, got)
                 elif state is XferState.PROC:  # its peer's unloading releases it, unchecked
-                    self.proofs.unproven(req.peer, req.request_id)
+                    self.proofs.unproven(req.peer, req.request_id, "fence unloaded with its peer")
                 continue
             req.posting -= 1
             if not isinstance(got, DoorError):
                 req.posted = True
             if isinstance(got, DoorError):
-                self.proofs.unproven(req.peer, req.request_id)
+                self.proofs.unproven(req.peer, req.request_id, "post failed")
                 self._owner.chunk_failed(req, got)
             elif req.finished:
                 if state is XferState.PROC and req.peer in self._drain_until:  # its link was lost meanwhile
@@ -364,7 +364,7 @@ class Watchdog:
                 continue
             req, nbytes = entry
             if state_or_err is not XferState.DONE:  # an error, or released behind our back
-                self.proofs.unproven(req.peer, req.request_id)
+                self.proofs.unproven(req.peer, req.request_id, "ended in an error")
             if nbytes == FENCE:
                 if state_or_err is not XferState.DONE:  # an error, or released behind our back
                     self._owner.fence_failed(req, state_or_err if isinstance(state_or_err, DoorError) else None)

@@ -29,6 +29,10 @@ from tests.helpers import config, eventually, peer_config, peers
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 FAST = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 1.0}
+#: the prefill's: its peer_timeout_s bounds its drain, and a WRITE resumed after a stall of
+#: seconds waits for TCP's retransmission timer (backed off by then): give it time on a
+#: loaded machine (1 s was seen to run out, leaving the request unproven: held, as it must)
+PREFILL = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 3.0}
 #: hang guard for a settling that needs a loss (1 s), a resume, a re-dial and an Ask
 SETTLE_GUARD_S = 30.0
 LOST = {FailureReason.PEER_LOST, FailureReason.TIMEOUT, FailureReason.REMOTE_DISCONNECT}
@@ -39,7 +43,7 @@ async def test_a_stalled_sender_that_resumes_settles_what_it_proves() -> None:
     request ``PEER_LOST`` and holds its pages.  SIGCONT: the prefill finds its link lost,
     drains the in-flight WRITEs to ``DONE``; the decode links again and asks; the pages
     settle while the prefill lives, and nothing lands in them afterwards."""
-    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (prefill,), \
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **PREFILL), env=TCP) as (prefill,), \
             TransferService(config(LAYOUT, ucx_env=TCP, **FAST)) as decode:
         await send_then_stop(prefill, decode, "resume", timeout=None)  # lost by silence, not a deadline
         try:
@@ -74,7 +78,7 @@ async def test_a_stalled_receiver_that_resumes_settles_what_the_sender_proves() 
     after ``peer_timeout_s`` and, instead of releasing the WRITEs, keeps checking them.
     SIGCONT: they complete (``DONE``), the decode finds its link lost, holds what failed,
     dials the prefill again, asks, and settles; a canary survives."""
-    prefill_cfg = config(LAYOUT, ucx_env=TCP, heartbeat_interval_s=0.2, peer_timeout_s=2.0)
+    prefill_cfg = config(LAYOUT, ucx_env=TCP, **PREFILL)
     async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,), \
             TransferService(prefill_cfg) as prefill:
         await new_request_arrives_at(prefill, decode, "warm", [0], [1])
