@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ._results import FailureReason
-from ._stats import LATENCY_BUCKETS, Stats
+from ._stats import LANDING_RESULTS, LATENCY_BUCKETS, Stats
 
 
 class Measured(Protocol):
@@ -87,6 +87,12 @@ def service_families(svc: Measured) -> list[Metric]:
                             labels=["quantile"])
     lag.add_metric(["0.99"], snap["loop_lag_p99_s"])
     lag.add_metric(["1"], snap["loop_lag_max_s"])
+    landings = CounterMetricFamily(
+        "kvservice_landing_checks_total",
+        "Landing checks of received requests (verify_landing): checked (matched), mismatched (CORRUPTED), "
+        "unchecked (the sender sent no checksum)", labels=["result"])
+    for kind in LANDING_RESULTS:
+        landings.add_metric([kind], snap["landings"].get(kind, 0))
     return [
         *peer_families(snap["peer_histograms"]),
         transfers, moved, in_flight,
@@ -101,6 +107,7 @@ def service_families(svc: Measured) -> list[Metric]:
         lag,
         CounterMetricFamily("kvservice_stale_notifications_total", "NIXL notifications matching no live request",
                             value=snap["stale_notifs"]),
+        landings,
     ]
 
 

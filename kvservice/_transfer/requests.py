@@ -19,6 +19,7 @@ from .._results import (
 )
 from ..memory._layout import PageIndex
 from ..memory._pairing import PeerKV
+from .landing import Landing
 
 
 class DoneEvent(Protocol):
@@ -143,6 +144,7 @@ class SendRequest(_Request):
     link_generation: int | None = None  # of the link to ``peer`` when it was bound
     notif_key: bytes = b""  # that link's key for our notifications' MACs
     bytes_done: int = 0
+    verify: bool = False  # its receiver asked for landing checks: each chunk's notification carries a sum
 
     @classmethod
     def ended(cls, result: TransferResult) -> SendRequest:
@@ -183,6 +185,8 @@ class RecvRequest(_Request):
     #: the sender's settle fence arrived before its failure did (the control link is slower)
     fenced: bool = False
     payload: bytes | None = None  # the sender's, from the last chunk's notification
+    verify: bool = False  # landing checks asked (``_transfer.landing``)
+    landing: Landing | None = None  # their sums, as the chunks' notifications bring them
 
     def due_at(self) -> float:
         return self.deadline
@@ -378,10 +382,12 @@ class EarlyExpects:
         self._by_rid: dict[str, list[str]] = {}  # rid -> agents, in arrival order
         self._count: collections.Counter[str] = collections.Counter()
         self._pages: collections.Counter[str] = collections.Counter()
+        self._verify: set[tuple[str, str]] = set()  # (rid, agent) of those asking for landing checks
         self.pages = 0  # held for all peers
 
-    def add(self, rid: str, agent: str, pages: PageIndex, now: float) -> str | None:
-        """Remember an Expect; if a bound stops it, which one (nothing is stored)."""
+    def add(self, rid: str, agent: str, pages: PageIndex, now: float, verify: bool = False) -> str | None:
+        """Remember an Expect (``verify``: it asks for landing checks); if a bound stops
+        it, which one (nothing is stored)."""
         n = int(pages.size)
         if self._count[agent] >= self._per_peer:
             return f"{self._count[agent]} expects held for requests not sent yet (max_unknown_expects)"
@@ -392,6 +398,8 @@ class EarlyExpects:
             return (f"{self.pages} pages held for all peers' expects not sent yet, {n} more exceed "
                     f"max_unknown_expect_pages_total ({self._pages_total})")
         self._d[(rid, agent)] = (pages, now)
+        if verify:
+            self._verify.add((rid, agent))
         self._by_rid.setdefault(rid, []).append(agent)
         self._count[agent] += 1
         self._pages[agent] += n
@@ -408,6 +416,10 @@ class EarlyExpects:
     def pages_of(self, rid: str, agent: str) -> PageIndex | None:
         entry = self._d.get((rid, agent))
         return entry[0] if entry is not None else None
+
+    def verifies(self, rid: str, agent: str) -> bool:
+        """Whether ``agent``'s Expect for ``rid`` asks for landing checks."""
+        return (rid, agent) in self._verify
 
     def pop(self, rid: str, agent: str) -> PageIndex | None:
         entry = self._d.pop((rid, agent), None)
@@ -436,6 +448,7 @@ class EarlyExpects:
         return gone
 
     def _forget(self, rid: str, agent: str, pages: PageIndex) -> None:
+        self._verify.discard((rid, agent))
         agents = self._by_rid[rid]
         agents.remove(agent)
         if not agents:
