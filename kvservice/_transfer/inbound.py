@@ -234,7 +234,7 @@ class Inbound:
                 f"{req.total_chunks} chunks carried a checksum (a sender of a version without them?)"))
             return
         kv = p.control.peer_kv(agent)
-        back = landing.inbound_pair(p.memory, kv.memory) if kv is not None else None
+        back = kv.back if kv is not None else None
         if back is None:  # its link is gone: its loss fails the request
             return
         assert req.pages is not None

@@ -38,7 +38,7 @@ import numpy.typing as npt
 from .._control.protocol import ChunkNotif, LandingSum, encode_notif
 from .._nixl.door import PostOp
 from ..memory._layout import PageIndex
-from ..memory._pairing import Pair, pair
+from ..memory._pairing import Pair
 from ..memory._regions import KVMemory, View
 
 #: the memory type a landing check can read (the CPU computes the CRC)
@@ -59,14 +59,16 @@ def spans(memory: KVMemory, views: Sequence[View], pages: PageIndex, lo: int,
     ``views`` of ``memory`` move, in the pair's descriptor order (``Indexer.indices``),
     adjacent runs merged."""
     a, b = lo * memory.per_layer, hi * memory.per_layer
-    page_col = pages.astype(np.uint64)[:, None]
-    addrs, lens = [], []
-    for region, view in zip(memory.regions[a:b], views[a:b], strict=True):
-        run = np.arange(view.runs, dtype=np.uint64)[None, :] * np.uint64(view.run_stride)
-        at = (np.uint64(region.addr + view.offset) + page_col * np.uint64(region.page_stride) + run).ravel()
-        addrs.append(at)
-        lens.append(np.full(at.size, view.run_bytes, dtype=np.uint64))
-    addr, length = np.concatenate(addrs), np.concatenate(lens)
+    regions, shown = memory.regions[a:b], views[a:b]
+    runs = shown[0].runs  # a pair's views all have its ``runs``
+    # (region, page, run), as the pair's tables are laid out
+    base = np.array([r.addr + v.offset for r, v in zip(regions, shown, strict=True)], dtype=np.uint64)
+    stride = np.array([r.page_stride for r in regions], dtype=np.uint64)
+    run_stride = np.array([v.run_stride for v in shown], dtype=np.uint64)
+    run = np.arange(runs, dtype=np.uint64)
+    addr = (base[:, None, None] + stride[:, None, None] * pages.astype(np.uint64)[None, :, None]
+            + run_stride[:, None, None] * run[None, None, :]).ravel()
+    length = np.repeat(np.array([v.run_bytes for v in shown], dtype=np.uint64), pages.size * runs)
     ends = addr + length
     starts = np.flatnonzero(np.concatenate(([True], addr[1:] != ends[:-1])))
     merged = np.add.reduceat(length, starts)
@@ -79,7 +81,9 @@ def checksum(memory: KVMemory, views: Sequence[View], pages: PageIndex, lo: int,
     value = 0
     addrs, lens = spans(memory, views, pages, lo, hi)
     for addr, n in zip(addrs.tolist(), lens.tolist(), strict=True):
-        value = crc32c.crc32c((ctypes.c_char * n).from_address(addr), value)
+        # the GIL released for every run (the default keeps it below 32 KiB, a page's run
+        # here): the event loop goes on while a door or worker thread checksums
+        value = crc32c.crc32c((ctypes.c_char * n).from_address(addr), value, gil_release_mode=1)
     return value
 
 
@@ -136,12 +140,6 @@ class Landing:
             return f"more landing sums than the request's {npages} pages x {layers} layers"
         self.sums.append(s)
         return None
-
-
-def inbound_pair(local: KVMemory, remote: KVMemory) -> Pair | None:
-    """How a peer's sends to us move bytes (the pair it uses), None if none."""
-    back = pair(remote, local)
-    return back if isinstance(back, Pair) else None
 
 
 def mismatches(back: Pair, pages: PageIndex, sums: Sequence[LandingSum]) -> list[tuple[LandingSum, int]]:

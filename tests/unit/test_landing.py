@@ -19,7 +19,7 @@ from kvservice._control.protocol import LandingSum
 from kvservice._results import ConfigError
 from kvservice._transfer import landing
 from kvservice.memory import KVMemory
-from kvservice.memory._pairing import Pair, pair
+from kvservice.memory._pairing import Pair, PeerKV, pair
 from kvservice.memory._regions import View
 
 from .test_memory import kv, move
@@ -41,7 +41,7 @@ def test_the_sums_of_both_sides_agree_after_a_move_and_catch_one_changed_byte(
         prefill.fill("r", [1, 2, 5])
         p = pair(prefill.memory, decode.memory)
         assert isinstance(p, Pair), p
-        back = landing.inbound_pair(decode.memory, prefill.memory)  # what the receiver computes
+        back = PeerKV.of(decode.memory, prefill.memory).back  # what the receiver checks with
         assert back is not None
         src, dst = [1, 2, 5], [7, 0, 3]
         move(p, src, dst)
