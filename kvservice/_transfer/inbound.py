@@ -224,7 +224,9 @@ class Inbound:
         """Succeed ``req`` only if its pages hold what the sender checksummed (``landing``);
         the CRCs run on a worker thread."""
         p = self._plane
-        sums = req.landing.sums if req.landing is not None else []
+        assert req.pages is not None
+        kept = req.landing or Landing()
+        sums = kept.sums
         if len(sums) != req.total_chunks:
             p.stats.landings["unchecked"] += 1
             log.warning("transfer.landing_unchecked", request_id=req.request_id, peer=agent,
@@ -233,11 +235,14 @@ class Inbound:
                 f"landing checks were asked, but the sender does not check landings: {len(sums)} of "
                 f"{req.total_chunks} chunks carried a checksum (a sender of a version without them?)"))
             return
+        if left := kept.uncovered(int(req.pages.size), p.memory.layers):
+            p.fail(req, FailureReason.INCOMPATIBLE,
+                   f"the sender's landing sums leave {left} (page, layer) cells of the request unchecked")
+            return
         kv = p.control.peer_kv(agent)
         back = kv.back if kv is not None else None
         if back is None:  # its link is gone: its loss fails the request
             return
-        assert req.pages is not None
         bad = await anyio.to_thread.run_sync(landing.mismatches, back, req.pages, sums)
         if req.result is not None:  # failed meanwhile (timeout, abort, the sender lost)
             return

@@ -123,23 +123,34 @@ def seal(op: PostOp, out: Pair, notif: ChunkNotif, key: bytes, src: PageIndex, p
 
 
 class Landing:
-    """A receiver's request's landing sums, as its chunks' notifications bring them."""
+    """A receiver's request's landing sums, as its chunks' notifications bring them.
 
-    __slots__ = ("sums",)
+    Every (page, layer) of a request is sent exactly once, so its chunks' sums cover
+    ``pages x layers`` cells together: more is refused as it comes (a sender cannot make
+    the receiver checksum its pages over and over), fewer when the check starts
+    (``uncovered``: cells no sum vouches for)."""
+
+    __slots__ = ("cells", "sums")
 
     def __init__(self) -> None:
         self.sums: list[LandingSum] = []
+        self.cells = 0  # (page, layer) cells the sums cover
 
     def add(self, s: LandingSum, npages: int, layers: int) -> str | None:
-        """Keep one chunk's sum; why it cannot be (geometry outside the request) or None.
-        A chunk covers at least one page of one layer: no more sums than that."""
+        """Keep one chunk's sum; why it cannot be (outside the request, or past its cells) or None."""
         if s.pos + s.pages > npages or not s.lo < s.hi <= layers:
             return (f"landing sum for pages {s.pos}..{s.pos + s.pages - 1}, layers {s.lo}..{s.hi - 1} "
                     f"outside the request's {npages} pages and {layers} layers")
-        if len(self.sums) >= npages * layers:
-            return f"more landing sums than the request's {npages} pages x {layers} layers"
+        cells = s.pages * (s.hi - s.lo)
+        if self.cells + cells > npages * layers:
+            return f"landing sums cover more than the request's {npages} pages x {layers} layers"
         self.sums.append(s)
+        self.cells += cells
         return None
+
+    def uncovered(self, npages: int, layers: int) -> int:
+        """(page, layer) cells of the request no sum covers."""
+        return npages * layers - self.cells
 
 
 def mismatches(back: Pair, pages: PageIndex, sums: Sequence[LandingSum]) -> list[tuple[LandingSum, int]]:

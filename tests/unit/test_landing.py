@@ -74,15 +74,19 @@ def _whole(m: KVMemory) -> list[View]:
     return list(p.src_views)
 
 
-def test_a_landing_sum_outside_the_request_is_refused() -> None:
+def test_landing_sums_outside_the_request_or_past_its_cells_are_refused() -> None:
     kept = landing.Landing()
-    assert kept.add(LandingSum(1, 0, 2, 0, 2), npages=2, layers=2) is None
     assert "outside" in (kept.add(LandingSum(1, 1, 2, 0, 2), npages=2, layers=2) or "")
     assert "outside" in (kept.add(LandingSum(1, 0, 1, 1, 3), npages=2, layers=2) or "")
     assert "outside" in (kept.add(LandingSum(1, 0, 1, 1, 1), npages=2, layers=2) or "")
-    for _ in range(3):
-        assert kept.add(LandingSum(1, 0, 1, 0, 1), npages=2, layers=2) is None
-    assert "more landing sums" in (kept.add(LandingSum(1, 0, 1, 0, 1), npages=2, layers=2) or "")
+    assert kept.add(LandingSum(1, 0, 2, 0, 1), npages=2, layers=2) is None  # layer 0 of both pages
+    assert kept.uncovered(npages=2, layers=2) == 2
+    assert kept.add(LandingSum(1, 1, 1, 1, 2), npages=2, layers=2) is None
+    assert kept.uncovered(npages=2, layers=2) == 1
+    # a sum of the whole request again would make the receiver read it twice
+    assert "cover more" in (kept.add(LandingSum(1, 0, 2, 0, 2), npages=2, layers=2) or "")
+    assert kept.add(LandingSum(1, 0, 1, 1, 2), npages=2, layers=2) is None
+    assert kept.uncovered(npages=2, layers=2) == 0 and len(kept.sums) == 3
 
 
 def test_vram_refuses_landing_checks() -> None:
