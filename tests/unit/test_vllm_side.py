@@ -189,7 +189,9 @@ def test_the_scheduler_side_refuses_what_it_cannot_load() -> None:
         (False, None)
     assert p.request_finished(Req("q", {"do_remote_decode": True, "decode_tp_size": 0},
                                   num_computed_tokens=70), [1, 2, 3]) == (False, None)
-    assert p.counts == {"handoffs_skipped": 1, "handoff_refused": 1}
+    assert p.request_finished(Req("r" * 257, {"do_remote_decode": True}, num_computed_tokens=70), [1, 2, 3]) == \
+        (False, None)  # an id no hand-off can carry: refused, nothing held
+    assert p.counts == {"handoffs_skipped": 1, "handoff_refused": 2} and not p.has_pending_push_work()
     with pytest.raises(ValueError, match="one kvservice address per TP rank"):
         SchedulerSide(block_size=32, producer=True, consumer=False, senders=(), key=KEY, tp_size=2)
 

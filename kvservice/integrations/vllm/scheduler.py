@@ -182,14 +182,15 @@ class SchedulerSide:
             return False, None
         try:
             decode_tp = decode_tp_size(params, self.decode_tp)
+            # raises for what a hand-off cannot carry (a request id past 256 characters)
+            handoff = Handoff.issue(rid, self.senders, request.prompt_token_ids, request.num_computed_tokens,
+                                    self.block_size, key=self._key, lifetime_s=self.lifetime_s, now=self._clock())
         except HandoffError as exc:
             self._refuse("handoff_refused", request, str(exc))
             return False, None
         self._held[rid] = len(blocks)
         self._work.sends.append(SendSpec(rid, blocks, decode_tp))
         self.counts["handoffs"] += 1
-        handoff = Handoff.issue(rid, self.senders, request.prompt_token_ids, request.num_computed_tokens,
-                                self.block_size, key=self._key, lifetime_s=self.lifetime_s, now=self._clock())
         return True, handoff.to_params()
 
     # -- the step's work, and what the workers reported -----------------------------------
