@@ -12,9 +12,10 @@ instead.
 
 What a verified hand-off proves: a service holding the cluster's key issued exactly these
 fields, for a prompt whose first ``num_tokens`` token ids are this request's, and it has
-not expired.  Within its life it can be presented again (the scheduler refuses a second
-request presenting it).  Without a key (``allow_unauthenticated``) hand-offs carry no MAC
-and prove nothing: a decode without a key takes one as given (docs/vllm.md "Trust").
+not expired.  Within its life a copy can be presented again: the decode's scheduler refuses
+a second request presenting it, and the prefill binds one expect per request.  Without a
+key (``allow_unauthenticated``) hand-offs carry no MAC and prove nothing: a decode without
+a key takes one as given (docs/vllm.md "Trust").
 """
 
 from __future__ import annotations
