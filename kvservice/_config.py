@@ -102,6 +102,11 @@ class ServiceConfig:
     #: finished requests remembered (for late ``await_*`` calls and sticky failures)
     results_kept: int = 10_000
     agent_prefix: str = "kvservice"
+    #: receiving side: check every request's landing (``expect(verify=None)`` means this):
+    #: the sender sends each chunk's CRC32C and this service checks its pages against them
+    #: before it reports SUCCESS (``_transfer.landing``; host memory only).  Enable it once
+    #: every sender runs a version that checks landings: an older one's requests fail.
+    verify_landing: bool = False
 
     # -- trust (README "Security") ---------------------------------------------------
     #: the cluster's shared key (``kvservice keygen PATH``); None: on loopback, this
@@ -186,6 +191,8 @@ class ServiceConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{key}: must be a positive number, got {value!r}")
+        if not isinstance(self.verify_landing, bool):
+            raise ConfigError(f"verify_landing: must be true or false, got {self.verify_landing!r}")
         if self.drain_grace_s < 0:
             raise ConfigError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s!r}")
         if self.peer_timeout_s <= self.heartbeat_interval_s:

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ._results import FailureReason
-from ._stats import LATENCY_BUCKETS, Stats
+from ._stats import LANDING_RESULTS, LATENCY_BUCKETS, Stats
 
 
 class Measured(Protocol):
@@ -92,6 +92,12 @@ def service_families(svc: Measured) -> list[Metric]:
                                       labels=["protocol"])
     for version, n in snap["peer_versions"].items():
         peer_versions.add_metric([version], n)
+    landings = CounterMetricFamily(
+        "kvservice_landing_checks_total",
+        "Landing checks of received requests (verify_landing): checked (matched), mismatched (CORRUPTED), "
+        "unchecked (the sender sent no checksum)", labels=["result"])
+    for kind in LANDING_RESULTS:
+        landings.add_metric([kind], snap["landings"].get(kind, 0))
     return [
         *peer_families(snap["peer_histograms"]),
         *discovery_families(snap.get("discovery")),
@@ -108,6 +114,7 @@ def service_families(svc: Measured) -> list[Metric]:
         lag,
         CounterMetricFamily("kvservice_stale_notifications_total", "NIXL notifications matching no live request",
                             value=snap["stale_notifs"]),
+        landings,
     ]
 
 

@@ -40,6 +40,7 @@ class FailureReason(enum.Enum):
     INCOMPATIBLE = "INCOMPATIBLE"  # peer speaks another protocol or KV layout
     PEER_REPORTED = "PEER_REPORTED"  # the peer reported a failure it did not classify
     REFUSED = "REFUSED"  # not authorised: authentication failed, pinned to another receiver, over a limit
+    CORRUPTED = "CORRUPTED"  # landing check: the pages do not hold the bytes the sender checksummed
 
 
 class KVServiceError(Exception):

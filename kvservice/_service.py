@@ -32,6 +32,7 @@ from ._results import ConfigError, FailureReason, KVPoll, KVServiceError, Transf
 from ._stats import RequestCounts, ServiceStatus, Stats
 from ._transfer import waits
 from ._transfer.inbound import Inbound
+from ._transfer.landing import refusal as landing_refusal
 from ._transfer.plane import RequestPlane
 from ._transfer.requests import RecvRequest, TransferHandle, check_request_id
 from ._transfer.staging import Stager, staging_for
@@ -313,8 +314,13 @@ class TransferService:
 
     # -- receiving side -------------------------------------------------------------
     async def expect(self, request_id: str, pages: Pages, *, sender: str,
-                     timeout: float | None = None) -> None:
+                     timeout: float | None = None, verify: bool | None = None) -> None:
         """Announce that ``request_id`` goes into ``pages``, and tell ``sender``.
+
+        ``verify``: check the landing (None: the service's ``verify_landing``): the
+        sender sends a CRC32C of each chunk's bytes, and the request succeeds only if
+        its pages match them (else ``CORRUPTED``; ``INCOMPATIBLE`` if the sender sends
+        none).  Host memory only: ``ValueError`` when this service's KV is in VRAM.
 
         Returns once the request is registered here and its Expect is queued on
         the link to the sender (dialled first if needed), or once the request
@@ -334,6 +340,9 @@ class TransferService:
         plane = self._running()
         check_request_id(request_id)
         dst = self.memory.check_pages(pages)
+        verify = self.config.verify_landing if verify is None else verify
+        if verify and (why := landing_refusal(self.memory)) is not None:
+            raise ValueError(f"expect(verify=True): {why}")
         if request_id in plane.recvs or request_id in plane.recvs_done:
             raise ValueError(f"request {request_id!r} is already expected (duplicate request id)")
         unknown: PeerUnknown | None = None
@@ -344,7 +353,7 @@ class TransferService:
                 unknown = exc
         if unknown is None:
             split_address(sender)  # ValueError naming the problem
-        await plane.expect(request_id, sender, dst, timeout, unknown)
+        await plane.expect(request_id, sender, dst, timeout, unknown, verify)
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed.

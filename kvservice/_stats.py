@@ -18,6 +18,8 @@ from ._results import TransferResult
 #: upper bounds (seconds) of the transfer-latency histogram buckets
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LAG_INTERVAL_S = 0.01
+#: how landing checks end (``Stats.landings``, ``kvservice_landing_checks_total``)
+LANDING_RESULTS = ("checked", "mismatched", "unchecked")
 
 
 class RequestCounts(TypedDict):
@@ -59,6 +61,9 @@ class ServiceStatus(RequestCounts):
     stale_notifs: int  #: notifications for no live request of their sender
     forced_releases: int  #: handles the door released when their peer was unloaded
     staging: dict[str, int]  #: "gathered", "fallback_full", "fallback_too_large" -> count
+    #: landing checks of received requests (``verify_landing``): "checked" (matched),
+    #: "mismatched" (failed CORRUPTED), "unchecked" (the sender sent no checksum: INCOMPATIBLE)
+    landings: dict[str, int]
     refused: dict[str, int]  #: what peers and workers tried and was refused, by kind (README "Security")
     loop_lag_p99_s: float
     loop_lag_max_s: float
@@ -85,6 +90,8 @@ class Stats:
     #: sends through the staging buffer ("gathered") and those that could not ("fallback_full":
     #: no free range; "fallback_too_large": more than the buffer): _transfer.staging
     staging: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: landing checks: "checked", "mismatched", "unchecked" (``_transfer.landing``)
+    landings: collections.Counter[str] = field(default_factory=collections.Counter)
     #: refusals are all counted, but logged at most ``Throttle``'s burst per kind and window
     log_throttle: Throttle = field(default_factory=Throttle)
     lag_samples: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=3000))
@@ -137,6 +144,7 @@ class Stats:
             stale_notifs=self.stale_notifs,
             forced_releases=self.forced_releases,
             staging=dict(sorted(self.staging.items())),
+            landings=dict(sorted(self.landings.items())),
             refused=dict(sorted(self.refused.items())),
             loop_lag_p99_s=self.lag_quantile(0.99),
             loop_lag_max_s=self.max_lag_s,

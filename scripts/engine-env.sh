@@ -38,7 +38,8 @@ build() {
 install_kvservice_deps() {
     "$ENV/bin/python" -m pip install --quiet -c "$1" \
         "nixl>=1.5,<2" "anyio>=4.4" "uvloop>=0.19" "structlog>=24.1" "msgspec>=0.18" \
-        "prometheus_client>=0.20" "cryptography>=42" "pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3"
+        "prometheus_client>=0.20" "cryptography>=42" "crc32c>=2.4" "pytest>=8" "pytest-asyncio>=0.24" \
+        "pytest-timeout>=2.3"
 }
 
 recipe_vllm() {

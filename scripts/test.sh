@@ -12,7 +12,8 @@ if [ -f Dockerfile ]; then
     echo "== hadolint"; .venv/bin/hadolint Dockerfile || fail=1
 fi
 echo "== pytest"
-.venv/bin/python -m pytest "$@"
+# the slowest tests, so that what makes the suite long is in every run's log
+.venv/bin/python -m pytest --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2

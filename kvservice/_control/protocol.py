@@ -181,6 +181,9 @@ class Expect(msgspec.Struct, tag="expect", frozen=True):
     pages: list[int]
     #: the first cell of the receiver's staging this request lands in (``_transfer.staging``); -1: none
     staging: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
+    #: check the landing (``_transfer.landing``): each chunk's notification carries the CRC32C
+    #: of the bytes written.  A sender that does not know the field ignores it and sends none.
+    verify: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -245,8 +248,22 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+class LandingSum(msgspec.Struct, array_like=True, frozen=True):
+    """The CRC32C of the bytes a chunk's WRITE moved (``_transfer.landing``): of pages
+    ``pos:pos + pages`` of the receiver's Expect, layers ``lo:hi``."""
+
+    crc: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+    pos: _Small
+    pages: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    lo: _Small
+    hi: _Small
+
+
 class ChunkNotif(msgspec.Struct, array_like=True, frozen=True):
-    """Carried in the NIXL notification of each chunk's WRITE."""
+    """Carried in the NIXL notification of each chunk's WRITE.
+
+    Fields are only ever added at the end, with a default: a decoder that does not
+    know a trailing element ignores it (``tests/unit/test_protocol.py``)."""
 
     request_id: str
     chunk: int  # FENCE: the settle fence, not a chunk
@@ -254,6 +271,8 @@ class ChunkNotif(msgspec.Struct, array_like=True, frozen=True):
     #: the request's payload (``send(payload=)``), on its last chunk only: it arrives
     #: with the notification that completes the request
     payload: bytes | None = None
+    #: when the receiver asked for landing checks (``Expect.verify``): this chunk's CRC32C
+    landing: LandingSum | None = None
 
 
 #: ``ChunkNotif.chunk`` of the fence WRITE a sender posts after releasing a failed

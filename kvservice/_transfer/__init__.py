@@ -32,6 +32,9 @@ Reading path:
 - ``deadlines``: the heap of request deadlines the watchdog pops each tick.
 - ``staging``: which requests move through the staging buffer, the ranges they hold and
   the copies in and out of it (what a staged page *is* stays in ``memory._staging``).
+- ``landing``: opt-in landing checks: the sender's CRC32C of each chunk's bytes (on the
+  door thread, before its WRITE), the receiver's check of its pages (on a worker thread)
+  before it reports SUCCESS.
 
 Glossary:
 
@@ -56,6 +59,8 @@ Glossary:
   ``peer_timeout_s``) rather than released at once, so that they may end ``DONE``.
 - **proven over**: (a request, to its receiver) every WRITE of it the sender posted reached
   ``DONE`` before it was let go, or it posted none.
+- **landing sum**: the CRC32C of the bytes one chunk's WRITE moves, in the pair's descriptor
+  order (``landing``); carried by that chunk's notification when the receiver asked.
 - **settled**: nothing of the request can be written any more.  A success is settled; a
   receiver's failure is settled by the sender's fence, its ``Settled`` (also in answer
   to an ``Ask`` after a lost link heals), or its process gone; a sender's failure once

@@ -44,6 +44,7 @@ class _Entry:
     pages: PageIndex
     arrived: float
     source: str
+    verify: bool = False  # it asks for landing checks (``_transfer.landing``)
 
 
 class EarlyExpects:
@@ -72,9 +73,10 @@ class EarlyExpects:
                    cfg.max_unknown_expect_pages_total, per_source=cfg.max_unknown_expects_per_source,
                    pages_per_source=cfg.max_unknown_expect_pages_per_source)
 
-    def add(self, rid: str, agent: str, pages: PageIndex, now: float, source: str = "-") -> ExpectRefused | None:
-        """Remember ``agent``'s Expect (its link comes from ``source``); if a bound stops it,
-        which one (nothing is stored)."""
+    def add(self, rid: str, agent: str, pages: PageIndex, now: float, source: str = "-",
+            verify: bool = False) -> ExpectRefused | None:
+        """Remember ``agent``'s Expect (its link comes from ``source``; ``verify``: it asks
+        for landing checks); if a bound stops it, which one (nothing is stored)."""
         n = int(pages.size)
         if self._count[agent] >= self._per_peer:
             return ExpectRefused(PEER_LIMIT, f"{self._count[agent]} expects held for requests not sent yet "
@@ -92,7 +94,7 @@ class EarlyExpects:
         if self.pages + n > self._pages_total:
             return ExpectRefused(PEER_LIMIT, f"{self.pages} pages held for all peers' expects not sent yet, {n} "
                                              f"more exceed max_unknown_expect_pages_total ({self._pages_total})")
-        self._d[(rid, agent)] = _Entry(pages, now, source)
+        self._d[(rid, agent)] = _Entry(pages, now, source, verify)
         self._by_rid.setdefault(rid, []).append(agent)
         self._count[agent] += 1
         self._pages[agent] += n
@@ -111,6 +113,11 @@ class EarlyExpects:
     def pages_of(self, rid: str, agent: str) -> PageIndex | None:
         entry = self._d.get((rid, agent))
         return entry.pages if entry is not None else None
+
+    def verifies(self, rid: str, agent: str) -> bool:
+        """Whether ``agent``'s Expect for ``rid`` asks for landing checks."""
+        entry = self._d.get((rid, agent))
+        return entry is not None and entry.verify
 
     def held_by_source(self, source: str) -> tuple[int, int]:
         """The entries and pages held for peers from ``source``."""

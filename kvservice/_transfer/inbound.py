@@ -15,10 +15,24 @@ from collections.abc import Mapping
 
 import anyio
 
-from .._control.protocol import FENCE, FORGED, Abort, Ask, Expect, Failed, Message, Outcome, Settled, decode_notif
+from .._control.protocol import (
+    FENCE,
+    FORGED,
+    Abort,
+    Ask,
+    Expect,
+    Failed,
+    LandingSum,
+    Message,
+    Outcome,
+    Settled,
+    decode_notif,
+)
 from .._log import get_logger
 from .._results import FailureReason, TransferStatus
+from . import landing
 from .heal import Heal
+from .landing import Landing
 from .plane import RequestPlane
 from .requests import RecvRequest, make_result
 
@@ -87,7 +101,7 @@ class Inbound:
                 return
             ok = p.may_receive(req, agent)
             if ok:
-                p.bind(req, agent, pages)
+                p.bind(req, agent, pages, msg.verify)
             elif ok is False:
                 p.refuse_receiver(req, agent)
             elif (agent, rid) in p.proving:
@@ -104,7 +118,8 @@ class Inbound:
                             "request already ended on the sender")
         elif p.early.has(rid, agent):
             p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
-        elif (refused := p.early.add(rid, agent, pages, time.monotonic(), p.control.source_of(agent))) is not None:
+        elif (refused := p.early.add(rid, agent, pages, time.monotonic(), p.control.source_of(agent),
+                                     msg.verify)) is not None:
             if (unlogged := p.stats.refuse(refused.kind)) is not None:
                 log.warning("expect.refused", peer=agent, source=p.control.source_of(agent), kind=refused.kind,
                             error=refused.why, unlogged=unlogged)
@@ -162,6 +177,8 @@ class Inbound:
                     p.stats.stale_notifs += 1
                     continue
                 req.chunks_seen += 1
+                if n.landing is not None and req.verify and not self._landing_sum(req, n.landing):
+                    continue
                 if n.total:
                     req.total_chunks = n.total
                     if n.payload is not None and len(n.payload) > p.config.max_payload_bytes:
@@ -196,7 +213,62 @@ class Inbound:
         finally:
             p.settlement.settle_recv(rid, SCATTERING)
 
+    def _landing_sum(self, req: RecvRequest, s: LandingSum) -> bool:
+        """Keep a chunk's landing sum; False (the request failed) if it does not fit the request."""
+        assert req.pages is not None
+        if req.landing is None:
+            req.landing = Landing()
+        why = req.landing.add(s, int(req.pages.size), self._plane.memory.layers)
+        if why is not None:
+            self._plane.fail(req, FailureReason.INCOMPATIBLE, f"the sender's landing checksums do not fit: {why}")
+        return why is None
+
     def _arrived_now(self, req: RecvRequest, agent: str) -> None:
+        if req.verify:
+            self._plane.tg.start_soon(self._check_landing, req, agent)  # CPU work over every byte
+        else:
+            self._succeed(req, agent)
+
+    async def _check_landing(self, req: RecvRequest, agent: str) -> None:
+        """Succeed ``req`` only if its pages hold what the sender checksummed (``landing``);
+        the CRCs run on a worker thread."""
+        p = self._plane
+        assert req.pages is not None
+        kept = req.landing or Landing()
+        sums = kept.sums
+        if len(sums) != req.total_chunks:
+            p.stats.landings["unchecked"] += 1
+            log.warning("transfer.landing_unchecked", request_id=req.request_id, peer=agent,
+                        chunks=req.total_chunks, sums=len(sums))
+            p.fail(req, FailureReason.INCOMPATIBLE, (
+                f"landing checks were asked, but the sender does not check landings: {len(sums)} of "
+                f"{req.total_chunks} chunks carried a checksum (a sender of a version without them?)"))
+            return
+        if left := kept.uncovered(int(req.pages.size), p.memory.layers):
+            p.fail(req, FailureReason.INCOMPATIBLE,
+                   f"the sender's landing sums leave {left} (page, layer) cells of the request unchecked")
+            return
+        kv = p.control.peer_kv(agent)
+        back = kv.back if kv is not None else None
+        if back is None:  # its link is gone: its loss fails the request
+            return
+        bad = await anyio.to_thread.run_sync(landing.mismatches, back, req.pages, sums)
+        if req.result is not None:  # failed meanwhile (timeout, abort, the sender lost)
+            return
+        if not bad:
+            p.stats.landings["checked"] += 1
+            self._succeed(req, agent)
+            return
+        p.stats.landings["mismatched"] += 1
+        first, found = bad[0]
+        where = f"pages {first.pos}..{first.pos + first.pages - 1} of the request, layers {first.lo}..{first.hi - 1}"
+        log.error("transfer.landing_mismatch", request_id=req.request_id, peer=agent, chunks=len(bad),
+                  of=len(sums), first=where, expected=f"{first.crc:08x}", found=f"{found:08x}")
+        p.fail(req, FailureReason.CORRUPTED, (
+            f"landing check failed: {len(bad)} of {len(sums)} chunks differ from what the sender wrote "
+            f"(first: {where}, crc32c {found:08x}, sender's {first.crc:08x})"))
+
+    def _succeed(self, req: RecvRequest, agent: str) -> None:
         assert req.pages is not None
         kv = self._plane.control.peer_kv(agent)
         npages = int(req.pages.size)

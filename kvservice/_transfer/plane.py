@@ -30,6 +30,7 @@ from .._results import FailureReason, Overloaded, TransferResult, TransferStatus
 from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
+from . import landing
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
@@ -179,13 +180,13 @@ class RequestPlane:
         return req
 
     async def expect(self, request_id: str, sender: str, pages: PageIndex, timeout: float | None,
-                     unknown: BaseException | None) -> None:
+                     unknown: BaseException | None, verify: bool = False) -> None:
         """Register the receiving side of ``request_id`` and queue its Expect on the link
-        to ``sender`` (dialled first if needed); a failure ends the request."""
+        to ``sender`` (dialled first if needed); a failure ends it.  ``verify``: check its landing."""
         self._check_capacity()
         now = time.monotonic()
-        req = RecvRequest(request_id=request_id, created=now,
-                          deadline=now + (timeout or self.config.arrival_timeout_s), sender=sender, pages=pages)
+        req = RecvRequest(request_id=request_id, created=now, deadline=now + (timeout or self.config.arrival_timeout_s),
+                          sender=sender, pages=pages, verify=verify)
         self.recvs[request_id] = req
         self.deadlines.push(req)
         # From now on the sender's WRITEs need this side to poll NIXL: wake the
@@ -214,7 +215,7 @@ class RequestPlane:
         req.peer = link.agent
         req.started_at = time.monotonic()
         cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
-        link.send(Expect(request_id, pages.tolist(), cell))
+        link.send(Expect(request_id, pages.tolist(), cell, verify))
 
     def abort(self, request_id: str) -> TransferResult | None:
         """See ``TransferService.abort``."""
@@ -366,10 +367,11 @@ class RequestPlane:
             if ok is None:
                 unknown.append(agent)
                 continue
+            verify = self.early.verifies(rid, agent)
             pages = self.early.pop(rid, agent)
             assert pages is not None
             if ok:
-                self.bind(req, agent, pages)
+                self.bind(req, agent, pages, verify)
                 return
             self.refuse_receiver(req, agent)
         dropped = self.dropped.get(rid)
@@ -392,7 +394,10 @@ class RequestPlane:
         dropped[agent] = (why, self.control.proven_addresses(agent))
 
     # -- transitions -----------------------------------------------------------------------
-    def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32]) -> None:
+    def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32], verify: bool = False) -> None:
+        if verify and (why := landing.refusal(self.memory)) is not None:
+            self.fail(req, FailureReason.INCOMPATIBLE, f"the receiver asked for landing checks: {why}", peer=peer)
+            return
         if req.fit_tail and req.pages_queued > pages.size:
             fit_tail(req, int(pages.size))
         if req.pages_queued > pages.size or (req.last and req.pages_queued != pages.size):
@@ -407,6 +412,7 @@ class RequestPlane:
             self.fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer)
             return
         req.peer = peer
+        req.verify = verify
         req.peer_address = self.control.address_of(peer)
         req.link_generation = self.control.generation_of(peer)
         req.notif_key = self.control.notif_key_to(peer) or b""

@@ -19,6 +19,7 @@ from .._results import (
 )
 from ..memory._layout import PageIndex
 from ..memory._pairing import PeerKV
+from .landing import Landing
 
 
 class DoneEvent(Protocol):
@@ -144,6 +145,7 @@ class SendRequest(_Request):
     link_generation: int | None = None  # of the link to ``peer`` when it was bound
     notif_key: bytes = b""  # that link's key for our notifications' MACs
     bytes_done: int = 0
+    verify: bool = False  # its receiver asked for landing checks: each chunk's notification carries a sum
 
     @classmethod
     def ended(cls, result: TransferResult) -> SendRequest:
@@ -184,6 +186,8 @@ class RecvRequest(_Request):
     #: the sender's settle fence arrived before its failure did (the control link is slower)
     fenced: bool = False
     payload: bytes | None = None  # the sender's, from the last chunk's notification
+    verify: bool = False  # landing checks asked (``_transfer.landing``)
+    landing: Landing | None = None  # their sums, as the chunks' notifications bring them
 
     def due_at(self) -> float:
         return self.deadline

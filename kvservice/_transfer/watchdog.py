@@ -38,6 +38,7 @@ from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickP
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
+from . import landing
 from .proofs import Proofs
 from .requests import SendRequest
 from .staging import Stager
@@ -437,10 +438,12 @@ class Watchdog:
             req.started_at = self._clock()
         last = req.last and not req.pending
         total = req.chunks_posted if last else 0
-        return PostOp(
+        notif = ChunkNotif(req.request_id, number, total, req.payload if last else None)
+        op = PostOp(
             key=(req, int(src.size) * kv.out.layer_bytes(chunk.hi - chunk.lo)),
             peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
-            notif=encode_notif(ChunkNotif(req.request_id, number, total, req.payload if last else None),
-                               req.notif_key),
-            prepare=prepare,
+            notif=encode_notif(notif, req.notif_key), prepare=prepare,
         )
+        if req.verify:  # its sum is computed on the door thread, just before the WRITE
+            landing.seal(op, kv.out, notif, req.notif_key, src, chunk.pos, chunk.lo, chunk.hi)
+        return op

@@ -82,6 +82,9 @@ class Child:
         cmd = [sys.executable, "-m", module, role, json.dumps(config)]
         if path_first is not None:
             cmd = [sys.executable, "-c", _shadow_launch(path_first, module), role, json.dumps(config)]
+            # and the processes it starts (its service's vetting child) import that version too,
+            # not the one in the working directory (``python -m`` puts it first on the path)
+            env = {**(env or {}), "PYTHONPATH": str(path_first), "PYTHONSAFEPATH": "1"}
         self.name = f"{module.rsplit('.', 1)[-1]}:{role}"
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=child_stderr,

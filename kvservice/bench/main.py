@@ -55,6 +55,8 @@ from kvservice.bench.workloads import FULL, LLAMA3_8B, QUICK, Plan, all_cases
 
 KEY_ENV = "KVSERVICE_AUTH_KEY_FILE"
 TWO_HOST_PARTS = PARTS - {"kill"}
+#: ``--verify-landing``'s method: kvservice with ``verify_landing = true`` on both sides
+VERIFY = "kvservice/verify"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -76,6 +78,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--methods", metavar="LIST",
                    help="one host: measure only these methods (comma-separated, e.g. "
                         "kvservice/tcp,mooncake/tcp); memory and kill need kvservice")
+    p.add_argument("--verify-landing", action="store_true",
+                   help="one host: also measure kvservice with landing checks (verify_landing) and print "
+                        "its cost as a ratio to kvservice without them, from the same run")
     p.add_argument("--no-tcp", action="store_true",
                    help="one host: skip the same-transport comparison (Mooncake's Transfer Engine over TCP "
                         "against raw NIXL and kvservice with UCX_TLS=tcp)")
@@ -248,6 +253,9 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
                 methods.append(sidecar)
             else:
                 skipped[sidecar.name] = why_not
+            if args.verify_landing:  # the same processes' code, receivers checking every landing
+                methods.append(KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc, env=env,
+                                         service={"verify_landing": True}, name=VERIFY))
             if not args.no_tcp:
                 methods += _tcp_methods(args, plan, env, skipped)
             if args.methods:

@@ -38,6 +38,7 @@ RATIOS = (
     ("kvservice", "raw_nixl", "kv_over_raw"), ("sidecar", "raw_nixl", "sidecar_over_raw"),
     ("kvservice/tcp", "raw_nixl/tcp", "kv_over_raw_tcp"), ("kvservice/tcp", "mooncake/tcp", "kv_over_mooncake"),
     ("raw_nixl/tcp", "mooncake/tcp", "raw_over_mooncake"),
+    ("kvservice/verify", "kvservice", "verify_over_kv"),  # kvservice bench --verify-landing
 )
 
 

@@ -223,6 +223,8 @@ class PeerKV:
     gather_area: StagingArea | None = None  # ours, when sends to it gather
     #: requests it sends us may land in our staging (``_staging``: the receiver's scatter)
     scatter_in: Route | None = None
+    #: how requests it sends us move (its ``out`` for us): what a landing check walks
+    back: Pair | None = None
 
     @classmethod
     def of(cls, local: KVMemory, remote: KVMemory, staging: StagingArea | None = None,
@@ -231,12 +233,13 @@ class PeerKV:
         back = pair(remote, local)
         inbound = back.page_bytes if isinstance(back, Pair) else 0
         scatter_in = route(back, staging, gather=False) if isinstance(back, Pair) else None
+        inbound_pair = back if isinstance(back, Pair) else None
         if not isinstance(out, Pair):
-            return cls(remote, None, out, None, inbound, scatter_in=scatter_in)
+            return cls(remote, None, out, None, inbound, scatter_in=scatter_in, back=inbound_pair)
         gather = route(out, staging, gather=True)
         scatter = route(out, remote_staging, gather=False)
         return cls(remote, out, None, Indexer(out), inbound, gather, scatter, remote_staging,
-                   staging if gather is not None else None, scatter_in)
+                   staging if gather is not None else None, scatter_in, inbound_pair)
 
     def tables(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64] | None]:
         """The peer's descriptor table, and ours for this peer when it is not the plain one

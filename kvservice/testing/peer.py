@@ -8,7 +8,7 @@ and reads one command per line on stdin, writes one event per line on stdout::
     -> {"op": "send", "rid": "r1", "pages": [0, 1], "last": true}
                                                            <- {"event": "sent", ...}
                                                            <- {"event": "completed", "status": ...}
-    -> {"op": "expect", "rid": "r1", "pages": [5, 6], "sender": "host:port"}
+    -> {"op": "expect", "rid": "r1", "pages": [5, 6], "sender": "host:port", "verify": true}
                                                            <- {"event": "expecting", ...}
                                                            <- {"event": "arrived", "verified": true, ...}
     -> {"op": "verify", "rid": "r1", "pages": [5, 6]}        <- {"event": "verified", "ok": true, ...}
@@ -132,7 +132,9 @@ async def _child(config_json: str) -> None:
                     if cmd.get("last", True):
                         tg.start_soon(wait_sent, handle, cmd.get("timeout"))
                 elif op == "expect":
-                    await svc.expect(rid, cmd["pages"], sender=cmd["sender"], timeout=cmd.get("timeout"))
+                    # "verify": landing checks (absent: the service's setting)
+                    checks = {"verify": cmd["verify"]} if cmd.get("verify") is not None else {}
+                    await svc.expect(rid, cmd["pages"], sender=cmd["sender"], timeout=cmd.get("timeout"), **checks)
                     await emit({"event": "expecting", **base})
                     tg.start_soon(wait_arrival, rid, cmd["pages"], cmd.get("wait_timeout"))
                 elif op == "abort":

@@ -1,5 +1,6 @@
-"""The Kubernetes manifest in docs/k8s passes a schema check (kubernetes-validate, the
-schemas of a current Kubernetes release, offline) and sets only keys kvservice knows."""
+"""The Kubernetes manifests in docs/k8s pass a schema check (kubernetes-validate, the
+schemas of a current Kubernetes release, offline); the sidecar's sets only keys kvservice
+knows, and etcd and its clients authenticate with certificates."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 
 from kvservice.sidecar.settings import from_mapping
 
-MANIFEST = Path(__file__).resolve().parents[2] / "docs" / "k8s" / "decode-with-sidecar.yaml"
+MANIFESTS = Path(__file__).resolve().parents[2] / "docs" / "k8s"
+MANIFEST = MANIFESTS / "decode-with-sidecar.yaml"
+ETCD = MANIFESTS / "etcd.yaml"
 KUBERNETES = "1.33.0"
 
 
@@ -22,8 +25,8 @@ def test_manifest_passes_the_schema_check() -> None:
         if os.environ.get("CI"):
             pytest.fail("kubernetes-validate is not installed (it is in the test extra)")
         pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
-    docs = list(yaml.safe_load_all(MANIFEST.read_text()))
-    assert docs
+    docs = [doc for path in (MANIFEST, ETCD) for doc in yaml.safe_load_all(path.read_text())]
+    assert len(docs) == 3
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES, strict=True)
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -41,6 +44,29 @@ def test_the_sidecars_environment_is_a_valid_config(tmp_path: Path) -> None:
     env = {e["name"]: e.get("value", "pod-0" if "NAME" in e["name"] else "10.0.0.7") for e in sidecar["env"]}
     env["KVSERVICE_AUTH_KEY_FILE"] = str(key)
     env["KVSERVICE_SIDECAR_SOCKET_PATH"] = str(tmp_path / "kv.sock")
+    for var in (f"KVSERVICE_SERVICE_ETCD_{f}_FILE" for f in ("CA", "CERT", "KEY")):
+        env[var] = str(tmp_path / Path(env[var]).name)  # where the secret is mounted
+        Path(env[var]).write_text("PEM")
     cfg = from_mapping({}, env)
+    assert all(e.startswith("https://") for e in cfg.service.etcd_endpoints)
+    assert cfg.service.etcd_ca_file and cfg.service.etcd_cert_file and cfg.service.etcd_key_file
     assert (cfg.service.discovery, cfg.service.cluster, cfg.service.discovery_name) == ("etcd", "prod", "pod-0")
     assert len(cfg.service.etcd_endpoints) == 3 and cfg.service.advertise_host == "10.0.0.7"
+
+
+def test_etcd_admits_only_clients_with_a_certificate() -> None:
+    """The etcd the sidecars use refuses clients (and members) without a certificate its CA
+    signed, and speaks only TLS; the sidecar's endpoints point at those names."""
+    yaml = pytest.importorskip("yaml")
+    service, statefulset = yaml.safe_load_all(ETCD.read_text())
+    args = statefulset["spec"]["template"]["spec"]["containers"][0]["command"]
+    flags = dict(a.split("=", 1) for a in args if a.startswith("--"))
+    assert flags["--client-cert-auth"] == "true" and flags["--peer-client-cert-auth"] == "true"
+    assert flags["--trusted-ca-file"] and flags["--peer-trusted-ca-file"]
+    for key in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls", "--initial-cluster"):
+        assert "http://" not in flags[key] and "https://" in flags[key], key
+    sidecar = next(c for c in yaml.safe_load(MANIFEST.read_text())["spec"]["template"]["spec"]["containers"]
+                   if c["name"] == "kvservice")
+    endpoints = next(e["value"] for e in sidecar["env"] if e["name"] == "KVSERVICE_ETCD_ENDPOINTS")
+    members = [f"https://etcd-{i}.{service['metadata']['name']}:2379" for i in range(statefulset["spec"]["replicas"])]
+    assert endpoints.split(",") == members

@@ -288,6 +288,7 @@ KVSERVICE_FAMILIES = {
     "kvservice_unsettled_pages": ("gauge", set()),
     "kvservice_event_loop_lag_seconds": ("gauge", {"quantile"}),
     "kvservice_stale_notifications": ("counter", set()),
+    "kvservice_landing_checks": ("counter", {"result"}),
     "kvservice_sidecar_workers_connected": ("gauge", set()),
     "kvservice_sidecar_connections": ("counter", set()),
     "kvservice_sidecar_connections_refused": ("counter", set()),

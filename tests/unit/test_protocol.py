@@ -25,6 +25,7 @@ from kvservice._control.protocol import (
     FrameError,
     Hello,
     Join,
+    LandingSum,
     MemoryWire,
     Message,
     Ping,
@@ -40,6 +41,7 @@ from kvservice._control.protocol import (
     negotiate,
 )
 from kvservice._results import ProtocolError
+from kvservice._trust.handshake import NOTIF_MAC_BYTES, notif_mac
 
 MESSAGES: list[Message] = [
     Hello(version=PROTOCOL_VERSION, agent="kv-a", address="127.0.0.1:5000", nonce=b"n" * 32, proof=b"p" * 32),
@@ -49,6 +51,7 @@ MESSAGES: list[Message] = [
         RegionWire(2**64 - 4096, 4096, 0, "v", "bfloat16", 16, 2, 64, "HND", 0)])),
     Reject("no", "auth"),
     Expect("r1", [0, 5, 63]),
+    Expect("r1", [0, 5, 63], verify=True),
     Abort("r1", "ABORTED", "bye"),
     Failed("r1", "TIMEOUT", "late"),
     Ping(),
@@ -126,6 +129,50 @@ def test_notif_round_trip() -> None:
     assert raw.startswith(NOTIF_MAGIC)
     assert decode_notif(raw, [KEY]) == n
     assert decode_notif(raw, [OTHER, KEY]) == n  # any of the sender's recent links' keys
+
+
+class _ExpectV5(msgspec.Struct, tag="expect", frozen=True):
+    """``Expect`` as a version without landing checks declares it."""
+
+    request_id: str
+    pages: list[int]
+    staging: int = -1
+
+
+class _ChunkNotifV5(msgspec.Struct, array_like=True, frozen=True):
+    """``ChunkNotif`` as a version without landing checks declares it."""
+
+    request_id: str
+    chunk: int
+    total: int
+    payload: bytes | None = None
+
+
+def test_an_older_peer_ignores_the_landing_ask_and_sum() -> None:
+    """A sender without landing checks decodes a new receiver's Expect (the unknown
+    ``verify`` key ignored) and a new sender's notification (the trailing sum ignored)."""
+    old_expect = msgspec.msgpack.Decoder(_ExpectV5 | Ping)
+    assert old_expect.decode(encode_frame(Expect("r1", [3, 4], 7, verify=True))[HEADER_BYTES:]) == \
+        _ExpectV5("r1", [3, 4], 7)
+    raw = encode_notif(ChunkNotif("r1", 2, 3, b"p", LandingSum(0xDEADBEEF, 4, 2, 0, 1)), KEY)
+    body = raw[len(NOTIF_MAGIC):-NOTIF_MAC_BYTES]
+    assert msgspec.msgpack.Decoder(_ChunkNotifV5).decode(body) == _ChunkNotifV5("r1", 2, 3, b"p")
+
+
+def test_a_newer_peer_reads_an_older_ones_expect_and_notif() -> None:
+    """And the other way: no ``verify`` is False, no sum is None (which a receiver that
+    asked for checks fails ``INCOMPATIBLE``: tests/integration/test_landing.py)."""
+    old = msgspec.msgpack.encode(_ExpectV5("r1", [3], -1))
+    assert decode_body(old) == Expect("r1", [3], -1, verify=False)
+    raw = NOTIF_MAGIC + msgspec.msgpack.encode(_ChunkNotifV5("r1", 0, 1))
+    n = decode_notif(raw + notif_mac(KEY, raw[len(NOTIF_MAGIC):]), [KEY])
+    assert n == ChunkNotif("r1", 0, 1) and n.landing is None
+
+
+@pytest.mark.parametrize("landing", [[2**32, 0, 1, 0, 1], [1, -1, 1, 0, 1], [1, 0, 0, 0, 1], [1, 0, 1, 0]])
+def test_a_landing_sum_out_of_range_is_refused(landing: list[int]) -> None:
+    raw = NOTIF_MAGIC + msgspec.msgpack.encode(["r1", 0, 1, None, landing])
+    assert decode_notif(raw + notif_mac(KEY, raw[len(NOTIF_MAGIC):]), [KEY]) is FORGED
 
 
 @pytest.mark.parametrize(

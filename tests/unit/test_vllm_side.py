@@ -13,18 +13,33 @@ from typing import Any
 import pytest
 import torch
 
+from kvservice._trust.handoff import handoff_key
 from kvservice.integrations.vllm.memory import kv_memory
-from kvservice.integrations.vllm.params import Handoff, HandoffError, decode_tp_size, handoff_from
+from kvservice.integrations.vllm.params import Handoff, HandoffError, decode_tp_size, handoff_from, prompt_digest
 from kvservice.integrations.vllm.scheduler import SchedulerSide
 
-GOOD = {"request": "p0-1", "senders": ["127.0.0.1:7100"], "num_tokens": 70, "block_size": 32}
+KEY = handoff_key(b"k" * 32)
+NOW = 1_800_000_000.0
+PROMPT = list(range(70))
+GOOD = {"request": "p0-1", "senders": ["127.0.0.1:7100"], "num_tokens": 70, "block_size": 32,
+        "expires": int(NOW) + 30, "prompt": prompt_digest(PROMPT, 70)}
+
+
+def make(rid: str, senders: tuple[str, ...], num_tokens: int, block_size: int, *, key: bytes | None = KEY,
+         tokens: list[int] | None = None) -> Handoff:
+    """A hand-off as a prefill issues it at ``NOW`` for ``tokens`` (``PROMPT``)."""
+    return Handoff.issue(rid, senders, PROMPT if tokens is None else tokens, num_tokens, block_size, key=key,
+                         lifetime_s=30, now=NOW)
 
 
 def test_a_handoff_round_trips() -> None:
-    h = Handoff("p0-1", ("10.0.0.5:7100", "10.0.0.5:7101"), 70, 32)
-    assert handoff_from(h.to_params()) == h and h.num_blocks == 3
+    h = make("p0-1", ("10.0.0.5:7100", "10.0.0.5:7101"), 70, 32)
+    assert handoff_from(h.to_params()) == h and h.num_blocks == 3 and h.mac and h.expires == NOW + 30
     assert handoff_from(None) is None and handoff_from({"do_remote_decode": True}) is None
     assert handoff_from({"do_remote_prefill": False, "kvservice": GOOD}) is None  # taken already
+    unsigned = make("p0-1", ("10.0.0.5:7100",), 70, 32, key=None)
+    assert not unsigned.mac and "mac" not in unsigned.to_params()["kvservice"]
+    assert handoff_from(unsigned.to_params()) == unsigned
 
 
 @pytest.mark.parametrize(("raw", "why"), [
@@ -36,15 +51,35 @@ def test_a_handoff_round_trips() -> None:
     ({**GOOD, "senders": ["127.0.0.1:7100"] * 257}, "senders"),
     ({**GOOD, "senders": ["nohost"]}, "senders"),
     ({**GOOD, "senders": ["127.0.0.1:99999"]}, "senders"),
+    ({**GOOD, "senders": [7100]}, "senders"),
     ({**GOOD, "num_tokens": 0}, "num_tokens"),
     ({**GOOD, "num_tokens": True}, "num_tokens"),
     ({**GOOD, "num_tokens": 1 << 40}, "num_tokens"),
     ({**GOOD, "block_size": "32"}, "block_size"),
+    ({**GOOD, "expires": -1}, "expires"),
+    ({**GOOD, "expires": 1.5e9}, "expires"),
+    ({k: v for k, v in GOOD.items() if k != "expires"}, "expires"),
+    ({**GOOD, "prompt": "ab"}, "prompt"),
+    ({**GOOD, "prompt": GOOD["prompt"].upper()}, "prompt"),
+    ({**GOOD, "mac": ""}, "mac"),
+    ({**GOOD, "mac": "0" * 63}, "mac"),
+    ({**GOOD, "mac": "x" * 10_000}, "mac"),
+    ({**GOOD, "mac": ["0" * 64]}, "mac"),
     ({**GOOD, "more": 1}, "unknown keys"),
 ])
 def test_a_malformed_handoff_is_refused_naming_the_field(raw: Any, why: str) -> None:
-    with pytest.raises(HandoffError, match=why):
+    with pytest.raises(HandoffError, match=why) as caught:
         handoff_from({"do_remote_prefill": True, "kvservice": raw})
+    assert caught.value.kind == "handoff_invalid"
+
+
+@pytest.mark.parametrize("params", ["junk", ["do_remote_prefill"], 7])
+def test_kv_transfer_params_that_are_not_an_object_are_refused(params: Any) -> None:
+    # vLLM takes kv_transfer_params from a request's ``vllm_xargs`` too, where a client can
+    # make it a string or a list
+    with pytest.raises(HandoffError, match="kv_transfer_params: expected an object"):
+        handoff_from(params)
+    assert decode_tp_size(params, 2) == 2
 
 
 def test_decode_tp_size() -> None:
@@ -110,17 +145,22 @@ class Req:
     status: Status = Status.FINISHED_LENGTH_CAPPED
 
 
+def side(*, producer: bool = False, key: bytes | None = KEY, now: float = NOW) -> SchedulerSide:
+    return SchedulerSide(block_size=32, producer=producer, consumer=not producer,
+                         senders=("127.0.0.1:7100",) if producer else (), key=key, clock=lambda: now)
+
+
 def test_the_scheduler_side_hands_off_loads_and_frees_once() -> None:
-    p = SchedulerSide(block_size=32, producer=True, consumer=False, senders=("127.0.0.1:7100",))
+    p = side(producer=True)
     prefill = Req("p0", {"do_remote_decode": True}, num_computed_tokens=70)
     delay, params = p.request_finished(prefill, [4, 5, 6, 7])
-    assert delay and params == Handoff("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    assert delay and params == make("p0", ("127.0.0.1:7100",), 70, 32).to_params()
     (send,) = p.build().sends
     assert send.blocks == (4, 5, 6) and p.has_pending_push_work()
     p.reported(["p0", "p0"], None)
     assert not p.has_pending_push_work() and p.counts == {"handoffs": 1, "handoffs_freed": 1}
 
-    d = SchedulerSide(block_size=32, producer=False, consumer=True, senders=())
+    d = side(now=NOW + 29)
     decode = Req("d0", dict(params))
     assert d.get_num_new_matched_tokens(decode, 0) == (70, True)
     d.update_state_after_alloc(decode, [9, 10, 11], 70)
@@ -135,23 +175,69 @@ def test_the_scheduler_side_hands_off_loads_and_frees_once() -> None:
 
 
 def test_the_scheduler_side_refuses_what_it_cannot_load() -> None:
-    d = SchedulerSide(block_size=32, producer=False, consumer=True, senders=())
-    params = Handoff("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    d = side()
+    params = make("p0", ("127.0.0.1:7100",), 70, 32).to_params()
     assert d.get_num_new_matched_tokens(Req("a", dict(params)), 20) == (0, False)  # not whole blocks
     assert d.get_num_new_matched_tokens(Req("f", dict(params)), 96) == (0, False)  # all cached here: not counted
     assert d.get_num_new_matched_tokens(Req("b", dict(params), prompt_token_ids=[1] * 40), 0) == (0, False)
-    other = Handoff("p0", ("127.0.0.1:7100",), 70, 16).to_params()
+    other = make("p1", ("127.0.0.1:7100",), 70, 16).to_params()
     assert d.get_num_new_matched_tokens(Req("c", other), 0) == (0, False)
     assert d.get_num_new_matched_tokens(Req("e", {"do_remote_prefill": True, "kvservice": 1}), 0) == (0, False)
     assert d.counts == {"handoff_unusable": 3, "handoff_invalid": 1}
-    p = SchedulerSide(block_size=32, producer=True, consumer=False, senders=("127.0.0.1:7100",))
+    p = side(producer=True)
     assert p.request_finished(Req("p", {"do_remote_decode": True}, status=Status.FINISHED_ABORTED), [1]) == \
         (False, None)
     assert p.request_finished(Req("q", {"do_remote_decode": True, "decode_tp_size": 0},
                                   num_computed_tokens=70), [1, 2, 3]) == (False, None)
-    assert p.counts == {"handoffs_skipped": 1, "handoff_refused": 1}
+    assert p.request_finished(Req("r" * 257, {"do_remote_decode": True}, num_computed_tokens=70), [1, 2, 3]) == \
+        (False, None)  # an id no hand-off can carry: refused, nothing held
+    assert p.counts == {"handoffs_skipped": 1, "handoff_refused": 2} and not p.has_pending_push_work()
     with pytest.raises(ValueError, match="one kvservice address per TP rank"):
-        SchedulerSide(block_size=32, producer=True, consumer=False, senders=(), tp_size=2)
+        SchedulerSide(block_size=32, producer=True, consumer=False, senders=(), key=KEY, tp_size=2)
+
+
+def test_the_decode_refuses_an_unproved_or_replayed_handoff_before_it_reserves_anything() -> None:
+    d = side(now=NOW + 1)
+    good = make("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    altered = make("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    altered["kvservice"]["senders"] = ["10.6.6.6:7100"]
+    hostile = {
+        "handoff_unsigned": make("p1", ("127.0.0.1:7100",), 70, 32, key=None).to_params(),
+        "handoff_forged": make("p2", ("127.0.0.1:7100",), 70, 32, key=handoff_key(b"x" * 32)).to_params(),
+        "handoff_expired": Handoff.issue("p3", ("127.0.0.1:7100",), PROMPT, 70, 32, key=KEY, lifetime_s=30,
+                                         now=NOW - 60).to_params(),
+    }
+    for kind, params in [*hostile.items(), ("handoff_forged", altered)]:
+        assert d.get_num_new_matched_tokens(Req(kind, params), 0) == (0, False), kind
+    assert d.counts == {"handoff_unsigned": 1, "handoff_forged": 2, "handoff_expired": 1}
+    assert d.build().recvs == []
+    # the genuine one loads; presented again, by another request, it is refused
+    first = Req("d0", dict(good))
+    assert d.get_num_new_matched_tokens(first, 0) == (70, True)
+    assert d.get_num_new_matched_tokens(first, 0) == (70, True)  # the same request, matched again (no blocks yet)
+    assert d.get_num_new_matched_tokens(Req("d1", dict(good)), 0) == (0, False)
+    assert d.counts["handoff_replayed"] == 1
+    d.update_state_after_alloc(first, [1, 2, 3], 70)
+    assert [r.req_id for r in d.build().recvs] == ["d0"]
+    # a decode without a key takes an unsigned hand-off as given (it proves nothing)
+    unkeyed = side(key=None)
+    assert unkeyed.get_num_new_matched_tokens(Req("u", hostile["handoff_unsigned"]), 0) == (70, True)
+
+
+def test_the_decode_forgets_expired_handoffs_and_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvservice.integrations.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_REMEMBERED", 8)
+    now = [NOW]
+    d = SchedulerSide(block_size=32, producer=False, consumer=True, senders=(), key=KEY, clock=lambda: now[0])
+    for i in range(20):
+        params = make(f"p{i}", ("127.0.0.1:7100",), 70, 32).to_params()
+        assert d.get_num_new_matched_tokens(Req(f"d{i}", params), 0) == (70, True)
+    assert len(d._seen) <= 8
+    now[0] = NOW + 60  # all expired: the next one sweeps them
+    late = Handoff.issue("q", ("127.0.0.1:7100",), PROMPT, 70, 32, key=KEY, lifetime_s=30, now=now[0])
+    assert d.get_num_new_matched_tokens(Req("e", late.to_params()), 0) == (70, True)
+    assert list(d._seen) == [late.mac]
 
 
 # -- the worker side's bookkeeping, over a scripted engine ------------------------------------
@@ -229,7 +315,7 @@ def test_the_worker_routes_tp_ranks_and_reports_a_failed_load_only_once_settled(
     assert p.finished(set()) == ({"r"}, set(), set()) and p.counts == {"sends_ok": 1}
 
     d, de = worker(1, 0)
-    handoff = Handoff("r", ("10.0.0.5:7100", "10.0.0.5:7101"), 40, 32)
+    handoff = make("r", ("10.0.0.5:7100", "10.0.0.5:7101"), 40, 32)
     d.start(Work(recvs=[RecvSpec("d", handoff, (5, 6))]))
     a, b = de.made["r@tp0.0"], de.made["r@tp1.0"]
     assert (a.peer, b.peer) == ("10.0.0.5:7100", "10.0.0.5:7101") and a.calls == b.calls == ["init [5, 6]"]
@@ -246,9 +332,9 @@ def test_the_worker_refuses_a_load_whose_blocks_do_not_match_and_aborts_a_finish
     from kvservice.integrations.vllm.scheduler import RecvSpec, Work
 
     d, de = worker(1, 0)
-    d.start(Work(recvs=[RecvSpec("short", Handoff("r", ("10.0.0.5:7100",), 70, 32), (5, 6))]))
+    d.start(Work(recvs=[RecvSpec("short", make("r", ("10.0.0.5:7100",), 70, 32), (5, 6))]))
     assert de.made == {} and d.finished(set()) == (set(), {"short"}, {"short"})
-    d.start(Work(recvs=[RecvSpec("gone", Handoff("s", ("10.0.0.5:7100",), 40, 32), (7, 8))]))
+    d.start(Work(recvs=[RecvSpec("gone", make("s", ("10.0.0.5:7100",), 40, 32), (7, 8))]))
     d.finished({"gone"})  # vLLM finished it (aborted): the load is aborted at once
     assert de.made["s@tp0.0"].calls[-1] == "abort"
     de.made["s@tp0.0"].settled = True

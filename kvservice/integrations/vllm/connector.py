@@ -15,6 +15,12 @@ Loaded by module path, nothing patched in vLLM::
   may leave it 0.
 * ``decode_tp_size``: the decodes' TP size a producer sends to (default: its own); a
   prefill request may name its own in ``kv_transfer_params``.
+* ``handoff_skew_s``: how far apart the prefills' and decodes' clocks may be, in seconds
+  (default ``params.DEFAULT_SKEW_S``): a decode takes a hand-off until its expiry plus this.
+
+The scheduler signs (a producer) and checks (a consumer) hand-offs under a key derived from
+the service's key (``ServiceConfig.resolve_key``: ``auth_key_file``, or this user's key on
+loopback); with ``allow_unauthenticated`` there is none, and hand-offs prove nothing.
 
 vLLM runs one connector object per role: the scheduler's (``scheduler.SchedulerSide``)
 and one per worker (``worker.WorkerSide``); they talk only through the metadata vLLM
@@ -29,7 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..._config import ServiceConfig
 from ..._control.addresses import join_address
+from ..._log import get_logger
 from ..._results import ConfigError
+from ..._trust.handoff import handoff_key
+from .params import DEFAULT_SKEW_S, MAX_LIFETIME_S
 from .scheduler import RecvSpec, SchedulerSide, SendSpec, Work
 from .worker import WorkerSide
 
@@ -40,6 +49,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
+
+log = get_logger("kvservice.vllm")
 
 
 @dataclass
@@ -54,6 +65,7 @@ class KVServiceMetadata(KVConnectorMetadata):
 class Settings:
     service: ServiceConfig
     decode_tp_size: int | None
+    handoff_skew_s: float = DEFAULT_SKEW_S
 
 
 def settings_from(extra: Mapping[str, Any] | None) -> Settings:
@@ -64,14 +76,17 @@ def settings_from(extra: Mapping[str, Any] | None) -> Settings:
     extra = dict(extra or {})
     table = extra.pop("kvservice", {})
     decode_tp = extra.pop("decode_tp_size", None)
+    skew = extra.pop("handoff_skew_s", DEFAULT_SKEW_S)
     if extra:
         raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(extra)}; "
-                          "allowed: kvservice, decode_tp_size")
+                          "allowed: kvservice, decode_tp_size, handoff_skew_s")
     if not isinstance(table, Mapping):
         raise ConfigError(f"kv_connector_extra_config.kvservice: expected an object, got {table!r}")
     if decode_tp is not None and (isinstance(decode_tp, bool) or not isinstance(decode_tp, int) or decode_tp < 1):
         raise ConfigError(f"kv_connector_extra_config.decode_tp_size: a positive int, got {decode_tp!r}")
-    return Settings(from_mapping({"service": dict(table)}).service, decode_tp)
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew <= 3600:
+        raise ConfigError(f"kv_connector_extra_config.handoff_skew_s: seconds in 0..3600, got {skew!r}")
+    return Settings(from_mapping({"service": dict(table)}).service, decode_tp, float(skew))
 
 
 class KVServiceConnector(KVConnectorBase_V1):
@@ -91,10 +106,15 @@ class KVServiceConnector(KVConnectorBase_V1):
                 raise ConfigError("kv_connector_extra_config.kvservice.port: a producer needs a fixed port "
                                   "(its hand-offs name it; TP rank r listens on port + r)")
             host = service.advertise_host or service.host
+            key = handoff_key(service.resolve_key().key)
+            if key is None:
+                log.warning("vllm.handoff_unauthenticated", why="allow_unauthenticated: no key",
+                            then="hand-offs are issued unsigned and taken as given (they prove nothing)")
             self._scheduler = SchedulerSide(
                 block_size=vllm_config.cache_config.block_size, producer=producer, consumer=consumer,
                 senders=tuple(join_address(host, service.port + r) for r in range(tp_size)) if producer else (),
-                tp_size=tp_size, decode_tp=settings.decode_tp_size)
+                key=key, tp_size=tp_size, decode_tp=settings.decode_tp_size,
+                lifetime_s=min(service.bootstrap_timeout_s, MAX_LIFETIME_S), skew_s=settings.handoff_skew_s)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -104,6 +124,9 @@ class KVServiceConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(service, tp_size=tp_size, tp_rank=rank)
 
     # -- scheduler side -------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self._sched.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 

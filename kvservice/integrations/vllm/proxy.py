@@ -9,6 +9,12 @@ not), ``GET /health``.  Several ``--prefill`` / ``--decode`` are taken in turn. 
 prefill fails, or answers without a hand-off, the decode prefills the request itself:
 the client gets its answer either way, and the proxy counts which way it went
 (``GET /stats``).  It runs where vLLM is installed (it uses vLLM's ``aiohttp``).
+
+Hand-offs come from the prefill only: whatever ``kv_transfer_params`` a client puts in its
+body (at the top, or in ``vllm_xargs``, which vLLM reads the same way) is removed before the
+request goes anywhere (counted ``client_params_dropped``), and the decode gets the prefill's
+answer or no hand-off at all.  The decode still checks what it gets (the hand-off's MAC,
+docs/vllm.md "Trust"): the proxy is not what makes a hand-off trustworthy.
 """
 
 from __future__ import annotations
@@ -50,11 +56,25 @@ class Router:
             return web.json_response({"error": "the body is not JSON"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object"}, status=400)
+        body = self._without_client_params(body)
         params = await self._prefill(request.path, body)
         decode = dict(body)
         if params is not None:
             decode["kv_transfer_params"] = params
         return await self._forward(request, f"{next(self._decodes)}{request.path}", decode)
+
+    def _without_client_params(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` without the ``kv_transfer_params`` a client may have put in it: a
+        hand-off (or a request for one) is the proxy's and the prefill's to make."""
+        xargs = body.get("vllm_xargs")
+        smuggled = isinstance(xargs, dict) and "kv_transfer_params" in xargs
+        if "kv_transfer_params" not in body and not smuggled:
+            return body
+        self.counts["client_params_dropped"] += 1
+        clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if isinstance(xargs, dict) and smuggled:
+            clean["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
+        return clean
 
     async def _prefill(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """The prefill's hand-off, or None (the decode then prefills by itself)."""

@@ -14,23 +14,35 @@ Nothing here imports vLLM: requests and block lists are read by the attributes v
 own objects have (``request_id``, ``kv_transfer_params``, ``prompt_token_ids``,
 ``num_computed_tokens``, ``status``), so the state machine is tested both alone and
 under vLLM's real ``Scheduler``.
+
+Trust: a prefill signs each hand-off it issues (``params.Handoff.issue``, under the
+hand-off key derived from the cluster's key) with an expiry ``lifetime_s`` away (its
+``bootstrap_timeout_s``: the send waits no longer).  A decode acts on a hand-off only once
+``params.Handoff.check`` proved it (MAC, expiry, prompt) and no other request presented it:
+before that nothing is reserved and nobody is dialled.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from ..._log import Throttle, get_logger
-from .params import Handoff, HandoffError, decode_tp_size, handoff_from, wants_remote_decode
+from .params import DEFAULT_SKEW_S, Handoff, HandoffError, decode_tp_size, handoff_from, wants_remote_decode
 
 log = get_logger("kvservice.vllm")
 
 #: a prefill request that ended this way computed its prompt's KV; any other end (aborted,
 #: errored) hands nothing off
 _HANDS_OFF = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+#: signed hand-offs a decode remembers (MAC -> the request that presented it, until it
+#: expires); past this bound the oldest is forgotten (its replay is then refused only by
+#: the prefill, which binds one expect per request)
+MAX_REMEMBERED = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,28 +77,54 @@ class SchedulerSide:
     """The scheduler-side state; ``connector.KVServiceConnector`` delegates to it."""
 
     def __init__(self, *, block_size: int, producer: bool, consumer: bool, senders: tuple[str, ...],
-                 tp_size: int = 1, decode_tp: int | None = None) -> None:
+                 key: bytes | None, tp_size: int = 1, decode_tp: int | None = None, lifetime_s: float = 30.0,
+                 skew_s: float = DEFAULT_SKEW_S, clock: Callable[[], float] = time.time) -> None:
         """``senders``: this engine's kvservice control addresses, one per TP rank (what a
-        hand-off names; needed by a producer).  ``decode_tp``: the decodes' TP size when a
-        request does not name it (default: ``tp_size``)."""
+        hand-off names; needed by a producer).  ``key``: the hand-off key
+        (``_trust.handoff.handoff_key`` of the cluster's key; None: hand-offs are issued
+        unsigned and taken unproved).  ``decode_tp``: the decodes' TP size when a request
+        does not name it (default: ``tp_size``).  ``lifetime_s``: how long a hand-off this
+        prefill issues is valid; ``skew_s``: how far apart the engines' clocks (``clock``,
+        Unix time) may be."""
         if producer and len(senders) != tp_size:
             raise ValueError(f"a producer names one kvservice address per TP rank ({tp_size}), got {senders!r}")
+        if not 0 < lifetime_s <= 3600 or not 0 <= skew_s <= 3600:
+            raise ValueError(f"lifetime_s in (0, 3600] and skew_s in [0, 3600], got {lifetime_s}, {skew_s}")
         self.block_size = block_size
         self.producer, self.consumer = producer, consumer
         self.senders = senders
         self.tp_size = tp_size
         self.decode_tp = decode_tp or tp_size
+        self.lifetime_s, self.skew_s = lifetime_s, skew_s
+        self._key = key
+        self._clock = clock
         self._work = Work()
         self._held: dict[str, int] = {}  # prefill: request -> blocks held for its decode
         self._loading: dict[str, Handoff] = {}  # decode: request -> its hand-off, until reported
-        self._cached: dict[str, int] = {}  # decode: request -> blocks its own prefix cache holds
+        # decode: request -> its proved hand-off and the blocks its own prefix cache holds, from
+        # the match to the allocation
+        self._matched: dict[str, tuple[Handoff, int]] = {}
+        self._seen: dict[str, tuple[str, int]] = {}  # decode: MAC -> (request, expires); MAX_REMEMBERED
         self.counts: Counter[str] = Counter()
         self._throttle = Throttle()
 
+    # -- a new request -------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """Drop ``kv_transfer_params`` that are not an object (a client can send any JSON
+        value in ``vllm_xargs``, and vLLM's scheduler calls ``.get`` on them next)."""
+        params = request.kv_transfer_params
+        if params is not None and not isinstance(params, Mapping):
+            request.kv_transfer_params = None
+            self._refuse("handoff_invalid", request, f"kv_transfer_params: expected an object, got "
+                                                     f"{type(params).__name__}")
+
     # -- decode: matching and allocation ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        if rid in self._loading:
+            return 0, False
         handoff = self._handoff(request)
-        if handoff is None or request.request_id in self._loading:
+        if handoff is None:
             return 0, False
         why = None
         if handoff.block_size != self.block_size:
@@ -102,7 +140,9 @@ class SchedulerSide:
             return 0, False  # all cached here (the prefill frees its copy after bootstrap_timeout_s)
         # the decode's own prefix cache holds the first blocks: load the rest (the prefill
         # sends the last blocks, as many as the decode expects)
-        self._cached[request.request_id] = num_computed_tokens // self.block_size
+        self._matched[rid] = (handoff, num_computed_tokens // self.block_size)
+        if handoff.mac:
+            self._remember(handoff, rid)
         return handoff.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -110,10 +150,10 @@ class SchedulerSide:
         supplied first."""
         if num_external_tokens <= 0 or request.request_id in self._loading:
             return
-        handoff = self._handoff(request)
-        if handoff is None:
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None:
             return
-        cached = self._cached.pop(request.request_id, 0)
+        handoff, cached = matched
         blocks = tuple(block_ids[cached: handoff.num_blocks])
         # fewer blocks than the hand-off: the worker fails the load at once (reported, recomputed)
         self._loading[request.request_id] = handoff
@@ -126,6 +166,7 @@ class SchedulerSide:
     # -- both: a finished request ---------------------------------------------------------
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._matched.pop(rid, None)
         if rid in self._loading:
             # finished (aborted) while its KV was on the way: the worker aborts the load and
             # reports it once nothing can land; vLLM frees the blocks then
@@ -141,13 +182,16 @@ class SchedulerSide:
             return False, None
         try:
             decode_tp = decode_tp_size(params, self.decode_tp)
+            # raises for what a hand-off cannot carry (a request id past 256 characters)
+            handoff = Handoff.issue(rid, self.senders, request.prompt_token_ids, request.num_computed_tokens,
+                                    self.block_size, key=self._key, lifetime_s=self.lifetime_s, now=self._clock())
         except HandoffError as exc:
             self._refuse("handoff_refused", request, str(exc))
             return False, None
         self._held[rid] = len(blocks)
         self._work.sends.append(SendSpec(rid, blocks, decode_tp))
         self.counts["handoffs"] += 1
-        return True, Handoff(rid, self.senders, request.num_computed_tokens, self.block_size).to_params()
+        return True, handoff.to_params()
 
     # -- the step's work, and what the workers reported -----------------------------------
     def build(self, make: Callable[[Work], Any] = lambda w: w) -> Any:
@@ -173,13 +217,32 @@ class SchedulerSide:
 
     # -------------------------------------------------------------------------------------
     def _handoff(self, request: Any) -> Handoff | None:
+        """The request's hand-off once proved (``Handoff.check``) and presented by no other
+        request; None (the request prefills locally) otherwise, the refusal counted."""
         if not self.consumer:
             return None
         try:
-            return handoff_from(request.kv_transfer_params)
+            handoff = handoff_from(request.kv_transfer_params)
+            if handoff is None:
+                return None
+            handoff.check(self._key, now=self._clock(), skew_s=self.skew_s, tokens=request.prompt_token_ids)
         except HandoffError as exc:
-            self._refuse("handoff_invalid", request, str(exc))
+            self._refuse(exc.kind, request, str(exc))
             return None
+        first = self._seen.get(handoff.mac) if handoff.mac else None
+        if first is not None and first[0] != request.request_id:
+            self._refuse("handoff_replayed", request, f"presented already, by request {first[0]!r}")
+            return None
+        return handoff
+
+    def _remember(self, handoff: Handoff, rid: str) -> None:
+        """Remember that ``rid`` is loading ``handoff``, until it expires; forget the expired
+        first, then the oldest past ``MAX_REMEMBERED``."""
+        seen, now = self._seen, self._clock()
+        for mac, (_, expires) in list(islice(seen.items(), 64)):  # the oldest few: bounded per call
+            if expires + self.skew_s < now or len(seen) >= MAX_REMEMBERED:
+                del seen[mac]
+        seen[handoff.mac] = (rid, handoff.expires)
 
     def _refuse(self, kind: str, request: Any, why: str) -> None:
         self.counts[kind] += 1

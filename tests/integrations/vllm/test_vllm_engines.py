@@ -16,6 +16,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
 
+from kvservice._trust.handoff import handoff_key
+from kvservice._trust.keys import generate_key, load_key
+from kvservice.integrations.vllm.params import Handoff
+
 from .engines import MAX_TOKENS, Engine, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -145,33 +149,58 @@ def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the
 
 
 def test_hostile_handoffs_are_refused_and_the_decode_prefills_locally(
-        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
-    p = spawn("prefill", "kv_producer", 0, port=free_port())
-    d = spawn("decode", "kv_consumer", 1, arrival_timeout_s=5.0)
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]], tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    generate_key(key_file)
+    p = spawn("prefill", "kv_producer", 0, port=free_port(), auth_key_file=str(key_file))
+    d = spawn("decode", "kv_consumer", 1, arrival_timeout_s=5.0, auth_key_file=str(key_file))
     (good,) = prefill(p, prompts[:1], "g")
     assert decode(d, prompts[:1], [good], "g")[0]["tokens"] == baseline[0]
     kv = good["kvservice"]
+    assert len(kv["mac"]) == 64 and kv["expires"] > time.time()
     closed = f"127.0.0.1:{free_port()}"
-    hostile: list[tuple[str, dict[str, Any]]] = [
+    other_key = tmp_path / "other-key"
+    generate_key(other_key)
+
+    def signed(rid: str, senders: list[str], num_tokens: int = len(prompts[0]), block_size: int = 32, *,
+               key: Path = key_file, age_s: float = 0.0) -> dict[str, Any]:
+        """A hand-off for prompts[0] signed under ``key``, issued ``age_s`` ago (30 s to live)."""
+        return Handoff.issue(rid, tuple(senders), prompts[0], num_tokens, block_size,
+                             key=handoff_key(load_key(key)), lifetime_s=30, now=time.time() - age_s).to_params()
+
+    unsigned = {k: v for k, v in kv.items() if k != "mac"}
+    hostile: list[tuple[str, Any]] = [
         ("handoff_invalid", {"do_remote_prefill": True, "kvservice": "junk"}),
         ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "request": 5}}),
         ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "senders": ["nohost"]}}),
         ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "senders": [kv["senders"][0]] * 999}}),
         ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {**kv, "extra": "x" * 10_000}}),
-        ("handoff_unusable", {"do_remote_prefill": True, "kvservice": {**kv, "num_tokens": 10_000}}),
-        ("handoff_unusable", {"do_remote_prefill": True, "kvservice": {**kv, "block_size": 16}}),
-        # nobody listens there: the dial fails at once
-        ("load_failed", {"do_remote_prefill": True, "kvservice": {**kv, "request": "nobody", "senders": [closed]}}),
-        ("load_failed", good),  # replayed: this decode loaded that request already, and refuses it again
+        # the format before hand-offs were signed: no expiry, no prompt, no MAC
+        ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {
+            k: kv[k] for k in ("request", "senders", "num_tokens", "block_size")}}),
+        # not proved: what a client can write itself
+        ("handoff_unsigned", {"do_remote_prefill": True, "kvservice": {**unsigned, "senders": [closed]}}),
+        ("handoff_forged", {"do_remote_prefill": True, "kvservice": {**kv, "senders": [closed]}}),
+        ("handoff_forged", {"do_remote_prefill": True, "kvservice": {**kv, "request": "nobody"}}),
+        ("handoff_forged", {"do_remote_prefill": True, "kvservice": {**kv, "num_tokens": 32}}),
+        ("handoff_forged", signed("forged", [closed], key=other_key)),
+        ("handoff_expired", signed("expired", [closed], age_s=120)),
+        ("handoff_replayed", good),  # presented again, by another request
+        # proved, but not for this decode
+        ("handoff_unusable", signed("long", kv["senders"], num_tokens=10_000)),
+        ("handoff_unusable", signed("blocks", kv["senders"], block_size=16)),
+        # proved, naming an address nobody listens on (only a key holder can): the dial fails at once
+        ("load_failed", signed("nobody", [closed])),
     ]
     for i, (_, params) in enumerate(hostile):
         d.generate(f"h{i}", prompts[0], MAX_TOKENS, params)
     got = [d.result(f"h{i}", timeout=180) for i in range(len(hostile))]
     assert all(g["tokens"] == baseline[0] for g in got)
     ds = settled(d)
-    for kind in ("handoff_invalid", "handoff_unusable"):
-        assert ds["scheduler"].get(kind) == sum(k == kind for k, _ in hostile), ds
-    assert ds["worker"] == {"loads_ok": 1, "load_failed": 2}, ds
+    kinds = {kind for kind, _ in hostile if kind != "load_failed"}
+    assert {k: v for k, v in ds["scheduler"].items() if k.startswith("handoff_")} == \
+        {kind: sum(k == kind for k, _ in hostile) for kind in kinds}, ds
+    assert ds["scheduler"]["loads"] == 2 and ds["worker"] == {"loads_ok": 1, "load_failed": 1}, ds
     # the decode and the prefill are up: a legitimate hand-off still moves
     got = decode(d, prompts, prefill(p, prompts, "n"), "n")
     assert [g["tokens"] for g in got] == baseline

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
 
+import time
+
 import torch
 from vllm import SamplingParams
 from vllm.config import (
@@ -27,6 +29,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from kvservice._trust.handoff import handoff_key
+from kvservice._trust.keys import generate_key, load_key
 from kvservice.integrations.vllm.params import Handoff
 
 BLOCK = 32
@@ -35,8 +39,19 @@ PROMPT = 70  # three blocks
 
 
 @pytest.fixture
-def make_scheduler(model: Path) -> Iterator[Any]:
+def key_file(tmp_path: Path) -> Path:
+    """The cluster's key, as ``auth_key_file`` (every scheduler here is given it)."""
+    path = tmp_path / "key"
+    generate_key(path)
+    return path
+
+
+@pytest.fixture
+def make_scheduler(model: Path, key_file: Path) -> Iterator[Any]:
     def make(role: str, **extra: Any) -> Scheduler:
+        table = extra.setdefault("kvservice", {})
+        if isinstance(table, dict):
+            table.setdefault("auth_key_file", str(key_file))
         kvt = KVTransferConfig(kv_connector="KVServiceConnector",
                                kv_connector_module_path="kvservice.integrations.vllm", kv_role=role,
                                kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -58,13 +73,19 @@ def make_scheduler(model: Path) -> Iterator[Any]:
     yield make
 
 
-def request(rid: str, params: dict[str, Any] | None, max_tokens: int = 4) -> Request:
+TOKENS = list(range(1, PROMPT + 1))
+
+
+def request(rid: str, params: Any, max_tokens: int = 4) -> Request:
     extra = {"kv_transfer_params": params} if params is not None else None
-    return Request(rid, list(range(1, PROMPT + 1)), SamplingParams(max_tokens=max_tokens, extra_args=extra), None)
+    return Request(rid, TOKENS, SamplingParams(max_tokens=max_tokens, extra_args=extra), None)
 
 
-def handoff(rid: str = "p0-1") -> dict[str, Any]:
-    return Handoff(rid, ("127.0.0.1:7100",), PROMPT, BLOCK).to_params()
+def handoff(key_file: Path, rid: str = "p0-1", **change: Any) -> dict[str, Any]:
+    """A hand-off for ``TOKENS`` as a prefill of this cluster issues it now."""
+    issued = Handoff.issue(rid, ("127.0.0.1:7100",), TOKENS, PROMPT, BLOCK, key=handoff_key(load_key(key_file)),
+                           lifetime_s=30, now=change.pop("now", time.time()))
+    return issued.to_params()
 
 
 def step(s: Scheduler, *, sending: set[str] | None = None, recving: set[str] | None = None,
@@ -90,9 +111,9 @@ def outputs(engine_out: Any) -> list[Any]:
     return [o for eco in engine_out.values() for o in eco.outputs]
 
 
-def test_decode_waits_for_remote_kv_then_runs_from_the_loaded_prompt(make_scheduler: Any) -> None:
+def test_decode_waits_for_remote_kv_then_runs_from_the_loaded_prompt(make_scheduler: Any, key_file: Path) -> None:
     s = make_scheduler("kv_consumer")
-    r = request("d0", handoff())
+    r = request("d0", handoff(key_file))
     s.add_request(r)
     out, _ = step(s)
     assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -114,9 +135,9 @@ def test_decode_waits_for_remote_kv_then_runs_from_the_loaded_prompt(make_schedu
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED and free(s) == BLOCKS - 1
 
 
-def test_a_failed_load_is_recomputed_once_and_never_loaded_again(make_scheduler: Any) -> None:
+def test_a_failed_load_is_recomputed_once_and_never_loaded_again(make_scheduler: Any, key_file: Path) -> None:
     s = make_scheduler("kv_consumer")
-    r = request("d0", handoff())
+    r = request("d0", handoff(key_file))
     s.add_request(r)
     step(s)
     step(s, recving={"d0"}, failed={"d0"})  # failed, and settled: the worker reports both
@@ -128,9 +149,9 @@ def test_a_failed_load_is_recomputed_once_and_never_loaded_again(make_scheduler:
 
 
 def test_a_decode_aborted_while_its_kv_is_on_the_way_keeps_its_blocks_until_the_load_settles(
-        make_scheduler: Any) -> None:
+        make_scheduler: Any, key_file: Path) -> None:
     s = make_scheduler("kv_consumer")
-    r = request("d0", handoff())
+    r = request("d0", handoff(key_file))
     s.add_request(r)
     step(s)
     s.finish_requests(["d0"], RequestStatus.FINISHED_ABORTED)
@@ -143,7 +164,8 @@ def test_a_decode_aborted_while_its_kv_is_on_the_way_keeps_its_blocks_until_the_
     assert not s.has_requests()
 
 
-def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported(make_scheduler: Any) -> None:
+def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported(
+        make_scheduler: Any, key_file: Path) -> None:
     s = make_scheduler("kv_producer", kvservice={"port": 7100, "advertise_host": "10.0.0.5"})
     r = request("p0", {"do_remote_decode": True}, max_tokens=1)
     s.add_request(r)
@@ -152,8 +174,13 @@ def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported
     (o,) = outputs(engine_out)
     params = o.kv_transfer_params
     assert params["do_remote_prefill"] is True
-    assert params["kvservice"] == {"request": "p0", "senders": ["10.0.0.5:7100"], "num_tokens": PROMPT,
-                                   "block_size": BLOCK}
+    kv = params["kvservice"]
+    assert {k: kv[k] for k in ("request", "senders", "num_tokens", "block_size")} == \
+        {"request": "p0", "senders": ["10.0.0.5:7100"], "num_tokens": PROMPT, "block_size": BLOCK}
+    # signed under the cluster's key, valid for the prefill's bootstrap_timeout_s (30 s)
+    issued = Handoff(kv["request"], tuple(kv["senders"]), PROMPT, BLOCK, kv["expires"], kv["prompt"], kv["mac"])
+    issued.check(handoff_key(load_key(key_file)), now=time.time(), skew_s=0, tokens=TOKENS)
+    assert time.time() < kv["expires"] <= time.time() + 31
     assert free(s) == BLOCKS - 1 - 3 and s.has_requests()  # held; vLLM keeps stepping
     out, _ = step(s)
     (send,) = out.kv_connector_metadata.sends
@@ -178,20 +205,68 @@ def test_an_aborted_prefill_hands_nothing_off_and_frees_at_once(make_scheduler: 
     assert s.connector.scheduler_side.counts == {"handoffs_skipped": 1}
 
 
-@pytest.mark.parametrize("params", [
-    {"do_remote_prefill": True, "kvservice": {"request": "x", "senders": "127.0.0.1:1", "num_tokens": PROMPT,
-                                              "block_size": BLOCK}},
-    {"do_remote_prefill": True, "kvservice": {"request": "x", "senders": ["127.0.0.1:1"], "num_tokens": -1,
-                                              "block_size": BLOCK}},
-    {"do_remote_prefill": True, "kvservice": []},
-])
-def test_a_hostile_handoff_is_prefilled_locally_at_once(make_scheduler: Any, params: dict[str, Any]) -> None:
+HOSTILE: list[tuple[str, Any]] = [
+    ("handoff_invalid", {"do_remote_prefill": True, "kvservice": {"request": "x", "senders": "127.0.0.1:1",
+                                                                  "num_tokens": PROMPT, "block_size": BLOCK}}),
+    ("handoff_invalid", {"do_remote_prefill": True, "kvservice": []}),
+    ("handoff_invalid", "kv_transfer_params from vllm_xargs"),
+    ("handoff_invalid", "old format"),
+    ("handoff_unsigned", "unsigned"),
+    ("handoff_forged", "senders"),
+    ("handoff_forged", "num_tokens"),
+    ("handoff_forged", "another key"),
+    ("handoff_expired", "expired"),
+    ("handoff_unusable", "another prompt"),
+]
+
+
+def hostile(kind: str, what: Any, key_file: Path, tmp_path: Path) -> Any:
+    if not isinstance(what, str) or what == "kv_transfer_params from vllm_xargs":
+        return what
+    good = handoff(key_file)
+    kv = good["kvservice"]
+    if what == "old format":
+        return {"do_remote_prefill": True, "kvservice": {k: kv[k] for k in ("request", "senders", "num_tokens",
+                                                                           "block_size")}}
+    if what == "unsigned":
+        del kv["mac"]
+    elif what == "senders":
+        kv["senders"] = ["10.6.6.6:7100"]
+    elif what == "num_tokens":
+        kv["num_tokens"] = PROMPT - BLOCK
+    elif what == "another key":
+        other = tmp_path / "other-key"
+        generate_key(other)
+        return handoff(other)
+    elif what == "expired":
+        return handoff(key_file, now=time.time() - 120)
+    elif what == "another prompt":
+        good = Handoff.issue("p0-1", ("127.0.0.1:7100",), TOKENS[::-1], PROMPT, BLOCK,
+                             key=handoff_key(load_key(key_file)), lifetime_s=30, now=time.time()).to_params()
+    return good
+
+
+@pytest.mark.parametrize(("kind", "what"), HOSTILE)
+def test_a_hostile_handoff_is_prefilled_locally_at_once(
+        make_scheduler: Any, key_file: Path, tmp_path: Path, kind: str, what: Any) -> None:
     s = make_scheduler("kv_consumer")
-    r = request("d0", params)
+    r = request("d0", hostile(kind, what, key_file, tmp_path))
     s.add_request(r)
     out, _ = step(s)
     assert r.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d0": PROMPT}
-    assert out.kv_connector_metadata.recvs == [] and s.connector.scheduler_side.counts["handoff_invalid"] == 1
+    assert out.kv_connector_metadata.recvs == [] and s.connector.scheduler_side.counts == {kind: 1}
+
+
+def test_a_handoff_presented_by_a_second_request_is_refused(make_scheduler: Any, key_file: Path) -> None:
+    s = make_scheduler("kv_consumer")
+    params = handoff(key_file)
+    first, second = request("d0", params), request("d1", {**params, "kvservice": dict(params["kvservice"])})
+    s.add_request(first)
+    s.add_request(second)
+    out, _ = step(s)
+    assert [r.req_id for r in out.kv_connector_metadata.recvs] == ["d0"]
+    assert second.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d1": PROMPT}
+    assert s.connector.scheduler_side.counts == {"loads": 1, "handoff_replayed": 1}
 
 
 def test_a_producer_without_a_fixed_port_is_refused(make_scheduler: Any) -> None:
@@ -201,3 +276,5 @@ def test_a_producer_without_a_fixed_port_is_refused(make_scheduler: Any) -> None
         make_scheduler("kv_consumer", kvservice={"port": 7100}, bogus=1)
     with pytest.raises(ValueError, match=r"service\.port"):
         make_scheduler("kv_consumer", kvservice={"port": "x"})
+    with pytest.raises(ValueError, match="handoff_skew_s"):
+        make_scheduler("kv_consumer", handoff_skew_s=-1)

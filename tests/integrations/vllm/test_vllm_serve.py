@@ -1,7 +1,8 @@
 """The way docs/vllm.md runs it: two ``vllm.entrypoints.openai.api_server`` processes with
 ``--kv-transfer-config`` naming the connector, and ``kvservice.integrations.vllm.proxy``
-in front; a client's completions through the proxy equal one engine's, and a prefill
-server that is gone costs the client nothing (the decode prefills by itself)."""
+in front; a client's completions through the proxy equal one engine's, a hand-off the
+client wrote itself goes nowhere, and a prefill server that is gone costs the client
+nothing (the decode prefills by itself)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -104,9 +106,9 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
+def complete(url: str, model: Path, prompt: list[int], **extra: Any) -> list[int]:
     answer = http(f"{url}/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                           "temperature": 0.0, "return_token_ids": True})
+                                           "temperature": 0.0, "return_token_ids": True, **extra})
     return list(answer["choices"][0]["token_ids"])
 
 
@@ -119,7 +121,16 @@ def test_two_vllm_servers_and_the_proxy_answer_as_one_engine(
     assert [complete(front, model, prompt) for prompt in prompts] == baseline
     assert http(f"{front}/stats") == {"handed_off": len(prompts)}
 
+    # a client's own hand-off, naming a sender of its choosing, reaches neither server: the
+    # proxy drops it, the prefill hands off as ever, and the tokens are still one engine's
+    forged = {"do_remote_prefill": True, "kvservice": {
+        "request": "victim", "senders": [f"127.0.0.1:{free_port()}"], "num_tokens": len(prompts[0]),
+        "block_size": 32, "expires": int(time.time()) + 30, "prompt": "0" * 64, "mac": "0" * 64}}
+    assert complete(front, model, prompts[0], kv_transfer_params=forged) == baseline[0]
+    assert http(f"{front}/stats") == {"handed_off": len(prompts) + 1, "client_params_dropped": 1}
+
     kill_group(p_proc)  # the prefill server is gone (and its engine): the client still gets its tokens
     p_proc.wait(timeout=30)
     assert complete(front, model, prompts[0]) == baseline[0]
-    assert http(f"{front}/stats") == {"handed_off": len(prompts), "prefill_unreachable": 1}
+    assert http(f"{front}/stats") == {"handed_off": len(prompts) + 1, "prefill_unreachable": 1,
+                                      "client_params_dropped": 1}
