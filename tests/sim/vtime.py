@@ -24,7 +24,7 @@ from typing import Any
 CLOCK_MODULES = (
     "kvservice._transfer.plane", "kvservice._transfer.inbound", "kvservice._transfer.ends",
     "kvservice._control.links", "kvservice._transfer.requests", "kvservice._transfer.watchdog",
-    "kvservice._nixl.door", "kvservice._stats",
+    "kvservice._nixl.door", "kvservice._stats", "kvservice._transfer.heal",
 )
 START = 1000.0
 
