@@ -114,4 +114,9 @@ def enter_package_bare() -> None:
 
 if __name__ == "__main__":
     enter_package_bare()
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (BrokenPipeError, ConnectionResetError):
+        # Its service went away first (a service that failed to start closes the socket
+        # while the child boots): nobody is left to tell, and nothing to print about it.
+        sys.exit(0)

@@ -189,10 +189,14 @@ def _startup_failures(tmp_path: Path, workdir: str) -> None:
         twin_shm = Sidecar("prefill", workdir, name="twin-shm", shm=live.shm)
         twin_socket.spawn()
         twin_shm.spawn()
-        _one_clear_line(twin_socket, twin_socket.wait(60), "in use by a running daemon")
-        assert twin_shm.wait(60) == 1  # (its segment name is the live one's: not checked as "left behind")
-        lines = twin_shm.stderr_lines()
-        assert len(lines) == 1 and "in use by a running daemon" in lines[0], lines
+        try:
+            _one_clear_line(twin_socket, twin_socket.wait(60), "in use by a running daemon")
+            assert twin_shm.wait(60) == 1  # (its segment name is the live one's: not checked as "left behind")
+            lines = twin_shm.stderr_lines()
+            assert len(lines) == 1 and "in use by a running daemon" in lines[0], lines
+        finally:  # a failed check leaves no daemon running
+            for twin in (twin_socket, twin_shm):
+                twin.stop(timeout=10)
         # the live daemon kept both its names and still serves
         assert live.names_present()
         assert live.proc is not None and live.proc.poll() is None
