@@ -10,6 +10,7 @@ in the clear, so ``_TlsClient`` opens the channel with them).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -155,6 +156,14 @@ class Etcd:
                 return await fn(*args, **kw)
         except TimeoutError:
             raise EtcdUnavailable(f"no answer within {2 * self._timeout + 1}s") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this task is being cancelled (the service, or the backstop above)
+            # gRPC ended its own call with CancelledError (its channel closing under it): a
+            # failed call, not a cancellation of ours; raised on, it broke the service's
+            # cancel scopes as it left (measured once at shutdown, revoking the lease)
+            raise EtcdUnavailable("the etcd client cancelled the call") from None
         except Exception as exc:
             raise EtcdUnavailable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 
