@@ -131,3 +131,19 @@ def unclosed_resources() -> Iterator[list[str]]:
         yield found
         gc.collect()
     found.extend(str(w.message) for w in caught if issubclass(w.category, ResourceWarning))
+
+
+def heard_by(svc: Any) -> list[Any]:
+    """Every control message ``svc``'s request plane hears from now on (each still handled
+    as before): what a test's own service was told by the peer under test."""
+    heard: list[Any] = []
+    assert svc._plane is not None
+    inbound = svc._plane.inbound
+    on_message = inbound.on_message
+
+    def recording(agent: str, msg: Any) -> None:
+        heard.append(msg)
+        on_message(agent, msg)
+
+    inbound.on_message = recording
+    return heard

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from kvservice import FailureReason, TransferService
-from kvservice._control.protocol import MAX_ASK, Ask, Message, Settled
+from kvservice._control.protocol import MAX_ASK, Ask, Settled
 from kvservice.testing import PeerProcess, pattern
 from tests.faults.test_settle import LATE_WRITE_WAIT_S, LAYOUT, PAGES, TCP, canary, send_then_stop
-from tests.helpers import config, eventually, peer_config, peers
+from tests.helpers import config, eventually, heard_by, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -131,16 +131,8 @@ async def test_a_hostile_ask_gets_nothing_and_a_legit_transfer_follows() -> None
             TransferService(config(LAYOUT, ucx_env=TCP, **FAST)) as mallory:
         await new_request_arrives(prefill, decode, "legit-1")
         await new_request_arrives(prefill, mallory, "m-warm")
-        heard: list[Message] = []
+        heard = heard_by(mallory)
         assert mallory._plane is not None
-        inbound = mallory._plane.inbound
-        on_message = inbound.on_message
-
-        def recording(agent: str, msg: Message) -> None:
-            heard.append(msg)
-            on_message(agent, msg)
-
-        inbound.on_message = recording  # type: ignore[method-assign]
         agent = prefill.agent
         mallory._plane.control.send_to(agent, Ask(["legit-1", "never-sent", "never-sent"]))
         mallory._plane.control.send_to(agent, Ask(["legit-1"]))  # at once: a flood

@@ -29,7 +29,6 @@ from kvservice._control.protocol import (
     ChunkNotif,
     Failed,
     Hello,
-    Message,
     Outcome,
     Sealed,
     decode_body,
@@ -40,7 +39,7 @@ from kvservice._trust.handshake import ACCEPTOR, DIALER, EXCHANGE_SINCE, MAC_BYT
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.testing import PeerProcess, pattern
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
-from tests.helpers import SMALL, config, eventually, peer_config, peers
+from tests.helpers import SMALL, config, eventually, heard_by, peer_config, peers
 
 pytestmark = [pytest.mark.nixl]
 
@@ -242,15 +241,20 @@ async def test_the_join_crosses_the_wire_encrypted_when_keyed(key_file: str, key
     trust: dict[str, Any] = {"auth_key_file": key_file} if keyed else {"allow_unauthenticated": True}
     async with (TransferService(config(**trust)) as prefill, TransferService(config(**trust)) as decode,
                 relay(prefill.address) as (via, seen, _)):
-        prefill.kv.write([1, 2], pattern(SMALL, "relayed", 2))
-        await decode.expect("relayed", [7, 8], sender=via)
-        sent = await prefill.await_completion(await prefill.send("relayed", [1, 2], last=True), timeout=WAIT_S)
-        assert sent.ok and (await decode.await_arrival("relayed", timeout=WAIT_S)).ok
+        await relayed_transfer(prefill, decode, via, "relayed")
         assert bool((decode.kv.pages([7, 8]) == pattern(SMALL, "relayed", 2)).all())
         wire = b"".join(seen)
         assert len(wire) > 1000  # the handshake went through the relay
         for svc in (prefill, decode):
             assert leaks(metadata_of(svc), wire) is not keyed
+
+
+async def relayed_transfer(prefill: TransferService, decode: TransferService, via: str, rid: str) -> None:
+    """``rid``: prefill pages 1-2 into the decode's 7-8, the decode dialling through ``via``."""
+    prefill.kv.write([1, 2], pattern(SMALL, rid, 2))
+    await decode.expect(rid, [7, 8], sender=via)
+    sent = await prefill.await_completion(await prefill.send(rid, [1, 2], last=True), timeout=WAIT_S)
+    assert sent.ok and (await decode.await_arrival(rid, timeout=WAIT_S)).ok
 
 
 def frames(wire: bytes, count: int) -> list[bytes]:
@@ -273,10 +277,7 @@ async def test_a_key_holder_who_recorded_the_handshake_opens_nothing(key_file: s
     keyed = {"auth_key_file": key_file}
     async with (TransferService(config(**keyed)) as prefill, TransferService(config(**keyed)) as decode,
                 relay(prefill.address) as (via, _, ways)):
-        prefill.kv.write([1, 2], pattern(SMALL, "recorded", 2))
-        await decode.expect("recorded", [7, 8], sender=via)
-        sent = await prefill.await_completion(await prefill.send("recorded", [1, 2], last=True), timeout=WAIT_S)
-        assert sent.ok and (await decode.await_arrival("recorded", timeout=WAIT_S)).ok
+        await relayed_transfer(prefill, decode, via, "recorded")
         hello_d, _proof, join_d = frames(bytes(ways["up"]), 3)
         hello_a, join_a = frames(bytes(ways["down"]), 2)
         d, a = decode_body(hello_d), decode_body(hello_a)
@@ -335,16 +336,8 @@ async def test_only_the_requests_peer_can_end_it_or_learn_its_outcome(key_file: 
         assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
 
         # M links with R (any request will do) and asks about "early"
-        heard: list[Message] = []
+        heard = heard_by(mallory)
         assert mallory._plane is not None
-        inbound = mallory._plane.inbound
-        on_message = inbound.on_message
-
-        def spy(agent: str, msg: Message) -> None:
-            heard.append(msg)
-            on_message(agent, msg)
-
-        inbound.on_message = spy  # type: ignore[method-assign]
         await decode.command(op="fill", rid="m-probe", pages=[1])
         await mallory.expect("m-probe", [2], sender=decode.address)
         mallory._plane.control.send_to(decode.agent, Failed("early", FailureReason.TIMEOUT.value, "did it arrive?"))
