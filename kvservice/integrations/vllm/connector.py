@@ -48,6 +48,7 @@ from .worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # isort: skip
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+from vllm.logger import init_logger  # isort: skip
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +56,9 @@ if TYPE_CHECKING:
 __all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
 
 log = get_logger("kvservice.vllm")
+#: vLLM's own logger: the start lines an operator reads among the server's (kvservice's own
+#: logger, unconfigured in vLLM's server, shows only warnings)
+vllm_log = init_logger("vllm.kvservice")
 
 
 @dataclass
@@ -120,6 +124,9 @@ class KVServiceConnector(KVConnectorBase_V1):
                 key=key, tp_size=tp_size, decode_tp=settings.decode_tp_size,
                 lifetime_s=min(service.bootstrap_timeout_s, MAX_LIFETIME_S), skew_s=settings.handoff_skew_s)
             self._interval = Interval(self._scheduler.counts)
+            vllm_log.info("KVServiceConnector %s: block size %d, hand-offs %s%s", transfer.kv_role,
+                          self._scheduler.block_size, "signed" if key else "UNSIGNED",
+                          f", naming {', '.join(self._scheduler.senders)}" if producer else "")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -154,7 +161,11 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work_side.register(kv_caches)
+        side = self._work_side
+        side.register(kv_caches)
+        if side.engine is not None:
+            vllm_log.info("KVServiceConnector: kvservice listening on %s (TP rank %d, %d KV caches)",
+                          side.engine.address, side.tp_rank, len(kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
