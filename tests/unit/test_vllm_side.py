@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -291,6 +290,15 @@ class FakeEngine:
         self.running = False
 
 
+def ok(request_id: str, *, pages: int, page_bytes: int = 4096, created: float = 10.0, started: float | None = 10.5,
+       finished: float = 11.0) -> Any:
+    """A successful transfer's result as the engine's ``result`` has it."""
+    from kvservice._results import TransferResult, TransferStatus
+
+    return TransferResult(request_id, TransferStatus.SUCCESS, bytes=pages * page_bytes, pages=pages,
+                          created_at=created, started_at=started, finished_at=finished, settled=True)
+
+
 def worker(tp_size: int, tp_rank: int, **config: Any) -> tuple[Any, FakeEngine]:
     from kvservice import ServiceConfig
     from kvservice.integrations.vllm.worker import WorkerSide
@@ -311,7 +319,7 @@ def test_the_worker_routes_tp_ranks_and_reports_a_failed_load_only_once_settled(
     assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == ["send [1, 2] last=True fit=tail"]
     assert p.finished(set()) == (set(), set(), set())  # still on its way: the blocks stay held
     pe.made["r@tp1.0"].state = "Success"
-    pe.made["r@tp1.0"].result = SimpleNamespace(pages=2)
+    pe.made["r@tp1.0"].result = ok("r@tp1.0", pages=2)
     assert p.finished(set()) == ({"r"}, set(), set()) and p.counts == {"sends_ok": 1}
 
     d, de = worker(1, 0)
@@ -350,7 +358,7 @@ def test_the_prefill_sends_at_once_and_frees_its_blocks_only_when_each_send_ende
     tail, lost = pe.made["tail@tp0.0"], pe.made["lost@tp0.0"]
     assert tail.calls == ["send [1, 2, 3] last=True fit=tail"] and lost.calls == ["send [7, 8] last=True fit=tail"]
     assert p.finished(set()) == (set(), set(), set())  # neither ended: nothing is freed
-    tail.state, tail.result = "Success", SimpleNamespace(pages=1)  # its decode had two blocks cached
+    tail.state, tail.result = "Success", ok("tail@tp0.0", pages=1)  # its decode had two blocks cached
     lost.state = "Failed"  # its decode is gone (or never came: the service's bootstrap timeout)
     lost.result = TransferResult("lost@tp0.0", TransferStatus.FAILED, FailureReason.PEER_LOST, message="gone",
                                  peer="127.0.0.1:7200")

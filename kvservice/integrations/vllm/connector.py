@@ -24,7 +24,9 @@ loopback); with ``allow_unauthenticated`` there is none, and hand-offs prove not
 
 vLLM runs one connector object per role: the scheduler's (``scheduler.SchedulerSide``)
 and one per worker (``worker.WorkerSide``); they talk only through the metadata vLLM
-carries between them (``KVServiceMetadata``) and the worker's reports.
+carries between them (``KVServiceMetadata``) and the worker's reports.  Each reports its
+side's counters (and a worker its transfer times) to vLLM's stats every step
+(``get_kv_connector_stats``: ``stats``, ``metrics``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ from ..._control.addresses import join_address
 from ..._log import get_logger
 from ..._results import ConfigError
 from ..._trust.handoff import handoff_key
+from .metrics import KVServicePromMetrics, KVServiceStats
 from .params import DEFAULT_SKEW_S, MAX_LIFETIME_S
 from .scheduler import RecvSpec, SchedulerSide, SendSpec, Work
+from .stats import Interval
 from .worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # isort: skip
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+from vllm.logger import init_logger  # isort: skip
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +56,9 @@ if TYPE_CHECKING:
 __all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
 
 log = get_logger("kvservice.vllm")
+#: vLLM's own logger: the start lines an operator reads among the server's (kvservice's own
+#: logger, unconfigured in vLLM's server, shows only warnings)
+vllm_log = init_logger("vllm.kvservice")
 
 
 @dataclass
@@ -115,6 +123,10 @@ class KVServiceConnector(KVConnectorBase_V1):
                 senders=tuple(join_address(host, service.port + r) for r in range(tp_size)) if producer else (),
                 key=key, tp_size=tp_size, decode_tp=settings.decode_tp_size,
                 lifetime_s=min(service.bootstrap_timeout_s, MAX_LIFETIME_S), skew_s=settings.handoff_skew_s)
+            self._interval = Interval(self._scheduler.counts)
+            vllm_log.info("KVServiceConnector %s: block size %d, hand-offs %s%s", transfer.kv_role,
+                          self._scheduler.block_size, "signed" if key else "UNSIGNED",
+                          f", naming {', '.join(self._scheduler.senders)}" if producer else "")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -122,6 +134,7 @@ class KVServiceConnector(KVConnectorBase_V1):
             if service.port:
                 service = service.replace(port=service.port + rank)
             self._worker = WorkerSide(service, tp_size=tp_size, tp_rank=rank)
+            self._interval = Interval(self._worker.counts, self._worker.samples)
 
     # -- scheduler side -------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -148,7 +161,11 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work_side.register(kv_caches)
+        side = self._work_side
+        side.register(kv_caches)
+        if side.engine is not None:
+            vllm_log.info("KVServiceConnector: kvservice listening on %s (TP rank %d, %d KV caches)",
+                          side.engine.address, side.tp_rank, len(kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -176,6 +193,21 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work_side.load_errors() if self._worker is not None else set()
+
+    # -- both: vLLM's stats ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVServiceStats | None:
+        """This side's counts (and a worker's transfer times) since vLLM last asked."""
+        data = self._interval.take()
+        return None if data is None else KVServiceStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVServiceStats:
+        return KVServiceStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVServicePromMetrics:
+        return KVServicePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -33,6 +33,7 @@ from ...engine import KVPoll, KVReceiver, KVSender, KVTransferEngine
 from ...memory import KVMemory
 from .memory import kv_memory
 from .scheduler import RecvSpec, SendSpec, Work
+from .stats import Samples
 
 log = get_logger("kvservice.vllm")
 
@@ -66,6 +67,7 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self.counts: Counter[str] = Counter()
+        self.samples = Samples()  # the successful transfers' times and bytes, for vLLM's stats
         self._throttle = Throttle()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -130,6 +132,7 @@ class WorkerSide:
             states = [r.poll() for r in load.receivers]
             if not load.failed and states and all(s is KVPoll.Success for s in states):
                 self.counts["loads_ok"] += 1
+                self.samples.ended("load", [r.result for r in load.receivers])
             elif not load.failed and KVPoll.Failed in states:
                 first = next(r for r in load.receivers if r.poll() is KVPoll.Failed)
                 self._fail(load, _why(first))
@@ -163,6 +166,7 @@ class WorkerSide:
             self._note("send_failed", send.spec.req_id, _why(failed[0]))
         elif send.senders:
             self.counts["sends_ok"] += 1
+            self.samples.ended("send", [s.result for s in send.senders])
             if any(s.result is not None and s.result.pages < len(send.spec.blocks) for s in send.senders):
                 self.counts["sends_partial"] += 1  # the decode had the first blocks cached: it took the last ones
         for s in send.senders:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,15 @@ from kvservice._trust.handoff import handoff_key
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.integrations.vllm.params import Handoff
 
+from .engine_proc import MODEL
 from .engines import MAX_TOKENS, Engine, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: bytes of KV per block of the test model (32 tokens; K and V, float32, every layer)
+BLOCK_BYTES = 32 * MODEL["num_hidden_layers"] * 2 * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
+#: what vLLM's log line shows of the transfer times (stats.summary), beside the counts
+TIMES = {f"{side}{key}" for side in ("load", "send") for key in ("s_timed", "_avg_ms", "_p90_ms", "_mib")}
 
 
 @pytest.fixture
@@ -63,6 +70,18 @@ def decode(d: Engine, prompts: list[list[int]], handoffs: list[dict[str, Any]], 
     return [d.result(f"{tag}{i}", timeout=180) for i in range(len(prompts))]
 
 
+def vllm_saw(state: dict[str, Any]) -> dict[str, int]:
+    """The connector's counts as vLLM's own stat loggers got them through
+    ``get_kv_connector_stats``: its log line's summary and its Prometheus counter, both
+    checked equal to the counts on the connector's objects."""
+    logged = {k: v for k, v in state["logged"].items() if k not in TIMES}
+    prom = {k.removeprefix("vllm:kvservice_events_total{event=").removesuffix("}"): int(v)
+            for k, v in state["prom"].items() if k.startswith("vllm:kvservice_events_total{")}
+    own = dict(Counter(state.get("scheduler", {})) + Counter(state.get("worker", {})))
+    assert logged == prom == own, (logged, prom, own)
+    return logged
+
+
 def settled(engine: Engine) -> dict[str, Any]:
     """The engine's state once it holds no block beyond vLLM's reserved one (within 60 s)."""
     return engine.wait_state(lambda s: not s.get("held") and s["free_blocks"] == s["total_blocks"] - 1)
@@ -81,6 +100,16 @@ def test_decode_tokens_equal_a_single_engines_and_corrupted_kv_changes_them(
     assert ds["scheduler"] == {"loads": 4} and ds["worker"] == {"loads_ok": 4}
     assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1
     assert ds["free_blocks"] == ds["total_blocks"] - 1
+    # vLLM's own stats got the same counts, and each transfer's time and bytes (every block of
+    # every prompt, sent and loaded)
+    assert vllm_saw(ps) == {"handoffs": 4, "handoffs_freed": 4, "sends_ok": 4}
+    assert vllm_saw(ds) == {"loads": 4, "loads_ok": 4}
+    assert ps["logged"]["sends_timed"] == ds["logged"]["loads_timed"] == len(prompts)
+    assert ps["prom"]["vllm:kvservice_send_time_seconds_count{}"] == len(prompts)
+    assert ds["prom"]["vllm:kvservice_load_time_seconds_count{}"] == len(prompts)
+    kv_bytes = sum(-(-len(prompt) // 32) for prompt in prompts) * BLOCK_BYTES
+    assert ps["prom"]["vllm:kvservice_send_bytes_sum{}"] == ds["prom"]["vllm:kvservice_load_bytes_sum{}"] == kv_bytes
+    assert ds["logged"]["load_mib"] == round(kv_bytes / 2**20, 3) and ds["logged"]["load_avg_ms"] > 0
 
     # control: the same hand-off into a decode that overwrites the KV once it landed
     bad = spawn("decode-corrupt", "kv_consumer", 1,
@@ -112,6 +141,7 @@ def test_prefill_killed_mid_transfer_the_decode_recomputes_once_nothing_can_land
     ds = settled(d)
     assert ds["free_blocks"] == ds["total_blocks"] - 1
     assert ds["worker"] == {"loads_ok": 1, "load_failed": len(prompts)}, ds
+    assert vllm_saw(ds)["load_failed"] == len(prompts) and ds["logged"]["loads_timed"] == 1
 
 
 def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the_next(
@@ -146,6 +176,7 @@ def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the
     ps = p.wait_state(lambda s: not s["held"], timeout=60)
     assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
     assert ps["worker"]["send_failed"] == len(prompts) + 2, ps
+    assert vllm_saw(ps)["send_failed"] == len(prompts) + 2
 
 
 def test_hostile_handoffs_are_refused_and_the_decode_prefills_locally(
