@@ -9,10 +9,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import os
+import random
 import socket
+import tempfile
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -46,12 +50,51 @@ def plane_indices(layout: KVLayout, pages: Sequence[int] | npt.NDArray[np.int32]
     return (planes + np.asarray(pages, dtype=np.int32)[None, :]).ravel()
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now (for a service that must restart on it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+#: the ports ``free_port`` hands out: below the kernel's ephemeral range (32768-60999 by
+#: default), so no socket bound to port 0 and no outgoing connection takes one meanwhile
+_PORTS = range(20000, 32000)
+#: one file per port handed out, made exclusively: no two tests (another xdist worker's,
+#: another checkout's run) are given the same port while the first may still use it
+_PORTS_GIVEN = Path(tempfile.gettempdir()) / "kvservice-test-ports"
+#: a port given longer ago than this may be given again (longer than any test's timeout)
+_PORT_HELD_S = 1800.0
+
+
+def _claim(port: int) -> bool:
+    mark = _PORTS_GIVEN / str(port)
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        pass
+    try:
+        if time.time() - mark.stat().st_mtime < _PORT_HELD_S:
+            return False
+        # stale: whoever renames it away first may claim it again
+        mark.rename(mark.with_name(f"{port}.stale-{os.getpid()}"))
+    except FileNotFoundError:
+        return False
+    mark.with_name(f"{port}.stale-{os.getpid()}").unlink()
+    return _claim(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` nobody listens on now and no other test was given lately (for a
+    service that must restart on it, an address nobody answers at, a server's ports chosen
+    before it starts): safe with tests running in parallel, in this run or another."""
+    _PORTS_GIVEN.mkdir(exist_ok=True)
+    pick = random.Random()  # its own stream: a test's seeding of `random` does not pick ports
+    for _ in range(200):
+        port = pick.choice(_PORTS)
+        if not _claim(port):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use by something that did not ask us
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS} after 200 tries ({_PORTS_GIVEN})")
 
 
 def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:
