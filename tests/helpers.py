@@ -7,6 +7,7 @@ or cancel scope is held across a pytest-asyncio fixture's ``yield``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 import os
@@ -27,6 +28,36 @@ from kvservice import KVLayout, ServiceConfig, testing
 from kvservice.memory import KVPool
 from kvservice.memory._regions import regions_table
 from kvservice.memory.engines import pool_regions
+
+#: the environment variable carrying this run's ``slowdown()`` to its workers and children
+SLOWDOWN_ENV = "KVSERVICE_TEST_SLOWDOWN"
+
+
+def measure_slowdown(workers: int = 1) -> float:
+    """How many times slower than one idle core per process this machine runs now: the
+    runnable processes (the 1-minute load average, plus this run's ``workers``) per CPU,
+    at least 1 and at most 10.  Measured once per run (``tests/conftest.py``)."""
+    runnable = os.getloadavg()[0] + workers
+    return min(10.0, max(1.0, runnable / (os.cpu_count() or 1)))
+
+
+@functools.cache
+def slowdown() -> float:
+    """This run's factor: ``KVSERVICE_TEST_SLOWDOWN`` when set (``tests/conftest.py`` sets it
+    once per run, before any worker starts), else measured now, once."""
+    given = os.environ.get(SLOWDOWN_ENV)
+    if not given:
+        given = os.environ[SLOWDOWN_ENV] = f"{measure_slowdown():.2f}"  # every later reader agrees
+    return float(given)
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` as long as this run's machine needs: for the few short timeouts a
+    legitimate but merely slow peer must meet (a 1 s ``peer_timeout_s``, a handshake's
+    ``connect_timeout_s``), so that a loaded machine does not fail what an idle one passes.
+    A bound on how long a test waits for a condition needs no scaling: make it generous."""
+    return seconds * slowdown()
+
 
 LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 SMALL = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=64)
