@@ -141,8 +141,12 @@ def peer_config(layout: KVLayout = SMALL, **kw: Any) -> dict[str, Any]:
     return testing.peer_config(layout, **kw)
 
 
+#: a hang guard for a child service's start (Python, torch, its NIXL agent and vetting child
+#: booting on a machine that may be busy with the rest of a parallel run): it costs nothing
+#: when the child is ready sooner
+READY_S = 120.0
 #: start one child service per config; stop whatever is left on exit
-peers = testing.peer_processes
+peers = functools.partial(testing.peer_processes, ready_timeout=READY_S)
 
 
 class Ticker:
