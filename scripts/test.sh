@@ -12,8 +12,10 @@ if [ -f Dockerfile ]; then
     echo "== hadolint"; .venv/bin/hadolint Dockerfile || fail=1
 fi
 echo "== pytest"
-# the slowest tests, so that what makes the suite long is in every run's log
-.venv/bin/python -m pytest --durations=25 "$@"
+# On KVSERVICE_TEST_WORKERS workers (pytest-xdist; default 4, twice a 2-core CI machine's cores:
+# most tests wait on real processes, links and deadlines, not on the CPU); tests that must not
+# overlap share an xdist_group.  The slowest tests are in every run's log: what makes it long.
+.venv/bin/python -m pytest -n "${KVSERVICE_TEST_WORKERS:-4}" --dist loadgroup --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2

@@ -44,5 +44,12 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[SLOWDOWN_ENV] = f"{measure_slowdown(int(workers)):.2f}"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run, the tests marked ``slow`` are handed out first (each worker collects
+    the same order), so that none of them starts last and runs alone while the others idle."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"slowdown: {slowdown():.2f} (short timeouts scaled by it: tests.helpers.scaled)"
