@@ -40,8 +40,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Measure this run's slowdown once, before any xdist worker starts (they inherit it),
     counting the run's own workers: ``tests.helpers.scaled``."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None and not os.environ.get(SLOWDOWN_ENV):
-        workers = config.getoption("numprocesses", default=None) or 1
-        os.environ[SLOWDOWN_ENV] = f"{measure_slowdown(int(workers)):.2f}"
+        workers = config.getoption("numprocesses", default=None) or 1  # None without xdist, 0 for -n 0
+        if not isinstance(workers, int):  # -n auto or logical, where xdist has not resolved it yet
+            workers = os.cpu_count() or 1
+        os.environ[SLOWDOWN_ENV] = f"{measure_slowdown(workers):.2f}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
