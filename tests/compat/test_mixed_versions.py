@@ -62,8 +62,10 @@ async def receive_from(svc: TransferService, prefill: PeerProcess, rid: str, src
 
 
 async def test_this_release_sends_to_the_previous_one(old: dict[str, str]) -> None:
-    # the service first: a service answers its first dial once its vetting child is up
-    async with TransferService(config()) as svc, peers(peer_config(), env=old) as (decode,):
+    # the service first: a service answers its first dial once its vetting child is up (seconds
+    # on a loaded machine): the dialling decode waits for that, not the default 5 s
+    async with TransferService(config()) as svc, \
+            peers(peer_config(connect_timeout_s=GUARD_S), env=old) as (decode,):
         await send_to(svc, decode, "up-1", [3, 4, 5, 9], [40, 41, 50, 2])  # the old decode dials us
         assert svc.status()["peer_versions"] == {str(PREVIOUS_PROTOCOL): 1}
         await send_to(svc, decode, "up-2", [10, 11], [12, 13])
@@ -71,7 +73,8 @@ async def test_this_release_sends_to_the_previous_one(old: dict[str, str]) -> No
 
 
 async def test_the_previous_release_sends_to_this_one(old: dict[str, str]) -> None:
-    async with peers(peer_config(), env=old) as (prefill,), TransferService(config()) as svc:
+    async with peers(peer_config(), env=old) as (prefill,), \
+            TransferService(config(connect_timeout_s=GUARD_S)) as svc:  # as the restart's decode
         await receive_from(svc, prefill, "down-1", list(range(10, 22)), list(range(30, 42)))  # we dial it
         assert svc.status()["peer_versions"] == {str(PREVIOUS_PROTOCOL): 1}
         await receive_from(svc, prefill, "down-2", [1], [63])
