@@ -79,7 +79,17 @@ TOKENS = list(range(1, PROMPT + 1))
 
 def request(rid: str, params: Any, max_tokens: int = 4, tokens: list[int] = TOKENS) -> Request:
     extra = {"kv_transfer_params": params} if params is not None else None
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, extra_args=extra), None)
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
+                   block_hasher=_hasher())
+
+
+def _hasher() -> Any:
+    """The block hasher vLLM's engine core gives each request (its prefix cache needs it)."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256_cbor)
+    return get_request_block_hasher(BLOCK, sha256_cbor)
 
 
 def handoff(key_file: Path, rid: str = "p0-1", **change: Any) -> dict[str, Any]:
@@ -202,9 +212,11 @@ def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported
 
 def test_an_aborted_prefill_hands_nothing_off_and_frees_at_once(make_scheduler: Any) -> None:
     s = make_scheduler("kv_producer", kvservice={"port": 7100})
-    r = request("p0", {"do_remote_decode": True}, max_tokens=1)
+    # two tokens: its first step does not end it, so nothing is sent from that step
+    r = request("p0", {"do_remote_decode": True}, max_tokens=2)
     s.add_request(r)
-    s.schedule()  # allocated, not computed
+    out = s.schedule()  # allocated, not computed
+    assert out.kv_connector_metadata.sends == []
     s.finish_requests(["p0"], RequestStatus.FINISHED_ABORTED)
     assert free(s) == BLOCKS - 1
     step(s)  # the step that tells the workers it finished
@@ -290,7 +302,7 @@ def test_a_prefill_aborted_in_its_last_step_keeps_its_blocks_until_its_send_is_c
     assert free(s) == BLOCKS - 1 - 3  # the worker has not reported the aborted send yet
     step(s, sending={"p0"})
     assert free(s) == BLOCKS - 1 and not s.has_requests()
-    assert s.connector.scheduler_side.counts == {"handoffs_skipped": 1}
+    assert s.connector.scheduler_side.counts == {"handoffs_skipped": 1, "handoffs_freed": 1}
 
 
 def test_kv_both_hands_off_and_loads_in_one_engine(make_scheduler: Any, key_file: Path) -> None:
