@@ -84,8 +84,8 @@ def test_the_worker_times_successful_transfers_only() -> None:
     assert d.samples.take() == {"load_s": [0.5], "load_bytes": [2 * 4096], "send_s": [], "send_bytes": []}
 
     p, pe = worker(1, 0)
-    p.start(Work(sends=[SendSpec("s", (1, 2), 1)]))
-    pe.made["s@tp0.0"].state, pe.made["s@tp0.0"].result = "Success", ok("s@tp0.0", pages=2, started=1.0,
-                                                                          finished=1.25)
-    assert p.finished(set()) == ({"s"}, set(), set())
+    p.save(Work(sends=[SendSpec("s", (1, 2), 1)]))  # posted in the step that samples its last token
+    sent = pe.made["s@tp0.0"]
+    sent.state, sent.settled, sent.result = "Success", True, ok("s@tp0.0", pages=2, started=1.0, finished=1.25)
+    assert p.finished({"s"}) == ({"s"}, set(), set())
     assert p.samples.take()["send_s"] == [0.25]

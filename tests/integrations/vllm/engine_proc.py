@@ -9,8 +9,17 @@ request finishes: tokens, kv_transfer_params, num_cached_tokens), ``{"op": "abor
 ``{"op": "state"}`` (free blocks, the connector's counts, and what vLLM's stat loggers made
 of the connector's stats: ``logged``, the summary vLLM's ``KV Transfer metrics`` line would
 show since the start, and ``prom``, vLLM's Prometheus samples of the ``vllm:kvservice_*``
-families) and ``{"op": "quit"}``.  Between
-commands it steps the engine while vLLM has work (requests, or blocks held for a decode).
+families) and ``{"op": "quit"}``.
+
+How it steps (``"stepping"`` in the config):
+
+* ``"busy"`` (the default): between commands it steps the engine while vLLM's scheduler has
+  work (requests, or blocks held for a decode), as vLLM's engine-core process does in
+  ``vllm serve`` and in the offline ``LLM`` with its default multiprocessing;
+* ``"request"``: it steps only while a request it was given is unfinished, as
+  ``LLM.generate()`` does with the engine core in-process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): once a prefill's output is out, nothing steps
+  that engine until its next request.
 """
 
 from __future__ import annotations
@@ -125,6 +134,8 @@ def serve(cfg: dict[str, Any]) -> None:
         if worker is not None:
             out["worker"] = dict(worker.worker_side.counts)
             out["address"] = worker.worker_side.engine.address
+            # kvservice's own view, moved on by its loop and not by engine steps: sends not ended
+            out["sends_pending"] = sum(type(t).__name__ == "KVSender" for t in worker.worker_side.engine.pending())
         if LOGGED:
             out["logged"] = logged()
             out["prom"] = prom_samples()
@@ -140,10 +151,15 @@ def serve(cfg: dict[str, Any]) -> None:
 
     threading.Thread(target=read, daemon=True).start()
     _say({"ready": True, "pid": os.getpid(), **state()})
+
+    def busy() -> bool:
+        if cfg.get("stepping", "busy") == "request":
+            return bool(engine.has_unfinished_requests())
+        return bool(scheduler.has_requests())
+
     while True:
-        busy = scheduler.has_requests()
         try:
-            cmd = commands.get(timeout=0 if busy else 0.05)
+            cmd = commands.get(timeout=0 if busy() else 0.05)
         except queue.Empty:
             cmd = {"op": "idle"}
         if cmd is None or cmd["op"] == "quit":
@@ -156,7 +172,7 @@ def serve(cfg: dict[str, Any]) -> None:
             engine.abort_request([cmd["id"]])
         elif cmd["op"] == "state":
             _say({"state": state()})
-        if scheduler.has_requests():
+        if busy():
             for out in engine.step():
                 if out.finished:
                     _say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),
