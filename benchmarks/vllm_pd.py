@@ -453,9 +453,10 @@ def main(argv: Sequence[str]) -> int:
     broken: list[dict[str, Any]] = []
 
     def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
+    interrupted = False
     try:
         if not (plan.model / "config.json").exists():
             subprocess.run([sys.executable, "-m", "benchmarks.vllm_pd_engine", "model", str(plan.model)],
@@ -488,6 +489,9 @@ def main(argv: Sequence[str]) -> int:
                     for metric, values in metrics.items():
                         results[config].setdefault(name, {}).setdefault(metric, []).extend(values)
                 print(f"round {rnd} {config}: ok ({time.monotonic() - t0:.0f} s)", flush=True)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM: what was measured is still reported
+        interrupted = True
+        print("interrupted: the configurations' rounds that completed are reported", flush=True)
     finally:
         harness.stop_all()
     load_after = os.getloadavg()
@@ -505,9 +509,10 @@ def main(argv: Sequence[str]) -> int:
     (out / "results.json").write_text(json.dumps(
         {"rounds": rounds, "phases": [ph.__dict__ for ph in phases], "max_tokens": MAX_TOKENS,
          "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "load_before": load_before, "load_after": load_after,
-         "verified": verified, "broken": broken, "engine_pids": harness.pids, "results": results}, indent=1))
+         "verified": verified, "broken": broken, "interrupted": interrupted, "engine_pids": harness.pids,
+         "results": results}, indent=1))
     print(f"results: {out / 'results.json'}")
-    return 0 if all(verified.values()) and not broken else 1
+    return 0 if all(verified.values()) and not broken and not interrupted else 1
 
 
 if __name__ == "__main__":
