@@ -423,7 +423,7 @@ def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Seq
                     p50[c] = quantile(values, 0.5)
                     row += f"{p50[c]:>13.1f} /{quantile(values, 0.9):>8.1f}"
                 else:
-                    row += f"{'broken' if c in results else '-':>24}"
+                    row += f"{'none timed':>24}"
             for a in ARMS:
                 row += f"{p50['kvservice'] / p50[a]:>15.2f}x" if "kvservice" in p50 and p50.get(a) else f"{'-':>16}"
             lines.append(row)
