@@ -1,0 +1,519 @@
+"""vLLM prefill/decode through kvservice, side by side with vLLM's own ``NixlConnector``.
+
+    PYTHONPATH=$PWD "$(bash scripts/engine-env.sh vllm)/bin/python" -m benchmarks.vllm_pd \\
+        [--quick] [--rounds N] [--out DIR]
+
+Three configurations of the same two vLLM engines (prefill pinned to CPU 0, decode to CPU
+1; ``benchmarks.vllm_pd_engine``: vLLM's ``LLMEngine`` stepped as vLLM's engine core
+steps): ``kvservice`` (``KVServiceConnector``), ``nixl`` (``NixlConnector`` as shipped)
+and ``nixl-quiet`` (``NixlConnector`` with NIXL's progress thread off).  Each round
+starts each configuration's pair in turn (the order rotates round by round), warms it
+up, runs every phase, and stops it: drift hits all three alike.
+
+A phase is a prompt length and a number of requests kept in flight.  This process is the
+router: it sends each request to the prefill (one token, ``do_remote_decode``), hands the
+answer's ``kv_transfer_params`` to the decode, and timestamps what comes back:
+
+* ``handoff``: on the decode, vLLM reserving blocks for the remote KV
+  (``update_state_after_alloc``) to the load reported finished (``finished_recving``
+  reaching the scheduler), marked by ``benchmarks.vllm_pd_timing``'s subclasses;
+* ``ttft``: the prefill request sent to the decode's first token received;
+* ``e2e``: the prefill request sent to the decode's last token received;
+* ``req/s``: requests completed per second with N in flight (per round).
+
+Every decode's tokens are checked against one engine without a connector; a configuration
+whose round has any other tokens (or a failed request) is reported broken for that round,
+and nothing of that round is timed.  Prints p50 and p90 of each metric per configuration,
+and the ratios kvservice / NixlConnector for each arm; writes ``results.json`` and the
+engines' logs under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvservice.bench.stats import quantile
+
+from .vllm_pd_engine import KV_BYTES_PER_TOKEN
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = "benchmarks.vllm_pd_timing"
+#: tokens every decode generates
+MAX_TOKENS = 16
+CONFIGS = ("kvservice", "nixl", "nixl-quiet")
+#: the NixlConnector arms kvservice is compared with
+ARMS = ("nixl", "nixl-quiet")
+METRICS = ("handoff_ms", "ttft_ms", "e2e_ms", "req_per_s")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    tokens: int
+    in_flight: int
+    requests: int
+
+
+FULL = (Phase("64 tok, 1 in flight", 64, 1, 6), Phase("512 tok, 1 in flight", 512, 1, 6),
+        Phase("2048 tok, 1 in flight", 2048, 1, 3), Phase("512 tok, 4 in flight", 512, 4, 12),
+        Phase("512 tok, 16 in flight", 512, 16, 32))
+QUICK = (Phase("64 tok, 1 in flight", 64, 1, 2), Phase("128 tok, 4 in flight", 128, 4, 4))
+WARMUP = Phase("warm-up", 64, 1, 2)
+
+
+class Broken(Exception):
+    """A round of one configuration that cannot be timed (other tokens, a failed request)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **extra})
+    return env
+
+
+class Engine:
+    """One ``vllm_pd_engine`` process (a session of its own: its engine core goes with it)."""
+
+    def __init__(self, name: str, cfg: dict[str, Any], env: dict[str, str], events: queue.Queue[Any],
+                 log: Path) -> None:
+        self.name = name
+        self._log = open(log, "ab")  # closed by stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.vllm_pd_engine", "serve", json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=engine_env(env), cwd=ROOT,
+            start_new_session=True)
+        self._events = events
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            now = time.monotonic()
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue  # a library's print on stdout
+            if msg.get("ready"):
+                self.ready.set()
+            else:
+                self._events.put((now, self.name, msg))
+        self._events.put((time.monotonic(), self.name, None))
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.5):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: exited while starting (rc={self.proc.returncode}); see its log")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: not ready within {timeout:.0f} s")
+
+    def generate(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> None:
+        self._send({"op": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens, "params": params})
+
+    def _send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        """Quit, then SIGKILL the process's group (its engine core) by the process's id."""
+        if self.proc.poll() is None:
+            try:
+                self._send({"op": "quit"})
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group is this process's own session
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+        self._log.close()
+
+
+@dataclass
+class Plan:
+    model: Path
+    out: Path
+    phases: tuple[Phase, ...]
+    prompts: dict[str, list[list[int]]]
+    expected: dict[str, list[list[int]]] = field(default_factory=dict)
+    kv_cache_bytes: int = 512 << 20
+    max_model_len: int = 4096
+    start_timeout_s: float = 300.0
+    phase_timeout_s: float = 600.0
+
+
+class Harness:
+    """Starts engines (every one stopped at the end, whatever happens) and drives phases."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.engines: list[Engine] = []
+        #: every engine process started, by PID (all stopped by the end)
+        self.pids: list[int] = []
+
+    def start(self, name: str, cpu: int, transfer: dict[str, Any] | None, env: dict[str, str]) -> Engine:
+        cfg = {"model": str(self.plan.model), "cpu": cpu, "transfer": transfer,
+               "kv_cache_bytes": self.plan.kv_cache_bytes, "max_model_len": self.plan.max_model_len}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu), **env}
+        engine = Engine(name, cfg, env, self.events, self.plan.out / "logs" / f"{name}.log")
+        self.engines.append(engine)
+        self.pids.append(engine.proc.pid)
+        return engine
+
+    def stop(self, engine: Engine) -> None:
+        if engine in self.engines:
+            self.engines.remove(engine)
+        engine.stop()
+
+    def stop_all(self) -> None:
+        while self.engines:
+            engine = self.engines.pop()
+            try:
+                engine.stop()
+            except Exception as exc:  # noqa: BLE001 -- the others are stopped still
+                print(f"stopping {engine.name}: {exc}", file=sys.stderr)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self.events.get_nowait()
+            except queue.Empty:
+                return
+
+    def next_event(self, deadline: float) -> tuple[float, str, dict[str, Any]]:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Broken("the phase ran past its time limit")
+        try:
+            t, who, msg = self.events.get(timeout=left)
+        except queue.Empty:
+            raise Broken("the phase ran past its time limit") from None
+        if msg is None:
+            raise Broken(f"{who} exited")
+        return t, who, msg
+
+    # -- the baseline ---------------------------------------------------------------------
+    def baseline(self) -> None:
+        """Every prompt's tokens from one engine without a connector."""
+        engine = self.start("baseline", 0, None, {})
+        try:
+            engine.wait_ready(self.plan.start_timeout_s)
+            todo: dict[str, tuple[str, int]] = {}
+            for phase in (WARMUP, *self.plan.phases):
+                for i, prompt in enumerate(self.plan.prompts[phase.name]):
+                    rid = f"b{len(todo)}"
+                    todo[rid] = (phase.name, i)
+                    engine.generate(rid, prompt, MAX_TOKENS)
+            got: dict[str, dict[int, list[int]]] = {}
+            deadline = time.monotonic() + self.plan.phase_timeout_s
+            while todo:
+                _, _, msg = self.next_event(deadline)
+                if "error" in msg:
+                    raise RuntimeError(f"the baseline failed: {msg['error']}")
+                if "tokens" in msg:
+                    name, i = todo.pop(msg["id"])
+                    got.setdefault(name, {})[i] = msg["tokens"]
+            self.plan.expected = {name: [byi[i] for i in range(len(byi))] for name, byi in got.items()}
+        finally:
+            self.stop(engine)
+
+    # -- one configuration's round ----------------------------------------------------------
+    @contextmanager
+    def pair(self, config: str, rnd: int) -> Iterator[tuple[Engine, Engine, Path]]:
+        marks = self.plan.out / "marks" / f"{config}-r{rnd}.txt"
+        marks.parent.mkdir(parents=True, exist_ok=True)
+        common = {"kv_connector_module_path": TIMING, "kv_load_failure_policy": "fail"}
+        if config == "kvservice":
+            producer = {**common, "kv_connector": "TimedKVService", "kv_role": "kv_producer",
+                        "kv_connector_extra_config": {"kvservice": {"port": free_port()}}}
+            consumer = {**common, "kv_connector": "TimedKVService", "kv_role": "kv_consumer",
+                        "kv_connector_extra_config": {"kvservice": {}}}
+            p_env: dict[str, str] = {}
+            d_env: dict[str, str] = {}
+        else:
+            cls = "TimedNixl" if config == "nixl" else "TimedNixlQuiet"
+            producer = {**common, "kv_connector": cls, "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+            consumer = {**common, "kv_connector": cls, "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+            p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        p_env["KVSERVICE_BENCH_MARKS"] = str(marks.with_name(marks.stem + "-prefill.txt"))
+        p = self.start(f"{config}-r{rnd}-prefill", 0, producer, p_env)
+        d = self.start(f"{config}-r{rnd}-decode", 1, consumer, {**d_env, "KVSERVICE_BENCH_MARKS": str(marks)})
+        try:
+            p.wait_ready(self.plan.start_timeout_s)
+            d.wait_ready(self.plan.start_timeout_s)
+            yield p, d, marks
+        finally:
+            self.stop(p)
+            self.stop(d)
+
+    def phase(self, p: Engine, d: Engine, marks: Path, phase: Phase, tag: str) -> dict[str, Any]:
+        """Run one phase through the pair; its numbers, or ``Broken``."""
+        prompts, expected = self.plan.prompts[phase.name], self.plan.expected[phase.name]
+        self.drain()
+        sent: dict[int, float] = {}
+        ttft: dict[int, float] = {}
+        e2e: dict[int, float] = {}
+        nxt = 0
+
+        def launch() -> None:
+            nonlocal nxt
+            sent[nxt] = time.monotonic()
+            p.generate(f"p{tag}x{nxt}", prompts[nxt], 1, {"do_remote_decode": True})
+            nxt += 1
+
+        start = time.monotonic()
+        deadline = start + self.plan.phase_timeout_s
+        while nxt < min(phase.in_flight, len(prompts)):
+            launch()
+        while len(e2e) < len(prompts):
+            t, who, msg = self.next_event(deadline)
+            rid = str(msg.get("id", ""))
+            if not rid.startswith(("p" + tag + "x", "d" + tag + "x")):
+                continue  # not this phase's
+            i = int(rid.rsplit("x", 1)[1])
+            if "error" in msg or msg.get("finish") not in (None, "length", "stop"):
+                raise Broken(f"{who}: request {rid} failed: {msg.get('error') or msg.get('finish')}")
+            if who == p.name and "tokens" in msg:
+                params = msg.get("params")
+                if not params:
+                    raise Broken(f"{who}: request {rid} answered without kv_transfer_params")
+                d.generate(f"d{tag}x{i}", prompts[i], MAX_TOKENS, params)
+            elif who == d.name and msg.get("first"):
+                ttft[i] = t - sent[i]
+            elif who == d.name and "tokens" in msg:
+                if msg["tokens"] != expected[i]:
+                    raise Broken(f"{who}: request {rid}: tokens {msg['tokens']} differ from one engine's "
+                                 f"{expected[i]}")
+                e2e[i] = t - sent[i]
+                if nxt < len(prompts):
+                    launch()
+        elapsed = time.monotonic() - start
+        handoff = handoffs(marks, f"d{tag}x")
+        if len(handoff) != len(prompts):
+            raise Broken(f"{len(handoff)} hand-offs marked for {len(prompts)} requests")
+        return {"handoff_ms": [handoff[i] * 1e3 for i in sorted(handoff)],
+                "ttft_ms": [ttft[i] * 1e3 for i in sorted(ttft)], "e2e_ms": [e2e[i] * 1e3 for i in sorted(e2e)],
+                "req_per_s": [len(prompts) / elapsed]}
+
+
+def handoffs(marks: Path, prefix: str) -> dict[int, float]:
+    """Request index -> ``loaded - alloc`` (s) for the decode requests named ``prefix<i>``."""
+    alloc: dict[int, float] = {}
+    out: dict[int, float] = {}
+    if not marks.exists():
+        return out
+    for line in marks.read_text().splitlines():
+        if not line.startswith(("alloc ", "loaded ")):
+            continue
+        event, rid, t = line.split()
+        rid = rid.rsplit("-", 1)[0]  # vLLM appends "-<random>" to the id it was given
+        if not rid.startswith(prefix):
+            continue
+        i = int(rid[len(prefix):])
+        if event == "alloc":
+            alloc.setdefault(i, float(t))
+        elif event == "loaded" and i in alloc:
+            out[i] = float(t) - alloc[i]
+    return out
+
+
+#: the segments of a kvservice hand-off, from the marks of ``TimedKVService`` (decode, prefill)
+SEGMENTS = ("alloc->recv created", "recv created->expect sent", "expect sent->landed", "landed->polled",
+            "polled->scheduler", "send created-alloc", "send 1st write-expect sent")
+
+
+def kvservice_path(marks_dir: Path, phases: Sequence[Phase]) -> str:
+    """Where kvservice's hand-off time goes: the median of each segment per phase (ms)."""
+    seg: dict[str, dict[str, list[float]]] = {}
+    for decode_marks in sorted(marks_dir.glob("kvservice-r*[0-9].txt")):
+        sends: dict[str, tuple[float, float]] = {}
+        prefill_marks = decode_marks.with_name(decode_marks.stem + "-prefill.txt")
+        if prefill_marks.exists():
+            for line in prefill_marks.read_text().splitlines():
+                f = line.split()
+                if f[0] == "send":
+                    sends[f[1]] = (float(f[3]), float(f[4]))
+        alloc: dict[str, float] = {}
+        loaded: dict[str, float] = {}
+        recvs: dict[str, list[str]] = {}
+        for line in decode_marks.read_text().splitlines():
+            f = line.split()
+            if f[0] == "alloc":
+                alloc.setdefault(f[1], float(f[2]))
+            elif f[0] == "loaded":
+                loaded[f[1]] = float(f[2])
+            elif f[0] == "recv":
+                recvs[f[1]] = f[2:]
+        for rid, (source, created, started, landed, polled, _) in recvs.items():
+            k = rid.split("k", 1)[-1].split("x", 1)[0] if "k" in rid else ""
+            if not k.isdigit() or rid not in alloc or rid not in loaded:
+                continue  # the warm-up's
+            name = phases[int(k)].name
+            c, st, la, po = float(created), float(started), float(landed), float(polled)
+            values = [c - alloc[rid], st - c, la - st, po - la, loaded[rid] - po]
+            if source in sends:
+                values += [sends[source][0] - alloc[rid], sends[source][1] - st]
+            for key, v in zip(SEGMENTS, values, strict=False):
+                seg.setdefault(name, {}).setdefault(key, []).append(v * 1e3)
+    if not seg:
+        return ""
+    lines = ["\n## kvservice's hand-off, segment by segment (p50 ms; from kvservice's own results)",
+             f"{'phase':<24}" + "".join(f"{k:>{max(len(k), 8) + 2}}" for k in SEGMENTS)]
+    for ph in phases:
+        by = seg.get(ph.name, {})
+        lines.append(f"{ph.name:<24}" + "".join(
+            f"{quantile(by[k], 0.5) if by.get(k) else float('nan'):>{max(len(k), 8) + 2}.1f}" for k in SEGMENTS))
+    return "\n".join(lines)
+
+
+def make_prompts(phases: Sequence[Phase], seed: int = 7) -> dict[str, list[list[int]]]:
+    """Distinct prompts for every request of every phase (token ids of the random model)."""
+    rng = random.Random(seed)
+    return {ph.name: [[rng.randrange(1, 1000) for _ in range(ph.tokens)] for _ in range(ph.requests)]
+            for ph in (WARMUP, *phases)}
+
+
+def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Sequence[Phase]) -> str:
+    """The table: p50 / p90 per metric, phase and configuration; then kvservice / each arm (p50)."""
+    lines = []
+    for ph in phases:
+        lines.append(f"\n## {ph.name} ({ph.tokens * KV_BYTES_PER_TOKEN / 2**20:.1f} MiB of KV per request)")
+        lines.append(f"{'metric':<11}" + "".join(f"{c + ' p50/p90':>24}" for c in CONFIGS)
+                     + "".join(f"{'kvs/' + a:>16}" for a in ARMS))
+        for metric in METRICS:
+            row = f"{metric:<11}"
+            p50 = {}
+            for c in CONFIGS:
+                values = results.get(c, {}).get(ph.name, {}).get(metric, [])
+                if values:
+                    p50[c] = quantile(values, 0.5)
+                    row += f"{p50[c]:>13.1f} /{quantile(values, 0.9):>8.1f}"
+                else:
+                    row += f"{'none timed':>24}"
+            for a in ARMS:
+                row += f"{p50['kvservice'] / p50[a]:>15.2f}x" if "kvservice" in p50 and p50.get(a) else f"{'-':>16}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_pd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one round of two small phases (the smoke test's)")
+    ap.add_argument("--rounds", type=int, help="rounds (default 3; 1 with --quick)")
+    ap.add_argument("--out", type=Path, help="where results.json and the logs go (default: a new temp dir)")
+    ap.add_argument("--budget-s", type=float, default=3600.0,
+                    help="start no round past this many seconds (default 3600)")
+    args = ap.parse_args(list(argv))
+    phases = QUICK if args.quick else FULL
+    rounds = args.rounds or (1 if args.quick else 3)
+    out = args.out or Path(tempfile.mkdtemp(prefix="vllm-pd-"))
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    load_before = os.getloadavg()
+    plan = Plan(model=out / "model", out=out, phases=phases, prompts=make_prompts(phases))
+    if args.quick:
+        plan.kv_cache_bytes, plan.max_model_len = 128 << 20, 1024
+    harness = Harness(plan)
+    results: dict[str, dict[str, dict[str, list[float]]]] = {}
+    broken: list[dict[str, Any]] = []
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    interrupted = False
+    try:
+        if not (plan.model / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "benchmarks.vllm_pd_engine", "model", str(plan.model)],
+                           env=engine_env({}), cwd=ROOT, check=True, capture_output=True, timeout=300)
+        harness.baseline()
+        print(f"baseline: {sum(map(len, plan.expected.values()))} prompts, tokens recorded", flush=True)
+        for rnd in range(rounds):
+            if time.monotonic() - began > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: {rnd} rounds", flush=True)
+                break
+            order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+            for config in order:
+                results.setdefault(config, {})
+                t0 = time.monotonic()
+                got: dict[str, dict[str, list[float]]] = {}
+                try:
+                    with harness.pair(config, rnd) as (p, d, marks):
+                        harness.phase(p, d, marks, WARMUP, f"r{rnd}w")
+                        for k, ph in enumerate(phases):
+                            try:
+                                got[ph.name] = harness.phase(p, d, marks, ph, f"r{rnd}k{k}")
+                            except (Broken, OSError) as exc:  # this phase is not timed; the next may be
+                                broken.append({"config": config, "round": rnd, "phase": ph.name, "why": str(exc)})
+                                print(f"round {rnd} {config} {ph.name}: BROKEN ({exc})", flush=True)
+                except (Broken, OSError, RuntimeError, TimeoutError) as exc:
+                    broken.append({"config": config, "round": rnd, "phase": None, "why": str(exc)})
+                    print(f"round {rnd} {config}: BROKEN ({exc})", flush=True)
+                    continue
+                for name, metrics in got.items():
+                    for metric, values in metrics.items():
+                        results[config].setdefault(name, {}).setdefault(metric, []).extend(values)
+                print(f"round {rnd} {config}: ok ({time.monotonic() - t0:.0f} s)", flush=True)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM: what was measured is still reported
+        interrupted = True
+        print("interrupted: the configurations' rounds that completed are reported", flush=True)
+    finally:
+        harness.stop_all()
+    load_after = os.getloadavg()
+    table = summarize(results, phases) + kvservice_path(out / "marks", phases)
+    verified = {c: sum(len(m.get("e2e_ms", [])) for m in results.get(c, {}).values()) for c in CONFIGS}
+    header = (f"vLLM P/D, kvservice vs NixlConnector: {rounds} round(s), {MAX_TOKENS} tokens decoded per request, "
+              f"model {KV_BYTES_PER_TOKEN // 1024} KiB KV/token; load avg before {load_before[0]:.2f}, "
+              f"after {load_after[0]:.2f}; {time.monotonic() - began:.0f} s\n"
+              f"tokens verified against one engine: {verified}; broken phases: {len(broken)}\n"
+              "ratios are kvservice p50 / NixlConnector p50 (times: below 1 is kvservice faster; "
+              "req_per_s: above 1 is kvservice faster)")
+    print(header + table, flush=True)
+    for b in broken:
+        print(f"broken: round {b['round']} {b['config']} {b['phase'] or 'start/warm-up'}: {b['why']}")
+    (out / "results.json").write_text(json.dumps(
+        {"rounds": rounds, "phases": [ph.__dict__ for ph in phases], "max_tokens": MAX_TOKENS,
+         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "load_before": load_before, "load_after": load_after,
+         "verified": verified, "broken": broken, "interrupted": interrupted, "engine_pids": harness.pids,
+         "results": results}, indent=1))
+    print(f"results: {out / 'results.json'}")
+    return 0 if all(verified.values()) and not broken and not interrupted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""One vLLM engine of ``benchmarks.vllm_pd``, in a process of its own (vLLM's environment).
+
+    python -m benchmarks.vllm_pd_engine model DIR           # write the benchmark's model
+    python -m benchmarks.vllm_pd_engine serve CONFIG_JSON   # run an engine
+
+The engine is vLLM's ``LLMEngine`` with its engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process per engine, which two cores can afford),
+stepped the way vLLM's engine core steps in ``vllm serve``: every request that arrived is
+added, then the engine steps while its scheduler ``has_requests()`` (which counts a
+connector's pending push work), without waiting between steps.  Both connectors meet
+exactly that loop.  ``serve`` pins itself (its threads inherit it) to ``CONFIG["cpu"]``,
+prints ``{"ready": ...}``, then reads JSON lines on stdin: ``{"op": "generate", "id",
+"prompt", "max_tokens", "params"}`` is answered with ``{"id", "first": true}`` in the step
+that produced the request's first token and ``{"id", "tokens", "params", "finish"}`` in the
+step that finished it; ``{"op": "quit"}`` shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+from typing import Any
+
+#: 8 layers, 4 KV heads of 128 floats: 32 KiB of KV per token (float32), random but far from
+#: uniform (``initializer_range``) so that the tokens depend on every bit of the KV; seeded, so
+#: every process builds the same one
+LAYERS, KV_HEADS, HEAD_DIM = 8, 4, 128
+MODEL = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": LAYERS, "num_attention_heads": 8,
+         "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": 1024, "max_position_embeddings": 4096,
+         "initializer_range": 0.2, "torch_dtype": "float32"}
+#: KV bytes per token of ``MODEL`` (K and V, every layer, float32)
+KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+
+
+def make_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
+
+
+def _say(msg: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def serve(cfg: dict[str, Any]) -> None:
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kvt = KVTransferConfig(**cfg["transfer"]) if cfg.get("transfer") else None
+    args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32, enable_prefix_caching=False,
+                      kv_cache_memory_bytes=cfg["kv_cache_bytes"], enforce_eager=True,
+                      distributed_executor_backend="uni", skip_tokenizer_init=True, kv_transfer_config=kvt,
+                      seed=0, max_model_len=cfg["max_model_len"], disable_log_stats=True)
+    engine = LLMEngine.from_engine_args(args)
+    scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                commands.put(json.loads(line))
+        commands.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    started: set[str] = set()
+    _say({"ready": True, "pid": os.getpid()})
+    while True:
+        # vLLM's engine core: take what arrived (without waiting while there is work), then
+        # step while the scheduler has work (its has_requests() counts a connector's pending
+        # push work too)
+        try:
+            cmd = commands.get(timeout=0 if scheduler.has_requests() else 0.05)
+        except queue.Empty:
+            cmd = {"op": "idle"}
+        if cmd is None or cmd["op"] == "quit":
+            break
+        if cmd["op"] == "generate":
+            extra = {"kv_transfer_params": cmd["params"]} if cmd.get("params") else None
+            params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, detokenize=False,
+                                    extra_args=extra)
+            engine.add_request(cmd["id"], {"prompt_token_ids": cmd["prompt"]}, params)
+            continue  # take every request already there before stepping, as the engine core does
+        if not scheduler.has_requests():
+            continue
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+            if tokens and out.request_id not in started:
+                started.add(out.request_id)
+                _say({"id": out.request_id, "first": True})
+            if out.finished:
+                started.discard(out.request_id)
+                _say({"id": out.request_id, "tokens": tokens, "params": out.kv_transfer_params,
+                      "finish": out.outputs[0].finish_reason})
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        get_kv_transfer_group().shutdown()
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "model":
+        make_model(argv[1])
+        return
+    cfg = json.loads(argv[1])
+    # the engine's threads (UCX's progress thread among them) inherit this
+    os.sched_setaffinity(0, {int(cfg["cpu"])})
+    serve(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,44 @@
+"""``benchmarks.vllm_pd --quick`` runs end to end in vLLM's environment: kvservice and both
+NixlConnector arms each hand off, every decode's tokens are checked against one engine's,
+and all three configurations produce every metric.  No timing is asserted (the numbers
+belong to the benchmark's table, not to a test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
+
+from benchmarks.vllm_pd import CONFIGS, METRICS, QUICK
+
+from .engines import ROOT, engine_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_the_quick_benchmark_verifies_tokens_and_times_all_three_configurations(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "benchmarks.vllm_pd", "--quick", "--out", str(tmp_path)],
+                         env=engine_env(0), cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["broken"] == [], results["broken"]
+    # every request of every phase was a verified hand-off (the harness times only those)
+    assert results["verified"] == {c: sum(ph.requests for ph in QUICK) for c in CONFIGS}
+    for config in CONFIGS:
+        for phase in QUICK:
+            metrics = results["results"][config][phase.name]
+            assert sorted(metrics) == sorted(METRICS), (config, phase.name)
+            assert len(metrics["handoff_ms"]) == len(metrics["e2e_ms"]) == phase.requests, (config, metrics)
+            assert all(v > 0 for m in METRICS for v in metrics[m]), (config, metrics)
+    assert "kvs/nixl-quiet" in run.stdout and "broken phases: 0" in run.stdout
+    # every engine the harness started (each the leader of its own process group) is gone
+    assert len(results["engine_pids"]) == 1 + 2 * len(CONFIGS)
+    for pid in results["engine_pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
