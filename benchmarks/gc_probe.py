@@ -35,7 +35,7 @@ def probe(m: KvService, n: int, prefix: str) -> dict[str, Any]:
     got = m.send.call("gc_probe", "gc_probe", RUN_TIMEOUT_S, requests=reqs)
     m.recv.wait("arrived", RUN_TIMEOUT_S)
     if got["ok"] != n:
-        raise SystemExit(f"{m.name}: {got['ok']} of {n} requests completed")
+        raise SystemExit(f"{m.name}: {got['ok']} of {n} requests completed: {got['failed']}")
     return got
 
 

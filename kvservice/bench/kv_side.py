@@ -183,7 +183,8 @@ async def gc_probe(svc: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
     top = dict(sorted(by_type.items(), key=lambda kv: -kv[1])[:12])
     return {"event": "gc_probe", "n": len(requests), "live": live, "tracked": tracked,
             "per_request": tracked / len(requests), "by_type": top, "collect_cpu_s": cpu,
-            "collect_wall_s": wall, "base_collect_cpu_s": base_cpu, "ok": sum(r.ok for r in results)}
+            "collect_wall_s": wall, "base_collect_cpu_s": base_cpu, "ok": sum(r.ok for r in results),
+            "failed": sorted({f"{r.reason} {r.message}" for r in results if not r.ok})[:5]}
 
 
 async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_service) -> None:
