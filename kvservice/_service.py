@@ -355,6 +355,29 @@ class TransferService:
             split_address(sender)  # ValueError naming the problem
         await plane.expect(request_id, sender, dst, timeout, unknown, verify)
 
+    async def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:
+        """Tell ``sender`` that this service will not expect ``request_id``: it needs none
+        of it (a decode whose prefix cache already holds every page).  The sender's send of
+        it ends ``Failed(ABORTED)`` at once (or at its ``send()``, if not made yet) and its
+        pages are the sender's again, instead of waiting out ``bootstrap_timeout_s``.
+        Nothing is reserved here.
+
+        On the wire this is the ``Abort`` a receiver sends for a request it gave up: an
+        unbound send takes it from the first peer to speak of it (a send pinned to another
+        receiver ignores it and counts a foreign request).  Returns True once the Abort is
+        queued on the link to ``sender`` (dialled first if needed), False when ``sender``
+        cannot be reached (logged: its send ends at its own deadline, as for a receiver that
+        never came).  ``ValueError`` while this service expects ``request_id`` itself
+        (``abort()`` it)."""
+        plane = self._running()
+        check_request_id(request_id)
+        if request_id in plane.recvs:
+            raise ValueError(f"request {request_id!r} is expected here: abort() it instead")
+        if self._discovery is not None:  # a member's name: where it registered
+            sender, _ = self._discovery.resolve(sender)
+        split_address(sender)  # ValueError naming the problem
+        return await plane.decline(request_id, sender, message)
+
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed.
 

@@ -12,8 +12,11 @@ if [ -f Dockerfile ]; then
     echo "== hadolint"; .venv/bin/hadolint Dockerfile || fail=1
 fi
 echo "== pytest"
-# the slowest tests, so that what makes the suite long is in every run's log
-.venv/bin/python -m pytest --durations=25 "$@"
+# On KVSERVICE_TEST_WORKERS workers (pytest-xdist; default 4, twice a 2-core CI machine's cores:
+# most tests wait on real processes, links and deadlines, not on the CPU), each test handed to the
+# next free worker (--dist loadgroup: tests that must not overlap would share an xdist_group; none
+# need to today).  The slowest tests are in every run's log: what makes it long.
+.venv/bin/python -m pytest -n "${KVSERVICE_TEST_WORKERS:-4}" --dist loadgroup --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2

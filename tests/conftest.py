@@ -20,6 +20,7 @@ import pytest
 import uvloop
 
 from kvservice._config import host_ucx_defaults
+from tests.helpers import SLOWDOWN_ENV, measure_slowdown, slowdown
 
 for _name, _value in host_ucx_defaults().items():
     os.environ.setdefault(_name, _value)
@@ -33,3 +34,24 @@ def pytest_asyncio_loop_factories(
     if item.nodeid.split("::")[0] in BOTH_LOOPS:
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Measure this run's slowdown once, before any xdist worker starts (they inherit it),
+    counting the run's own workers: ``tests.helpers.scaled``."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and not os.environ.get(SLOWDOWN_ENV):
+        workers = config.getoption("numprocesses", default=None) or 1  # None without xdist, 0 for -n 0
+        if not isinstance(workers, int):  # -n auto or logical, where xdist has not resolved it yet
+            workers = os.cpu_count() or 1
+        os.environ[SLOWDOWN_ENV] = f"{measure_slowdown(workers):.2f}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a parallel run, the tests marked ``slow`` are handed out first (each worker collects
+    the same order), so that none of them starts last and runs alone while the others idle."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"slowdown: {slowdown():.2f} (short timeouts scaled by it: tests.helpers.scaled)"

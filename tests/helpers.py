@@ -7,12 +7,17 @@ or cancel scope is held across a pytest-asyncio fixture's ``yield``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
+import os
+import random
 import socket
+import tempfile
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,6 +28,36 @@ from kvservice import KVLayout, ServiceConfig, testing
 from kvservice.memory import KVPool
 from kvservice.memory._regions import regions_table
 from kvservice.memory.engines import pool_regions
+
+#: the environment variable carrying this run's ``slowdown()`` to its workers and children
+SLOWDOWN_ENV = "KVSERVICE_TEST_SLOWDOWN"
+
+
+def measure_slowdown(workers: int = 1) -> float:
+    """How many times slower than one idle core per process this machine runs now: the
+    runnable processes (the 1-minute load average, plus this run's ``workers``) per CPU,
+    at least 1 and at most 10.  Measured once per run (``tests/conftest.py``)."""
+    runnable = os.getloadavg()[0] + workers
+    return min(10.0, max(1.0, runnable / (os.cpu_count() or 1)))
+
+
+@functools.cache
+def slowdown() -> float:
+    """This run's factor: ``KVSERVICE_TEST_SLOWDOWN`` when set (``tests/conftest.py`` sets it
+    once per run, before any worker starts), else measured now, once."""
+    given = os.environ.get(SLOWDOWN_ENV)
+    if not given:
+        given = os.environ[SLOWDOWN_ENV] = f"{measure_slowdown():.2f}"  # every later reader agrees
+    return float(given)
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` as long as this run's machine needs: for the few short timeouts a
+    legitimate but merely slow peer must meet (a 1 s ``peer_timeout_s``, a handshake's
+    ``connect_timeout_s``), so that a loaded machine does not fail what an idle one passes.
+    A bound on how long a test waits for a condition needs no scaling: make it generous."""
+    return seconds * slowdown()
+
 
 LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 SMALL = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=64)
@@ -46,12 +81,51 @@ def plane_indices(layout: KVLayout, pages: Sequence[int] | npt.NDArray[np.int32]
     return (planes + np.asarray(pages, dtype=np.int32)[None, :]).ravel()
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now (for a service that must restart on it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+#: the ports ``free_port`` hands out: below the kernel's ephemeral range (32768-60999 by
+#: default), so no socket bound to port 0 and no outgoing connection takes one meanwhile
+_PORTS = range(20000, 32000)
+#: one file per port handed out, made exclusively: no two tests (another xdist worker's,
+#: another checkout's run) are given the same port while the first may still use it
+_PORTS_GIVEN = Path(tempfile.gettempdir()) / "kvservice-test-ports"
+#: a port given longer ago than this may be given again (longer than any test's timeout)
+_PORT_HELD_S = 1800.0
+
+
+def _claim(port: int) -> bool:
+    mark = _PORTS_GIVEN / str(port)
+    try:
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        pass
+    try:
+        if time.time() - mark.stat().st_mtime < _PORT_HELD_S:
+            return False
+        # stale: whoever renames it away first may claim it again
+        mark.rename(mark.with_name(f"{port}.stale-{os.getpid()}"))
+    except FileNotFoundError:
+        return False
+    mark.with_name(f"{port}.stale-{os.getpid()}").unlink()
+    return _claim(port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` nobody listens on now and no other test was given lately (for a
+    service that must restart on it, an address nobody answers at, a server's ports chosen
+    before it starts): safe with tests running in parallel, in this run or another."""
+    _PORTS_GIVEN.mkdir(exist_ok=True)
+    pick = random.Random()  # its own stream: a test's seeding of `random` does not pick ports
+    for _ in range(200):
+        port = pick.choice(_PORTS)
+        if not _claim(port):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use by something that did not ask us
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS} after 200 tries ({_PORTS_GIVEN})")
 
 
 def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:
@@ -67,8 +141,12 @@ def peer_config(layout: KVLayout = SMALL, **kw: Any) -> dict[str, Any]:
     return testing.peer_config(layout, **kw)
 
 
+#: a hang guard for a child service's start (Python, torch, its NIXL agent and vetting child
+#: booting on a machine that may be busy with the rest of a parallel run): it costs nothing
+#: when the child is ready sooner
+READY_S = 120.0
 #: start one child service per config; stop whatever is left on exit
-peers = testing.peer_processes
+peers = functools.partial(testing.peer_processes, ready_timeout=READY_S)
 
 
 class Ticker:

@@ -9,11 +9,13 @@ travels here; what the requests *mean* lives in the request plane (``_transfer``
   backs off from ``accept()`` errors instead of ending the service.
 - ``preauth``: handshake slots shared fairly between sources before the key is proved.
 - ``links``: a peer's framed, sealed stream after the handshake (``PeerLink``: outbox,
-  heartbeat, liveness); the Join sealed and opened.
+  heartbeat, liveness).
+- ``handshakes``: both sides of the handshake up to the Joins (Hellos, proofs, the
+  link's secrets, the sealed Joins), and probes.
 - ``addresses``, ``addressbook``: canonical "host:port" spellings, and which agent is
   proven (never merely claimed) to answer at which address.
-- ``plane``: ``ControlPlane``, the peer table: the handshake (``_trust`` holds the keys,
-  proofs and checks), admission and loading into NIXL, dialling, probes, drops.
+- ``plane``: ``ControlPlane``, the peer table: admission of a met peer and loading into
+  NIXL (``_trust`` holds the keys, proofs and checks), dialling, drops.
 - ``refusals``: what a handshake is refused for (room in all and per source, metadata
   vetting) and how a refusal is told, counted and logged.
 - **source**: the IP address a connection comes from (``preauth.source_of``).  Agent

@@ -19,17 +19,14 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._log import get_logger
 from .._results import KVServiceError
-from .._trust.handshake import FrameMac, LinkSecrets
+from .._trust.handshake import FrameMac
 from .preauth import source_of
 from .protocol import (
     HEADER_BYTES,
     Bye,
     FrameError,
-    Join,
     Message,
     Ping,
-    Reject,
-    Sealed,
     decode_body,
     encode_body,
     encode_frame,
@@ -37,8 +34,7 @@ from .protocol import (
     frame_length,
 )
 
-__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink", "open_join",
-           "recv_join_or_reject", "send_join", "try_send"]
+__all__ = ["CONNECTION_ERRORS", "ControlStream", "FramedStream", "OutboxOverflow", "PeerLink", "try_send"]
 
 log = get_logger("kvservice.peers")
 
@@ -296,44 +292,6 @@ class PeerLink:
                 self._scope.cancel()
                 return
             self.send(Ping())
-
-
-async def send_join(framed: ControlStream, join: Join, secrets: LinkSecrets) -> None:
-    """Our Join as ``Sealed``: encrypted under the link's Join key when keyed."""
-    body = encode_body(join)
-    await framed.send(Sealed(secrets.seal_join(body) if secrets.keyed else body))
-
-
-def open_join(msg: Message, secrets: LinkSecrets) -> Join:
-    """The peer's Join out of its ``Sealed``; ``FrameError`` for anything else, or a box
-    this link's peer did not seal."""
-    if not isinstance(msg, Sealed):
-        raise FrameError(f"expected a sealed join, got {type(msg).__name__}")
-    body = secrets.open_join(msg.box) if secrets.keyed else msg.box
-    if body is None:
-        raise FrameError("the join failed decryption (not sealed by this link's peer)")
-    join = decode_body(body)
-    if not isinstance(join, Join):
-        raise FrameError(f"expected a join inside the seal, got {type(join).__name__}")
-    return join
-
-
-async def recv_join_or_reject(framed: ControlStream) -> Message:
-    """The acceptor's answer to our proof: a sealed Join, or a Reject, which is
-    unsealed when the acceptor refused the proof itself (it has no session key)."""
-    body = await framed.recv_body()
-    if framed.mac is None:
-        return decode_body(body)
-    opened = framed.mac.open(body)
-    if opened is not None:
-        return decode_body(opened)
-    try:
-        msg = decode_body(body)
-    except FrameError:
-        msg = None
-    if isinstance(msg, Reject):
-        return msg
-    raise FrameError("frame failed authentication (forged, altered or replayed)")
 
 
 async def try_send(framed: ControlStream, msg: Message, timeout: float = 1.0) -> None:

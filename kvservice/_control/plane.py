@@ -1,4 +1,5 @@
-"""The control plane: listener, dialling, the authenticated handshake, and the peer table.
+"""The control plane: listener, dialling, admission of authenticated peers, and the peer table
+(the handshake itself: ``handshakes``).
 
 Identity.  A peer is its authenticated NIXL agent name (unique per process
 incarnation), never a claimed address.  The table holds one ``Peer`` per live
@@ -45,64 +46,39 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
-import msgspec
 
 from .._config import ServiceConfig
 from .._log import get_logger
 from .._nixl.door import Door, DoorThread
-from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
+from .._results import FailureReason, KVServiceError, ProtocolError
 from .._stats import Stats
 from .._transfer.requests import Recent
 from .._trust import checks
-from .._trust.handshake import (
-    ACCEPTOR,
-    DIALER,
-    Exchange,
-    LinkSecrets,
-    check_versions,
-    new_nonce,
-    prove,
-    verify,
-)
 from .._trust.vetting import MetadataVetter
 from ..memory._pairing import PeerKV
 from ..memory._staging import area_from_wire
 from .accept import accept_loop
 from .addressbook import AddressBook
 from .addresses import join_address
-from .dialing import Dialing
-from .links import (
-    CONNECTION_ERRORS,
-    ControlStream,
-    PeerLink,
-    open_join,
-    recv_join_or_reject,
-    send_join,
-    try_send,
-)
+from .handshakes import Handshakes, Met, send_join
+from .links import CONNECTION_ERRORS, ControlStream, PeerLink, try_send
 from .peers import (
     IncompatiblePeer,
     LocalPeer,
     Peer,
     PeerEvents,
-    agree,
-    check_hello,
     dial_failure,
     endpoint_gone,
     load_peer,
-    rejected_by,
 )
 from .preauth import EVICTED, NO_ADDRESS, HandshakeSlots, source_of
 from .protocol import (
-    PREAUTH_FRAME_BYTES,
-    PROTOCOL_VERSION,
     FrameError,
     Hello,
     Join,
     Message,
     Proof,
     Reject,
-    hello,
 )
 from .refusals import check_room, handshake_failed, refuse_handshake, vet
 from .transport import ByteListener, TcpTransport, Transport
@@ -136,8 +112,8 @@ class ControlPlane:
         self._tg = tg
         self._vetter = vetter  # None: the door's metadata is not NIXL's (the fake door)
         self._peers: dict[str, Peer] = {}  # agent -> peer
-        self._dialing = Dialing(self._transport, config, local, lambda: self.address)
-        self._book = AddressBook(self._dialing.probe)  # which agent is proven at which address
+        self._handshakes = Handshakes(self._transport, config, local, lambda: self.address)
+        self._book = AddressBook(self._handshakes.probe)  # which agent is proven at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
         # agent -> inbound notification keys of its latest links, newest first
         self._notif_in: Recent[str, list[bytes]] = Recent(2 * config.max_peers)
@@ -213,32 +189,12 @@ class ControlPlane:
         await peer.link.run()
 
     async def _handshake_as_acceptor(self, framed: ControlStream) -> Peer | None:
-        local = self._local
-        theirs = await framed.recv(PREAUTH_FRAME_BYTES)
-        if not isinstance(theirs, Hello):
-            raise ProtocolError(f"expected hello, got {type(theirs).__name__}", "hello_invalid")
-        version = check_hello(theirs, self._local.agent)
-        exchange = Exchange()
-        mine = hello(local.agent, self.address, new_nonce(PROTOCOL_VERSION), share=exchange.share)
-        agreed = agree(version, mine, theirs, exchange, ACCEPTOR)
-        await framed.send(msgspec.structs.replace(mine, proof=prove(local.key, ACCEPTOR, agreed.script)))
-        if theirs.probe:  # "who answers here?": our proof says it; nothing else follows
+        met = await self._handshakes.accept(framed)
+        if met is None:  # a probe, answered
             return None
-        answer = await framed.recv(PREAUTH_FRAME_BYTES)
-        if isinstance(answer, Reject):
-            raise rejected_by(theirs.address, answer)
-        if not isinstance(answer, Proof):
-            raise ProtocolError(f"expected proof, got {type(answer).__name__}", "hello_invalid")
-        why = verify(local.key, DIALER, agreed.script, answer.proof) or check_versions(
-            theirs.nonce, PROTOCOL_VERSION, version)
-        if why is not None:
-            raise AuthenticationError(why)
-        secrets = agreed.secrets(local.key, ACCEPTOR)
-        framed.mac = secrets.frame_mac
-        join = open_join(await framed.recv(), secrets)
-        peer = await self._admit(framed, theirs, join, secrets, version)
+        peer = await self._admit(framed, met)
         try:
-            await send_join(framed, local.join, secrets)
+            await send_join(framed, self._local.join, met.secrets)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._drop(peer.agent, ConnectionResetError("handshake broke off"), graceful=False)
@@ -327,40 +283,28 @@ class ControlPlane:
             await peer.link.run()
 
     async def _dial_and_admit(self, address: str, canon: str) -> Peer:
-        local = self._local
         if self._vetter is not None:  # its first start is not the peer's delay
             await self._vetter.ready()
         with anyio.fail_after(self._cfg.connect_timeout_s):
-            framed = await self._dialing.connect(address)
+            framed = await self._handshakes.connect(address)
             try:
-                reply, agreed = await self._dialing.hello(framed, address, probe=False)
-                await framed.send(Proof(prove(local.key, DIALER, agreed.script)))
-                secrets = agreed.secrets(local.key, DIALER)
-                framed.mac = secrets.frame_mac
-                await send_join(framed, local.join, secrets)
-                answer = await recv_join_or_reject(framed)
-                if isinstance(answer, Reject):
-                    raise rejected_by(address, answer)
-                join = open_join(answer, secrets)
-                peer = await self._admit(framed, reply, join, secrets, agreed.version, dialled=canon)
+                return await self._admit(framed, await self._handshakes.dial(framed, address), dialled=canon)
             except BaseException:
                 await framed.aclose()
                 raise
-        return peer
 
     async def probe(self, address: str) -> str:
-        """The agent that answers at ``address`` now (``dialing.probe``)."""
-        return await self._dialing.probe(address)
+        """The agent that answers at ``address`` now (``handshakes.probe``)."""
+        return await self._handshakes.probe(address)
 
     def dial_failure(self, exc: BaseException) -> FailureReason:
         return dial_failure(exc)
 
     # -- the handshake ---------------------------------------------------------------
-    async def _admit(self, framed: ControlStream, hello: Hello, join: Join, secrets: LinkSecrets, version: int,
-                     dialled: str | None = None) -> Peer:
+    async def _admit(self, framed: ControlStream, met: Met, dialled: str | None = None) -> Peer:
         """Check an authenticated peer's pool, load it into NIXL and link it (raises
-        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at;
-        ``version``: the protocol version the link speaks."""
+        ``ProtocolError``).  ``dialled``: the canonical address we dialled and found it at."""
+        hello, join, secrets, version = met.hello, met.join, met.secrets, met.version
         memory, why, theirs = checks.check_memory(self._local.memory, join.memory)
         if memory is None:
             why = why or "invalid KV memory"

@@ -215,6 +215,18 @@ class RequestPlane:
         cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
         link.send(Expect(request_id, pages.tolist(), cell, verify))
 
+    async def decline(self, request_id: str, sender: str, message: str) -> bool:
+        """See ``TransferService.decline``: the receiver's ``Abort``, with no request here."""
+        try:
+            link = await self.control.link_to(sender)
+        except Exception as exc:  # noqa: BLE001 - classified in ControlPlane.dial_failure
+            log.warning("transfer.decline_failed", request_id=request_id, sender=sender,
+                        reason=self.control.dial_failure(exc).value, error=repr(exc))
+            return False
+        why = text(f"declined: {message}" if message else "declined")
+        link.send(Abort(request_id, FailureReason.ABORTED.value, why))
+        return True
+
     def abort(self, request_id: str) -> TransferResult | None:
         """See ``TransferService.abort``."""
         sreq = self.sends.get(request_id)

@@ -6,7 +6,6 @@ cancellation propagates and the transfer goes on.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable
 
 import anyio
@@ -58,7 +57,7 @@ async def await_settled(plane: RequestPlane, request_id: str, timeout: float | N
     side = "recv" if request_id in plane.recvs or request_id in plane.recvs_done else "send"
     live: RecvRequest | SendRequest | None = plane.recvs.get(request_id) if side == "recv" else \
         plane.sends.get(request_id)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if timeout is None else anyio.current_time() + timeout
     if live is not None:
         with anyio.move_on_after(timeout):
             await live.done.wait()
@@ -66,7 +65,7 @@ async def await_settled(plane: RequestPlane, request_id: str, timeout: float | N
             return _settled_or_unknown(plane, side, request_id)
     result = _settled_or_unknown(plane, side, request_id)
     if not result.settled:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        left = None if deadline is None else max(0.0, deadline - anyio.current_time())
         await plane.settlement.wait(side, request_id, left)
     return _settled_or_unknown(plane, side, request_id)
 

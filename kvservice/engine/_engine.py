@@ -265,6 +265,21 @@ class KVTransferEngine:
         self._register(("recv", request_id), transfer)
         return transfer
 
+    def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:
+        """``TransferService.decline``: tell ``sender`` ("host:port") that this engine needs
+        none of ``request_id`` (its send there fails ``ABORTED`` at once and frees what it
+        held); never waits.  False when the engine does not take calls; a sender that
+        cannot be reached, or a call refused, is logged (``transfer.decline_failed``,
+        ``engine.decline_failed``): its send then ends at its bootstrap deadline, as for a
+        receiver that never came."""
+        async def decline(svc: TransferService) -> None:
+            try:
+                await svc.decline(request_id, sender=sender, message=message)
+            except Exception as exc:  # noqa: BLE001 - a courtesy to the sender; its deadline stands
+                log.warning("engine.decline_failed", request_id=request_id, sender=sender, error=repr(exc))
+
+        return self._spawn(decline)
+
     def expected(self, request_id: str) -> bool:
         """Whether a receiver's expect for ``request_id`` has reached this engine and waits
         for the first ``send()`` (``TransferService.expected``); never waits on the loop."""

@@ -13,6 +13,7 @@ and reads one command per line on stdin, writes one event per line on stdout::
                                                            <- {"event": "arrived", "verified": true, ...}
     -> {"op": "verify", "rid": "r1", "pages": [5, 6]}        <- {"event": "verified", "ok": true, ...}
     -> {"op": "await_settled", "rid": "r1", "timeout": 10}  <- {"event": "settled", "settled": true, ...}
+    -> {"op": "decline", "rid": "r1", "sender": "host:port"}  <- {"event": "declined", "ok": true, ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
 
 The first event is ``{"event": "ready", "address", "agent", "pid"}``; the last,
@@ -140,6 +141,9 @@ async def _child(config_json: str) -> None:
                 elif op == "abort":
                     result = await svc.abort(rid)
                     await emit({"event": "aborted", **base, "status": result.status.value if result else None})
+                elif op == "decline" and isinstance(svc, TransferService):
+                    ok = await svc.decline(rid, sender=cmd["sender"], message=cmd.get("message", ""))
+                    await emit({"event": "declined", **base, "ok": ok})
                 elif op == "await_settled":  # in the background: may wait long
                     tg.start_soon(wait_settled, rid, base, cmd.get("timeout"))
                 elif op == "verify":  # do ``pages`` hold ``rid``'s pattern (still, or now)?

@@ -41,14 +41,15 @@ def peer_config(layout: KVLayout, **settings: Any) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def peer_processes(*configs: dict[str, Any], env: dict[str, str] | None = None,
-                         ) -> AsyncIterator[list[PeerProcess]]:
-    """Start one peer per config, each ready; stop whatever is left on exit, even when
-    the body fails or is cancelled (a peer that does not exit is SIGKILLed)."""
+                         ready_timeout: float = 30.0) -> AsyncIterator[list[PeerProcess]]:
+    """Start one peer per config, each ready (within ``ready_timeout`` each: ``PeerProcess.start``);
+    stop whatever is left on exit, even when the body fails or is cancelled (a peer that does
+    not exit is SIGKILLed)."""
     async with anyio.create_task_group() as tg:
         started: list[PeerProcess] = []
         try:
             for cfg in configs:
-                started.append(await PeerProcess.start(tg, cfg, env=env))
+                started.append(await PeerProcess.start(tg, cfg, env=env, ready_timeout=ready_timeout))
             yield started
         finally:
             with anyio.CancelScope(shield=True):

@@ -20,7 +20,7 @@ from kvservice import FailureReason, TransferService, TransferStatus
 from kvservice._control.protocol import OLDEST_VERSION, PROTOCOL_VERSION, Hello
 from kvservice.testing import PeerProcess, pattern
 from tests.compat.previous import PREVIOUS_PROTOCOL, previous_env
-from tests.helpers import SMALL, config, eventually, free_port, peer_config, peers
+from tests.helpers import READY_S, SMALL, config, eventually, free_port, peer_config, peers
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -62,8 +62,10 @@ async def receive_from(svc: TransferService, prefill: PeerProcess, rid: str, src
 
 
 async def test_this_release_sends_to_the_previous_one(old: dict[str, str]) -> None:
-    # the service first: a service answers its first dial once its vetting child is up
-    async with TransferService(config()) as svc, peers(peer_config(), env=old) as (decode,):
+    # the service first: a service answers its first dial once its vetting child is up (seconds
+    # on a loaded machine): the dialling decode waits for that, not the default 5 s
+    async with TransferService(config()) as svc, \
+            peers(peer_config(connect_timeout_s=GUARD_S), env=old) as (decode,):
         await send_to(svc, decode, "up-1", [3, 4, 5, 9], [40, 41, 50, 2])  # the old decode dials us
         assert svc.status()["peer_versions"] == {str(PREVIOUS_PROTOCOL): 1}
         await send_to(svc, decode, "up-2", [10, 11], [12, 13])
@@ -71,7 +73,8 @@ async def test_this_release_sends_to_the_previous_one(old: dict[str, str]) -> No
 
 
 async def test_the_previous_release_sends_to_this_one(old: dict[str, str]) -> None:
-    async with peers(peer_config(), env=old) as (prefill,), TransferService(config()) as svc:
+    async with peers(peer_config(), env=old) as (prefill,), \
+            TransferService(config(connect_timeout_s=GUARD_S)) as svc:  # as the restart's decode
         await receive_from(svc, prefill, "down-1", list(range(10, 22)), list(range(30, 42)))  # we dial it
         assert svc.status()["peer_versions"] == {str(PREVIOUS_PROTOCOL): 1}
         await receive_from(svc, prefill, "down-2", [1], [63])
@@ -95,8 +98,8 @@ async def test_a_restart_under_traffic_across_versions(old: dict[str, str], rest
     prefill_cfg = peer_config(port=free_port())
     decode_cfg = peer_config(port=free_port(), connect_timeout_s=GUARD_S)
     async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, prefill_cfg, env=old, ready_timeout=GUARD_S)
-        decode = await PeerProcess.start(tg, decode_cfg, ready_timeout=GUARD_S)
+        prefill = await PeerProcess.start(tg, prefill_cfg, env=old, ready_timeout=READY_S)
+        decode = await PeerProcess.start(tg, decode_cfg, ready_timeout=READY_S)
         try:
             async def one(rid: str, src: list[int], dst: list[int]) -> None:
                 await prefill.command(op="fill", rid=rid, pages=src)
@@ -133,7 +136,7 @@ async def test_a_restart_under_traffic_across_versions(old: dict[str, str], rest
             # the sender may learn it from NIXL first (its WRITE to a dead endpoint)
             died = {FailureReason.PEER_LOST.value, FailureReason.REMOTE_DISCONNECT.value}
             assert lost["status"] == "FAILED" and lost["reason"] in died, lost
-            reborn = await PeerProcess.start(tg, victim_cfg, env=env, ready_timeout=GUARD_S)
+            reborn = await PeerProcess.start(tg, victim_cfg, env=env, ready_timeout=READY_S)
             prefill, decode = (reborn, decode) if restart == "previous" else (prefill, reborn)
             for i in range(3):  # the next incarnation links again, across the versions
                 await one(f"after-{i}", [40 + i], [50 + i])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import eventually_sync
+from tests.helpers import eventually_sync, free_port
 
 #: etcd answers its health endpoint within this long of starting (it takes well under 1 s)
 READY_TIMEOUT_S = 20.0
@@ -34,12 +34,6 @@ def require_etcd() -> str:
             pytest.fail(why)
         pytest.skip(why)
     return binary
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EtcdServer:

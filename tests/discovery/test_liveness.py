@@ -20,7 +20,7 @@ import torch
 
 from kvservice import FailureReason, TransferService
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import SMALL, config, eventually, peer_config
+from tests.helpers import READY_S, SMALL, config, eventually, peer_config
 
 from .etcd_server import EtcdServer
 
@@ -68,7 +68,8 @@ async def holding(etcd: EtcdServer, **fast: float) -> AsyncIterator[tuple[Transf
     ``fast``), the decode expecting "held" into pages 1-2 from it, the prefill holding that
     Expect; the prefill is stopped when the block ends."""
     async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)))
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill", **fast)),
+                                          ready_timeout=READY_S)
         try:
             async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
                                               **SLOW_LINK)) as decode:
@@ -84,7 +85,7 @@ async def holding(etcd: EtcdServer, **fast: float) -> AsyncIterator[tuple[Transf
 
 async def test_restart_under_the_same_name_drops_the_old_incarnation(etcd: EtcdServer) -> None:
     async with anyio.create_task_group() as tg:
-        old = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill")))
+        old = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill")), ready_timeout=READY_S)
         new: PeerProcess | None = None
         try:
             async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode"), **SLOW_LINK)) as decode:
@@ -93,7 +94,8 @@ async def test_restart_under_the_same_name_drops_the_old_incarnation(etcd: EtcdS
                 await decode.expect("held", [1, 2], sender="prefill-0")
                 await expects_held(old, 1)
                 old.signal(signal.SIGSTOP)  # hung: its link stays open, its lease alive for a while
-                new = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill")))
+                new = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, "prefill-0", "prefill")),
+                                              ready_timeout=READY_S)
                 lost = await decode.await_arrival("held", timeout=GUARD_S)
                 assert lost.reason is FailureReason.PEER_LOST, lost
                 assert "new incarnation" in lost.message
@@ -165,7 +167,8 @@ async def test_a_send_pinned_inside_the_grace_fails_when_the_lapse_is_judged(etc
     member, not at its bootstrap timeout; a send pinned to another member is untouched."""
     fast = {"etcd_ttl_s": 2, "etcd_keepalive_s": 0.5, "etcd_rejoin_grace_s": 5.0}
     async with anyio.create_task_group() as tg:
-        started = [await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, f"decode-{i}", "decode", **fast)))
+        started = [await PeerProcess.start(tg, peer_config(**etcd_opts(etcd, f"decode-{i}", "decode", **fast)),
+                                          ready_timeout=READY_S)
                    for i in range(2)]
         try:
             async with TransferService(config(**etcd_opts(etcd, "prefill-0", "prefill", **fast),

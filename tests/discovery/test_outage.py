@@ -20,7 +20,7 @@ import torch
 from kvservice import TransferService
 from kvservice.discovery.registry import DiscoveryUnavailable
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import SMALL, config, eventually, peer_config
+from tests.helpers import READY_S, SMALL, config, eventually, peer_config
 
 from .etcd_server import EtcdServer, require_etcd
 
@@ -82,7 +82,8 @@ async def flowing(etcd: EtcdServer) -> AsyncIterator[tuple[TransferService, Peer
     """A child prefill and an in-process decode that found it through etcd, with Traffic
     between them already past its first 5 requests; the traffic stops with the block."""
     async with anyio.create_task_group() as tg:
-        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")))
+        prefill = await PeerProcess.start(tg, peer_config(**etcd_opts(etcd.endpoint, "prefill-0", "prefill")),
+                                          ready_timeout=READY_S)
         try:
             async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
                 await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)

@@ -24,24 +24,27 @@ from kvservice._trust.keys import generate_key
 from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import Host
-from tests.helpers import eventually, peer_config
+from tests.helpers import eventually, peer_config, scaled
 
 from .bridge import Switch, switch
 from .etcd_server import EtcdServer, require_etcd
 
-pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
-
 PREFILLS, DECODES = 2, 8
 PORT = 17400
-GUARD_S = 60.0  # a hang guard for each wait, never a timed assertion
-DEADLINE_S = 20.0  # every request's own deadline (arrival, transfer, bootstrap)
+#: every request's own deadline (arrival, transfer, bootstrap): a round's first links are
+#: made one after another inside the first request's (16 handshakes, each vetting metadata),
+#: so it follows the machine's speed
+DEADLINE_S = scaled(20.0)
+GUARD_S = 60.0 + DEADLINE_S  # a hang guard for each wait, never a timed assertion
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(int(scaled(420)))]
 CUT_REASONS = {"PEER_LOST", "REMOTE_DISCONNECT", "TIMEOUT"}
 FAST = {"etcd_ttl_s": 4, "etcd_keepalive_s": 1.0, "etcd_rejoin_grace_s": 2.0, "etcd_connect_timeout_s": 1.0,
-        "heartbeat_interval_s": 0.5, "peer_timeout_s": 3.0, "arrival_timeout_s": DEADLINE_S,
+        "heartbeat_interval_s": 0.5, "peer_timeout_s": scaled(3.0), "arrival_timeout_s": DEADLINE_S,
         "transfer_timeout_s": DEADLINE_S, "bootstrap_timeout_s": DEADLINE_S, "drain_grace_s": 0.5,
         # first links with each side's vetting child starting cold, 10 services on a CI
         # machine's few cores: the handshake gets more than the default 5 s
-        "connect_timeout_s": 15.0}
+        "connect_timeout_s": scaled(15.0)}
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from kvservice._trust.keys import generate_key, load_key
 from kvservice.memory import KVLayout
 from kvservice.memory._pool import KVPool
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
+from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool, scaled
 from tests.hostile import Raw, authenticate, dial, is_reject, join_for, own_key, wire_memory
 
 pytestmark = pytest.mark.nixl
@@ -38,10 +38,16 @@ pytestmark = pytest.mark.nixl
 _rids = itertools.count()
 
 
+#: a hang guard for a wait on a condition (it comes much sooner), never a timed assertion
+WAIT_S = 60.0
+
+
 def hostile_config(**kw: Any) -> ServiceConfig:
-    kw.setdefault("connect_timeout_s", 1.0)
+    # short: a stalled handshake or a silent link ends soon; as long as this machine needs
+    # for the legitimate peers to meet them
+    kw.setdefault("connect_timeout_s", scaled(1.0))
     kw.setdefault("heartbeat_interval_s", 0.25)
-    kw.setdefault("peer_timeout_s", 1.5)
+    kw.setdefault("peer_timeout_s", scaled(1.5))
     return config(**kw)
 
 
@@ -67,7 +73,7 @@ async def expect_refusal(svc: TransferService, decode: PeerProcess, kind: str,
                          attack: Callable[[], Awaitable[object]]) -> None:
     before = refused(svc, kind)
     await attack()
-    await eventually(lambda: refused(svc, kind) > before, 10, 0.01, what=f"the refusal counted as {kind!r}")
+    await eventually(lambda: refused(svc, kind) > before, WAIT_S, 0.01, what=f"the refusal counted as {kind!r}")
     await legit_transfer(svc, decode)
 
 
@@ -135,7 +141,8 @@ async def test_a_flood_of_garbage_is_counted_in_full_and_logged_in_bursts() -> N
                 raw = await Raw.connect(svc.address)
                 await raw.send_raw(b"GET / HTTP/1.1\r\n\r\n")
                 await answered(raw, "frame")
-            await eventually(lambda: refused(svc, "frame") >= before + 40, 10, 0.01, what="40 garbage frames counted")
+            await eventually(lambda: refused(svc, "frame") >= before + 40, WAIT_S, 0.01,
+                             what="40 garbage frames counted")
         lines = [e for e in logs if e["event"] == "peer.handshake_failed" and e.get("kind") == "frame"]
         assert 1 <= len(lines) <= 10, len(lines)
         assert refused(svc, "frame") == before + 40
@@ -315,7 +322,7 @@ async def test_idle_and_trickling_connections_are_bounded_and_time_out() -> None
         async with anyio.create_task_group() as tg:
             tg.start_soon(drip)
         await eventually(lambda: refused(svc, "handshake_source_limit") + refused(svc, "handshake_timeout") >= 301,
-                         10, 0.05, what="the idle and trickling connections refused or timed out")
+                         WAIT_S, 0.05, what="the idle and trickling connections refused or timed out")
         assert refused(svc, "handshake_source_limit") >= 300 - svc.config.max_handshakes_per_source
         assert refused(svc, "handshake_timeout") >= 1
         for raw in [*idle, trickle]:
@@ -351,7 +358,7 @@ async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
                     if i % 50 == 0:
                         await raw.send(Ping())
             assert refused(svc, "outbox_overflow") > before
-            await eventually(lambda: "127.0.0.1:3" not in svc.status()["peers"], 10, 0.02,
+            await eventually(lambda: "127.0.0.1:3" not in svc.status()["peers"], WAIT_S, 0.02,
                              what="the peer that never reads dropped")
             await raw.aclose()
             await legit_transfer(svc, decode)
@@ -382,7 +389,8 @@ async def test_accept_errors_back_off_and_the_service_goes_on() -> None:
         async with await anyio.open_process([sys.executable, "-c", _CONNECTOR, host, port, "40"]) as proc:
             resource.setrlimit(resource.RLIMIT_NOFILE, (used + 6, hard))
             try:
-                await eventually(lambda: refused(svc, "accept_error") >= 3, 10, 0.05, what="3 accept errors counted")
+                await eventually(lambda: refused(svc, "accept_error") >= 3, WAIT_S, 0.05,
+                                 what="3 accept errors counted")
             finally:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             proc.kill()

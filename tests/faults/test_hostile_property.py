@@ -14,6 +14,7 @@ import functools
 import itertools
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
 from kvservice.memory._pool import KVPool
 from kvservice.testing import pattern
-from tests.helpers import LOOPBACK_UCX, SMALL, config, register_pool
+from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually_sync, register_pool, scaled
 from tests.hostile import REGION_FIELDS, wire_memory
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -41,6 +42,7 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ROGUE = "kv-rogue"
+WAIT_S = 60.0  # a hang guard for each wait, never a timed assertion
 
 
 @dataclass
@@ -72,9 +74,9 @@ async def _transfer(svc: TransferService, decode: TransferService, rid: str) -> 
     data = pattern(SMALL, rid, len(src))
     svc.kv.write(src, data)
     await decode.expect(rid, dst, sender=svc.address)
-    result = await svc.await_completion(await svc.send(rid, src, last=True), timeout=10)
+    result = await svc.await_completion(await svc.send(rid, src, last=True), timeout=WAIT_S)
     assert result.ok, result
-    arrived = await decode.await_arrival(rid, timeout=10)
+    arrived = await decode.await_arrival(rid, timeout=WAIT_S)
     assert arrived.ok, arrived
     assert torch.equal(decode.kv.pages(dst), data)
 
@@ -83,7 +85,10 @@ async def _transfer(svc: TransferService, decode: TransferService, rid: str) -> 
 def target() -> Iterator[Target]:
     # Keyless on purpose: the sequences are written blind (they never read the service's
     # nonce), so they cannot carry a proof; the key itself is tested in test_hostile_peers.
-    cfg = config(connect_timeout_s=1.0, heartbeat_interval_s=0.1, peer_timeout_s=1.0, allow_unauthenticated=True)
+    # short timeouts (a rogue's stalled handshake or silent link ends soon), as long as this
+    # machine needs for the legitimate pair to meet them
+    cfg = config(connect_timeout_s=scaled(1.0), heartbeat_interval_s=0.1, peer_timeout_s=scaled(1.0),
+                 allow_unauthenticated=True)
     thread = DoorThread("rogue-nixl")
     door = thread.call_sync(functools.partial(NixlDoor, ROGUE, progress_thread=False, ucx_env=LOOPBACK_UCX))
     pool = thread.call_sync(KVPool, SMALL)
@@ -222,11 +227,8 @@ def test_valid_messages_at_the_wrong_time(target: Target, sequence: list[bytes])
     hello = rogue_handshake(target, "127.0.0.1:8")
     exchange(target.address, [*hello, *sequence])
     target.legit_transfer()
-    for _ in range(200):  # the rogue's link is dropped once it closed (bounded wait)
-        if "127.0.0.1:8" not in target.peers():
-            break
-        target.portal.call(functools.partial(_sleep, 0.01))
-    assert "127.0.0.1:8" not in target.peers()
+    eventually_sync(lambda: "127.0.0.1:8" not in target.peers(), WAIT_S, 0.01,
+                    what="the rogue's link dropped once it closed")
 
 
 async def _sleep(seconds: float) -> None:
@@ -275,9 +277,9 @@ async def _send_pinned(target: Target, rid: str) -> Any:
 
 async def _receive(target: Target, rid: str, handle: Any) -> None:
     await target.decode.expect(rid, [50, 51], sender=target.svc.address)
-    sent = await target.svc.await_completion(handle, timeout=10)
+    sent = await target.svc.await_completion(handle, timeout=WAIT_S)
     assert sent.ok, sent
-    arrived = await target.decode.await_arrival(rid, timeout=10)
+    arrived = await target.decode.await_arrival(rid, timeout=WAIT_S)
     assert arrived.ok, arrived
     assert torch.equal(target.decode.kv.pages([50, 51]), pattern(SMALL, rid, 2))
 
@@ -348,9 +350,10 @@ def test_forged_notifications_complete_and_settle_nothing(target: Target, forger
     before = target.portal.call(functools.partial(_victim, target))[1]
     forger.send(target.decode.agent_name, notifs)
     ours = sum(n.startswith(NOTIF_MAGIC) for n in notifs)
-    for _ in range(500):  # bounded (5 s): until every forged one of ours is counted
+    deadline = time.monotonic() + WAIT_S
+    while True:  # bounded: until every forged one of ours is counted
         state, forged, unsettled = target.portal.call(functools.partial(_victim, target))
-        if forged >= before + ours:
+        if forged >= before + ours or time.monotonic() > deadline:
             break
         forger.progress()  # the first one waits for UCX's wire-up
         target.portal.call(functools.partial(_sleep, 0.01))

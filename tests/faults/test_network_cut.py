@@ -39,7 +39,7 @@ from kvservice._trust.keys import generate_key
 from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import Host, NetnsError, Wire
-from tests.helpers import eventually, peer_config
+from tests.helpers import READY_S, eventually, peer_config
 
 REAL = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -101,7 +101,7 @@ async def services(w: Wire, key_file: str) -> AsyncIterator[tuple[PeerProcess, P
 
         async def start(host: Host) -> None:
             started[host.netns] = await PeerProcess.start(
-                tg, _service(host, key_file), env=host.ucx_env, prefix=host.prefix)
+                tg, _service(host, key_file), env=host.ucx_env, prefix=host.prefix, ready_timeout=READY_S)
 
         try:
             async with anyio.create_task_group() as starting:  # the two start-ups overlap

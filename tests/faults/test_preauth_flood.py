@@ -12,8 +12,8 @@ import pytest
 
 from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Hello, Reject
-from tests.faults.test_hostile_peers import hostile_config, legit_transfer, refused
-from tests.helpers import eventually, peer_config, peers
+from tests.faults.test_hostile_peers import WAIT_S, hostile_config, legit_transfer, refused
+from tests.helpers import eventually, peer_config, peers, scaled
 from tests.hostile import Raw, dial, is_reject
 
 pytestmark = pytest.mark.nixl
@@ -45,14 +45,14 @@ async def test_strangers_filling_the_pool_do_not_lock_out_legitimate_peers() -> 
     closed (144 wanted, 64 slots, 16 per source): three real decode processes on 127.0.0.1
     still link and receive byte-exact, every refusal is counted and was told why, and no
     stranger is linked."""
-    cfg = hostile_config(connect_timeout_s=2.0)  # the pool's defaults: 64 slots, 16 per source
+    cfg = hostile_config(connect_timeout_s=scaled(2.0))  # the pool's defaults: 64 slots, 16 per source
     seen: Counter[str] = Counter()
     async with peers(peer_config(), peer_config(), peer_config()) as decodes, TransferService(cfg) as svc:
         async with anyio.create_task_group() as tg:
             for s in range(2, 8):
                 for _ in range(24):
                     tg.start_soon(hold, svc.address, f"127.0.0.{s}", seen)
-            await eventually(lambda: sum(refused(svc, kind) for kind in POOL_KINDS) >= 50, 20, 0.05,
+            await eventually(lambda: sum(refused(svc, kind) for kind in POOL_KINDS) >= 50, WAIT_S, 0.05,
                              what="the pool full and the strangers refused")
             try:
                 for decode in decodes:
@@ -77,7 +77,7 @@ async def test_one_source_reopening_its_connections_is_held_to_its_share() -> No
         async with anyio.create_task_group() as tg:
             for _ in range(64):
                 tg.start_soon(hold, svc.address, "127.0.0.2", seen)
-            await eventually(lambda: refused(svc, "handshake_source_limit") >= 48, 20, 0.05,
+            await eventually(lambda: refused(svc, "handshake_source_limit") >= 48, WAIT_S, 0.05,
                              what="one source held to its share")
             try:
                 for decode in decodes:
@@ -117,7 +117,8 @@ async def test_a_dialer_refused_by_the_pool_ends_refused_with_the_reason(
             assert refused(svc, kind) == 1
         finally:
             await holder.aclose()
-        await eventually(lambda: refused(svc, "handshake_incomplete") >= 1, 10, 0.02, what="the holder's slot freed")
+        await eventually(lambda: refused(svc, "handshake_incomplete") >= 1, WAIT_S, 0.02,
+                         what="the holder's slot freed")
         await legit_transfer(svc, decode)
 
 

@@ -15,7 +15,7 @@ import anyio
 
 from kvservice import TransferService
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import SMALL, config, peer_config
+from tests.helpers import READY_S, SMALL, config, peer_config
 
 
 async def main(out_path: str) -> None:
@@ -23,7 +23,7 @@ async def main(out_path: str) -> None:
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             # the peer's own log (it configures itself, as kvservice's children do) is not ours
-            peer = await PeerProcess.start(tg, peer_config(), stderr=subprocess.DEVNULL)
+            peer = await PeerProcess.start(tg, peer_config(), stderr=subprocess.DEVNULL, ready_timeout=READY_S)
             try:
                 async with TransferService(config()) as svc:
                     svc.kv.write([1, 2], pattern(SMALL, "ok", 2))

@@ -15,7 +15,7 @@ import pytest
 from kvservice import FailureReason, TensorParallel, TransferService, TransferStatus
 from kvservice.memory.synthetic import ENGINES, EngineSpec, SyntheticKV
 from kvservice.testing import PeerProcess
-from tests.helpers import config, peer_config
+from tests.helpers import READY_S, config, peer_config
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ async def children(*configs: dict[str, Any]) -> AsyncIterator[list[PeerProcess]]
     started: dict[int, PeerProcess] = {}
     async with anyio.create_task_group() as tg:
         async def start(i: int, cfg: dict[str, Any]) -> None:
-            started[i] = await PeerProcess.start(tg, cfg)
+            started[i] = await PeerProcess.start(tg, cfg, ready_timeout=READY_S)
 
         try:
             async with anyio.create_task_group() as starting:

@@ -14,7 +14,7 @@ import torch
 
 from kvservice import TransferHandle, TransferResult, TransferService
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import SMALL, config, peer_config
+from tests.helpers import READY_S, SMALL, config, peer_config
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ async def started_together(n: int, cfg: dict[str, Any]) -> AsyncIterator[list[Pe
         try:
             async with anyio.create_task_group() as starting:
                 async def one(i: int) -> None:
-                    started[i] = await PeerProcess.start(tg, cfg, ready_timeout=120)  # a hang guard
+                    started[i] = await PeerProcess.start(tg, cfg, ready_timeout=READY_S)
 
                 for i in range(n):
                     starting.start_soon(one, i)

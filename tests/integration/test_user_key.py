@@ -29,7 +29,7 @@ from kvservice import FailureReason, TransferService
 from kvservice._trust.keys import user_key_dir
 from kvservice.testing import PeerProcess, pattern
 
-from ..helpers import SMALL, config, peer_config, peers
+from ..helpers import READY_S, SMALL, config, peer_config, peers
 
 pytestmark = pytest.mark.nixl
 
@@ -73,7 +73,7 @@ async def decode_as(uid: int, cfg: dict[str, Any]) -> AsyncIterator[PeerProcess]
     env = {"PYTHONPATH": os.pathsep.join([code, checkout, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
         async with anyio.create_task_group() as tg:
-            proc = await PeerProcess.start(tg, cfg, prefix=launcher, env=env)
+            proc = await PeerProcess.start(tg, cfg, prefix=launcher, env=env, ready_timeout=READY_S)
             try:
                 yield proc
             finally:

@@ -24,7 +24,7 @@ import anyio.abc
 
 from kvservice.sidecar.local import LocalDaemon, short_tmpdir
 from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Hello, decode_server, encode
-from tests.helpers import eventually
+from tests.helpers import READY_S, eventually
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "config"
@@ -88,7 +88,7 @@ def sidecars(*roles: str, **kw: Any) -> Iterator[list[Sidecar]]:
         for d in daemons:
             d.spawn()
         for d in daemons:
-            d.await_ready()
+            d.await_ready(READY_S)
         yield daemons
     finally:
         for d in daemons:

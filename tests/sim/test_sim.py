@@ -44,8 +44,12 @@ REGRESSIONS: dict[tuple[int, bool], str] = {
 #: the sweep: CALM seeds one action per step, BURST seeds up to four (``--sim-seeds N``
 #: or KVSERVICE_SIM_SEEDS=N for N in all, three quarters calm)
 SWEEP = 2000
-#: worker processes for the sweep (KVSERVICE_SIM_WORKERS)
-WORKERS = 2
+#: the sweep runs as this many tests, each a share of its seeds, so that a parallel run
+#: (pytest -n) spreads them over its workers beside tests that mostly wait
+SHARDS = 8
+#: worker processes for each share (KVSERVICE_SIM_WORKERS): one per share in a parallel run,
+#: two otherwise
+WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 def _sweep_size(config: pytest.Config) -> int:
@@ -78,13 +82,16 @@ def test_regressions(replay_seed: int | None) -> None:
         run_seed(seed, STEPS, burst=burst)
 
 
-@pytest.mark.timeout(300)  # 2,000 seeds: 45 s on 2 idle cores, twice that on busy ones
-def test_sweep(replay_seed: int | None, request: pytest.FixtureRequest) -> None:
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # a share (250 seeds): 45 s on one busy core
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_sweep(shard: int, replay_seed: int | None, request: pytest.FixtureRequest) -> None:
+    """Seeds ``shard``, ``shard + SHARDS``, ... of the sweep: its ``SHARDS`` tests run every seed once."""
     if replay_seed is not None:
         pytest.skip("--seed replays one seed")
     n = _sweep_size(request.config)
     calm = n - n // 4
-    seeds = [(s, False) for s in range(calm)] + [(s, True) for s in range(n - calm)]
+    seeds = ([(s, False) for s in range(calm)] + [(s, True) for s in range(n - calm)])[shard::SHARDS]
     workers = int(os.environ.get("KVSERVICE_SIM_WORKERS", WORKERS))
     t0 = time.perf_counter()
     if workers <= 1:
@@ -95,7 +102,8 @@ def test_sweep(replay_seed: int | None, request: pytest.FixtureRequest) -> None:
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
             failures = [f for got in pool.map(_run_range, shares) for f in got]
     elapsed = time.perf_counter() - t0
-    print(f"simulation: {n} seeds in {elapsed:.1f}s ({n / elapsed:.0f} seeds/s, {workers} workers)")
+    print(f"simulation: {len(seeds)} of {n} seeds in {elapsed:.1f}s ({len(seeds) / elapsed:.0f} seeds/s, "
+          f"{workers} workers)")
     assert not failures, f"{len(failures)} seeds failed; the first:\n{failures[0]}"
 
 

@@ -137,3 +137,24 @@ async def test_api_outside_the_service_lifetime_raises() -> None:
     with pytest.raises(KVServiceError, match="shutting down"):
         await svc.expect("r", [1], sender="127.0.0.1:1")
     fabric.assert_clean()
+
+
+async def test_decline_checks_its_arguments_and_refuses_a_request_expected_here() -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            await rx.expect("mine", [3], sender=tx.address)
+            with pytest.raises(ValueError, match="expected here: abort"):
+                await rx.decline("mine", sender=tx.address)
+            with pytest.raises(ValueError, match="host:port"):
+                await rx.decline("other", sender="nowhere")
+            with pytest.raises(ValueError, match="request_id"):
+                await rx.decline("", sender=tx.address)
+            # declined before any send: the send of it fails ABORTED at once, nothing posted
+            assert await rx.decline("other", sender=tx.address) is True
+            await eventually(lambda: tx.expect_dropped("other") is not None, GUARD_S)
+            result = await tx.await_completion(await tx.send("other", [1], last=True), timeout=GUARD_S)
+            assert (result.reason, result.settled) == (FailureReason.ABORTED, True), result
+            await rx.abort("mine")
+    with pytest.raises(KVServiceError, match="shutting down"):
+        await rx.decline("late", sender=tx.address)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from kvservice._trust.handoff import handoff_key
 from kvservice.integrations.vllm.memory import kv_memory
 from kvservice.integrations.vllm.params import Handoff, HandoffError, decode_tp_size, handoff_from, prompt_digest
-from kvservice.integrations.vllm.scheduler import SchedulerSide
+from kvservice.integrations.vllm.scheduler import DEFAULT_PORT, Cancel, SchedulerSide, SendSpec, rank_port
 
 KEY = handoff_key(b"k" * 32)
 NOW = 1_800_000_000.0
@@ -143,6 +142,16 @@ class Req:
     prompt_token_ids: list[int] = field(default_factory=lambda: list(range(70)))
     num_computed_tokens: int = 0
     status: Status = Status.FINISHED_LENGTH_CAPPED
+    max_tokens: int = 1
+    num_output_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
 
 
 def side(*, producer: bool = False, key: bytes | None = KEY, now: float = NOW) -> SchedulerSide:
@@ -178,7 +187,8 @@ def test_the_scheduler_side_refuses_what_it_cannot_load() -> None:
     d = side()
     params = make("p0", ("127.0.0.1:7100",), 70, 32).to_params()
     assert d.get_num_new_matched_tokens(Req("a", dict(params)), 20) == (0, False)  # not whole blocks
-    assert d.get_num_new_matched_tokens(Req("f", dict(params)), 96) == (0, False)  # all cached here: not counted
+    cached = make("p9", ("127.0.0.1:7100",), 70, 32).to_params()
+    assert d.get_num_new_matched_tokens(Req("f", cached), 96) == (0, False)  # all cached here: declined
     assert d.get_num_new_matched_tokens(Req("b", dict(params), prompt_token_ids=[1] * 40), 0) == (0, False)
     other = make("p1", ("127.0.0.1:7100",), 70, 16).to_params()
     assert d.get_num_new_matched_tokens(Req("c", other), 0) == (0, False)
@@ -277,6 +287,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.made: dict[str, FakeTransfer] = {}
+        self.declined: list[tuple[str, str]] = []
 
     def start(self) -> FakeEngine:
         return self
@@ -287,8 +298,21 @@ class FakeEngine:
     def receiver(self, request_id: str, *, sender: str) -> FakeTransfer:
         return self.made.setdefault(request_id, FakeTransfer(request_id, sender))
 
+    def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:
+        self.declined.append((request_id, sender))
+        return True
+
     def close(self) -> None:
         self.running = False
+
+
+def ok(request_id: str, *, pages: int, page_bytes: int = 4096, created: float = 10.0, started: float | None = 10.5,
+       finished: float = 11.0) -> Any:
+    """A successful transfer's result as the engine's ``result`` has it."""
+    from kvservice._results import TransferResult, TransferStatus
+
+    return TransferResult(request_id, TransferStatus.SUCCESS, bytes=pages * page_bytes, pages=pages,
+                          created_at=created, started_at=started, finished_at=finished, settled=True)
 
 
 def worker(tp_size: int, tp_rank: int, **config: Any) -> tuple[Any, FakeEngine]:
@@ -306,12 +330,12 @@ def test_the_worker_routes_tp_ranks_and_reports_a_failed_load_only_once_settled(
 
     # prefill rank 1 of 2 sends to the one decode rank; decode rank 0 of 1 loads from both
     p, pe = worker(2, 1)
-    p.start(Work(sends=[SendSpec("r", (1, 2), decode_tp=1)]))
+    p.save(Work(sends=[SendSpec("r", (1, 2), decode_tp=1)]))
     # sent in the step that handed it over, before its decode asked: the service fits it
     assert list(pe.made) == ["r@tp1.0"] and pe.made["r@tp1.0"].calls == ["send [1, 2] last=True fit=tail"]
-    assert p.finished(set()) == (set(), set(), set())  # still on its way: the blocks stay held
-    pe.made["r@tp1.0"].state = "Success"
-    pe.made["r@tp1.0"].result = SimpleNamespace(pages=2)
+    assert p.finished({"r"}) == (set(), set(), set())  # still on its way: the blocks stay held
+    pe.made["r@tp1.0"].state, pe.made["r@tp1.0"].settled = "Success", True
+    pe.made["r@tp1.0"].result = ok("r@tp1.0", pages=2)
     assert p.finished(set()) == ({"r"}, set(), set()) and p.counts == {"sends_ok": 1}
 
     d, de = worker(1, 0)
@@ -346,12 +370,14 @@ def test_the_prefill_sends_at_once_and_frees_its_blocks_only_when_each_send_ende
     from kvservice.integrations.vllm.scheduler import SendSpec, Work
 
     p, pe = worker(1, 0)
-    p.start(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("lost", (7, 8), 1)]))
+    p.save(Work(sends=[SendSpec("tail", (1, 2, 3), 1), SendSpec("lost", (7, 8), 1)]))
     tail, lost = pe.made["tail@tp0.0"], pe.made["lost@tp0.0"]
     assert tail.calls == ["send [1, 2, 3] last=True fit=tail"] and lost.calls == ["send [7, 8] last=True fit=tail"]
-    assert p.finished(set()) == (set(), set(), set())  # neither ended: nothing is freed
-    tail.state, tail.result = "Success", SimpleNamespace(pages=1)  # its decode had two blocks cached
+    assert p.finished({"tail", "lost"}) == (set(), set(), set())  # neither ended: nothing is freed
+    tail.state, tail.result = "Success", ok("tail@tp0.0", pages=1)  # its decode had two blocks cached
     lost.state = "Failed"  # its decode is gone (or never came: the service's bootstrap timeout)
+    assert p.finished(set()) == (set(), set(), set())  # ended, but the service may still read the blocks
+    tail.settled = lost.settled = True
     lost.result = TransferResult("lost@tp0.0", TransferStatus.FAILED, FailureReason.PEER_LOST, message="gone",
                                  peer="127.0.0.1:7200")
     assert p.finished(set()) == ({"tail", "lost"}, set(), set())
@@ -364,6 +390,118 @@ def test_a_send_the_engine_refuses_is_reported_and_freed() -> None:
 
     p, pe = worker(1, 0)
     pe.running = False  # closed under it
-    p.start(Work(sends=[SendSpec("late", (1, 2), 1)]))
-    assert pe.made == {} and p.finished(set()) == ({"late"}, set(), set())
+    p.save(Work(sends=[SendSpec("late", (1, 2), 1)]))
+    assert pe.made == {} and p.finished({"late"}) == ({"late"}, set(), set())
     assert p.counts == {"send_refused": 1}
+
+
+# -- when a prefill's send is posted, and what undoes it --------------------------------------
+
+
+def test_a_request_whose_last_token_this_step_samples_is_sent_in_that_step() -> None:
+    p = side(producer=True)
+    req = Req("p0", {"do_remote_decode": True})
+    p.on_new_request(req)
+
+    def blocks(rid: str) -> list[int]:
+        return [4, 5, 6, 7]
+
+    # a first chunk of the prompt: not yet
+    assert p.build(scheduled={"p0": 40}, blocks_of=blocks).sends == []
+    req.num_computed_tokens = 40
+    # the last chunk, and max_tokens=1: the token it samples ends it
+    assert p.build(scheduled={"p0": 30}, blocks_of=blocks).sends == [SendSpec("p0", (4, 5, 6), 1)]
+    req.num_computed_tokens = 70
+    assert not p.has_pending_push_work()  # nothing held until it finished
+    delay, params = p.request_finished(req, [4, 5, 6, 7])
+    assert delay and params == make("p0", ("127.0.0.1:7100",), 70, 32).to_params()
+    assert p.build().sends == [] and p.held == {"p0": 3}  # posted already: not again
+    p.reported(["p0"], None)
+    assert p.held == {} and p.counts == {"handoffs": 1, "handoffs_freed": 1}
+
+    # max_tokens=2: the prompt's step does not end it; sent from the step after it finished
+    q = Req("q0", {"do_remote_decode": True}, max_tokens=2)
+    p.on_new_request(q)
+    assert p.build(scheduled={"q0": 70}, blocks_of=blocks).sends == []
+    q.num_computed_tokens = 70
+    assert p.request_finished(q, [4, 5, 6])[0] is True
+    assert p.build().sends == [SendSpec("q0", (4, 5, 6), 1)]
+
+
+def test_an_early_send_whose_request_hands_nothing_off_is_cancelled_and_held_until_reported() -> None:
+    p = side(producer=True)
+    req = Req("p0", {"do_remote_decode": True})
+    p.on_new_request(req)
+    assert len(p.build(scheduled={"p0": 70}, blocks_of=lambda rid: [4, 5, 6]).sends) == 1
+    req.num_computed_tokens, req.status = 70, Status.FINISHED_ABORTED  # aborted during its step
+    assert p.request_finished(req, [4, 5, 6]) == (True, None)  # the send may still read the blocks
+    assert p.has_pending_push_work() and p.build().cancels == [Cancel("p0", finished=True)]
+    assert p.held == {"p0": 3}
+    p.reported(["p0"], None)
+    assert p.held == {} and not p.has_pending_push_work()
+
+    # preempted before its output (async scheduling): vLLM has its blocks back; the send is
+    # aborted, and the request, recomputed, is sent again in its new last step
+    r = Req("r0", {"do_remote_decode": True})
+    p.on_new_request(r)
+    assert len(p.build(scheduled={"r0": 70}, blocks_of=lambda rid: [1, 2, 3]).sends) == 1
+    assert p.build(preempted=["r0"]).cancels == [Cancel("r0", finished=False)] and p.held == {}
+    assert p.build(scheduled={"r0": 70}, blocks_of=lambda rid: [8, 9, 10]).sends == [SendSpec("r0", (8, 9, 10), 1)]
+    assert p.counts["sends_preempted"] == 1
+
+
+def test_a_decode_whose_cache_holds_every_block_declines_the_handoff() -> None:
+    from kvservice.integrations.vllm.scheduler import Work
+
+    d = side(now=NOW + 1)
+    prompt = PROMPT[:64] + list(range(500, 540))  # the prefill's 64 tokens, then the decode's own
+    handoff = make("p0", ("127.0.0.1:7100",), 64, 32, tokens=prompt)
+    req = Req("d0", handoff.to_params(), prompt_token_ids=prompt)
+    assert d.get_num_new_matched_tokens(req, 96) == (0, False)  # 96 tokens cached here
+    d.update_state_after_alloc(req, [1, 2, 3, 4], 0)
+    work = d.build()
+    assert work.declines == [handoff] and work.recvs == [] and d.counts == {"loads_cached": 1}
+    assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
+    assert d.get_num_new_matched_tokens(req, 96) == (0, False) and d.build().declines == []
+    assert d.request_finished(req, [1, 2, 3, 4]) == (False, None)
+
+    w, we = worker(1, 0)
+    w.start(Work(declines=work.declines))
+    assert we.declined == [("p0@tp0.0", "127.0.0.1:7100")] and w.counts == {"declines": 1}
+
+
+def test_the_worker_reports_a_send_only_once_vllm_finished_it_and_it_settled() -> None:
+    from kvservice._results import FailureReason, TransferResult, TransferStatus
+    from kvservice.integrations.vllm.scheduler import Work
+
+    p, pe = worker(1, 0)
+    p.save(Work(sends=[SendSpec("a", (1, 2), 1), SendSpec("b", (3,), 1), SendSpec("c", (4,), 1)]))
+    a, b, c = pe.made["a@tp0.0"], pe.made["b@tp0.0"], pe.made["c@tp0.0"]
+    for t, pages in ((a, 2), (b, 1), (c, 1)):
+        t.state, t.settled = "Success", True
+        t.result = ok(t.request_id, pages=pages)
+    # ended before vLLM finished them (posted in their last step): not reported yet
+    assert p.finished(set()) == (set(), set(), set())
+    assert p.finished({"a"}) == ({"a"}, set(), set())
+    # cancelled (its request aborted in that step): aborted, reported once settled
+    b.state, b.settled = "Transferring", False
+    p.start(Work(cancels=[Cancel("b", finished=True), Cancel("c", finished=False)]))
+    assert b.calls[-1] == "abort" and p.finished(set()) == (set(), set(), set())
+    b.settled = True
+    assert p.finished(set()) == ({"b"}, set(), set())
+    # preempted: aborted, forgotten, never reported (vLLM has the blocks back)
+    assert c.calls[-2:] == ["abort", "clear"] and p.finished({"c"}) == (set(), set(), set())
+    # declined by its decode: the decode's abort
+    p.save(Work(sends=[SendSpec("d", (5,), 1)]))
+    d = pe.made["d@tp0.0"]
+    d.state, d.settled = "Failed", True
+    d.result = TransferResult("d@tp0.0", TransferStatus.FAILED, FailureReason.ABORTED, message="declined")
+    assert p.finished({"d"}) == ({"d"}, set(), set())
+    assert p.counts == {"sends_ok": 1, "sends_cancelled": 2, "sends_declined": 1}
+
+
+def test_a_producers_ports() -> None:
+    assert [rank_port(DEFAULT_PORT, tp_size=2, tp_rank=r) for r in range(2)] == [7100, 7101]
+    assert [rank_port(9000, tp_size=2, tp_rank=r, dp_rank=1) for r in range(2)] == [9002, 9003]
+    with pytest.raises(ValueError, match=r"not in 1\.\.65535"):
+        rank_port(65535, tp_size=2, tp_rank=1)

@@ -10,9 +10,11 @@ Loaded by module path, nothing patched in vLLM::
 ``kv_connector_extra_config``:
 
 * ``kvservice``: ``ServiceConfig`` keys (the sidecar's ``[service]`` table: ``host``,
-  ``port``, ``advertise_host``, ``auth_key_file``, the timeouts...).  TP rank *r* listens
-  on ``port + r``.  A producer needs a fixed ``port`` (its hand-offs name it); a consumer
-  may leave it 0.
+  ``port``, ``advertise_host``, ``auth_key_file``, the timeouts...).  TP rank *r* of
+  data-parallel rank *d* listens on ``port + d * tp_size + r``.  A producer's hand-offs
+  name those ports: without ``port`` (or with 0) it uses ``scheduler.DEFAULT_PORT``
+  (7100); a consumer may leave it 0 (any free port).  ``kv_both`` produces and consumes
+  with one kvservice per rank.
 * ``decode_tp_size``: the decodes' TP size a producer sends to (default: its own); a
   prefill request may name its own in ``kv_transfer_params``.
 * ``handoff_skew_s``: how far apart the prefills' and decodes' clocks may be, in seconds
@@ -24,7 +26,9 @@ loopback); with ``allow_unauthenticated`` there is none, and hand-offs prove not
 
 vLLM runs one connector object per role: the scheduler's (``scheduler.SchedulerSide``)
 and one per worker (``worker.WorkerSide``); they talk only through the metadata vLLM
-carries between them (``KVServiceMetadata``) and the worker's reports.
+carries between them (``KVServiceMetadata``) and the worker's reports.  Each reports its
+side's counters (and a worker its transfer times) to vLLM's stats every step
+(``get_kv_connector_stats``: ``stats``, ``metrics``).
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ from ..._control.addresses import join_address
 from ..._log import get_logger
 from ..._results import ConfigError
 from ..._trust.handoff import handoff_key
-from .params import DEFAULT_SKEW_S, MAX_LIFETIME_S
-from .scheduler import RecvSpec, SchedulerSide, SendSpec, Work
+from .metrics import KVServicePromMetrics, KVServiceStats
+from .params import DEFAULT_SKEW_S, MAX_LIFETIME_S, Handoff
+from .scheduler import DEFAULT_PORT, Cancel, RecvSpec, SchedulerSide, SendSpec, Work, rank_port
+from .stats import Interval
 from .worker import WorkerSide
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # isort: skip
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults)
+from vllm.logger import init_logger  # isort: skip
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +58,9 @@ if TYPE_CHECKING:
 __all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
 
 log = get_logger("kvservice.vllm")
+#: vLLM's own logger: the start lines an operator reads among the server's (kvservice's own
+#: logger, unconfigured in vLLM's server, shows only warnings)
+vllm_log = init_logger("vllm.kvservice")
 
 
 @dataclass
@@ -59,6 +69,11 @@ class KVServiceMetadata(KVConnectorMetadata):
 
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    declines: list[Handoff] = field(default_factory=list)
+
+    def work(self) -> Work:
+        return Work(self.sends, self.recvs, self.cancels, self.declines)
 
 
 @dataclass(frozen=True)
@@ -100,11 +115,15 @@ class KVServiceConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         service = settings.service
+        producer, consumer = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
+        dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+        base = service.port or (DEFAULT_PORT if producer else 0)
+        try:
+            ports = [rank_port(base, tp_size=tp_size, tp_rank=r, dp_rank=dp_rank) if base else 0
+                     for r in range(tp_size)]
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config.kvservice.port: {exc}") from None
         if role == KVConnectorRole.SCHEDULER:
-            producer, consumer = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
-            if producer and service.port == 0:
-                raise ConfigError("kv_connector_extra_config.kvservice.port: a producer needs a fixed port "
-                                  "(its hand-offs name it; TP rank r listens on port + r)")
             host = service.advertise_host or service.host
             key = handoff_key(service.resolve_key().key)
             if key is None:
@@ -112,16 +131,20 @@ class KVServiceConnector(KVConnectorBase_V1):
                             then="hand-offs are issued unsigned and taken as given (they prove nothing)")
             self._scheduler = SchedulerSide(
                 block_size=vllm_config.cache_config.block_size, producer=producer, consumer=consumer,
-                senders=tuple(join_address(host, service.port + r) for r in range(tp_size)) if producer else (),
+                senders=tuple(join_address(host, port) for port in ports) if producer else (),
                 key=key, tp_size=tp_size, decode_tp=settings.decode_tp_size,
                 lifetime_s=min(service.bootstrap_timeout_s, MAX_LIFETIME_S), skew_s=settings.handoff_skew_s)
+            self._interval = Interval(self._scheduler.counts)
+            vllm_log.info("KVServiceConnector %s: block size %d, hand-offs %s%s", transfer.kv_role,
+                          self._scheduler.block_size, "signed" if key else "UNSIGNED",
+                          f", naming {', '.join(self._scheduler.senders)}" if producer else "")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-            if service.port:
-                service = service.replace(port=service.port + rank)
+            service = service.replace(port=ports[rank])
             self._worker = WorkerSide(service, tp_size=tp_size, tp_rank=rank)
+            self._interval = Interval(self._worker.counts, self._worker.samples)
 
     # -- scheduler side -------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -135,7 +158,11 @@ class KVServiceConnector(KVConnectorBase_V1):
         self._sched.update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVServiceMetadata:
-        return self._sched.build(lambda work: KVServiceMetadata(work.sends, work.recvs))  # type: ignore[no-any-return]
+        manager = self._kv_cache_manager
+        return self._sched.build(  # type: ignore[no-any-return]
+            lambda work: KVServiceMetadata(work.sends, work.recvs, work.cancels, work.declines),
+            scheduled=scheduler_output.num_scheduled_tokens, preempted=scheduler_output.preempted_req_ids or (),
+            blocks_of=None if manager is None else lambda rid: manager.get_block_ids(rid)[0])
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._sched.reported(connector_output.finished_sending, connector_output.finished_recving)
@@ -148,12 +175,16 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work_side.register(kv_caches)
+        side = self._work_side
+        side.register(kv_caches)
+        if side.engine is not None:
+            vllm_log.info("KVServiceConnector: kvservice listening on %s (TP rank %d, %d KV caches)",
+                          side.engine.address, side.tp_rank, len(kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVServiceMetadata):
-            self._work_side.start(Work(meta.sends, meta.recvs))
+            self._work_side.start(meta.work())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: vLLM schedules a request only once its load is reported."""
@@ -163,7 +194,11 @@ class KVServiceConnector(KVConnectorBase_V1):
         not known before the router hands the decode the prefill's answer)."""
 
     def wait_for_save(self) -> None:
-        """Sends run on kvservice's loop; vLLM keeps the blocks until they are reported."""
+        """Post the step's sends, after its forward; they run on kvservice's loop, and vLLM
+        keeps the blocks until they are reported."""
+        meta = self._connector_metadata
+        if isinstance(meta, KVServiceMetadata):
+            self._work_side.save(meta.work())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._work_side.finished(finished_req_ids)
@@ -176,6 +211,21 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work_side.load_errors() if self._worker is not None else set()
+
+    # -- both: vLLM's stats ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVServiceStats | None:
+        """This side's counts (and a worker's transfer times) since vLLM last asked."""
+        data = self._interval.take()
+        return None if data is None else KVServiceStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVServiceStats:
+        return KVServiceStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVServicePromMetrics:
+        return KVServicePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -15,19 +15,31 @@ body (at the top, or in ``vllm_xargs``, which vLLM reads the same way) is remove
 request goes anywhere (counted ``client_params_dropped``), and the decode gets the prefill's
 answer or no hand-off at all.  The decode still checks what it gets (the hand-off's MAC,
 docs/vllm.md "Trust"): the proxy is not what makes a hand-off trustworthy.
+
+It logs (to stderr, ``--log-level``) one ``proxy.listening`` line once it accepts
+connections (its address, the prefills and the decodes), one ``proxy.local_prefill`` line
+each time a request falls back to the decode's own prefill, saying why (at most 10 a
+10 s window per reason, with ``unlogged=`` the lines held back), ``proxy.decode_unreachable``
+likewise, and ``proxy.stopped`` on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
+import signal
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from ..._log import Throttle, configure_logging, get_logger
+
+log = get_logger("kvservice.vllm.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
@@ -41,6 +53,7 @@ class Router:
         self._decodes = itertools.cycle([d.rstrip("/") for d in decodes])
         self.counts: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
+        self._throttle = Throttle()
 
     async def start(self, _app: web.Application) -> None:
         self._session = aiohttp.ClientSession(timeout=_TIMEOUT)
@@ -83,21 +96,33 @@ class Router:
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
         first.pop("stream_options", None)
+        prefill = next(self._prefills)
         try:
-            async with self._session.post(f"{next(self._prefills)}{path}", json=first) as resp:
-                answer = await resp.json(content_type=None)
-                if resp.status != 200:
-                    self.counts["prefill_failed"] += 1
-                    return None
-        except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError):
-            self.counts["prefill_unreachable"] += 1
+            async with self._session.post(f"{prefill}{path}", json=first) as resp:
+                status, raw = resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._local("prefill_unreachable", prefill, repr(exc))
+            return None
+        try:
+            answer = json.loads(raw)
+        except ValueError:  # not JSON (nor UTF-8): an answer without a hand-off
+            answer = raw.decode(errors="replace")
+        if status != 200:
+            self._local("prefill_failed", prefill, f"HTTP {status}: {_brief(answer)}")
             return None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
-            self.counts["no_handoff"] += 1
+            self._local("no_handoff", prefill, "the answer has no kv_transfer_params object (is the prefill "
+                        "a kv_producer with the KVServiceConnector?)")
             return None
         self.counts["handed_off"] += 1
         return params
+
+    def _local(self, kind: str, prefill: str, why: str) -> None:
+        """Count (and log, rate-limited) a request the decode prefills itself."""
+        self.counts[kind] += 1
+        if (unlogged := self._throttle.allow(kind)) is not None:
+            log.warning("proxy.local_prefill", kind=kind, prefill=prefill, why=why, unlogged=unlogged)
 
     async def _forward(self, request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
         assert self._session is not None
@@ -114,6 +139,8 @@ class Router:
                 return out
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.counts["decode_unreachable"] += 1
+            if (unlogged := self._throttle.allow("decode_unreachable")) is not None:
+                log.warning("proxy.decode_unreachable", decode=url, why=repr(exc), unlogged=unlogged)
             return web.json_response({"error": f"decode unreachable: {exc!r}"}, status=502)
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -135,14 +162,48 @@ def app(prefills: Sequence[str], decodes: Sequence[str]) -> web.Application:
     return application
 
 
+async def serve(prefills: Sequence[str], decodes: Sequence[str], host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT; ``proxy.listening`` once connections are accepted."""
+    runner = web.AppRunner(app(prefills, decodes), handle_signals=False, access_log=None)  # no line per request
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound = [f"http://{_hostport(a)}" for a in runner.addresses]
+        log.info("proxy.listening", address=bound[0] if len(bound) == 1 else bound, prefill=list(prefills),
+                 decode=list(decodes))
+        await stop.wait()
+        log.info("proxy.stopped")
+    finally:
+        await runner.cleanup()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", action="append", required=True, help="a prefill server's URL (repeatable)")
     parser.add_argument("--decode", action="append", required=True, help="a decode server's URL (repeatable)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
-    web.run_app(app(args.prefill, args.decode), host=args.host, port=args.port, print=None)
+    configure_logging(args.log_level)
+    asyncio.run(serve(args.prefill, args.decode, args.host, args.port))
+
+
+def _hostport(address: Any) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _brief(answer: Any, limit: int = 200) -> str:
+    """A failed answer as a log line carries it: vLLM's error message, or the answer cut short."""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    text = error.get("message") if isinstance(error, dict) else None
+    text = str(text if text is not None else answer)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 if __name__ == "__main__":

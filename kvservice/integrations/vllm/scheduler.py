@@ -10,6 +10,22 @@ vLLM allocated the blocks, its worker expects them.  Blocks are freed only when 
 worker reports the request (``finished_sending`` / ``finished_recving``), which it does
 once no WRITE of the request can land any more.
 
+When the send is posted: in the step that samples the request's last token when the
+scheduler knows it is the last (its ``max_tokens``-th: the router's prefill asks for one,
+so the step that computes the prompt), else in the step after it finished.  The first
+needs no further step of the prefill engine: an engine core stepped only inside
+``generate()`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) returns the prefill's output and
+never steps again until its next request, while the send waits in kvservice for the
+decode's expect.  A request posted early that does not hand off after all (aborted in that
+step, or a hand-off it cannot carry) keeps its blocks until the worker has aborted the
+send and reports it; one preempted before its output (async scheduling) loses its blocks
+to vLLM at once, and the worker aborts the send in the next step: no hand-off was issued,
+so no decode can have expected it.
+
+A decode whose own prefix cache holds every block a hand-off names loads nothing and
+declines the hand-off (the worker's ``decline``: the control link's ``Abort``), so the
+prefill frees its blocks at once instead of after its ``bootstrap_timeout_s``.
+
 Nothing here imports vLLM: requests and block lists are read by the attributes vLLM's
 own objects have (``request_id``, ``kv_transfer_params``, ``prompt_token_ids``,
 ``num_computed_tokens``, ``status``), so the state machine is tested both alone and
@@ -26,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -39,6 +55,9 @@ log = get_logger("kvservice.vllm")
 #: a prefill request that ended this way computed its prompt's KV; any other end (aborted,
 #: errored) hands nothing off
 _HANDS_OFF = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+#: a producer's kvservice port when its settings name none: TP rank r of data-parallel rank
+#: d listens on this + d * tp_size + r (vLLM's NIXL connector's side channel is 5600 + d)
+DEFAULT_PORT = 7100
 #: signed hand-offs a decode remembers (MAC -> the request that presented it, until it
 #: expires); past this bound the oldest is forgotten (its replay is then refused only by
 #: the prefill, which binds one expect per request)
@@ -52,6 +71,27 @@ class SendSpec:
     req_id: str
     blocks: tuple[int, ...]
     decode_tp: int
+
+
+def rank_port(base: int, *, tp_size: int, tp_rank: int, dp_rank: int = 0) -> int:
+    """The kvservice port of TP rank ``tp_rank`` of data-parallel rank ``dp_rank``:
+    ``base + dp_rank * tp_size + tp_rank`` (``base``: the settings' ``port``, else
+    ``DEFAULT_PORT``)."""
+    port = base + dp_rank * tp_size + tp_rank
+    if not 0 < port <= 65535:
+        raise ValueError(f"kvservice port {port} (base {base} + data-parallel rank {dp_rank} * TP size {tp_size} "
+                         f"+ TP rank {tp_rank}) is not in 1..65535")
+    return port
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """A send posted early whose request hands nothing off: the worker aborts it."""
+
+    req_id: str
+    #: vLLM finished the request and holds its blocks until the worker reports the send;
+    #: False: preempted, its blocks already vLLM's (never reported)
+    finished: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +111,9 @@ class Work:
 
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
+    cancels: list[Cancel] = field(default_factory=list)
+    #: hand-offs whose every block this decode's prefix cache holds: their senders are told
+    declines: list[Handoff] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -100,6 +143,9 @@ class SchedulerSide:
         self._clock = clock
         self._work = Work()
         self._held: dict[str, int] = {}  # prefill: request -> blocks held for its decode
+        # prefill: requests to hand off, by id, until they finish
+        self._producing: dict[str, Any] = {}
+        self._early: dict[str, SendSpec] = {}  # prefill: sends posted before the request finished
         self._loading: dict[str, Handoff] = {}  # decode: request -> its hand-off, until reported
         # decode: request -> its proved hand-off and the blocks its own prefix cache holds, from
         # the match to the allocation
@@ -117,6 +163,8 @@ class SchedulerSide:
             request.kv_transfer_params = None
             self._refuse("handoff_invalid", request, f"kv_transfer_params: expected an object, got "
                                                      f"{type(params).__name__}")
+        elif self.producer and wants_remote_decode(params):
+            self._producing[request.request_id] = request
 
     # -- decode: matching and allocation ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -136,24 +184,33 @@ class SchedulerSide:
         if why is not None:
             self._refuse("handoff_unusable", request, why)
             return 0, False
-        if num_computed_tokens >= handoff.num_tokens:
-            return 0, False  # all cached here (the prefill frees its copy after bootstrap_timeout_s)
         # the decode's own prefix cache holds the first blocks: load the rest (the prefill
-        # sends the last blocks, as many as the decode expects)
+        # sends the last blocks, as many as the decode expects); all of them: load nothing
+        # and tell the prefill (update_state_after_alloc)
         self._matched[rid] = (handoff, num_computed_tokens // self.block_size)
         if handoff.mac:
             self._remember(handoff, rid)
+        if num_computed_tokens >= handoff.num_tokens:
+            return 0, False
         return handoff.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """``block_ids``: the request's blocks (one KV cache group), those its prefix cache
         supplied first."""
-        if num_external_tokens <= 0 or request.request_id in self._loading:
+        if request.request_id in self._loading:
             return
         matched = self._matched.pop(request.request_id, None)
         if matched is None:
             return
         handoff, cached = matched
+        if num_external_tokens <= 0:
+            # this decode's cache holds every block the hand-off names (vLLM may also keep a
+            # local hit over the few tokens it would load): nothing to load, and the prefill
+            # can free its copy now
+            request.kv_transfer_params["do_remote_prefill"] = False
+            self._work.declines.append(handoff)
+            self.counts["loads_cached"] += 1
+            return
         blocks = tuple(block_ids[cached: handoff.num_blocks])
         # fewer blocks than the hand-off: the worker fails the load at once (reported, recomputed)
         self._loading[request.request_id] = handoff
@@ -167,6 +224,8 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._matched.pop(rid, None)
+        self._producing.pop(rid, None)
+        early = self._early.pop(rid, None)
         if rid in self._loading:
             # finished (aborted) while its KV was on the way: the worker aborts the load and
             # reports it once nothing can land; vLLM frees the blocks then
@@ -177,24 +236,60 @@ class SchedulerSide:
             return False, None
         status = getattr(request.status, "name", str(request.status))
         blocks = tuple(block_ids[: -(-request.num_computed_tokens // self.block_size)])
+        handoff = None
         if status not in _HANDS_OFF or not blocks:
             self.counts["handoffs_skipped"] += 1
+        elif early is not None and early.blocks != blocks:
+            # the step did not end as planned (speculative tokens rejected...): what was
+            # sent is not what a hand-off would name
+            self.counts["handoffs_skipped"] += 1
+        else:
+            try:
+                decode_tp = decode_tp_size(params, self.decode_tp)
+                # raises for what a hand-off cannot carry (a request id past 256 characters)
+                handoff = Handoff.issue(rid, self.senders, request.prompt_token_ids, request.num_computed_tokens,
+                                        self.block_size, key=self._key, lifetime_s=self.lifetime_s,
+                                        now=self._clock())
+            except HandoffError as exc:
+                self._refuse("handoff_refused", request, str(exc))
+        if early is not None:
+            # its send is posted: the blocks stay held until the worker reports it ended
+            self._held[rid] = len(early.blocks)
+            if handoff is None:
+                self._work.cancels.append(Cancel(rid, finished=True))
+                return True, None
+        if handoff is None:
             return False, None
-        try:
-            decode_tp = decode_tp_size(params, self.decode_tp)
-            # raises for what a hand-off cannot carry (a request id past 256 characters)
-            handoff = Handoff.issue(rid, self.senders, request.prompt_token_ids, request.num_computed_tokens,
-                                    self.block_size, key=self._key, lifetime_s=self.lifetime_s, now=self._clock())
-        except HandoffError as exc:
-            self._refuse("handoff_refused", request, str(exc))
-            return False, None
-        self._held[rid] = len(blocks)
-        self._work.sends.append(SendSpec(rid, blocks, decode_tp))
+        if early is None:
+            self._held[rid] = len(blocks)
+            self._work.sends.append(SendSpec(rid, blocks, decode_tp))
         self.counts["handoffs"] += 1
         return True, handoff.to_params()
 
     # -- the step's work, and what the workers reported -----------------------------------
-    def build(self, make: Callable[[Work], Any] = lambda w: w) -> Any:
+    def build(self, make: Callable[[Work], Any] = lambda w: w, *, scheduled: Mapping[str, int] | None = None,
+              preempted: Iterable[str] = (), blocks_of: Callable[[str], Sequence[int]] | None = None) -> Any:
+        """The step's work for the workers.  ``scheduled``: the step's tokens per request
+        (``SchedulerOutput.num_scheduled_tokens``, read before vLLM advances the requests);
+        ``preempted``: the requests preempted since the last step; ``blocks_of``: a
+        request's block ids.  A request to hand off whose last token this step samples has
+        its send posted in this step (the module's docstring)."""
+        for rid in preempted:
+            if self._early.pop(rid, None) is not None:
+                self._work.cancels.append(Cancel(rid, finished=False))
+                self.counts["sends_preempted"] += 1
+        for rid, n in (scheduled or {}).items():
+            request = self._producing.get(rid)
+            if request is None or rid in self._early or blocks_of is None or not _last_token_in(request, n):
+                continue
+            try:
+                decode_tp = decode_tp_size(request.kv_transfer_params, self.decode_tp)
+            except HandoffError:
+                continue  # refused when it finishes
+            computed = request.num_computed_tokens + n
+            spec = SendSpec(rid, tuple(blocks_of(rid)[: -(-computed // self.block_size)]), decode_tp)
+            self._early[rid] = spec
+            self._work.sends.append(spec)
         work, self._work = self._work, Work()
         return make(work)
 
@@ -208,7 +303,7 @@ class SchedulerSide:
     def has_pending_push_work(self) -> bool:
         """Blocks held for a decode, or sends not handed to the workers yet: vLLM keeps
         stepping (the worker reports them only from a step)."""
-        return bool(self._held or self._work.sends)
+        return bool(self._held or self._work.sends or self._work.cancels)
 
     @property
     def held(self) -> dict[str, int]:
@@ -249,3 +344,13 @@ class SchedulerSide:
         if (unlogged := self._throttle.allow(kind)) is not None:
             log.warning(f"vllm.{kind}", request=request.request_id, why=why, unlogged=unlogged,
                         then="the request prefills locally" if kind != "handoff_refused" else "no hand-off")
+
+
+def _last_token_in(request: Any, n: int) -> bool:
+    """Whether a step computing ``n`` of ``request``'s tokens samples its last one: it
+    reaches the end of the prompt and the token it samples is the ``max_tokens``-th
+    (``max_tokens=1``: the router's prefill).  A request that stops earlier (an EOS before
+    ``max_tokens``) hands off from the step after it finished."""
+    computed = request.num_computed_tokens + n
+    return bool(computed >= request.num_prompt_tokens and computed >= request.num_tokens
+                and request.num_output_tokens + 1 >= request.max_tokens)

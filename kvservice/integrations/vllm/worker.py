@@ -3,12 +3,22 @@ sends and loads the scheduler asked for, reported back as they settle.
 
 Nothing here blocks vLLM's forward loop: every call on ``kvservice.engine`` only queues
 (its service runs on a loop thread of its own) and ``poll()`` reads what that loop
-published.  A send starts in the step that hands the finished prefill request to the
-worker, with all its blocks and ``fit="tail"``: when the decode's expect arrives, the
-service (on its own loop, not in a vLLM step) binds it and writes the blocks the decode
-asked for: all of them, or the last ones when the decode had the prompt's first blocks in
-its own prefix cache.  A decode that never expects fails the send at the service's
-``bootstrap_timeout_s``; one that expected and is gone fails it at once.
+published.  A send is posted after the step's forward (``save``, from ``wait_for_save``)
+of the step the scheduler names (the one that samples the request's last token, or the one
+after it finished), with all its blocks and ``fit="tail"``: when the decode's expect
+arrives, the service (on its own loop, not in a vLLM step) binds it and writes the blocks
+the decode asked for: all of them, or the last ones when the decode had the prompt's first
+blocks in its own prefix cache.  No WRITE can start before the forward has written the
+blocks, even where it runs asynchronously (a GPU): the decode can expect only once it holds
+the hand-off, which vLLM issues from the step's sampled token.  A decode that never expects
+fails the send at the service's ``bootstrap_timeout_s``; one that expected and is gone
+fails it at once; one that declines it (its prefix cache held every block) aborts it.
+
+A send is reported to vLLM (``finished_sending``, which frees the blocks) once vLLM said
+the request finished (``finished_req_ids``) and the send has ended and *settled*: nothing
+reads the blocks any more.  A send the scheduler cancels (its request handed nothing off
+after all) is aborted first; one whose request was preempted is aborted and never reported
+(vLLM took the blocks back when it preempted it).
 
 A load is reported to vLLM (``finished_recving``) only when it succeeded or,
 failed, once it is *settled*: nothing of it can land in the blocks any more, so vLLM may
@@ -27,12 +37,14 @@ import torch
 
 from ..._config import ServiceConfig
 from ..._log import Throttle, get_logger
-from ..._results import failure_text
+from ..._results import FailureReason, failure_text
 from ..._tp import TensorParallel
 from ...engine import KVPoll, KVReceiver, KVSender, KVTransferEngine
 from ...memory import KVMemory
 from .memory import kv_memory
-from .scheduler import RecvSpec, SendSpec, Work
+from .params import Handoff
+from .scheduler import Cancel, RecvSpec, SendSpec, Work
+from .stats import Samples
 
 log = get_logger("kvservice.vllm")
 
@@ -51,6 +63,9 @@ class _Load:
 class _Send:
     spec: SendSpec
     senders: list[KVSender]
+    #: vLLM finished the request: it is reported once the send ended
+    finished: bool = False
+    cancelled: bool = False
 
 
 class WorkerSide:
@@ -66,6 +81,7 @@ class WorkerSide:
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self.counts: Counter[str] = Counter()
+        self.samples = Samples()  # the successful transfers' times and bytes, for vLLM's stats
         self._throttle = Throttle()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -76,14 +92,25 @@ class WorkerSide:
 
     # -- the step's work ------------------------------------------------------------------
     def start(self, work: Work) -> None:
-        for send in work.sends:
-            self._start_send(send)
+        """Before (or as) the step's forward runs: loads, declines, cancelled sends."""
+        for cancel in work.cancels:
+            self._cancel(cancel)
         for recv in work.recvs:
             self._start_load(recv)
+        for handoff in work.declines:
+            self._decline(handoff)
+
+    def save(self, work: Work) -> None:
+        """After the step's forward: the sends (their blocks hold the step's KV)."""
+        for send in work.sends:
+            self._start_send(send)
 
     def _start_send(self, spec: SendSpec) -> None:
         """Send every block now, fitted by the service to what the decode expects when its
         expect arrives (``fit="tail"``): no step of this engine stands between the two."""
+        if spec.req_id in self._sends:
+            self._note("send_refused", spec.req_id, "a send of this request is still on its way")
+            return
         entry = self._sends[spec.req_id] = _Send(spec, [])
         try:
             engine = self._engine()
@@ -94,8 +121,36 @@ class WorkerSide:
                 sender.send(list(spec.blocks), last=True, fit="tail")
         except (ValueError, RuntimeError) as exc:  # a duplicate id, an engine that is gone: nothing sent
             self._note("send_refused", spec.req_id, str(exc))
+            entry.cancelled = True  # counted here
             for sender in entry.senders:
                 sender.abort()
+
+    def _cancel(self, cancel: Cancel) -> None:
+        entry = self._sends.get(cancel.req_id)
+        if entry is None:  # never posted here: nothing to wait for
+            entry = self._sends[cancel.req_id] = _Send(SendSpec(cancel.req_id, (), 1), [])
+        entry.cancelled = True
+        self.counts["sends_cancelled"] += 1
+        for sender in entry.senders:
+            sender.abort()
+        if cancel.finished:
+            entry.finished = True
+        else:  # preempted: vLLM has its blocks back already, and will not hear of this send
+            del self._sends[cancel.req_id]
+            for sender in entry.senders:
+                sender.clear()
+
+    def _decline(self, handoff: Handoff) -> None:
+        """Tell each prefill rank this rank loads from that it needs none of the request."""
+        try:
+            engine = self._engine()
+            tp = TensorParallel(len(handoff.senders), self.tp_size)
+            for p in tp.sources(self.tp_rank):
+                engine.decline(TensorParallel.request_id(handoff.request, p, self.tp_rank), sender=handoff.senders[p],
+                               message="the decode's prefix cache holds every block handed off")
+                self.counts["declines"] += 1
+        except (ValueError, RuntimeError) as exc:  # not told: the prefill frees at its bootstrap_timeout_s
+            self._note("decline_failed", handoff.request, str(exc))
 
     def _start_load(self, spec: RecvSpec) -> None:
         handoff = spec.handoff
@@ -122,7 +177,10 @@ class WorkerSide:
             load = self._loads.get(rid)
             if load is not None and not load.failed:
                 self._fail(load, "the request finished (aborted) while its KV was on the way")
-        sending = {rid for rid, send in self._sends.items() if self._send_ended(send)}
+            send = self._sends.get(rid)
+            if send is not None:
+                send.finished = True
+        sending = {rid for rid, send in self._sends.items() if send.finished and self._send_ended(send)}
         for rid in sending:
             del self._sends[rid]
         recving, failed = set(), set()
@@ -130,6 +188,7 @@ class WorkerSide:
             states = [r.poll() for r in load.receivers]
             if not load.failed and states and all(s is KVPoll.Success for s in states):
                 self.counts["loads_ok"] += 1
+                self.samples.ended("load", [r.result for r in load.receivers])
             elif not load.failed and KVPoll.Failed in states:
                 first = next(r for r in load.receivers if r.poll() is KVPoll.Failed)
                 self._fail(load, _why(first))
@@ -156,13 +215,18 @@ class WorkerSide:
     # -------------------------------------------------------------------------------------
     def _send_ended(self, send: _Send) -> bool:
         states = [s.poll() for s in send.senders]
-        if not all(state in _ENDED for state in states):
+        if not all(state in _ENDED for state in states) or not all(s.settled for s in send.senders):
             return False
         failed = [s for s in send.senders if s.poll() is KVPoll.Failed]
-        if failed:
+        if failed and send.cancelled:
+            pass  # counted when cancelled
+        elif failed and all(s.result is not None and s.result.reason is FailureReason.ABORTED for s in failed):
+            self.counts["sends_declined"] += 1  # the decode aborted it: declined, or its request aborted
+        elif failed:
             self._note("send_failed", send.spec.req_id, _why(failed[0]))
         elif send.senders:
             self.counts["sends_ok"] += 1
+            self.samples.ended("send", [s.result for s in send.senders])
             if any(s.result is not None and s.result.pages < len(send.spec.blocks) for s in send.senders):
                 self.counts["sends_partial"] += 1  # the decode had the first blocks cached: it took the last ones
         for s in send.senders:

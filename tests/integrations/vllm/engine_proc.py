@@ -6,8 +6,20 @@
 ``serve`` prints ``{"ready": ...}`` once the engine is up, then answers commands:
 ``{"op": "generate", "id", "prompt", "max_tokens", "params"}`` (answered when the
 request finishes: tokens, kv_transfer_params, num_cached_tokens), ``{"op": "abort", "id"}``,
-``{"op": "state"}`` (free blocks, the connector's counts) and ``{"op": "quit"}``.  Between
-commands it steps the engine while vLLM has work (requests, or blocks held for a decode).
+``{"op": "state"}`` (free blocks, the connector's counts, and what vLLM's stat loggers made
+of the connector's stats: ``logged``, the summary vLLM's ``KV Transfer metrics`` line would
+show since the start, and ``prom``, vLLM's Prometheus samples of the ``vllm:kvservice_*``
+families) and ``{"op": "quit"}``.
+
+How it steps (``"stepping"`` in the config):
+
+* ``"busy"`` (the default): between commands it steps the engine while vLLM's scheduler has
+  work (requests, or blocks held for a decode), as vLLM's engine-core process does in
+  ``vllm serve`` and in the offline ``LLM`` with its default multiprocessing;
+* ``"request"``: it steps only while a request it was given is unfinished, as
+  ``LLM.generate()`` does with the engine core in-process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): once a prefill's output is out, nothing steps
+  that engine until its next request.
 """
 
 from __future__ import annotations
@@ -35,6 +47,53 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
 
 
+#: the connector's stats as vLLM's stat loggers accumulated them (``connector_stats``)
+LOGGED: list[Any] = []
+
+
+def connector_stats() -> Any:
+    """A stat logger class (vLLM's ``StatLoggerBase``) that accumulates the connector's stats
+    with vLLM's own ``KVConnectorLogging``, as vLLM's log line does, and never resets them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class ConnectorStats(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.logging = KVConnectorLogging(vllm_config.kv_transfer_config)
+            LOGGED.append(self.logging)
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None and scheduler_stats.kv_connector_stats:
+                self.logging.observe(scheduler_stats.kv_connector_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return ConnectorStats
+
+
+def logged() -> dict[str, Any]:
+    """What vLLM's ``KV Transfer metrics`` line would show of everything since the start."""
+    acc = LOGGED[-1].transfer_stats_accumulator if LOGGED else None
+    return dict(acc.reduce()) if acc is not None and not acc.is_empty() else {}
+
+
+def prom_samples(prefix: str = "vllm:kvservice") -> dict[str, float]:
+    """vLLM's Prometheus samples named ``prefix...``: ``name{label=value,...}`` -> value
+    (the ``model_name`` and ``engine`` labels left out)."""
+    from prometheus_client import REGISTRY
+
+    out = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith(prefix) and not sample.name.endswith("_created"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                  if k not in ("model_name", "engine"))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
 def _say(msg: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
@@ -60,7 +119,7 @@ def serve(cfg: dict[str, Any]) -> None:
                       enable_prefix_caching=bool(cfg.get("prefix_caching")), kv_cache_memory_bytes=64 << 20,
                       enforce_eager=True, distributed_executor_backend="uni", skip_tokenizer_init=True,
                       kv_transfer_config=kvt, seed=0, max_model_len=1024)
-    engine = LLMEngine.from_engine_args(args)
+    engine = LLMEngine.from_engine_args(args, stat_loggers=[connector_stats()] if kvt is not None else None)
     core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     scheduler = core.scheduler
     worker = get_kv_transfer_group() if has_kv_transfer_group() else None
@@ -75,6 +134,11 @@ def serve(cfg: dict[str, Any]) -> None:
         if worker is not None:
             out["worker"] = dict(worker.worker_side.counts)
             out["address"] = worker.worker_side.engine.address
+            # kvservice's own view, moved on by its loop and not by engine steps: sends not ended
+            out["sends_pending"] = sum(type(t).__name__ == "KVSender" for t in worker.worker_side.engine.pending())
+        if LOGGED:
+            out["logged"] = logged()
+            out["prom"] = prom_samples()
         return out
 
     commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -87,10 +151,15 @@ def serve(cfg: dict[str, Any]) -> None:
 
     threading.Thread(target=read, daemon=True).start()
     _say({"ready": True, "pid": os.getpid(), **state()})
+
+    def busy() -> bool:
+        if cfg.get("stepping", "busy") == "request":
+            return bool(engine.has_unfinished_requests())
+        return bool(scheduler.has_requests())
+
     while True:
-        busy = scheduler.has_requests()
         try:
-            cmd = commands.get(timeout=0 if busy else 0.05)
+            cmd = commands.get(timeout=0 if busy() else 0.05)
         except queue.Empty:
             cmd = {"op": "idle"}
         if cmd is None or cmd["op"] == "quit":
@@ -103,7 +172,7 @@ def serve(cfg: dict[str, Any]) -> None:
             engine.abort_request([cmd["id"]])
         elif cmd["op"] == "state":
             _say({"state": state()})
-        if scheduler.has_requests():
+        if busy():
             for out in engine.step():
                 if out.finished:
                     _say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),

@@ -46,10 +46,12 @@ class Engine:
 
     def __init__(self, name: str, model: Path, *, role: str | None = None, extra: dict[str, Any] | None = None,
                  cpu: int = 0, log_dir: Path | None = None, connector: tuple[str, str] | None = None,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, stepping: str = "busy") -> None:
+        """``stepping``: ``"busy"`` (vLLM's engine-core loop) or ``"request"`` (only inside a
+        request, as ``LLM.generate()`` with the engine core in-process): ``engine_proc``."""
         self.name = name
         cfg = {"model": str(model), "role": role, "extra": extra or {}, "connector": connector,
-               "prefix_caching": prefix_caching}
+               "prefix_caching": prefix_caching, "stepping": stepping}
         self._stderr = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.vllm.engine_proc", "serve", json.dumps(cfg)],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,15 @@ from kvservice._trust.handoff import handoff_key
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.integrations.vllm.params import Handoff
 
+from .engine_proc import MODEL
 from .engines import MAX_TOKENS, Engine, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+#: bytes of KV per block of the test model (32 tokens; K and V, float32, every layer)
+BLOCK_BYTES = 32 * MODEL["num_hidden_layers"] * 2 * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4
+#: what vLLM's log line shows of the transfer times (stats.summary), beside the counts
+TIMES = {f"{side}{key}" for side in ("load", "send") for key in ("s_timed", "_avg_ms", "_p90_ms", "_mib")}
 
 
 @pytest.fixture
@@ -30,9 +37,9 @@ def spawn(model: Path, logs: Path) -> Iterator[Any]:
     started: list[Engine] = []
 
     def start(name: str, role: str, cpu: int, *, connector: tuple[str, str] | None = None,
-              prefix_caching: bool = False, **service: Any) -> Engine:
+              prefix_caching: bool = False, stepping: str = "busy", **service: Any) -> Engine:
         engine = Engine(name, model, role=role, extra={"kvservice": service}, cpu=cpu, log_dir=logs,
-                        connector=connector, prefix_caching=prefix_caching)
+                        connector=connector, prefix_caching=prefix_caching, stepping=stepping)
         started.append(engine)
         return engine
 
@@ -57,10 +64,23 @@ def prefill(p: Engine, prompts: list[list[int]], tag: str) -> list[dict[str, Any
     return handoffs
 
 
-def decode(d: Engine, prompts: list[list[int]], handoffs: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
+def decode(d: Engine, prompts: list[list[int]], handoffs: list[dict[str, Any] | None],
+           tag: str) -> list[dict[str, Any]]:
     for i, (prompt, params) in enumerate(zip(prompts, handoffs, strict=True)):
         d.generate(f"{tag}{i}", prompt, MAX_TOKENS, params)
     return [d.result(f"{tag}{i}", timeout=180) for i in range(len(prompts))]
+
+
+def vllm_saw(state: dict[str, Any]) -> dict[str, int]:
+    """The connector's counts as vLLM's own stat loggers got them through
+    ``get_kv_connector_stats``: its log line's summary and its Prometheus counter, both
+    checked equal to the counts on the connector's objects."""
+    logged = {k: v for k, v in state["logged"].items() if k not in TIMES}
+    prom = {k.removeprefix("vllm:kvservice_events_total{event=").removesuffix("}"): int(v)
+            for k, v in state["prom"].items() if k.startswith("vllm:kvservice_events_total{")}
+    own = dict(Counter(state.get("scheduler", {})) + Counter(state.get("worker", {})))
+    assert logged == prom == own, (logged, prom, own)
+    return logged
 
 
 def settled(engine: Engine) -> dict[str, Any]:
@@ -81,6 +101,16 @@ def test_decode_tokens_equal_a_single_engines_and_corrupted_kv_changes_them(
     assert ds["scheduler"] == {"loads": 4} and ds["worker"] == {"loads_ok": 4}
     assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1
     assert ds["free_blocks"] == ds["total_blocks"] - 1
+    # vLLM's own stats got the same counts, and each transfer's time and bytes (every block of
+    # every prompt, sent and loaded)
+    assert vllm_saw(ps) == {"handoffs": 4, "handoffs_freed": 4, "sends_ok": 4}
+    assert vllm_saw(ds) == {"loads": 4, "loads_ok": 4}
+    assert ps["logged"]["sends_timed"] == ds["logged"]["loads_timed"] == len(prompts)
+    assert ps["prom"]["vllm:kvservice_send_time_seconds_count{}"] == len(prompts)
+    assert ds["prom"]["vllm:kvservice_load_time_seconds_count{}"] == len(prompts)
+    kv_bytes = sum(-(-len(prompt) // 32) for prompt in prompts) * BLOCK_BYTES
+    assert ps["prom"]["vllm:kvservice_send_bytes_sum{}"] == ds["prom"]["vllm:kvservice_load_bytes_sum{}"] == kv_bytes
+    assert ds["logged"]["load_mib"] == round(kv_bytes / 2**20, 3) and ds["logged"]["load_avg_ms"] > 0
 
     # control: the same hand-off into a decode that overwrites the KV once it landed
     bad = spawn("decode-corrupt", "kv_consumer", 1,
@@ -112,6 +142,7 @@ def test_prefill_killed_mid_transfer_the_decode_recomputes_once_nothing_can_land
     ds = settled(d)
     assert ds["free_blocks"] == ds["total_blocks"] - 1
     assert ds["worker"] == {"loads_ok": 1, "load_failed": len(prompts)}, ds
+    assert vllm_saw(ds)["load_failed"] == len(prompts) and ds["logged"]["loads_timed"] == 1
 
 
 def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the_next(
@@ -146,6 +177,7 @@ def test_decode_killed_mid_transfer_the_prefill_frees_every_block_and_serves_the
     ps = p.wait_state(lambda s: not s["held"], timeout=60)
     assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
     assert ps["worker"]["send_failed"] == len(prompts) + 2, ps
+    assert vllm_saw(ps)["send_failed"] == len(prompts) + 2
 
 
 def test_hostile_handoffs_are_refused_and_the_decode_prefills_locally(
@@ -220,3 +252,88 @@ def test_a_decode_with_the_prompts_first_blocks_in_its_prefix_cache_loads_only_t
     ps, ds = settled(p), settled(d)
     assert ps["worker"] == {"sends_ok": 2, "sends_partial": 1} and ps["held"] == {}, ps
     assert ds["worker"] == {"loads_ok": 2} and ds["scheduler"] == {"loads": 2}, ds
+
+
+def test_engine_cores_stepped_only_inside_requests_hand_off_without_another_prefill_step(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    """As ``LLM.generate()`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: once a prefill's output
+    is out, nothing steps that engine until its next request.  Its sends were posted in the
+    step that computed the prompts, so they wait in kvservice for the decode's expects."""
+    p = spawn("prefill", "kv_producer", 0, stepping="request")  # no port: the producer's default
+    assert p.ready["address"] == "127.0.0.1:7100"
+    d = spawn("decode", "kv_consumer", 1, stepping="request", arrival_timeout_s=20.0)
+    got = decode(d, prompts, prefill(p, prompts, "p"), "d")
+    assert [g["tokens"] for g in got] == baseline
+    assert [g["cached"] for g in got] == [len(prompt) for prompt in prompts]  # loaded, not recomputed
+    ds = d.state()
+    assert ds["worker"] == {"loads_ok": 4} and ds["free_blocks"] == ds["total_blocks"] - 1, ds
+    # the prefill has not stepped since its outputs: the sends ended in its kvservice, and its
+    # blocks stay held until a step reports them
+    ps = p.wait_state(lambda s: s["sends_pending"] == 0)
+    assert len(ps["held"]) == len(prompts) and "sends_ok" not in ps["worker"], ps
+    p.generate("next", prompts[0], 1)  # no hand-off asked
+    assert p.result("next")["params"] is None
+    ps = p.state()  # its next request's step reported them
+    assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
+    assert ps["worker"] == {"sends_ok": 4}, ps
+
+    # the decode killed with the sends outstanding: they fail in kvservice (no prefill step),
+    # the blocks are freed at the next one, and the prefill serves a new decode
+    handoffs = prefill(p, prompts[:2], "k")
+    p.signal(signal.SIGSTOP)  # the decode's expects queue unread
+    for i, (prompt, params) in enumerate(zip(prompts[:2], handoffs, strict=True)):
+        d.generate(f"k{i}", prompt, MAX_TOKENS, params)
+    d.wait_state(lambda s: s["scheduler"].get("loads", 0) == len(prompts) + 2)
+    time.sleep(0.5)  # the worker posted its expects
+    d.kill()
+    p.signal(signal.SIGCONT)
+    p.wait_state(lambda s: s["sends_pending"] == 0)
+    p.generate("next-2", prompts[0], 1)
+    p.result("next-2")
+    ps = p.state()
+    assert ps["held"] == {} and ps["free_blocks"] == ps["total_blocks"] - 1, ps
+    assert ps["worker"] == {"sends_ok": 4, "send_failed": 2}, ps
+    d2 = spawn("decode-2", "kv_consumer", 1, stepping="request", arrival_timeout_s=20.0)
+    got = decode(d2, prompts, prefill(p, prompts, "q"), "e")
+    assert [g["tokens"] for g in got] == baseline and [g["cached"] for g in got] == [len(x) for x in prompts]
+
+    # the prefill killed after its answers: every load fails, settles (its process is gone)
+    # and is recomputed
+    handoffs = prefill(p, prompts, "z")
+    p.kill()
+    got = decode(d2, prompts, handoffs, "z")
+    assert [g["tokens"] for g in got] == baseline
+    ds = d2.state()
+    assert ds["worker"] == {"loads_ok": 4, "load_failed": 4} and ds["free_blocks"] == ds["total_blocks"] - 1, ds
+
+
+def test_kv_both_engines_each_prefill_for_the_other(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    a = spawn("both-a", "kv_both", 0, port=free_port())
+    b = spawn("both-b", "kv_both", 1, port=free_port())
+    got = decode(b, prompts[:2], prefill(a, prompts[:2], "a"), "b")
+    got += decode(a, prompts[2:], prefill(b, prompts[2:], "c"), "d")
+    assert [g["tokens"] for g in got] == baseline
+    assert [g["cached"] for g in got] == [len(prompt) for prompt in prompts]
+    for engine in (a, b):
+        state = settled(engine)
+        assert state["worker"] == {"sends_ok": 2, "loads_ok": 2}, state
+        assert state["scheduler"] == {"handoffs": 2, "handoffs_freed": 2, "loads": 2}, state
+
+
+def test_a_decode_whose_prefix_cache_holds_every_block_handed_off_declines_and_the_prefill_frees_them(
+        spawn: Any, prompts: list[list[int]]) -> None:
+    # the bootstrap deadline is far past the test's waits: only the decline can free the blocks
+    p = spawn("prefill", "kv_producer", 0, port=free_port(), bootstrap_timeout_s=600.0)
+    d = spawn("decode", "kv_consumer", 1, prefix_caching=True)
+    prompt = prompts[3]  # 64 tokens: two whole blocks
+    longer = prompt + prompts[0][:40]  # the decode's request goes on from the prefill's prompt
+    (local,) = decode(d, [longer], [None], "w")  # computed here: its three whole blocks are cached
+    (handoff,) = prefill(p, [prompt], "x")
+    assert len(p.state()["held"]) == 1
+    (got,) = decode(d, [longer], [handoff], "y")
+    assert got["tokens"] == local["tokens"]
+    ds = settled(d)
+    assert ds["scheduler"] == {"loads_cached": 1} and ds["worker"] == {"declines": 1}, ds
+    ps = p.wait_state(lambda s: not s["held"])
+    assert ps["free_blocks"] == ps["total_blocks"] - 1 and ps["worker"] == {"sends_declined": 1}, ps

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +21,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-e
 
 import aiohttp
 from aiohttp import web
+from structlog.testing import capture_logs
 
+from kvservice._log import Throttle
 from kvservice.integrations.vllm.proxy import app
 
-from .engines import free_port
+from .engines import ROOT, engine_env, free_port
 
 #: a hand-off a client wrote itself: a decode that took it would dial this address
 CLIENT_HANDOFF = {"do_remote_prefill": True, "kvservice": {
@@ -120,3 +126,110 @@ def test_the_decode_gets_the_prefills_handoff_not_the_clients() -> None:
     decode, _, stats = through_proxy(Upstream(answers(200, PREFILL_HANDOFF)), {"model": "m", "prompt": [1]})
     assert decode.bodies == [{"model": "m", "prompt": [1], "kv_transfer_params": PREFILL_HANDOFF}]
     assert stats == {"handed_off": 1}
+
+
+# -- what the proxy tells an operator: its log lines and GET /stats ----------------------------
+
+def run_proxy(prefill: Upstream | None, decode: Upstream | None, bodies: list[dict[str, Any]]) -> tuple[list[int], Any]:
+    """Each of ``bodies`` posted to a proxy in front of ``prefill`` and ``decode`` (None: a port
+    nobody listens on): (the statuses the client got, the proxy's stats)."""
+    async def main() -> tuple[list[int], Any]:
+        p_port, d_port, x_port = free_port(), free_port(), free_port()
+        runners = [await serve(upstream_app(up), port) for up, port in ((prefill, p_port), (decode, d_port))
+                   if up is not None]
+        runners.append(await serve(app([f"http://127.0.0.1:{p_port}"], [f"http://127.0.0.1:{d_port}"]), x_port))
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as client:
+                for body in bodies:
+                    async with client.post(f"http://127.0.0.1:{x_port}/v1/completions", json=body) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+                async with client.get(f"http://127.0.0.1:{x_port}/stats") as resp:
+                    return statuses, await resp.json()
+        finally:
+            for runner in reversed(runners):
+                await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def decode_ok() -> Upstream:
+    return Upstream(lambda _: web.json_response({"choices": [{"text": "ok"}]}))
+
+
+@pytest.mark.parametrize(("prefill", "kind", "why"), [
+    (Upstream(lambda _: web.Response(status=500, text="<html>boom</html>")), "prefill_failed", "HTTP 500: <html>boom"),
+    (Upstream(lambda _: web.json_response({"error": {"message": "no such model"}}, status=404)), "prefill_failed",
+     "HTTP 404: no such model"),
+    (Upstream(answers(200, None)), "no_handoff", "no kv_transfer_params"),
+    (None, "prefill_unreachable", "ClientConnectorError"),
+])
+def test_each_local_prefill_is_logged_with_why(prefill: Upstream | None, kind: str, why: str) -> None:
+    with capture_logs() as logs:
+        statuses, stats = run_proxy(prefill, decode_ok(), [{"model": "m", "prompt": [1]}])
+    assert statuses == [200] and stats == {kind: 1}
+    (line,) = [entry for entry in logs if entry["event"] == "proxy.local_prefill"]
+    assert line["kind"] == kind and why in line["why"] and line["unlogged"] == 0, line
+    assert line["prefill"].startswith("http://127.0.0.1:") and line["log_level"] == "warning"
+
+
+def test_local_prefill_lines_are_rate_limited_per_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvservice.integrations.vllm.proxy as proxy
+
+    monkeypatch.setattr(proxy, "Throttle", lambda: Throttle(burst=2, window_s=10.0, clock=lambda: 0.0))  # one window
+    with capture_logs() as logs:
+        statuses, stats = run_proxy(None, decode_ok(), [{"model": "m", "prompt": [1]}] * 5)
+    assert statuses == [200] * 5 and stats == {"prefill_unreachable": 5}  # every one counted, and answered
+    assert [e["unlogged"] for e in logs if e["event"] == "proxy.local_prefill"] == [0, 0]
+
+
+def test_every_stats_key_happens_and_is_documented() -> None:
+    """Every path the proxy counts, made to happen; the keys are the ones docs/vllm.md lists."""
+    seen: dict[str, int] = {}
+    with capture_logs() as logs:
+        for prefill, decode, body in [
+                (Upstream(answers(200, PREFILL_HANDOFF)), decode_ok(), BODY),  # handed_off, client_params_dropped
+                (Upstream(answers(503, None)), decode_ok(), {"prompt": [1]}),  # prefill_failed
+                (None, decode_ok(), {"prompt": [1]}),  # prefill_unreachable
+                (Upstream(answers(200, None)), decode_ok(), {"prompt": [1]}),  # no_handoff
+                (Upstream(answers(200, PREFILL_HANDOFF)), None, {"prompt": [1]})]:  # decode_unreachable
+            statuses, stats = run_proxy(prefill, decode, [body])
+            assert statuses == [502 if decode is None else 200]
+            for key, n in stats.items():
+                seen[key] = seen.get(key, 0) + n
+    assert seen == {"handed_off": 2, "client_params_dropped": 1, "prefill_failed": 1, "prefill_unreachable": 1,
+                    "no_handoff": 1, "decode_unreachable": 1}
+    assert [e["decode"] for e in logs if e["event"] == "proxy.decode_unreachable"] != []
+    assert set(seen) == documented_stats_keys()
+
+
+def documented_stats_keys() -> set[str]:
+    """The keys of the proxy's ``GET /stats`` table in docs/vllm.md."""
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    table = text.split("<!-- proxy-stats -->")[1].split("<!-- /proxy-stats -->")[0]
+    return {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+
+
+def test_the_proxy_says_where_it_listens_and_stops_on_sigterm() -> None:
+    """As an operator starts it: ``python -m kvservice.integrations.vllm.proxy``, its lines on
+    stderr (JSON when not a terminal)."""
+    port = free_port()
+    prefill, decode = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvservice.integrations.vllm.proxy", "--prefill", prefill,
+                             "--decode", decode, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=engine_env(0), cwd=ROOT)
+    try:
+        assert proc.stderr is not None
+        first = json.loads(proc.stderr.readline())  # blocks until it listens (or exits: then b"" fails)
+        assert first["event"] == "proxy.listening" and first["level"] == "info", first
+        assert first["address"] == f"http://127.0.0.1:{port}"
+        assert first["prefill"] == [prefill] and first["decode"] == [decode]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
+            assert json.loads(resp.read()) == {"ok": True}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["event"] for line in err.decode().splitlines()] == ["proxy.stopped"]
+    assert out == b""

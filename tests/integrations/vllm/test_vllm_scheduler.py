@@ -32,6 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvservice._trust.handoff import handoff_key
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.integrations.vllm.params import Handoff
+from kvservice.integrations.vllm.scheduler import Cancel
 
 BLOCK = 32
 BLOCKS = 64
@@ -48,7 +49,7 @@ def key_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_scheduler(model: Path, key_file: Path) -> Iterator[Any]:
-    def make(role: str, **extra: Any) -> Scheduler:
+    def make(role: str, prefix_caching: bool = False, **extra: Any) -> Scheduler:
         table = extra.setdefault("kvservice", {})
         if isinstance(table, dict):
             table.setdefault("auth_key_file", str(key_file))
@@ -58,7 +59,7 @@ def make_scheduler(model: Path, key_file: Path) -> Iterator[Any]:
         config = VllmConfig(
             model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
                                      seed=0),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
                                              is_encoder_decoder=False),
             kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
@@ -76,9 +77,19 @@ def make_scheduler(model: Path, key_file: Path) -> Iterator[Any]:
 TOKENS = list(range(1, PROMPT + 1))
 
 
-def request(rid: str, params: Any, max_tokens: int = 4) -> Request:
+def request(rid: str, params: Any, max_tokens: int = 4, tokens: list[int] = TOKENS) -> Request:
     extra = {"kv_transfer_params": params} if params is not None else None
-    return Request(rid, TOKENS, SamplingParams(max_tokens=max_tokens, extra_args=extra), None)
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, extra_args=extra), None,
+                   block_hasher=_hasher())
+
+
+def _hasher() -> Any:
+    """The block hasher vLLM's engine core gives each request (its prefix cache needs it)."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256_cbor)
+    return get_request_block_hasher(BLOCK, sha256_cbor)
 
 
 def handoff(key_file: Path, rid: str = "p0-1", **change: Any) -> dict[str, Any]:
@@ -89,10 +100,13 @@ def handoff(key_file: Path, rid: str = "p0-1", **change: Any) -> dict[str, Any]:
 
 
 def step(s: Scheduler, *, sending: set[str] | None = None, recving: set[str] | None = None,
-         failed: set[str] | None = None, token: int = 7) -> tuple[Any, Any]:
+         failed: set[str] | None = None, token: int = 7, aborted: list[str] | None = None) -> tuple[Any, Any]:
     """One engine step: schedule, then the model runner's output (a token for every
-    request that computed its last prompt token or decodes; the workers' reports)."""
+    request that computed its last prompt token or decodes; the workers' reports).
+    ``aborted``: requests aborted while the step ran (before its output is processed)."""
     out = s.schedule()
+    if aborted:
+        s.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
     ids = [rid for rid, n in out.num_scheduled_tokens.items()
            if s.requests[rid].num_computed_tokens + n >= s.requests[rid].num_prompt_tokens]
     runner = ModelRunnerOutput(
@@ -169,7 +183,11 @@ def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported
     s = make_scheduler("kv_producer", kvservice={"port": 7100, "advertise_host": "10.0.0.5"})
     r = request("p0", {"do_remote_decode": True}, max_tokens=1)
     s.add_request(r)
-    _, engine_out = step(s)
+    out, engine_out = step(s)
+    # posted in the step that computes the prompt (its one token ends it): nothing waits for
+    # another step of this engine, which an engine core stepped only inside generate() never runs
+    (send,) = out.kv_connector_metadata.sends
+    assert send.req_id == "p0" and len(send.blocks) == 3 and send.decode_tp == 1
     assert r.status is RequestStatus.FINISHED_LENGTH_CAPPED
     (o,) = outputs(engine_out)
     params = o.kv_transfer_params
@@ -183,8 +201,7 @@ def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported
     assert time.time() < kv["expires"] <= time.time() + 31
     assert free(s) == BLOCKS - 1 - 3 and s.has_requests()  # held; vLLM keeps stepping
     out, _ = step(s)
-    (send,) = out.kv_connector_metadata.sends
-    assert send.req_id == "p0" and len(send.blocks) == 3 and send.decode_tp == 1
+    assert out.kv_connector_metadata.sends == []  # not twice
     for _ in range(3):
         step(s)
         assert free(s) == BLOCKS - 1 - 3
@@ -195,9 +212,11 @@ def test_the_prefill_holds_a_finished_requests_blocks_until_its_send_is_reported
 
 def test_an_aborted_prefill_hands_nothing_off_and_frees_at_once(make_scheduler: Any) -> None:
     s = make_scheduler("kv_producer", kvservice={"port": 7100})
-    r = request("p0", {"do_remote_decode": True}, max_tokens=1)
+    # two tokens: its first step does not end it, so nothing is sent from that step
+    r = request("p0", {"do_remote_decode": True}, max_tokens=2)
     s.add_request(r)
-    s.schedule()  # allocated, not computed
+    out = s.schedule()  # allocated, not computed
+    assert out.kv_connector_metadata.sends == []
     s.finish_requests(["p0"], RequestStatus.FINISHED_ABORTED)
     assert free(s) == BLOCKS - 1
     step(s)  # the step that tells the workers it finished
@@ -269,9 +288,65 @@ def test_a_handoff_presented_by_a_second_request_is_refused(make_scheduler: Any,
     assert s.connector.scheduler_side.counts == {"loads": 1, "handoff_replayed": 1}
 
 
-def test_a_producer_without_a_fixed_port_is_refused(make_scheduler: Any) -> None:
-    with pytest.raises(ValueError, match="a producer needs a fixed port"):
-        make_scheduler("kv_producer")
+def test_a_prefill_aborted_in_its_last_step_keeps_its_blocks_until_its_send_is_cancelled(
+        make_scheduler: Any) -> None:
+    s = make_scheduler("kv_producer", kvservice={"port": 7100})
+    r = request("p0", {"do_remote_decode": True}, max_tokens=1)
+    s.add_request(r)
+    out, engine_out = step(s, aborted=["p0"])  # the send was posted by the step's worker
+    assert len(out.kv_connector_metadata.sends) == 1 and outputs(engine_out) == []
+    assert r.status is RequestStatus.FINISHED_ABORTED and free(s) == BLOCKS - 1 - 3
+    out, _ = step(s)
+    assert out.kv_connector_metadata.cancels == [Cancel("p0", finished=True)]
+    step(s)
+    assert free(s) == BLOCKS - 1 - 3  # the worker has not reported the aborted send yet
+    step(s, sending={"p0"})
+    assert free(s) == BLOCKS - 1 and not s.has_requests()
+    assert s.connector.scheduler_side.counts == {"handoffs_skipped": 1, "handoffs_freed": 1}
+
+
+def test_kv_both_hands_off_and_loads_in_one_engine(make_scheduler: Any, key_file: Path) -> None:
+    s = make_scheduler("kv_both")  # a producer: the default port
+    p, d = request("p0", {"do_remote_decode": True}, max_tokens=1), request("d0", handoff(key_file))
+    s.add_request(p)
+    s.add_request(d)
+    out, engine_out = step(s)
+    meta = out.kv_connector_metadata
+    assert [x.req_id for x in meta.sends] == ["p0"] and [x.req_id for x in meta.recvs] == ["d0"]
+    assert d.status is RequestStatus.WAITING_FOR_REMOTE_KVS and p.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    (o,) = outputs(engine_out)
+    assert o.kv_transfer_params["kvservice"]["senders"] == ["127.0.0.1:7100"]
+    step(s, sending={"p0"}, recving={"d0"})
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"d0": 1} and free(s) == BLOCKS - 1 - 3
+    assert s.connector.scheduler_side.counts == {"handoffs": 1, "handoffs_freed": 1, "loads": 1}
+
+
+def test_a_decode_whose_prefix_cache_holds_every_block_handed_off_declines_it(
+        make_scheduler: Any, key_file: Path) -> None:
+    s = make_scheduler("kv_consumer", prefix_caching=True)
+    longer = TOKENS + list(range(500, 540))  # the prefill's prompt, then the decode's own 40 tokens
+    warm = request("w0", None, max_tokens=1, tokens=longer)
+    s.add_request(warm)
+    step(s)
+    step(s)
+    assert warm.is_finished() and free(s) == BLOCKS - 1  # freed, its full blocks cached
+    params = Handoff.issue("p0", ("127.0.0.1:7100",), longer, PROMPT, BLOCK, key=handoff_key(load_key(key_file)),
+                           lifetime_s=30, now=time.time()).to_params()
+    r = request("d0", params, tokens=longer)
+    s.add_request(r)
+    out, _ = step(s)
+    # three whole blocks (96 tokens) cached: every block of the 70-token hand-off; nothing loads
+    (declined,) = out.kv_connector_metadata.declines
+    assert declined.request == "p0" and out.kv_connector_metadata.recvs == []
+    assert r.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d0": len(longer) - 96}
+    assert s.connector.scheduler_side.counts == {"loads_cached": 1}
+
+
+def test_a_producer_without_a_port_takes_the_default_and_bad_settings_are_refused(
+        make_scheduler: Any, key_file: Path) -> None:
+    s = make_scheduler("kv_producer")
+    assert s.connector.scheduler_side.senders == ("127.0.0.1:7100",)
     with pytest.raises(ValueError, match="unknown keys"):
         make_scheduler("kv_consumer", kvservice={"port": 7100}, bogus=1)
     with pytest.raises(ValueError, match=r"service\.port"):

@@ -106,6 +106,28 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A server's ``/metrics``, the ``vllm:kvservice_*`` samples: ``events:<event>`` for the
+    counter by event, else the sample's name (labels left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:kvservice_events_total":
+                out[f"events:{sample.labels['event']}"] = sample.value
+            elif sample.name.startswith("vllm:kvservice_") and not sample.name.endswith("_created"):
+                if "le" not in sample.labels:
+                    out[sample.name] = sample.value
+    return out
+
+
+def counted(url: str) -> dict[str, int]:
+    return {k.removeprefix("events:"): int(v) for k, v in scrape(url).items() if k.startswith("events:")}
+
+
 def complete(url: str, model: Path, prompt: list[int], **extra: Any) -> list[int]:
     answer = http(f"{url}/v1/completions", {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS,
                                            "temperature": 0.0, "return_token_ids": True, **extra})
@@ -120,6 +142,16 @@ def test_two_vllm_servers_and_the_proxy_answer_as_one_engine(
     front = proxy(prefill, decode)
     assert [complete(front, model, prompt) for prompt in prompts] == baseline
     assert http(f"{front}/stats") == {"handed_off": len(prompts)}
+    # each server's own /metrics has the connector's counts and transfer times (vLLM's stat
+    # loggers get them with the engine's outputs: awaited, then exact)
+    n = len(prompts)
+    eventually_sync(lambda: counted(prefill).get("handoffs_freed") == n, 60, 0.5, what=lambda: str(scrape(prefill)))
+    eventually_sync(lambda: counted(decode).get("loads_ok") == n, 60, 0.5, what=lambda: str(scrape(decode)))
+    assert counted(prefill) == {"handoffs": n, "handoffs_freed": n, "sends_ok": n}
+    assert counted(decode) == {"loads": n, "loads_ok": n}
+    sent, loaded = scrape(prefill), scrape(decode)
+    assert sent["vllm:kvservice_send_time_seconds_count"] == loaded["vllm:kvservice_load_time_seconds_count"] == n
+    assert sent["vllm:kvservice_send_bytes_sum"] == loaded["vllm:kvservice_load_bytes_sum"] > 0
 
     # a client's own hand-off, naming a sender of its choosing, reaches neither server: the
     # proxy drops it, the prefill hands off as ever, and the tokens are still one engine's
