@@ -88,7 +88,9 @@ def main(argv: Sequence[str]) -> int:
         for m in methods:
             r = runs[case.key][m.name]
             lag = (f"  loop lag p99 {median([x['lag_p99_ms'] for x in r]):.2f} max "
-                   f"{max(x['lag_max_ms'] for x in r):.1f} ms") if "lag_p99_ms" in r[0] else ""
+                   f"{max(x['lag_max_ms'] for x in r):.1f} ms, gc pause max "
+                   f"{max(x['gc_pause_lag_max_ms'] for x in r):.1f} ms (CPU "
+                   f"{max(x.get('gc_pause_cpu_lag_max_ms', 0.0) for x in r):.1f} ms)") if "lag_p99_ms" in r[0] else ""
             print(f"  {m.name:<40} {median([x['gbps'] for x in r]):6.2f} GB/s {median([x['req_s'] for x in r]):7.0f} "
                   f"req/s  x{median(ratios(r, runs[case.key]['raw_nixl'], key)):.2f}  latency p50 "
                   f"{median([x['lat_p50_ms'] for x in r]):.2f} p99 {median([x['lat_p99_ms'] for x in r]):.2f} ms{lag}")

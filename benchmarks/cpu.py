@@ -10,6 +10,11 @@ microseconds of CPU per request on the sending and the receiving side (the
 sidecar's side is its worker and its daemon together, each also shown alone).
 Wall time per request and the method's own throughput are printed beside them.
 
+``--against PKG`` (repeatable) adds another kvservice package directory as a method
+of its own (``kvservice@PKG``, as ``benchmarks.compare`` runs it); the methods then
+take turns run by run (all started at once, the order rotating each repeat), so
+the machine's drift falls on all of them alike.
+
 ``--profile DIR`` also samples the kvservice and sidecar processes with py-spy
 (``pip install py-spy``; 1 kHz, idle threads left out) during one more run of
 each case and folds the samples into the parts of a request's path
@@ -26,12 +31,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
 from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar
 from kvservice.bench.run import warm_up
@@ -95,13 +102,13 @@ def sampled(pids: dict[str, int], out: Path | None) -> Iterator[dict[str, Path]]
                 spy.wait()
 
 
-def measure(m: Method, case: Case, repeats: int) -> dict[str, Any]:
+def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any]:
     pids = processes(m)
     per: dict[str, list[float]] = {role: [] for role in pids}
     walls: list[float] = []
     for i in range(repeats):
         before = {role: cpu_s(pid) for role, pid in pids.items()}
-        sample = m.measure(case, f"cpu-{case.key}-{i}")
+        sample = m.measure(case, f"cpu{tag}-{case.key}-{i}")
         after = {role: cpu_s(pid) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
@@ -121,6 +128,30 @@ def profile(m: Method, case: Case, out: Path) -> dict[str, dict[str, float]]:
     return {role: fold(path.read_text(), PROFILE_RATE_HZ, n) for role, path in files.items() if path.exists()}
 
 
+def interleaved(methods: list[Method], cases: list[Case], repeats: int) -> None:
+    """Every method started together, one run each in turn, per repeat and case."""
+    got: dict[tuple[str, str], list[dict[str, Any]]] = {(m.name, c.key): [] for m in methods for c in cases}
+    for m in methods:
+        m.start()
+    try:
+        warm_up(methods, cases)
+        for rep in range(repeats):
+            for ci, case in enumerate(cases):
+                k = (rep + ci) % len(methods)
+                for m in methods[k:] + methods[:k]:
+                    got[(m.name, case.key)].append(measure(m, case, 1, tag=str(rep)))
+    finally:
+        for m in methods:
+            m.close()
+    for case in cases:
+        for m in methods:
+            runs = got[(m.name, case.key)]
+            roles = runs[0]["cpu_us"]
+            cpu = "  ".join(f"{role} {statistics.median([r['cpu_us'][role] for r in runs]):6.0f}" for role in roles)
+            wall = statistics.median([r["wall_us"] for r in runs])
+            print(f"{m.name:<40} {case.key:<9} wall {wall:6.0f} us/req | CPU us/req: {cpu}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default="raw_nixl,kvservice,sidecar")
     p.add_argument("--profile", type=Path, metavar="DIR", help="also sample with py-spy, stacks kept in DIR")
+    p.add_argument("--against", type=Path, action="append", default=[],
+                   help="another kvservice package directory (repeatable): interleaved with --methods")
     args = p.parse_args(argv)
     cases = {c.key: c for c in all_cases(FULL, 1)}
     chosen = [cases[k] for k in args.cases.split(",")]
@@ -136,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "raw_nixl": lambda: RawNixl(LLAMA3_8B, FULL.pool_pages, env=lo),
         "kvservice": lambda: KvService(LLAMA3_8B, FULL.pool_pages, env=lo),
         "sidecar": lambda: Sidecar(LLAMA3_8B, FULL.pool_pages)}
+    if args.against:
+        with tempfile.TemporaryDirectory(prefix="kvservice-cpu-") as tmp:
+            methods = [makers[name]() for name in args.methods.split(",")]
+            for i, pkg in enumerate(args.against):
+                methods.append(KvService(LLAMA3_8B, FULL.pool_pages, env=lo, name=f"kvservice@{pkg}",
+                                         path_first=shadow(pkg, Path(tmp) / str(i))))
+            interleaved(methods, chosen, args.repeats)
+        return
     for name in args.methods.split(","):
         m: Method = makers[name]()
         m.start()

@@ -11,6 +11,11 @@ dropped, a deadline that moved later is filed again.  So the heap may hold a
 few entries per live request plus those of ended ones; ``compact`` rebuilds it
 from the live set once the ended outnumber the live, which bounds its size by
 O(live) and keeps no ended request alive for long.
+
+The heap holds ``(deadline, number)`` pairs and the requests sit in a dict by that
+number: a pair of a float and an int is a tuple the cyclic GC stops tracking after
+its first collection, where a tuple holding the request would be walked by every
+full collection, one per live request.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ class Deadlines(Generic[R]):
     FLOOR = 256
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, R]] = []
+        self._heap: list[tuple[float, int]] = []
+        self._filed: dict[int, R] = {}  # each entry's request, by the entry's number
         self._seq = itertools.count()  # ties break by insertion, never by comparing requests
 
     def __len__(self) -> int:
@@ -46,7 +52,9 @@ class Deadlines(Generic[R]):
 
     def push(self, req: R) -> None:
         """File ``req`` at its current ``due_at()``.  Call again whenever that moves."""
-        heapq.heappush(self._heap, (req.due_at(), next(self._seq), req))
+        n = next(self._seq)
+        self._filed[n] = req
+        heapq.heappush(self._heap, (req.due_at(), n))
 
     def pop_due(self, now: float) -> list[R]:
         """Live requests whose deadline is before ``now``, each once, earliest first."""
@@ -54,7 +62,7 @@ class Deadlines(Generic[R]):
         seen: set[int] = set()  # a request may have several entries
         heap = self._heap
         while heap and heap[0][0] < now:
-            _, _, req = heapq.heappop(heap)
+            req = self._filed.pop(heapq.heappop(heap)[1])
             if req.finished or id(req) in seen:
                 continue
             if req.due_at() < now:
@@ -67,5 +75,9 @@ class Deadlines(Generic[R]):
     def compact(self, live: Iterable[R], nlive: int) -> None:
         """Rebuild from ``live`` (``nlive`` of them) if ended entries dominate."""
         if len(self._heap) > self.SLACK * nlive + self.FLOOR:
-            self._heap = [(r.due_at(), next(self._seq), r) for r in live]
+            self._heap, self._filed = [], {}
+            for req in live:
+                n = next(self._seq)
+                self._filed[n] = req
+                self._heap.append((req.due_at(), n))
             heapq.heapify(self._heap)

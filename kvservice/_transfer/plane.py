@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 
 import anyio
@@ -137,9 +136,8 @@ class RequestPlane:
             req = self._new_send(request_id, timeout, pinned, unknown, match=not fit_tail, member=member)
             if req.result is not None:
                 return req
-        if req.pending is None:
-            req.pending = deque()
-        req.pending.append(Chunk(src, pos, lo, hi))
+        chunk: Chunk = (src, pos, lo, hi)
+        req.pending = (chunk,) if req.pending is None else (*req.pending, chunk)
         req.pages_queued = queued
         req.cursors = cursors
         req.last = last

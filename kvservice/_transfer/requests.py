@@ -6,7 +6,6 @@ import abc
 import asyncio
 import collections
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Generic, NoReturn, Protocol, TypeVar
 
@@ -38,7 +37,7 @@ class _Request:
     waits for it (one per waiter; cancelling one waiter disturbs no other).  The
     cyclic GC walks every object each live request holds, thousands of requests
     at a time: what is not allocated costs nothing there (``kvservice bench``'s gc
-    column)."""
+    column, ``python -m benchmarks.gc_probe``)."""
 
     request_id: str
     created: float
@@ -46,7 +45,10 @@ class _Request:
     result: TransferResult | None = None
     started_at: float | None = None
     done_set: bool = False
-    waiters: asyncio.Future[None] | list[asyncio.Future[None]] | None = None
+    #: futures of the tasks waiting for it; one cancelled while awaited straight from
+    #: ``until_done`` stays until the next waiter comes or the request is done (no
+    #: cleanup callback or frame per wait)
+    waiters: asyncio.Future[TransferResult] | list[asyncio.Future[TransferResult]] | None = None
 
     @property
     def done(self) -> _Request:
@@ -63,28 +65,42 @@ class _Request:
         waiters, self.waiters = self.waiters, None
         if waiters is None:
             return
+        result = self.result
+        assert result is not None, "a request is done only once it has a result"
         for future in waiters if isinstance(waiters, list) else (waiters,):
             if not future.done():
-                future.set_result(None)
+                future.set_result(result)
+
+    def until_done(self) -> asyncio.Future[TransferResult]:
+        """A future that ends with the result once the request is done: awaited directly
+        by the caller's coroutine, so a waiting task holds no coroutine of ours (the
+        objects per waiting request are the future and the iterator ``await`` makes)."""
+        future: asyncio.Future[TransferResult] = asyncio.get_running_loop().create_future()
+        if self.done_set:
+            assert self.result is not None
+            future.set_result(self.result)
+            return future
+        waiters = self.waiters
+        if waiters is None or (not isinstance(waiters, list) and waiters.done()):
+            self.waiters = future
+        elif isinstance(waiters, list):
+            waiters[:] = [f for f in waiters if not f.done()]  # a cancelled waiter's future goes now
+            waiters.append(future)
+        else:
+            self.waiters = [waiters, future]
+        return future
 
     async def wait(self) -> None:
         if self.done_set:
             return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters = self.waiters
-        if waiters is None:
-            self.waiters = future
-        elif isinstance(waiters, list):
-            waiters.append(future)
-        else:
-            self.waiters = [waiters, future]
+        future = self.until_done()
         try:
             await future
         finally:
-            if not future.done() or future.cancelled():
+            if future.cancelled():  # this coroutine cleans up after itself at once
                 self._drop_waiter(future)
 
-    def _drop_waiter(self, future: asyncio.Future[None]) -> None:
+    def _drop_waiter(self, future: asyncio.Future[TransferResult]) -> None:
         waiters = self.waiters
         if waiters is future:
             self.waiters = None
@@ -96,15 +112,11 @@ class _Request:
         return self.result is not None
 
 
-@dataclass(slots=True)
-class Chunk:
-    """Pages ``src`` of layers ``lo:hi``, going to the request's destination pages
-    from position ``pos`` on."""
-
-    src: PageIndex
-    pos: int
-    lo: int
-    hi: int
+#: pages ``src`` of layers ``lo:hi``, going to the request's destination pages from
+#: position ``pos`` on: ``(src, pos, lo, hi)``.  A plain tuple of an array and ints,
+#: which the cyclic GC stops tracking after its first collection (a class instance, even
+#: slotted, or a named tuple, it would walk for as long as the chunk is queued).
+Chunk = tuple[PageIndex, int, int, int]
 
 
 @dataclass(eq=False, slots=True)
@@ -124,8 +136,10 @@ class SendRequest(_Request):
     peer_address: str | None = None  # where that agent is (proven, else as it advertises itself): for messages
     kv: PeerKV | None = None  # the receiver's memory, paired with ours
     dest: PageIndex | None = None
-    #: chunks not posted yet (None when there are none: no deque held per request in flight)
-    pending: deque[Chunk] | None = None
+    #: chunks not posted yet, oldest first (None when there are none); a tuple, not a
+    #: deque: a request has a few chunks (one per layer at most), and a tuple of chunks
+    #: is no object for the cyclic GC to walk once it has been through a collection
+    pending: tuple[Chunk, ...] | None = None
     pages_queued: int = 0  # positions the engine has sent some layer of (the largest cursor)
     cursors: list[int] | None = None  # per layer, when they differ (layer-wise sends)
     payload: bytes | None = None  # delivered with the last chunk
@@ -238,8 +252,8 @@ def fit_tail(req: SendRequest, n: int) -> None:
     reserved fewer pages than the sender holds, because it had the first ones already (a
     decode's prefix cache).  Only before anything of ``req`` is posted."""
     assert req.pending is not None and len(req.pending) == 1 and req.chunks_posted == 0 and 0 < n
-    chunk = req.pending[0]
-    req.pending[0] = Chunk(chunk.src[chunk.src.size - n:], 0, chunk.lo, chunk.hi)
+    src, _, lo, hi = req.pending[0]
+    req.pending = ((src[src.size - n:], 0, lo, hi),)
     req.pages_queued = n
 
 

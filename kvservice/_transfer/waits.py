@@ -6,6 +6,8 @@ cancellation propagates and the transfer goes on.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import anyio
 
 from .._results import FailureReason, TransferResult, TransferStatus, UnknownRequestError
@@ -13,19 +15,27 @@ from .plane import RequestPlane
 from .requests import RecvRequest, SendRequest, make_result
 
 
-async def await_done(plane: RequestPlane, req: SendRequest | RecvRequest, timeout: float | None,
-                     why: str) -> TransferResult:
+def await_done(plane: RequestPlane, req: SendRequest | RecvRequest, timeout: float | None,
+               why: str) -> Awaitable[TransferResult]:
     """Wait for ``req`` to end; a ``timeout`` that passes first fails it ``TIMEOUT``
-    (``why``).  A send's failure is returned once settled (its release: one tick)."""
+    (``why``).  A send's failure is returned once settled (its release: one tick).
+
+    Without a timeout this is the request's own future, which the caller's coroutine
+    awaits: a task waiting for one of thousands of requests in flight then holds no
+    coroutine of this module (objects the cyclic GC would walk at each collection)."""
     if timeout is None:
+        return req.done.until_done()
+    return _await_done_within(plane, req, timeout, why)
+
+
+async def _await_done_within(plane: RequestPlane, req: SendRequest | RecvRequest, timeout: float,
+                             why: str) -> TransferResult:
+    with anyio.move_on_after(timeout):
         await req.done.wait()
-    else:
-        with anyio.move_on_after(timeout):
+    if req.result is None:
+        plane.fail(req, FailureReason.TIMEOUT, why)
+        if isinstance(req, SendRequest):
             await req.done.wait()
-        if req.result is None:
-            plane.fail(req, FailureReason.TIMEOUT, why)
-            if isinstance(req, SendRequest):
-                await req.done.wait()
     assert req.result is not None
     return req.result
 

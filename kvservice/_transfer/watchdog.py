@@ -143,8 +143,8 @@ class Watchdog:
         if (not req.posted or fence is None or req.dest is None or req.peer is None
                 or req.kv is None or req.kv.indexer is None):
             return False
-        local_idx, remote_idx = req.kv.indexer.indices(
-            fence.src[:1], req.dest[fence.pos : fence.pos + 1], fence.lo, fence.lo + 1)
+        src, pos, lo, _ = fence
+        local_idx, remote_idx = req.kv.indexer.indices(src[:1], req.dest[pos : pos + 1], lo, lo + 1)
         self._fences.append(PostOp(
             key=(req, FENCE), peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
             notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE), req.notif_key),
@@ -396,8 +396,8 @@ class Watchdog:
                 break
             req = self._ready[rid]
             while req.pending and budget > 0 and byte_budget > 0:
-                head = req.pending[0]
-                byte_budget -= int(head.src.size) * (head.hi - head.lo) * self._layer_page_bytes
+                src, _, lo, hi = req.pending[0]
+                byte_budget -= int(src.size) * (hi - lo) * self._layer_page_bytes
                 plan.posts.append(self._post_op(req))
                 budget -= 1
             if not req.pending:
@@ -416,21 +416,20 @@ class Watchdog:
         assert req.dest is not None and req.peer is not None and kv is not None and kv.indexer is not None
         assert kv.out is not None
         assert req.pending is not None
-        chunk = req.pending.popleft()
-        if not req.pending:
-            req.pending = None
-        src = chunk.src
+        chunk = req.pending[0]
+        req.pending = req.pending[1:] or None
+        src, pos, lo, hi = chunk
         if req.fence_src is None:
             req.fence_src = chunk
-        dst = req.dest[chunk.pos : chunk.pos + src.size]
+        dst = req.dest[pos : pos + src.size]
         prepare = None
-        staged = (self._stager.indices(req, req.peer, req.request_id, kv, src, dst, chunk.pos, chunk.lo, chunk.hi,
+        staged = (self._stager.indices(req, req.peer, req.request_id, kv, src, dst, pos, lo, hi,
                                        int(req.dest.size))
                   if self._stager is not None and (kv.gather is not None or kv.scatter is not None) else None)
         if staged is not None:  # _transfer.staging
             local_idx, remote_idx, prepare = staged
         else:
-            local_idx, remote_idx = kv.indexer.indices(src, dst, chunk.lo, chunk.hi)
+            local_idx, remote_idx = kv.indexer.indices(src, dst, lo, hi)
         number = req.chunks_posted
         req.chunks_posted += 1
         req.posting += 1
@@ -440,10 +439,10 @@ class Watchdog:
         total = req.chunks_posted if last else 0
         notif = ChunkNotif(req.request_id, number, total, req.payload if last else None)
         op = PostOp(
-            key=(req, int(src.size) * kv.out.layer_bytes(chunk.hi - chunk.lo)),
+            key=(req, int(src.size) * kv.out.layer_bytes(hi - lo)),
             peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
             notif=encode_notif(notif, req.notif_key), prepare=prepare,
         )
         if req.verify:  # its sum is computed on the door thread, just before the WRITE
-            landing.seal(op, kv.out, notif, req.notif_key, src, chunk.pos, chunk.lo, chunk.hi)
+            landing.seal(op, kv.out, notif, req.notif_key, src, pos, lo, hi)
         return op

@@ -46,21 +46,24 @@ KILL_WAIT_S = 10.0  # a request not ended this long after the kill is reported P
 
 class Ticker:
     """How late the loop wakes a task sleeping ``TICK_S`` (samples between ``start``
-    and ``stop``), and how long the cyclic GC paused the process meanwhile."""
+    and ``stop``), and how long the cyclic GC paused the process meanwhile: by the clock,
+    and by this thread's CPU time, which the machine's load does not inflate."""
 
     def __init__(self) -> None:
         self.lags: list[float] = []
         self.gc_pauses: list[float] = []  # cyclic-GC pauses during the run, seconds
+        self.gc_cpu: list[float] = []  # their CPU time, seconds
         self.since = float("inf")
-        self._gc_started = 0.0
+        self._gc_started = self._gc_cpu_started = 0.0
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        now = time.monotonic()
+        now, cpu = time.monotonic(), time.thread_time()
         if phase == "start":
-            self._gc_started = now
+            self._gc_started, self._gc_cpu_started = now, cpu
         elif self._gc_started >= self.since:
             self.gc_pauses.append(now - self._gc_started)
+            self.gc_cpu.append(cpu - self._gc_cpu_started)
 
     async def run(self) -> None:
         while True:
@@ -73,6 +76,7 @@ class Ticker:
     def start(self) -> None:
         self.lags.clear()
         self.gc_pauses.clear()
+        self.gc_cpu.clear()
         self.since = time.monotonic()
 
     def stop(self) -> list[float]:
@@ -127,8 +131,60 @@ async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concur
     await anyio.sleep(2 * TICK_S)
     lags = ticker.stop()
     return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags,
-            "gc_max_s": max(ticker.gc_pauses, default=0.0), "ok": len(lat), "failed": failed[:5],
+            "gc_max_s": max(ticker.gc_pauses, default=0.0), "gc_cpu_max_s": max(ticker.gc_cpu, default=0.0),
+            "ok": len(lat), "failed": failed[:5],
             "nfailed": len(failed)}
+
+
+async def gc_probe(svc: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a full collection costs with every request of ``requests`` in flight, each
+    awaited by a client task of its own (``drive``'s shape at ``concurrency = n``):
+    the objects the cyclic GC tracks per live request, by type, and the CPU time
+    (this thread's, so not the machine's load) of one full collection then.
+
+    Every client sends in one loop turn; the snapshot is taken in the turn after,
+    before the watchdog has digested more than a tick or two, so nearly all are live
+    (bound and queued for their post, as most of them are at 4,096 in flight)."""
+    t0 = time.thread_time()
+    gc.collect()
+    base_cpu = time.thread_time() - t0
+    before = {id(o) for o in gc.get_objects()}
+    handles: list[Any] = []
+    results: list[Any] = []
+
+    all_sent = asyncio.Event()
+
+    async def client(r: dict[str, Any]) -> None:
+        handle = await svc.send(r["rid"], r["src"], last=True)
+        handles.append(handle)
+        if len(handles) == len(requests):
+            all_sent.set()
+        results.append(await svc.await_completion(handle))
+
+    async with asyncio.TaskGroup() as clients:
+        for r in requests:
+            clients.create_task(client(r), name="bench-client")
+        await all_sent.wait()
+        live = sum(h.result is None for h in handles)
+        # What survives a young collection, as the requests' objects have by the time a
+        # full one runs: tuples of untracked items (a chunk, a deadline entry) leave the
+        # GC's lists at their first collection.
+        gc.collect(1)
+        new = [o for o in gc.get_objects() if id(o) not in before]
+        by_type: dict[str, int] = {}
+        for o in new:
+            name = type(o).__qualname__
+            by_type[name] = by_type.get(name, 0) + 1
+        tracked = len(new)
+        del new
+        t0, c0 = time.thread_time(), time.monotonic()
+        gc.collect()
+        cpu, wall = time.thread_time() - t0, time.monotonic() - c0
+    top = dict(sorted(by_type.items(), key=lambda kv: -kv[1])[:12])
+    return {"event": "gc_probe", "n": len(requests), "live": live, "tracked": tracked,
+            "per_request": tracked / len(requests), "by_type": top, "collect_cpu_s": cpu,
+            "collect_wall_s": wall, "base_collect_cpu_s": base_cpu, "ok": sum(r.ok for r in results),
+            "failed": sorted({f"{r.reason} {r.message}" for r in results if not r.ok})[:5]}
 
 
 async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_service) -> None:
@@ -180,6 +236,8 @@ async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_servic
             op = cmd["op"]
             if op == "run":
                 emit(await drive(svc, ticker, cmd["requests"], int(cmd["concurrency"])))
+            elif op == "gc_probe":
+                emit(await gc_probe(svc, cmd["requests"]))
             elif op == "memory":
                 emit(await memory(cmd["requests"]))
             elif op == "kill_watch":

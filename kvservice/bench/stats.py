@@ -34,7 +34,8 @@ def summarize_sample(sample: dict[str, Any], nbytes: int, nreq: int) -> dict[str
     if lags is not None:
         out.update(lag_p50_ms=quantile(lags, 0.50) * 1e3, lag_p99_ms=quantile(lags, 0.99) * 1e3,
                    lag_max_ms=max(lags, default=0.0) * 1e3, lag_samples=len(lags),
-                   gc_pause_lag_max_ms=sample.get("gc_max_s", 0.0) * 1e3)
+                   gc_pause_lag_max_ms=sample.get("gc_max_s", 0.0) * 1e3,
+                   gc_pause_cpu_lag_max_ms=sample.get("gc_cpu_max_s", 0.0) * 1e3)
     return out
 
 
