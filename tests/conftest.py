@@ -20,6 +20,7 @@ import pytest
 import uvloop
 
 from kvservice._config import host_ucx_defaults
+from kvservice.testing.peer_process import use_fork_server
 from tests.helpers import SLOWDOWN_ENV, measure_slowdown, slowdown
 
 for _name, _value in host_ucx_defaults().items():
@@ -37,8 +38,13 @@ def pytest_asyncio_loop_factories(
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Measure this run's slowdown once, before any xdist worker starts (they inherit it),
-    counting the run's own workers: ``tests.helpers.scaled``."""
+    """Peers are forked from a server that imported them once (``use_fork_server``: a
+    start costs a fork, not ~2-3 s of CPU importing torch and kvservice; each process of
+    the run, each xdist worker, has its own server).  Measure this run's slowdown once,
+    before any xdist worker starts (they inherit it), counting the run's own workers:
+    ``tests.helpers.scaled``."""
+    if os.environ.get("KVSERVICE_TEST_FORK", "1") != "0":
+        use_fork_server()
     if os.environ.get("PYTEST_XDIST_WORKER") is None and not os.environ.get(SLOWDOWN_ENV):
         workers = config.getoption("numprocesses", default=None) or 1  # None without xdist, 0 for -n 0
         if not isinstance(workers, int):  # -n auto or logical, where xdist has not resolved it yet

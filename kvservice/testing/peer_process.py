@@ -25,9 +25,24 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..memory._layout import KVLayout
+from .forkserver import ForkedProcess, ForkServer, forkable
 
 #: what the parent runs with ``python -m``: the child side
 PEER_MODULE = "kvservice.testing.peer"
+
+#: whether peers are forked from a server that imported them (``use_fork_server``)
+_forking = False
+
+
+def use_fork_server(enabled: bool = True) -> bool:
+    """Start this process's peers by forking them from a server that has imported the
+    peer's modules once (``kvservice.testing.forkserver``): each start then costs a fork
+    instead of ~2-3 s of imports.  For a test suite that starts hundreds of peers; a peer
+    started with a launcher ``prefix``, a pipe for its stderr or another ``PYTHON*`` /
+    ``LD_*`` environment still starts as ``python -m``.  Returns the previous setting."""
+    global _forking
+    before, _forking = _forking, enabled
+    return before
 
 
 def peer_config(layout: KVLayout, **settings: Any) -> dict[str, Any]:
@@ -82,11 +97,16 @@ class PeerProcess:
         launcher that must ``exec`` it (so ``pid`` is the service's own), e.g.
         ``("ip", "netns", "exec", NAME)`` to run the child in a network namespace.
         ``stderr``: where the child's log goes (default: this process's stderr)."""
-        cmd = [*prefix, sys.executable, "-m", PEER_MODULE, json.dumps(config or {})]
-        proc = await anyio.open_process(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-            env={**os.environ, **(env or {})},
-        )
+        args = [json.dumps(config or {})]
+        full_env = {**os.environ, **(env or {})}
+        proc: anyio.abc.Process
+        if _forking and not prefix and stderr != subprocess.PIPE and forkable(full_env):
+            proc = await _fork(args, full_env, stderr)
+        else:
+            proc = await anyio.open_process(
+                [*prefix, sys.executable, "-m", PEER_MODULE, *args], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=stderr, env=full_env,
+            )
         send, recv = anyio.create_memory_object_stream[dict[str, Any]](1000)
         tg.start_soon(_pump, proc, send)
         peer = cls(proc, recv, send)
@@ -153,7 +173,22 @@ class PeerProcess:
         finally:
             self._events.close()
             self._sink.close()
+            with anyio.CancelScope(shield=True):
+                await self.proc.aclose()  # its stdin and stdout streams
         return self.proc.returncode
+
+
+async def _fork(args: list[str], env: dict[str, str], stderr: int | IO[Any] | None) -> ForkedProcess:
+    server = ForkServer.shared([PEER_MODULE])
+    argv, entry = [PEER_MODULE, *args], f"{PEER_MODULE}:main"
+    if stderr == subprocess.DEVNULL:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            return await ForkedProcess.start(server, entry, argv, env, devnull)
+        finally:
+            os.close(devnull)
+    fd = stderr if isinstance(stderr, int) or stderr is None else stderr.fileno()
+    return await ForkedProcess.start(server, entry, argv, env, fd)
 
 
 _json = json.JSONDecoder()
