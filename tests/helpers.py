@@ -7,6 +7,7 @@ or cancel scope is held across a pytest-asyncio fixture's ``yield``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
@@ -128,17 +129,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port in {_PORTS} after 200 tries ({_PORTS_GIVEN})")
 
 
-def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:
+#: the defaults a legitimate but merely slow peer must meet (a heartbeat gap, a handshake):
+#: ``config`` and ``peer_config`` scale them by this run's ``slowdown`` unless a test sets them
+SCALED_DEFAULTS = ("peer_timeout_s", "connect_timeout_s")
+
+
+def _test_defaults(kw: dict[str, Any]) -> dict[str, Any]:
     kw.setdefault("ucx_env", LOOPBACK_UCX)
     kw.setdefault("drain_grace_s", 1.0)
-    return ServiceConfig(layout=layout, **kw)
+    defaults = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    for name in SCALED_DEFAULTS:
+        kw.setdefault(name, scaled(defaults[name]))
+    return kw
+
+
+def config(layout: KVLayout = SMALL, **kw: Any) -> ServiceConfig:
+    """A service's config for a test: loopback, a short drain, the ``SCALED_DEFAULTS``."""
+    return ServiceConfig(layout=layout, **_test_defaults(kw))
 
 
 def peer_config(layout: KVLayout = SMALL, **kw: Any) -> dict[str, Any]:
-    """A child service's config, with the loopback defaults of ``config``."""
-    kw.setdefault("ucx_env", LOOPBACK_UCX)
-    kw.setdefault("drain_grace_s", 1.0)
-    return testing.peer_config(layout, **kw)
+    """A child service's config, with the defaults of ``config``."""
+    return testing.peer_config(layout, **_test_defaults(kw))
 
 
 #: a hang guard for a child service's start (Python, torch, its NIXL agent and vetting child
