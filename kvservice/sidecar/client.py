@@ -5,23 +5,22 @@ Switching an engine from in-process to sidecar is one line::
     svc = TransferService(config)            # in-process: this process owns a NIXL agent
     svc = SidecarClient("/run/kvservice/prefill.sock")   # sidecar: the daemon owns it
 
-Both are async context managers with ``kv`` (the KV pool: here a tensor over
-the daemon's shared segment, so ``kv.write`` puts bytes where the daemon sends
-them from), ``layout``, ``address``, ``send``, ``await_completion``, ``expect``,
-``decline``, ``await_arrival``, ``abort`` and ``status``, with the same arguments, errors and
-``TransferResult`` values.  Differences, all forced by the process boundary:
+Both are async context managers with ``kv`` (the KV pool: here a tensor over the daemon's
+shared segment, so ``kv.write`` puts bytes where the daemon sends them from), ``layout``,
+``address``, ``send``, ``await_completion``, ``expect``, ``decline``, ``await_arrival``,
+``abort`` and ``status``, with the same arguments, errors and ``TransferResult`` values.
+Differences, all forced by the process boundary:
 
 * ``TransferResult.error`` is a ``SidecarRemoteError`` naming the original
   exception's class (``type_name``) instead of the exception object itself.
 * ``handle.poll()`` is the state the daemon reported with the latest ``send()``
-  (or ``await fetch_poll(handle)``) until the request ends, then
-  ``Success``/``Failed``; ``poll_arrival`` is a coroutine.
+  (or ``await fetch_poll(handle)``) until the request ends, then ``Success``/``Failed``.
 * ``status()`` is the daemon's snapshot as of the last refresh
   (``status_interval`` seconds); ``await fetch_status()`` asks for a fresh one.
-* ``live_peers(role)`` is a coroutine: the daemon's discovery holds the members.
-* ``expected``, ``expected_pages`` and ``expect_dropped`` are coroutines: the early
-  expects live in the daemon.  They and ``decline`` need a daemon of protocol 3 or
-  later; an older one gets no frame: the call raises ``KVServiceError`` saying so.
+* ``poll_arrival``, ``live_peers(role)``, ``expected``, ``expected_pages`` and
+  ``expect_dropped`` are coroutines: what they read lives in the daemon.  ``decline`` and
+  the last three need a daemon of sidecar protocol 3: on an older one they raise
+  ``KVServiceError`` without sending a frame.
 * If the daemon goes away, every unfinished request ends ``Failed`` with
   ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
   raise ``KVServiceError``.
