@@ -38,11 +38,29 @@ def shadow(package: Path, into: Path) -> Path:
     return into
 
 
+def add_against(p: argparse.ArgumentParser) -> None:
+    """``--against DIR`` (repeatable): the other versions a before/after benchmark runs."""
+    p.add_argument("--against", type=Path, action="append", default=[],
+                   help="another kvservice package directory (repeatable)")
+
+
+def against_versions(packages: Sequence[Path], tmp: Path) -> list[KvService]:
+    """One ``KvService`` per ``--against`` package, each run from a shadow directory under
+    ``tmp``; ``ValueError`` naming the package that is not one."""
+    methods = []
+    for i, pkg in enumerate(packages):
+        try:
+            where = shadow(pkg, tmp / str(i))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--against {pkg}: {exc}") from exc
+        methods.append(KvService(LLAMA3_8B, FULL.pool_pages, name=f"kvservice@{pkg}", path_first=where))
+    return methods
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--against", type=Path, action="append", default=[],
-                   help="another kvservice package directory (repeatable)")
+    add_against(p)
     p.add_argument("--cases", default="w1/contiguous,w1/scattered,w2/c1,w2/c16,w2/c256",
                    help="comma-separated case keys of the full plan")
     p.add_argument("--repeats", type=int, default=5)
@@ -61,13 +79,11 @@ def main(argv: Sequence[str]) -> int:
             tempfile.TemporaryFile("w") as log:
         _lines.child_stderr = log
         methods: list[Method] = [RawNixl(LLAMA3_8B, FULL.pool_pages), KvService(LLAMA3_8B, FULL.pool_pages)]
-        for i, pkg in enumerate(args.against):
-            try:
-                where = shadow(pkg, Path(tmp) / str(i))
-            except (OSError, ValueError) as exc:
-                print(f"--against {pkg}: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-            methods.append(KvService(LLAMA3_8B, FULL.pool_pages, name=f"kvservice@{pkg}", path_first=where))
+        try:
+            methods += against_versions(args.against, Path(tmp))
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return EXIT_USAGE
         try:
             for m in methods:
                 m.start()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare import shadow
+from benchmarks.compare import add_against, against_versions
 from kvservice._exits import EXIT_OK, EXIT_USAGE
 from kvservice.bench.methods import RUN_TIMEOUT_S, KvService
 from kvservice.bench.stats import median
@@ -42,20 +42,17 @@ def probe(m: KvService, n: int, prefix: str) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gc_probe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--against", type=Path, action="append", default=[],
-                   help="another kvservice package directory (repeatable)")
+    add_against(p)
     p.add_argument("--requests", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(list(argv))
     with tempfile.TemporaryDirectory(prefix="kvservice-gcprobe-") as tmp:
         methods = [KvService(LLAMA3_8B, FULL.pool_pages)]
-        for i, pkg in enumerate(args.against):
-            try:
-                where = shadow(pkg, Path(tmp) / str(i))
-            except (OSError, ValueError) as exc:
-                print(f"--against {pkg}: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-            methods.append(KvService(LLAMA3_8B, FULL.pool_pages, name=f"kvservice@{pkg}", path_first=where))
+        try:
+            methods += against_versions(args.against, Path(tmp))
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return EXIT_USAGE
         runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
         try:
             for m in methods:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.bench.stats import quantile
+from kvservice.testing.engine_process import ask_to_quit, reap, send_line
 
 from .vllm_pd_engine import KV_BYTES_PER_TOKEN
 
@@ -132,32 +133,17 @@ class Engine:
                 raise TimeoutError(f"{self.name}: not ready within {timeout:.0f} s")
 
     def generate(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> None:
-        self._send({"op": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens, "params": params})
-
-    def _send(self, cmd: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
+        send_line(self.proc, {"op": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens,
+                              "params": params})
 
     def stop(self) -> None:
         """Quit, then SIGKILL the process's group (its engine core) by the process's id."""
-        if self.proc.poll() is None:
-            try:
-                self._send({"op": "quit"})
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        ask_to_quit(self.proc, 20)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the group is this process's own session
         except ProcessLookupError:
             pass
-        self.proc.wait(timeout=30)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        reap(self.proc)
         self._log.close()
 
 

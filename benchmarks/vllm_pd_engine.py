@@ -21,8 +21,9 @@ import json
 import os
 import queue
 import sys
-import threading
 from typing import Any
+
+from kvservice.testing.engine_process import read_commands, say
 
 #: 8 layers, 4 KV heads of 128 floats: 32 KiB of KV per token (float32), random but far from
 #: uniform (``initializer_range``) so that the tokens depend on every bit of the KV; seeded, so
@@ -43,11 +44,6 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
 
 
-def _say(msg: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(msg) + "\n")
-    sys.stdout.flush()
-
-
 def serve(cfg: dict[str, Any]) -> None:
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.config import KVTransferConfig
@@ -59,17 +55,9 @@ def serve(cfg: dict[str, Any]) -> None:
                       seed=0, max_model_len=cfg["max_model_len"], disable_log_stats=True)
     engine = LLMEngine.from_engine_args(args)
     scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
-
-    def read() -> None:
-        for line in sys.stdin:
-            if line.strip():
-                commands.put(json.loads(line))
-        commands.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
+    commands = read_commands()
     started: set[str] = set()
-    _say({"ready": True, "pid": os.getpid()})
+    say({"ready": True, "pid": os.getpid()})
     while True:
         # vLLM's engine core: take what arrived (without waiting while there is work), then
         # step while the scheduler has work (its has_requests() counts a connector's pending
@@ -92,10 +80,10 @@ def serve(cfg: dict[str, Any]) -> None:
             tokens = list(out.outputs[0].token_ids)
             if tokens and out.request_id not in started:
                 started.add(out.request_id)
-                _say({"id": out.request_id, "first": True})
+                say({"id": out.request_id, "first": True})
             if out.finished:
                 started.discard(out.request_id)
-                _say({"id": out.request_id, "tokens": tokens, "params": out.kv_transfer_params,
+                say({"id": out.request_id, "tokens": tokens, "params": out.kv_transfer_params,
                       "finish": out.outputs[0].finish_reason})
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 

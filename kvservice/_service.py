@@ -423,7 +423,7 @@ class TransferService:
         expect waits here for the first ``send()``; None before any expect.  A sender that
         may send fewer pages than it holds (the receiver had the rest cached: vLLM's prefix
         cache) reads it before sending.  Never blocks; safe from another thread."""
-        pages = self._plane.early_pages(request_id) if self._plane is not None else None
+        pages = self._plane.matching.early_pages(request_id) if self._plane is not None else None
         return None if pages is None else int(pages.size)
 
     def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
@@ -431,7 +431,7 @@ class TransferService:
         ``send()`` (its peer was lost, it timed out or aborted): then (the reason a ``send()``
         now fails with at once, whose expect it was); else None.  Never blocks; safe from
         another thread."""
-        return self._plane.dropped_expect(request_id) if self._plane is not None else None
+        return self._plane.matching.dropped_expect(request_id) if self._plane is not None else None
 
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:

@@ -17,6 +17,8 @@ Reading path:
   peer, per source and in total.
 - ``plane``: ``RequestPlane``: the tables, the entry points (send, expect, abort, drain),
   the transitions (bind, finish, fail) and the watchdog's callbacks.
+- ``matching``: ``Matching``: how a send meets the Expects that came before it (which
+  peer may bind it, which are refused, which wait for a proof) and the dropped ones.
 - ``waits``: how callers wait on the plane (for an end, an arrival, a settling).
 - ``ends``: ``SendEnds``: how a failed send ends (its release, the receiver's Outcome,
   its settle fence).

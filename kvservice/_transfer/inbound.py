@@ -89,41 +89,41 @@ class Inbound:
         try:
             pages = kv.memory.check_pages(msg.pages)
         except ValueError as exc:
-            p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, str(exc))
+            p.matching.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, str(exc))
             return
         if (why := p.stager.expected(agent, rid, kv, msg.staging, int(pages.size))) is not None:
-            p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, why)  # _transfer.staging
+            p.matching.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, why)  # _transfer.staging
             return
         req = p.sends.get(rid)
         if req is not None:
             if req.peer is not None:
-                p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "request already bound to a receiver")
+                p.matching.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "request already bound to a receiver")
                 return
-            ok = p.may_receive(req, agent)
+            ok = p.matching.may_receive(req, agent)
             if ok:
                 p.bind(req, agent, pages, msg.verify)
             elif ok is False:
-                p.refuse_receiver(req, agent)
+                p.matching.refuse_receiver(req, agent)
             elif (agent, rid) in p.proving:
-                p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
+                p.matching.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
             else:
                 assert req.receiver is not None
                 p.proving.add((agent, rid))
-                p.after_proof(agent, req.receiver, lambda: self._on_expect(agent, msg),
+                p.matching.after_proof(agent, req.receiver, lambda: self._on_expect(agent, msg),
                               lambda: p.proving.discard((agent, rid)))
         elif rid in p.sends_done:
             done = p.sends_done.get(rid)
             assert done is not None
-            p.refuse_expect(agent, rid, done.reason or FailureReason.INCOMPATIBLE,
+            p.matching.refuse_expect(agent, rid, done.reason or FailureReason.INCOMPATIBLE,
                             "request already ended on the sender")
         elif p.early.has(rid, agent):
-            p.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
+            p.matching.refuse_expect(agent, rid, FailureReason.INCOMPATIBLE, "duplicate expect")
         elif (refused := p.early.add(rid, agent, pages, time.monotonic(), p.control.source_of(agent),
                                      msg.verify)) is not None:
             if (unlogged := p.stats.refuse(refused.kind)) is not None:
                 log.warning("expect.refused", peer=agent, source=p.control.source_of(agent), kind=refused.kind,
                             error=refused.why, unlogged=unlogged)
-            p.refuse_expect(agent, rid, FailureReason.REFUSED,
+            p.matching.refuse_expect(agent, rid, FailureReason.REFUSED,
                             f"too many expects for requests not sent yet: {refused.why}")
 
     def _on_abort(self, agent: str, rid: str, reason: str, message: str) -> None:
@@ -134,7 +134,7 @@ class Inbound:
         if sreq is not None:
             # Its own (bound to it, or pinned to its proven address), or nobody's yet and
             # not pinned: then, as with an Expect, the first peer to speak of it decides.
-            if sreq.peer == agent or (sreq.peer is None and p.may_receive(sreq, agent)):
+            if sreq.peer == agent or (sreq.peer is None and p.matching.may_receive(sreq, agent)):
                 # Its release, then a Settled to the receiver, follow (released()).
                 p.fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
             elif rreq is None or rreq.peer != agent:
@@ -150,7 +150,7 @@ class Inbound:
             # Not sent yet: this peer's Expect (if any) is dropped, and a later send() it
             # may receive fails at once.  Nothing of it is or will be in flight to it.
             p.early.pop(rid, agent)
-            p.drop_expect(rid, agent, why)
+            p.matching.drop_expect(rid, agent, why)
             p.send_to(agent, Settled(rid))
         if rreq is not None and rreq.peer == agent:
             p.fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
@@ -290,7 +290,7 @@ class Inbound:
         for rreq in [r for r in p.recvs.values() if r.peer == agent]:
             p.fail(rreq, reason, what, error=cause, from_peer=True)
         for rid in p.early.drop_peer(agent):
-            p.drop_expect(rid, agent, reason)
+            p.matching.drop_expect(rid, agent, reason)
         p.ends.outcomes_lost(agent, time.monotonic())
         p.watchdog.forget_fences(agent)  # its unloading releases them
         if gone:  # its process is gone (ours leaving settles all once our agent is gone: __aexit__)

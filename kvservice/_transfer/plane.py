@@ -2,8 +2,10 @@
 transitions (bind, finish, fail), and what the watchdog calls back.
 
 What peers say (the control plane's callbacks) is turned into these transitions by
-``inbound.Inbound``; the plane builds it (from the factory it is given), the watchdog and
-the control plane, so none of them is ever missing once the plane exists.  Everything here runs on the event loop.
+``inbound.Inbound``; how a send meets the Expects that came before it, by
+``matching.Matching``.  The plane builds them (the first from the factory it is given),
+the watchdog and the control plane, so none of them is ever missing once the plane exists.
+Everything here runs on the event loop.
 """
 
 from __future__ import annotations
@@ -33,15 +35,13 @@ from . import landing
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
+from .matching import LOCAL, Dropped, Matching
 from .requests import Chunk, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
 from .settle import Settlement
 from .staging import NO_CELL, Stager
 from .watchdog import Watchdog
 
 log = get_logger("kvservice")
-
-#: the "agent" of a dropped-expect record made by this service's own ``abort()``
-LOCAL = ""
 
 
 class RequestPlane:
@@ -72,13 +72,15 @@ class RequestPlane:
         self.early = EarlyExpects.configured(cfg)
         # Expects dropped (peer lost / aborted) before any send(), per peer, with the
         # addresses it was proven at: a later send that peer may receive fails at once.
-        self.dropped: Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]] = Recent(results_kept)
+        self.dropped: Dropped = Recent(results_kept)
         # the peer an ended request was bound to ((side, id) -> agent): only it hears of it
         self.done_peers: Recent[tuple[str, str], str] = Recent(2 * results_kept)
         self.settlement = Settlement(self.recvs_done, self.sends_done)
         self.settlement.on_settled = stager.received
         # (agent, id) of Expects waiting for the proof of the agent's address
         self.proving: set[tuple[str, str]] = set()
+        # the rules by which sends meet the Expects above (and the dropped ones)
+        self.matching = Matching(self)
         self._idle = anyio.Event()
         self.watchdog = Watchdog(
             thread, door, local.memory, self,
@@ -125,7 +127,7 @@ class RequestPlane:
             raise ValueError(f"request {request_id!r}: the last chunk leaves layers at different pages "
                              f"({cursors}); every layer must reach the same page count")
         # a fitted send meets its receiver's pages in bind(), with its chunk queued
-        dest = None if fit_tail else req.dest if req else self.early_dest(request_id, pinned)
+        dest = None if fit_tail else req.dest if req else self.matching.early_dest(request_id, pinned)
         if dest is not None:
             if queued > dest.size:
                 raise ValueError(f"request {request_id!r}: {queued} pages sent, receiver expects {dest.size}")
@@ -149,7 +151,7 @@ class RequestPlane:
                 req.deadline = time.monotonic() + timeout
                 self.deadlines.push(req)
         if fit_tail:
-            self.match_early(req)  # bound now (its chunk fitted, and scheduled) if its Expect came first
+            self.matching.match_early(req)  # bound now (its chunk fitted, and scheduled) if its Expect came first
             return req
         if req.peer is not None:
             self.watchdog.schedule(req)
@@ -174,7 +176,7 @@ class RequestPlane:
         if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
             self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
         elif match:
-            self.match_early(req)
+            self.matching.match_early(req)
         return req
 
     async def expect(self, request_id: str, sender: str, pages: PageIndex, timeout: float | None,
@@ -233,7 +235,7 @@ class RequestPlane:
         rreq = self.recvs.get(request_id)
         early = self.early.agents(request_id) if sreq is None and rreq is None else []
         if early:
-            self.drop_expect(request_id, LOCAL, FailureReason.ABORTED)  # a later send() fails at once
+            self.matching.drop_expect(request_id, LOCAL, FailureReason.ABORTED)  # a later send() fails at once
             for peer in early:
                 self.early.pop(request_id, peer)
                 self.send_to(peer, Abort(request_id, FailureReason.ABORTED.value, "aborted by sender"))
@@ -269,20 +271,6 @@ class RequestPlane:
         await self.watchdog.tick()
 
     # -- what the service asks of it -------------------------------------------------------
-    def early_pages(self, request_id: str) -> PageIndex | None:
-        """The pages the first early Expect for ``request_id`` reserved, if one waits."""
-        agents = self.early.agents(request_id)
-        return self.early.pages_of(request_id, agents[0]) if agents else None
-
-    def dropped_expect(self, request_id: str) -> tuple[FailureReason, str] | None:
-        """Why an expect for ``request_id`` was dropped before any send, and whose (the
-        addresses its peer was proven at, else its agent); None when none was."""
-        dropped = self.dropped.get(request_id)
-        if not dropped:
-            return None
-        agent, (reason, proven) = next(iter(dropped.items()))
-        return reason, "this service's abort()" if agent == LOCAL else ", ".join(sorted(proven)) or agent
-
     def remembers(self, request_id: str) -> bool:
         """Whether anything of ``request_id`` is still here: a live request on either
         side, either side's result (among the ``results_kept`` most recent of its side),
@@ -316,92 +304,6 @@ class RequestPlane:
             self.stats.refuse("live_request_limit")
             raise Overloaded(f"{live} requests alive, the limit (max_live_requests) is "
                              f"{self.config.max_live_requests}")
-
-    def may_receive(self, req: SendRequest, agent: str) -> bool | None:
-        """Whether ``agent`` may receive ``req``: any peer unless it is pinned; then only
-        the agent proven to answer at that address (None: not proven either way yet)."""
-        if req.receiver is None:
-            return True
-        return self.control.at_address(agent, req.receiver)
-
-    def refuse_receiver(self, req: SendRequest, agent: str) -> None:
-        """``agent`` is not the receiver ``req`` is pinned to: it is told (``REFUSED``) and it is counted."""
-        if (unlogged := self.stats.refuse("receiver_mismatch")) is not None:
-            log.warning("transfer.expect_refused", request_id=req.request_id, agent=agent, receiver=req.receiver,
-                        unlogged=unlogged)
-        self.refuse_expect(agent, req.request_id, FailureReason.REFUSED, "the request is pinned to another receiver")
-
-    def refuse_expect(self, agent: str, rid: str, reason: FailureReason, message: str) -> None:
-        """Tell ``agent`` its Expect for ``rid`` is refused; nothing of ours was or will be
-        written there for it, so it is settled too (unless ``rid`` is bound to that agent)."""
-        self.send_to(agent, Failed(rid, reason.value, text(message)))
-        bound = self.sends.get(rid)
-        if bound is None or bound.peer != agent:
-            self.send_to(agent, Settled(rid))
-
-    def after_proof(self, agent: str, canon: str, then: Callable[[], None],
-                    finally_: Callable[[], None] | None = None) -> None:
-        """Prove whether ``agent`` answers at ``canon`` (one probe, shared), then call
-        ``then`` if its link is still the one that asked; ``finally_`` in any case."""
-        control = self.control
-        generation = control.generation_of(agent)
-
-        async def prove() -> None:
-            try:
-                await control.prove_address(agent, canon)
-            finally:
-                if finally_ is not None:
-                    finally_()
-            if control.generation_of(agent) == generation and not self.closing:
-                then()
-
-        self.tg.start_soon(prove)
-
-    def early_dest(self, rid: str, receiver: str | None) -> npt.NDArray[np.int32] | None:
-        """The pages of the early Expect that a send of ``rid`` (pinned to ``receiver``) would bind."""
-        for agent in self.early.agents(rid):
-            if receiver is None or self.control.at_address(agent, receiver):
-                return self.early.pages_of(rid, agent)
-        return None
-
-    def match_early(self, req: SendRequest) -> None:
-        """A new (or still unbound) send meets the Expects that came before it: the first
-        from a peer that may receive it binds it; those from peers proven not to are
-        refused; an Expect such a peer dropped fails it; the rest wait for their proof."""
-        if req.result is not None or req.peer is not None:
-            return
-        rid = req.request_id
-        unknown: list[str] = []
-        for agent in self.early.agents(rid):
-            ok = self.may_receive(req, agent)
-            if ok is None:
-                unknown.append(agent)
-                continue
-            verify = self.early.verifies(rid, agent)
-            pages = self.early.pop(rid, agent)
-            assert pages is not None
-            if ok:
-                self.bind(req, agent, pages, verify)
-                return
-            self.refuse_receiver(req, agent)
-        dropped = self.dropped.get(rid)
-        for agent, (reason, proven) in list((dropped or {}).items()):
-            if agent == LOCAL or req.receiver is None or req.receiver in proven:
-                del dropped[agent]  # type: ignore[union-attr]
-                who = "this service's abort()" if agent == LOCAL else ", ".join(sorted(proven)) or agent
-                self.fail(req, reason, f"the receiver's expect was dropped before this send ({who})")
-                return
-        for agent in unknown:
-            assert req.receiver is not None
-            self.after_proof(agent, req.receiver, lambda: self.match_early(req))
-
-    def drop_expect(self, rid: str, agent: str, why: FailureReason) -> None:
-        """Remember that ``agent``'s Expect for ``rid`` (not sent yet) was dropped."""
-        dropped = self.dropped.get(rid)
-        if dropped is None:
-            dropped = {}
-            self.dropped.put(rid, dropped)
-        dropped[agent] = (why, self.control.proven_addresses(agent))
 
     # -- transitions -----------------------------------------------------------------------
     def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32], verify: bool = False) -> None:
@@ -522,7 +424,7 @@ class RequestPlane:
             self.fail(req, FailureReason.TIMEOUT, why)
         for rid, agent in self.early.expire(now):
             self.stats.refuse("unknown_expect_expired")
-            self.refuse_expect(agent, rid, FailureReason.TIMEOUT,
+            self.matching.refuse_expect(agent, rid, FailureReason.TIMEOUT,
                                f"no send() for this request within {self.config.unknown_expect_ttl_s}s")
         self.ends.outcomes_lost(None, now)
         live = len(self.sends) + len(self.recvs)

@@ -1,7 +1,8 @@
 """The calls a worker makes, carried out against the ``TransferService``.
 
 Every call naming a request id first checks that the calling worker owns it, or
-that nobody does (``owners.py``); ``send`` and ``expect`` claim it.  Each request
+that nobody does (``owners.py``); ``send`` and ``expect`` claim it (``decline``, which
+registers nothing here, does not).  Each request
 a worker sends or expects gets a watcher task in the worker's connection group
 that pushes a ``Finished`` frame when it ends.
 """
@@ -22,8 +23,12 @@ from .wire import (
     AwaitCompletion,
     AwaitSettled,
     Call,
+    Decline,
+    Declined,
     Done,
     Expect,
+    Expected,
+    ExpectedReply,
     Finished,
     LivePeers,
     PeersReply,
@@ -100,6 +105,16 @@ class WorkerCalls:
 
             self.watch(conn, key, arrival)
             return Done(msg.call)
+        if isinstance(msg, Decline):  # registers nothing: no claim, and allowed while draining
+            self._check_role("decode")
+            owners.check(me, msg.request_id)
+            return Declined(msg.call, await svc.decline(msg.request_id, sender=msg.sender, message=msg.message))
+        if isinstance(msg, Expected):
+            owners.check(me, msg.request_id)
+            rid = msg.request_id
+            dropped = svc.expect_dropped(rid)
+            return ExpectedReply(msg.call, svc.expected(rid), svc.expected_pages(rid),
+                                 (dropped[0].value, dropped[1]) if dropped is not None else None)
         if isinstance(msg, AwaitArrival):
             owners.check(me, msg.request_id)
             return ResultReply(msg.call, result_to_wire(await svc.await_arrival(msg.request_id, msg.timeout)))
@@ -125,10 +140,13 @@ class WorkerCalls:
         raise ProtocolError(f"unexpected {type(msg).__name__}")  # pragma: no cover - schema forbids
 
     def _check_open(self, role: str) -> None:
-        if role not in self.roles:
-            raise KVServiceError(f"this sidecar does not serve the {role} role (sidecar.roles = {list(self.roles)})")
+        self._check_role(role)
         if self.draining:
             raise KVServiceError("sidecar is shutting down")
+
+    def _check_role(self, role: str) -> None:
+        if role not in self.roles:
+            raise KVServiceError(f"this sidecar does not serve the {role} role (sidecar.roles = {list(self.roles)})")
 
     def watch(self, conn: Connection, key: Key, wait: Callable[[], Awaitable[TransferResult]]) -> None:
         assert conn.tg is not None

@@ -5,20 +5,22 @@ Switching an engine from in-process to sidecar is one line::
     svc = TransferService(config)            # in-process: this process owns a NIXL agent
     svc = SidecarClient("/run/kvservice/prefill.sock")   # sidecar: the daemon owns it
 
-Both are async context managers with ``kv`` (the KV pool: here a tensor over
-the daemon's shared segment, so ``kv.write`` puts bytes where the daemon sends
-them from), ``layout``, ``address``, ``send``, ``await_completion``, ``expect``,
-``await_arrival``, ``abort`` and ``status``, with the same arguments, errors and
-``TransferResult`` values.  Differences, all forced by the process boundary:
+Both are async context managers with ``kv`` (the KV pool: here a tensor over the daemon's
+shared segment, so ``kv.write`` puts bytes where the daemon sends them from), ``layout``,
+``address``, ``send``, ``await_completion``, ``expect``, ``decline``, ``await_arrival``,
+``abort`` and ``status``, with the same arguments, errors and ``TransferResult`` values.
+Differences, all forced by the process boundary:
 
 * ``TransferResult.error`` is a ``SidecarRemoteError`` naming the original
   exception's class (``type_name``) instead of the exception object itself.
 * ``handle.poll()`` is the state the daemon reported with the latest ``send()``
-  (or ``await fetch_poll(handle)``) until the request ends, then
-  ``Success``/``Failed``; ``poll_arrival`` is a coroutine.
+  (or ``await fetch_poll(handle)``) until the request ends, then ``Success``/``Failed``.
 * ``status()`` is the daemon's snapshot as of the last refresh
   (``status_interval`` seconds); ``await fetch_status()`` asks for a fresh one.
-* ``live_peers(role)`` is a coroutine: the daemon's discovery holds the members.
+* ``poll_arrival``, ``live_peers(role)``, ``expected``, ``expected_pages`` and
+  ``expect_dropped`` are coroutines: what they read lives in the daemon.  ``decline`` and
+  the last three need a daemon of sidecar protocol 3: on an older one they raise
+  ``KVServiceError`` without sending a frame.
 * If the daemon goes away, every unfinished request ends ``Failed`` with
   ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
   raise ``KVServiceError``.
@@ -47,7 +49,7 @@ import numpy.typing as npt
 
 from .._control.addresses import split_address
 from .._control.links import CONNECTION_ERRORS, FramedStream
-from .._control.protocol import FrameError
+from .._control.protocol import FrameError, text
 from .._results import (
     FailureReason,
     KVPoll,
@@ -74,9 +76,13 @@ from .wire import (
     Bye,
     Call,
     Cancel,
+    Decline,
+    Declined,
     Done,
     Error,
     Expect,
+    Expected,
+    ExpectedReply,
     Finished,
     LivePeers,
     PeersReply,
@@ -89,6 +95,7 @@ from .wire import (
     Status,
     StatusReply,
     Welcome,
+    call_refusal,
     result_from_wire,
 )
 
@@ -288,6 +295,18 @@ class SidecarClient:
             "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout))
         assert isinstance(reply, Done)
 
+    async def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:
+        """``TransferService.decline`` through the sidecar: ``sender``'s send of ``request_id``
+        ends ``ABORTED`` at once; True once the daemon told it, False if it cannot reach it."""
+        check_request_id(request_id)
+        split_address(sender)  # the service's own check, here rather than a round trip later
+        if not isinstance(message, str):
+            raise ValueError(f"message must be a str, got {type(message).__name__}")
+        message = text(message)  # the service cuts the Abort's text to this anyway
+        reply = await self._call(lambda n: Decline(n, request_id, sender, message))
+        assert isinstance(reply, Declined)
+        return reply.queued
+
     async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """``TransferService.await_settled`` through the sidecar: the result once nothing of
         ``request_id`` can land any more (its pages may be reused), or as it stands when
@@ -348,6 +367,24 @@ class SidecarClient:
         assert isinstance(reply, PollReply)
         return KVPoll(reply.poll)
 
+    # ``TransferService.expected``, ``expected_pages`` and ``expect_dropped``, as coroutines:
+    # the early expects live in the daemon (one ``Expected`` call answers all three)
+    async def expected(self, request_id: str) -> bool:
+        return (await self._expected(request_id)).expected
+
+    async def expected_pages(self, request_id: str) -> int | None:
+        return (await self._expected(request_id)).pages
+
+    async def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
+        dropped = (await self._expected(request_id)).dropped
+        return None if dropped is None else (FailureReason(dropped[0]), dropped[1])
+
+    async def _expected(self, request_id: str) -> ExpectedReply:
+        check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
+        reply = await self._call(lambda n: Expected(n, request_id))
+        assert isinstance(reply, ExpectedReply)
+        return reply
+
     def status(self) -> dict[str, Any]:
         """The daemon's status as of the last refresh (see ``fetch_status``)."""
         return dict(self._status)
@@ -375,10 +412,13 @@ class SidecarClient:
         if self._lost is not None:
             raise _Lost(f"sidecar connection lost: {self._lost}")
         n = next(self._ids)
+        msg = make(n)
+        if self.welcome is not None and (why := call_refusal(msg, self.welcome.version)) is not None:
+            raise KVServiceError(f"the sidecar at {self.socket_path}: {why}: upgrade the daemon")  # nothing sent
         slot = self._calls[n] = CallSlot()
         try:
             with anyio.CancelScope(shield=True), anyio.fail_after(SEND_TIMEOUT_S):
-                await self._framed.send(make(n))  # shielded: never leave half a frame on the socket
+                await self._framed.send(msg)  # shielded: never leave half a frame on the socket
             await slot.event.wait()
         except anyio.get_cancelled_exc_class():
             if not slot.event.is_set() and self._lost is None:

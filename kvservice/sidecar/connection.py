@@ -11,7 +11,7 @@ import anyio.abc
 from .._log import Throttle
 from .._transfer.requests import Recent, TransferHandle
 from .._trust.peercred import PeerCred
-from .wire import ClientMessage, SocketFrames
+from .wire import SIDECAR_PROTOCOL_VERSION, ClientMessage, SocketFrames
 
 #: refusal kinds that end a connection before its Welcome, and kinds that are a bad frame:
 #: ``kvservice_sidecar_connections_refused_total`` and ``..._frames_rejected_total``
@@ -29,6 +29,8 @@ class Connection:
     sent: Recent[str, TransferHandle]
     #: the name the worker gave in its Hello, for logs
     client: str = ""
+    #: the protocol version agreed in the Welcome
+    version: int = SIDECAR_PROTOCOL_VERSION
     tg: anyio.abc.TaskGroup | None = None
     calls: dict[int, anyio.CancelScope] = field(default_factory=dict)
     sending: dict[str, TransferHandle] = field(default_factory=dict)

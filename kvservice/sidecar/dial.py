@@ -6,12 +6,17 @@ trusts; anything else may be a socket another user planted where the daemon's
 should be.  The Welcome is checked before it is used: the segment's name must
 name a file right under ``/dev/shm``, the layout must be a valid ``KVLayout``,
 and the segment must be a regular file of the daemon's uid and the pool's size.
+
+A daemon of this release answers a newer or older client with the version both
+speak; one from before that (sidecar protocol 2) refuses any version but its own,
+naming it, and is greeted once more in that version.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Collection
 
 import anyio
@@ -39,10 +44,34 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError, FrameError, *CONNECTION_ERRORS)
 
 
+#: how a daemon from before versions were negotiated (it speaks sidecar protocol 2 only)
+#: refuses any other: this client then says Hello again in that version
+_EXACT_ONLY = re.compile(r"protocol version \d+, this sidecar speaks (\d+)")
+
+
 async def handshake(path: str, name: str, *, timeout: float,
                     trusted_uids: Collection[int]) -> tuple[FramedStream[ServerMessage], Welcome, PeerCred]:
     """Connect to the daemon at ``path``, check who runs it, say Hello; its Welcome.
     ``KVServiceError`` saying why otherwise."""
+    framed, reply, daemon = await _hello(path, name, SIDECAR_PROTOCOL_VERSION, timeout, trusted_uids)
+    if (isinstance(reply, Error) and (exact := _EXACT_ONLY.fullmatch(reply.message)) is not None
+            and SIDECAR_OLDEST_VERSION <= int(exact[1]) < SIDECAR_PROTOCOL_VERSION):
+        await framed.aclose()  # it closes after the refusal: once more, in its version
+        framed, reply, daemon = await _hello(path, name, int(exact[1]), timeout, trusted_uids)
+    if not isinstance(reply, Welcome):
+        await framed.aclose()
+        why = reply.message if isinstance(reply, Error) else type(reply).__name__
+        raise KVServiceError(f"the sidecar at {path} refused us: {why}")
+    if not SIDECAR_OLDEST_VERSION <= reply.version <= SIDECAR_PROTOCOL_VERSION:
+        await framed.aclose()
+        raise KVServiceError(f"the sidecar at {path} speaks protocol version {reply.version}, this client "
+                             f"{SIDECAR_OLDEST_VERSION}-{SIDECAR_PROTOCOL_VERSION}: upgrade the older of the two")
+    return framed, reply, daemon
+
+
+async def _hello(path: str, name: str, version: int, timeout: float,
+                 trusted_uids: Collection[int]) -> tuple[FramedStream[ServerMessage], ServerMessage, PeerCred]:
+    """One connection: check who runs the daemon, say Hello in ``version``; its first frame."""
     try:
         with anyio.fail_after(timeout):
             stream = await anyio.connect_unix(path)
@@ -52,21 +81,13 @@ async def handshake(path: str, name: str, *, timeout: float,
                 # a daemon that refuses us may close before our Hello is written: its reason is
                 # still there to be read
                 with contextlib.suppress(*CONNECTION_ERRORS):
-                    await framed.send(Hello(SIDECAR_PROTOCOL_VERSION, name[:256]))
+                    await framed.send(Hello(version, name[:256]))
                 reply = await framed.recv()
             except BaseException:
                 await framed.aclose()
                 raise
     except _CONNECT_ERRORS as exc:
         raise KVServiceError(f"cannot connect to the sidecar at {path}: {exc!r}") from exc
-    if not isinstance(reply, Welcome):
-        await framed.aclose()
-        why = reply.message if isinstance(reply, Error) else type(reply).__name__
-        raise KVServiceError(f"the sidecar at {path} refused us: {why}")
-    if not SIDECAR_OLDEST_VERSION <= reply.version <= SIDECAR_PROTOCOL_VERSION:
-        await framed.aclose()
-        raise KVServiceError(f"the sidecar at {path} speaks protocol version {reply.version}, this client "
-                             f"{SIDECAR_OLDEST_VERSION}-{SIDECAR_PROTOCOL_VERSION}: upgrade the older of the two")
     return framed, reply, daemon
 
 

@@ -49,6 +49,7 @@ from .wire import (
     Call,
     Cancel,
     Error,
+    Expected,
     Hello,
     LivePeers,
     Poll,
@@ -56,6 +57,7 @@ from .wire import (
     ServerMessage,
     Status,
     Welcome,
+    call_refusal,
     decode_client,
     frame_stream,
     sidecar_version,
@@ -72,7 +74,7 @@ MAX_CALLS_PER_CONNECTION = 10_000
 #: at shutdown, how long to wait for the last Finished frames before Bye
 FLUSH_TIMEOUT_S = 2.0
 #: calls that complete without waiting on anything: run in the reader, saving a task per call
-_INLINE = (Send, Abort, Poll, Status, LivePeers)
+_INLINE = (Send, Abort, Poll, Status, LivePeers, Expected)
 
 
 class SidecarServer:
@@ -193,7 +195,7 @@ class SidecarServer:
         if self.draining:
             await self._refuse(conn, "draining", "sidecar is shutting down")
             return False
-        conn.client = hello.client
+        conn.client, conn.version = hello.client, version
         try:
             await conn.framed.send(self._welcome(version))
         except CONNECTION_ERRORS:
@@ -241,6 +243,9 @@ class SidecarServer:
                 elif msg.call in conn.calls:
                     self.counters.refused["duplicate_call"] += 1
                     await self._push(conn, Error(msg.call, "ProtocolError", f"call {msg.call} is already in flight"))
+                elif (why := call_refusal(msg, conn.version)) is not None:  # a client that ignored our Welcome
+                    self.counters.refused["call_version"] += 1
+                    await self._push(conn, Error(msg.call, "ProtocolError", why))
                 elif len(conn.calls) >= MAX_CALLS_PER_CONNECTION:
                     self.counters.refused["too_many_calls"] += 1
                     await self._push(conn, Error(msg.call, "KVServiceError", "too many calls in flight"))

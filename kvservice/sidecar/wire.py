@@ -8,8 +8,8 @@ length above the limit is refused before the body is read.
 Conversation::
 
     worker -> Hello                       sidecar -> Welcome | Error (then closes)
-    worker -> Send | Expect | AwaitCompletion | AwaitArrival | AwaitSettled | Abort | Poll | Status
-              | LivePeers | Cancel
+    worker -> Send | Expect | Decline | Expected | AwaitCompletion | AwaitArrival | AwaitSettled | Abort
+              | Poll | Status | LivePeers | Cancel
     sidecar -> the call's reply (same ``call`` number) or Error
     sidecar -> Finished     whenever a request this worker sent or expected ends
     sidecar -> Bye          when it shuts down (after the last Finished)
@@ -31,12 +31,13 @@ import anyio.lowlevel
 import msgspec
 
 from .._control.links import FramedStream
-from .._control.protocol import HEADER_BYTES, decode_with, frame, frame_length
+from .._control.protocol import HEADER_BYTES, MAX_TEXT, decode_with, frame, frame_length
 from .._results import FailureReason, KVServiceError, TransferResult, TransferStatus
 from ..discovery.member import MAX_ROLE_CHARS, Member
 
-#: 2: ``Send.fit``
-SIDECAR_PROTOCOL_VERSION = 2
+#: 2: ``Send.fit``; 3: ``Decline`` and ``Expected`` (a client checks the Welcome's version
+#: before it sends them: a daemon of 2 would take either for a malformed frame)
+SIDECAR_PROTOCOL_VERSION = 3
 #: the oldest version a daemon of this release serves: the previous release's clients keep
 #: working while the daemons are upgraded first (README "Upgrades")
 SIDECAR_OLDEST_VERSION = 2
@@ -50,9 +51,14 @@ def sidecar_version(client: int) -> int | None:
         return SIDECAR_PROTOCOL_VERSION
     return client if client >= SIDECAR_OLDEST_VERSION else None
 
+
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 CallId = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
 Pages = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(min_length=1)]
+#: a receiver's word for its sender: ``host:port`` (checked by the service)
+Sender = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+#: as the peer control channel's text: what reaches the sender
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Timeout = float | None  # as in-process: a timeout already past fails the request at once
 _Layer = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Layers = tuple[_Layer, _Layer]
@@ -87,8 +93,25 @@ class Expect(msgspec.Struct, tag="expect", frozen=True, forbid_unknown_fields=Tr
     call: CallId
     request_id: RequestId
     pages: Pages
-    sender: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    sender: Sender
     timeout: Timeout = None
+
+
+class Decline(msgspec.Struct, tag="decline", frozen=True, forbid_unknown_fields=True):
+    """``TransferService.decline`` (protocol 3): tell ``sender`` the request will not be expected."""
+
+    call: CallId
+    request_id: RequestId
+    sender: Sender
+    message: Text = ""
+
+
+class Expected(msgspec.Struct, tag="expected", frozen=True, forbid_unknown_fields=True):
+    """``TransferService.expected``, ``expected_pages`` and ``expect_dropped`` (protocol 3),
+    answered together: what the daemon holds of a receiver's expect before the first send."""
+
+    call: CallId
+    request_id: RequestId
 
 
 class AwaitArrival(msgspec.Struct, tag="await_arrival", frozen=True, forbid_unknown_fields=True):
@@ -133,8 +156,21 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=Tr
     call: CallId
 
 
-Call = Send | AwaitCompletion | Expect | AwaitArrival | AwaitSettled | Abort | Poll | Status | LivePeers | Cancel
+Call = (Send | AwaitCompletion | Expect | Decline | Expected | AwaitArrival | AwaitSettled | Abort | Poll | Status
+        | LivePeers | Cancel)
 ClientMessage = Hello | Call
+
+#: the version that brought each call in (the rest are in every version served): a client
+#: sends one only to a daemon that speaks it, a daemon takes one only on a connection that does
+SINCE: dict[type[Call], int] = {Decline: 3, Expected: 3}
+
+
+def call_refusal(msg: Call, version: int) -> str | None:
+    """Why ``msg`` cannot go over a connection speaking ``version``; None when it can."""
+    since = SINCE.get(type(msg), SIDECAR_OLDEST_VERSION)
+    if since <= version:
+        return None
+    return f"the {type(msg).__struct_config__.tag} call is protocol version {since}, this connection speaks {version}"
 
 
 # -- sidecar -> worker -------------------------------------------------------------------
@@ -180,6 +216,22 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     call: int
 
 
+class Declined(msgspec.Struct, tag="declined", frozen=True):
+    """Reply to Decline: whether its Abort was queued on the link to the sender."""
+
+    call: int
+    queued: bool
+
+
+class ExpectedReply(msgspec.Struct, tag="expected_reply", frozen=True):
+    """Reply to Expected: the service's three answers."""
+
+    call: int
+    expected: bool
+    pages: int | None
+    dropped: tuple[str, str] | None  # (FailureReason value, whose expect it was)
+
+
 class ResultReply(msgspec.Struct, tag="result", frozen=True):
     call: int
     result: WireResult | None
@@ -219,8 +271,8 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: str = ""
 
 
-ServerMessage = (Welcome | SendReply | Done | ResultReply | PollReply | StatusReply | PeersReply | Error | Finished
-                 | Bye)
+ServerMessage = (Welcome | SendReply | Done | Declined | ExpectedReply | ResultReply | PollReply | StatusReply
+                 | PeersReply | Error | Finished | Bye)
 
 M = TypeVar("M")
 

@@ -17,6 +17,9 @@ For an engine team testing its integration with kvservice on machines without GP
 ``pattern`` and ``holds`` give every request id its own deterministic page contents,
 so a receiver verifies every byte without a checksum from the sender.
 
+``engine_process`` holds both ends of the JSON-line pipe to an engine in a child process
+(the vLLM tests and ``benchmarks.vllm_pd`` run theirs so); it imports no engine.
+
 What is stable: the names in ``__all__``, the peer's commands and events
 (``kvservice.testing.peer``) and ``FakeDoor``'s scripting calls.  The rest of the
 modules here (``Mode``, ``PostRecord``, the fake's counters) serve kvservice's own

@@ -20,6 +20,7 @@ from pathlib import Path
 #: the release before this one: control protocol 5, sidecar wire 2
 PREVIOUS = "47714debc1657e018832e021bba389302f56b7b6"
 PREVIOUS_PROTOCOL = 5
+PREVIOUS_SIDECAR = 2
 REPO = Path(__file__).resolve().parents[2]
 
 

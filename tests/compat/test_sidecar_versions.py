@@ -1,18 +1,18 @@
 """The sidecar's wire across releases: engines' workers and their sidecars are upgraded
 separately, so a worker's client of the previous release drives a daemon of this one,
 and a client of this release drives a daemon of the previous one.  Each moves bytes to a
-decode of this release, verified; the daemon's Welcome names the version both speak."""
+decode of this release, verified; the daemon's Welcome names the version both speak, and a
+call the previous daemon has no message for is refused by this client before it is sent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvservice import KVLayout, SidecarClient, TransferService
+from kvservice import KVLayout, KVServiceError, SidecarClient, TransferService
 from kvservice._control.protocol import PROTOCOL_VERSION
-from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION
 from kvservice.testing import pattern
-from tests.compat.previous import PREVIOUS_PROTOCOL, previous_env
+from tests.compat.previous import PREVIOUS_PROTOCOL, PREVIOUS_SIDECAR, previous_env
 from tests.helpers import config, peers
 from tests.sidecar.daemons import SMALL_LAYOUT, sidecars
 
@@ -39,7 +39,13 @@ async def test_a_previous_client_drives_this_releases_daemon() -> None:
 async def test_this_releases_client_drives_a_previous_daemon() -> None:
     with sidecars("prefill", env=previous_env()) as (daemon,):
         async with TransferService(config(LAYOUT)) as decode, SidecarClient(daemon.socket) as prefill:
-            assert prefill.welcome is not None and prefill.welcome.version == SIDECAR_PROTOCOL_VERSION
+            assert prefill.welcome is not None and prefill.welcome.version == PREVIOUS_SIDECAR
+            # calls newer than the daemon: refused here, no frame sent, the connection goes on
+            for call in (lambda: prefill.decline("new-client", sender=decode.address),
+                         lambda: prefill.expected("new-client"), lambda: prefill.expected_pages("new-client"),
+                         lambda: prefill.expect_dropped("new-client")):
+                with pytest.raises(KVServiceError, match=f"speaks {PREVIOUS_SIDECAR}: upgrade the daemon"):
+                    await call()
             prefill.kv.write([3, 4], pattern(LAYOUT, "new-client", 2))
             await decode.expect("new-client", [9, 10], sender=prefill.address)
             sent = await prefill.await_completion(await prefill.send("new-client", [3, 4], last=True),

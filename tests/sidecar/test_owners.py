@@ -46,7 +46,8 @@ def everything(b: SidecarClient, rid: str, sender: str) -> list[Callable[[], Awa
         lambda: b.await_arrival(rid, timeout=1), lambda: b.poll_arrival(rid),
         lambda: b.send(rid, [9]), lambda: b.send(rid, [9], last=True, payload=b"forged"),
         lambda: b.abort(rid), lambda: b.await_settled(rid, timeout=1),
-        lambda: b.expect(rid, [30], sender=sender),
+        lambda: b.expect(rid, [30], sender=sender), lambda: b.decline(rid, sender=sender),
+        lambda: b.expected(rid), lambda: b.expected_pages(rid), lambda: b.expect_dropped(rid),
     ]
 
 

@@ -25,7 +25,16 @@ from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
 from kvservice.sidecar import NotOwnerError
 from kvservice.sidecar.handle import RequestState, SidecarHandle
 from kvservice.sidecar.server import HELLO_MAX_BYTES, HELLO_TIMEOUT_S
-from kvservice.sidecar.wire import SIDECAR_PROTOCOL_VERSION, Error, Hello, Send, Welcome, decode_server, encode
+from kvservice.sidecar.wire import (
+    SIDECAR_OLDEST_VERSION,
+    SIDECAR_PROTOCOL_VERSION,
+    Error,
+    Hello,
+    Send,
+    Welcome,
+    decode_server,
+    encode,
+)
 from kvservice.testing import pattern
 from tests.helpers import eventually
 
@@ -159,7 +168,7 @@ async def test_hostile_bytes_before_the_hello_are_refused_and_counted(pair: tupl
         ((HELLO_MAX_BYTES + 1).to_bytes(4, "big") + b"x" * 64, f"exceeds the limit of {HELLO_MAX_BYTES}"),
         (encode(Send(1, "early", [0], True)), "expected hello, got Send"),
         (frame(b"\x92\x01"), "malformed frame"),
-        (encode(Hello(SIDECAR_PROTOCOL_VERSION - 1, "past")), "protocol version"),
+        (encode(Hello(SIDECAR_OLDEST_VERSION - 1, "past")), "protocol version"),
     ]
     for payload, message in cases:
         replies = await raw_exchange(prefill.socket, payload, hello=False)

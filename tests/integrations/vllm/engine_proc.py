@@ -28,9 +28,10 @@ import json
 import os
 import queue
 import sys
-import threading
 import time
 from typing import Any
+
+from kvservice.testing.engine_process import read_commands, say
 
 #: the model: small, float32, random but far from uniform (initializer_range) so that the
 #: tokens depend on every bit of the KV; seeded, so every process builds the same one
@@ -94,11 +95,6 @@ def prom_samples(prefix: str = "vllm:kvservice") -> dict[str, float]:
     return out
 
 
-def _say(msg: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(msg) + "\n")
-    sys.stdout.flush()
-
-
 def serve(cfg: dict[str, Any]) -> None:
     import logging
 
@@ -141,16 +137,8 @@ def serve(cfg: dict[str, Any]) -> None:
             out["prom"] = prom_samples()
         return out
 
-    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
-
-    def read() -> None:
-        for line in sys.stdin:
-            if line.strip():
-                commands.put(json.loads(line))
-        commands.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    _say({"ready": True, "pid": os.getpid(), **state()})
+    commands = read_commands()
+    say({"ready": True, "pid": os.getpid(), **state()})
 
     def busy() -> bool:
         if cfg.get("stepping", "busy") == "request":
@@ -171,11 +159,11 @@ def serve(cfg: dict[str, Any]) -> None:
         elif cmd["op"] == "abort":
             engine.abort_request([cmd["id"]])
         elif cmd["op"] == "state":
-            _say({"state": state()})
+            say({"state": state()})
         if busy():
             for out in engine.step():
                 if out.finished:
-                    _say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),
+                    say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),
                           "params": out.kv_transfer_params, "cached": out.num_cached_tokens,
                           "finish": out.outputs[0].finish_reason, "t": time.monotonic()})
     if worker is not None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvservice.testing.engine_process import ask_to_quit, reap, send_line
 from tests.helpers import eventually_sync
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -88,9 +89,7 @@ class Engine:
                 return msg
 
     def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
+        send_line(self.proc, cmd)
 
     def generate(self, rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> None:
         self.send(op="generate", id=rid, prompt=prompt, max_tokens=max_tokens, params=params)
@@ -138,18 +137,8 @@ class Engine:
         self.stop()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send(op="quit")
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
-        self.proc.wait(timeout=30)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        if not ask_to_quit(self.proc, 30):
+            self.kill()
+        reap(self.proc)
         if self._stderr is not subprocess.DEVNULL:
             self._stderr.close()  # type: ignore[union-attr]
