@@ -311,12 +311,14 @@ class SidecarClient:
         """``TransferService.await_settled`` through the sidecar: the result once nothing of
         ``request_id`` can land any more (its pages may be reused), or as it stands when
         ``timeout`` passes (``settled`` still False)."""
+        check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
         reply = await self._call(lambda n: AwaitSettled(n, request_id, timeout))
         assert isinstance(reply, ResultReply) and reply.result is not None
         return result_from_wire(reply.result)
 
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed."""
+        check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
         key = ("recv", request_id)
         req = self._live.get(key) or self._done.get(key)
         if req is not None and req.result is None and timeout is None:
@@ -338,6 +340,7 @@ class SidecarClient:
     # -- either side ------------------------------------------------------------------------
     async def abort(self, request_id: str) -> TransferResult | None:
         """Abandon ``request_id`` and tell the peer (see ``TransferService.abort``)."""
+        check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
         reply = await self._call(lambda n: Abort(n, request_id))
         assert isinstance(reply, ResultReply)
         if reply.result is None:
@@ -360,6 +363,7 @@ class SidecarClient:
 
     async def poll_arrival(self, request_id: str) -> KVPoll:
         """Like ``TransferService.poll_arrival``, but a coroutine: the state lives in the daemon."""
+        check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
         req = self._live.get(("recv", request_id)) or self._done.get(("recv", request_id))
         if req is not None and req.result is not None:
             return req.result.poll
