@@ -21,7 +21,7 @@ import uvloop
 
 from kvservice._config import host_ucx_defaults
 from kvservice.testing.peer_process import use_fork_server
-from tests.helpers import SLOWDOWN_ENV, measure_slowdown, slowdown
+from tests.helpers import SLOWDOWN_ENV, measure_slowdown, scaled, slowdown
 
 for _name, _value in host_ucx_defaults().items():
     os.environ.setdefault(_name, _value)
@@ -53,8 +53,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a parallel run, the tests marked ``slow`` are handed out first (each worker collects
-    the same order), so that none of them starts last and runs alone while the others idle."""
+    """Every test's hang guard (pytest-timeout: its own ``timeout`` mark, else the run's
+    default) is scaled by the run's slowdown, as the short timeouts are: a loaded machine
+    makes a test slower, not hung.  In a parallel run, the tests marked ``slow`` are handed
+    out first (each worker collects the same order), so that none of them starts last and
+    runs alone while the others idle."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        guard = float(mark.args[0]) if mark is not None and mark.args else default
+        if guard > 0:
+            item.add_marker(pytest.mark.timeout(scaled(guard)), append=False)
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 

@@ -22,6 +22,7 @@ import pytest
 
 from kvservice._exits import EXIT_USAGE
 from kvservice.bench import mooncake_side
+from tests.helpers import scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -36,7 +37,7 @@ def bench(out: Path, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env) as proc:
         try:
-            stdout, stderr = proc.communicate(timeout=200)
+            stdout, stderr = proc.communicate(timeout=scaled(200))
         except subprocess.TimeoutExpired:
             proc.kill()
             stdout, stderr = proc.communicate(timeout=30)
@@ -93,7 +94,7 @@ def test_bench_without_a_working_mooncake_says_why_and_measures_the_rest(tmp_pat
 def test_methods_that_cannot_run_are_refused_with_the_reason(tmp_path: Path) -> None:
     def usage(*args: str, env: dict[str, str] | None = None) -> str:
         proc = subprocess.run([sys.executable, "-m", "kvservice.cli", "bench", "--out", str(tmp_path / "out"), *args],
-                              cwd=REPO, capture_output=True, text=True, timeout=120, env=env, check=False)
+                              cwd=REPO, capture_output=True, text=True, timeout=scaled(120), env=env, check=False)
         assert proc.returncode == EXIT_USAGE, (proc.returncode, proc.stderr[-2000:])
         return proc.stderr
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.bench.methods import NAME_PREFIX
+from tests.helpers import scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,7 +32,7 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     ) as bench:
         try:
-            stdout, stderr = bench.communicate(timeout=280)
+            stdout, stderr = bench.communicate(timeout=scaled(280))
         except subprocess.TimeoutExpired:
             bench.kill()
             stdout, stderr = bench.communicate(timeout=30)
@@ -100,7 +101,7 @@ def test_verify_landing_is_measured_against_kvservice_in_the_same_run(tmp_path: 
     args = ["bench", "--quick", "--no-tcp", "--no-chart", "--only", "w1,w2", "--verify-landing",
             "--methods", "kvservice,kvservice/verify", "--out", str(tmp_path)]
     done = subprocess.run([sys.executable, "-m", "kvservice.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=280, check=False)
+                          text=True, timeout=scaled(280), check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "landing checks" in done.stdout and "verify p50/p99" in done.stdout  # its table
     results = json.loads((tmp_path / "bench.json").read_text())

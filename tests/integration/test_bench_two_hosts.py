@@ -24,6 +24,7 @@ import pytest
 from kvservice._trust.keys import generate_key
 from tests.faults import netns
 from tests.faults.netns import Wire
+from tests.helpers import scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -49,7 +50,7 @@ def _bench(host: netns.Host, *args: str, cwd: Path) -> subprocess.Popen[str]:
 
 def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
     try:
-        return proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=scaled(timeout))
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGKILL)  # our own child, by pid
         _, err = proc.communicate(timeout=30)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 #: pip's note about this machine's configured index folders, not about the package
 _PIP_INDEX_NOTE = re.compile(r"^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.$")
@@ -33,7 +35,7 @@ _SKIP_COPY = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-inf
 
 
 def _run(*argv: str | Path, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=scaled(timeout),
                           env=env, check=False)
     assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr

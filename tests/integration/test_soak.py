@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, problems
+from tests.helpers import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,7 @@ def test_soak_150_transfers_keeps_every_counter_at_zero(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvservice.cli", "soak", "--transfers", "150", "--seed", "1", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=220, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(220), check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads(out.read_text())

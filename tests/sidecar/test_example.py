@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ..helpers import scaled
 from .daemons import REPO
 
 pytestmark = pytest.mark.nixl
@@ -17,7 +18,7 @@ def test_prefill_engine_example_survives_a_decode_crash() -> None:
     out = subprocess.run(
         [sys.executable, "examples/prefill_engine.py", "--spawn", "--requests", "30", "--crash-after", "8",
          "--after-restart", "5", "--interval", "0.02"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(300), check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every request accounted for" in out.stdout
