@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from .._results import KVServiceError
 from .settings import ENV_PREFIX
@@ -67,6 +67,17 @@ def daemon_env(socket_path: str, shm_name: str, *, role: str | None = None,
     return env
 
 
+class DaemonProcess(Protocol):
+    """What ``LocalDaemon`` uses of its process: ``subprocess.Popen``'s surface (a test
+    suite may start the daemon another way, e.g. forked from a process that imported it)."""
+
+    pid: int
+    stdout: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class LocalDaemon:
     """One ``kvservice serve`` child process serving ``role``.
 
@@ -90,7 +101,7 @@ class LocalDaemon:
         self.log_path = log_path
         self.stderr = stderr
         self.cwd = cwd
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: DaemonProcess | None = None
         self.ready: dict[str, Any] = {}
         self._drain: threading.Thread | None = None
 

@@ -40,12 +40,16 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import anyio.abc
 
-__all__ = ["ForkServer", "ForkedProcess", "forkable"]
+__all__ = ["PRELOAD", "ForkServer", "ForkedPopen", "ForkedProcess", "forkable"]
+
+#: what a test suite's server imports before it forks: the peer's side and the CLI (the
+#: sidecar daemon's ``kvservice serve``); together, kvservice and torch
+PRELOAD = ("kvservice.testing.peer", "kvservice.cli")
 
 #: variables the interpreter or the dynamic loader reads before any of our code runs
 _FIXED_PREFIXES = ("PYTHON", "LD_")
@@ -116,12 +120,15 @@ class ForkServer:
                     self._replies.append(msg)
                 self._state.notify_all()
 
-    def start(self, entry: str, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int]) -> int:
-        """Fork a child that calls ``entry`` (``module:function``, no arguments) with
-        ``argv`` as ``sys.argv``, ``env`` as its environment and ``fds`` as its stdin,
-        stdout and stderr; its PID.  Blocks (the first start waits for the server's
-        imports): call it from a worker thread."""
-        request = json.dumps({"entry": entry, "argv": list(argv), "env": dict(env), "cwd": os.getcwd()})
+    def start(self, entry: str, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int],
+              cwd: str | os.PathLike[str] | None = None) -> int:
+        """Fork a child that calls ``entry`` (``module:function``, no arguments; an int it
+        returns is its exit code) with ``argv`` as ``sys.argv``, ``env`` as its environment,
+        ``fds`` as its stdin, stdout and stderr and ``cwd`` (default: ours) as its directory;
+        its PID.  Blocks (the first start waits for the server's imports): from an event
+        loop, call it in a worker thread."""
+        request = json.dumps({"entry": entry, "argv": list(argv), "env": dict(env),
+                              "cwd": os.fspath(cwd) if cwd is not None else os.getcwd()})
         with self._start_lock:
             socket.send_fds(self._sock, [request.encode()], list(fds))
             with self._state:
@@ -139,7 +146,7 @@ class ForkServer:
         with self._state:
             return self._exits.get(pid)
 
-    def wait_exit(self, pid: int, timeout: float) -> int | None:
+    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
         """``exit_code``, waiting up to ``timeout`` for it (blocking: a worker thread's)."""
         with self._state:
             self._state.wait_for(lambda: pid in self._exits or self._gone, timeout=timeout)
@@ -245,6 +252,51 @@ class ForkedProcess(anyio.abc.Process):
         return None
 
 
+class ForkedPopen:
+    """A forked child with the ``subprocess.Popen`` surface a synchronous launcher uses
+    (``pid``, ``stdout``, ``returncode``, ``poll``, ``wait``, signals): its stdin is
+    ``/dev/null``, its stdout a pipe to ``stdout``."""
+
+    def __init__(self, server: ForkServer, entry: str, argv: Sequence[str], env: Mapping[str, str], *,
+                 stderr: int | None = None, cwd: str | os.PathLike[str] | None = None) -> None:
+        read, write = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            fds = [devnull, write, sys.stderr.fileno() if stderr is None else stderr]
+            self.pid = server.start(entry, argv, env, fds, cwd)
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(devnull)
+            os.close(write)
+        self._server = server
+        self.stdout: IO[bytes] | None = os.fdopen(read, "rb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self._server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._server.wait_exit(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout or 0.0)
+        self.returncode = code
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 # -- the server's side -------------------------------------------------------------------------
 
 
@@ -313,8 +365,8 @@ def _fork(request: dict[str, Any], fds: list[int], ours: tuple[int, int, int, se
         os.chdir(request["cwd"])
         sys.argv = request["argv"]
         module, function = request["entry"].split(":")
-        getattr(importlib.import_module(module), function)()
-        code = 0
+        returned = getattr(importlib.import_module(module), function)()
+        code = returned if isinstance(returned, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):

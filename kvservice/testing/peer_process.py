@@ -25,7 +25,7 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..memory._layout import KVLayout
-from .forkserver import ForkedProcess, ForkServer, forkable
+from .forkserver import PRELOAD, ForkedProcess, ForkServer, forkable
 
 #: what the parent runs with ``python -m``: the child side
 PEER_MODULE = "kvservice.testing.peer"
@@ -43,6 +43,11 @@ def use_fork_server(enabled: bool = True) -> bool:
     global _forking
     before, _forking = _forking, enabled
     return before
+
+
+def fork_server_in_use() -> bool:
+    """Whether ``use_fork_server`` is on (a launcher of other children may follow it)."""
+    return _forking
 
 
 def peer_config(layout: KVLayout, **settings: Any) -> dict[str, Any]:
@@ -179,7 +184,7 @@ class PeerProcess:
 
 
 async def _fork(args: list[str], env: dict[str, str], stderr: int | IO[Any] | None) -> ForkedProcess:
-    server = ForkServer.shared([PEER_MODULE])
+    server = ForkServer.shared(PRELOAD)
     argv, entry = [PEER_MODULE, *args], f"{PEER_MODULE}:main"
     if stderr == subprocess.DEVNULL:
         devnull = os.open(os.devnull, os.O_WRONLY)

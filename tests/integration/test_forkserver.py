@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 
@@ -107,3 +108,25 @@ async def _one_of_each() -> None:
             assert isinstance(forked.proc, ForkedProcess)
         finally:
             assert await forked.stop() == 0
+
+
+def test_a_sidecar_daemon_is_forked_too_and_stops_as_one() -> None:
+    from kvservice.sidecar.local import short_tmpdir
+    from kvservice.testing.forkserver import ForkedPopen
+    from tests.sidecar.daemons import Sidecar
+
+    before = use_fork_server(True)
+    workdir = short_tmpdir()
+    daemon = Sidecar("prefill", workdir)
+    try:
+        daemon.start(timeout=READY_S)
+        assert isinstance(daemon.proc, ForkedPopen)
+        assert daemon.ready["address"] and os.path.exists(daemon.socket)
+        assert daemon.stop() == 0  # SIGTERM: it drains and removes its names
+        assert daemon.names_gone()
+    finally:
+        use_fork_server(before)
+        if daemon.proc is not None and daemon.proc.poll() is None:
+            daemon.kill()
+        daemon.cleanup_names()
+        shutil.rmtree(workdir, ignore_errors=True)
