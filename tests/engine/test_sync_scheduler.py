@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from examples.sync_scheduler import Child, request_ids
+from tests.helpers import scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -34,14 +35,17 @@ def summary(child: Child) -> dict[str, Any]:
 
 
 def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
-    common = ["--requests", str(N), "--step", "0.02", "--bootstrap-timeout", "8", "--max-seconds", "60"]
+    # a send waits this long for the decode's expect: on a loaded machine the first expects
+    # of a decode just started come late, which is slow, not lost
+    common = ["--requests", str(N), "--step", "0.02", "--bootstrap-timeout", f"{scaled(8):g}",
+              "--max-seconds", f"{scaled(60):g}"]
     prefill = Child(["prefill", *common])
     decode = again = None
     try:
-        ready = prefill.wait_for(lambda ev: ev["event"] == "ready", 60)
+        ready = prefill.wait_for(lambda ev: ev["event"] == "ready", scaled(60))
         assert ready is not None, "prefill did not start"
         decode = Child(["decode", *common, "--prefill", ready["address"]])
-        d_ready = decode.wait_for(lambda ev: ev["event"] == "ready", 60)
+        d_ready = decode.wait_for(lambda ev: ev["event"] == "ready", scaled(60))
         assert d_ready is not None, "decode did not start"
 
         def mid_run(_: dict[str, Any]) -> bool:
@@ -51,7 +55,7 @@ def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
             in_flight = [rid for rid in announced if rid not in got]
             return sum(ev["status"] == "SUCCESS" for ev in got.values()) >= CRASH_AFTER and bool(in_flight)
 
-        assert decode.wait_for(mid_run, 60) is not None, "the decode never got mid-run"
+        assert decode.wait_for(mid_run, scaled(60)) is not None, "the decode never got mid-run"
         os.kill(decode.pid, signal.SIGKILL)
         assert decode.finish(10) == -signal.SIGKILL
         announced = [ev["rid"] for ev in decode.seen if ev["event"] == "expecting"]
@@ -60,8 +64,8 @@ def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
         first = int(max(announced)[1:]) + 1
         port = d_ready["address"].rsplit(":", 1)[1]
         again = Child(["decode", *common, "--prefill", ready["address"], "--first", str(first), "--port", port])
-        assert prefill.finish(60) == 0
-        assert again.finish(60) == 0
+        assert prefill.finish(scaled(60)) == 0
+        assert again.finish(scaled(60)) == 0
     finally:
         for child in (prefill, decode, again):
             if child is not None and child.proc.poll() is None:
