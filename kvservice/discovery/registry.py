@@ -25,6 +25,7 @@ with backoff (logged, throttled) and lists again when it is back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class Registry:
         self._lapsed: dict[str, _Lapse] = {}
         self._watching = False
         self._lease: int | None = None
+        self._leaving = False  # leave() began: nothing is registered or written from then on
         self._written: bytes | None = None  # the value last written to our key (set before the write)
         self._written_at = 0  # the store's revision after that write
         self._overwritten = anyio.Event()  # our key changed under us: the keep-alive writes it again
@@ -161,10 +163,16 @@ class Registry:
         if self._lease is not None and await self._etcd.keepalive(self._lease) > 0:
             await self._write(force=True)
             return True
+        if self._leaving:
+            return False
         if self._lease is not None:
             log.warning("discovery.lease_lapsed", name=self.name, detail="registering again on a new lease")
         self._lease = None
         lease = await self._etcd.grant(int(self._cfg.etcd_ttl_s))
+        if self._leaving:  # left while the lease was granted: it must not register us again
+            with contextlib.suppress(EtcdUnavailable):
+                await self._etcd.revoke(lease)
+            return False
         self._lease = lease
         await self._write(force=True)
         self.registrations += 1
@@ -173,7 +181,9 @@ class Registry:
         return False
 
     async def _write(self, force: bool = False) -> None:
-        assert self._etcd is not None and self._lease is not None
+        assert self._etcd is not None
+        if self._lease is None:  # leaving (leave() dropped it while we awaited etcd): nothing to write
+            return
         value = members.encode(self._me())
         if force or value != self._written:
             self._written = value  # before the write: its watch event may come before the reply
@@ -314,6 +324,7 @@ class Registry:
     async def leave(self) -> None:
         """Deregister (revoke the lease), bounded by the connect timeout; best effort."""
         etcd, lease = self._etcd, self._lease
+        self._leaving = True
         self._lease = None
         if etcd is not None and lease is not None:
             try:

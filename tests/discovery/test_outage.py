@@ -174,3 +174,29 @@ async def test_unreachable_at_start_waits_by_config(tmp_path: Path) -> None:
         assert missed and missed[0]["endpoints"] == [late.endpoint] and not missed[0]["registered"]
     finally:
         late.stop()
+
+
+async def test_leaving_while_a_keepalive_is_in_flight_leaves_cleanly(etcd: EtcdServer) -> None:
+    """etcd paused so that a keep-alive is on the wire when the service leaves; etcd resumes
+    while the leave's revoke waits, and the keep-alive then answers "alive" for a lease the
+    service already dropped: it must neither write the key again nor fail the service's exit
+    (it once asserted the lease, and the exit raised)."""
+    import aetcd
+
+    cfg = config(**etcd_opts(etcd.endpoint, "decode-0", "decode", etcd_keepalive_s=0.2, etcd_connect_timeout_s=5.0))
+    async with anyio.create_task_group() as tg:
+        with anyio.fail_after(GUARD_S):
+            async with TransferService(cfg) as svc:
+                assert svc.status()["discovery"]["registered"]
+                etcd.pause()
+                await anyio.sleep(1.0)  # past the keep-alive interval: one is waiting on etcd
+
+                async def resume_soon() -> None:
+                    await anyio.sleep(0.5)  # the leave's revoke is waiting on etcd by then
+                    etcd.resume()
+
+                tg.start_soon(resume_soon)
+    host, port = etcd.endpoint.split(":")
+    async with aetcd.Client(host=host, port=int(port)) as client:
+        left = await client.get(b"/kvservice/outage/services/decode-0")
+    assert left is None, "the service's key outlived its leave"
