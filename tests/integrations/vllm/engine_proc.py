@@ -118,7 +118,8 @@ def serve(cfg: dict[str, Any]) -> None:
     args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32,
                       enable_prefix_caching=bool(cfg.get("prefix_caching")), kv_cache_memory_bytes=64 << 20,
                       enforce_eager=True, distributed_executor_backend="uni", skip_tokenizer_init=True,
-                      kv_transfer_config=kvt, seed=0, max_model_len=1024)
+                      kv_transfer_config=kvt, seed=0, max_model_len=1024,
+                      **({"max_num_batched_tokens": cfg["max_batched"]} if cfg.get("max_batched") else {}))
     engine = LLMEngine.from_engine_args(args, stat_loggers=[connector_stats()] if kvt is not None else None)
     core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     scheduler = core.scheduler
