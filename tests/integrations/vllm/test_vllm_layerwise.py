@@ -130,7 +130,7 @@ def test_prefill_killed_the_decode_recomputes_and_decode_killed_the_prefill_free
     for i, (prompt, t) in enumerate(zip(prompts, tickets, strict=True)):
         d.generate(f"x{i}", prompt, MAX_TOKENS, t.to_params())
     d.wait_state(lambda s: s["scheduler"].get("loads", 0) == 1 + 2 * len(prompts))
-    time.sleep(0.5)  # the worker posted its expects
+    p2.wait_state(lambda s: s["early_expects"] == len(prompts))  # the expects are there, before the prompts
     d.kill()
     for i, (prompt, t) in enumerate(zip(prompts, tickets, strict=True)):
         p2.generate(f"x{i}", prompt, 1, t.to_prefill_params())
