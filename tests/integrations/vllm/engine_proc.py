@@ -138,7 +138,7 @@ def serve(cfg: dict[str, Any]) -> None:
             # kvservice's own view, moved on by its loop and not by engine steps: sends not ended
             out["sends_pending"] = sum(type(t).__name__ == "KVSender" for t in worker.worker_side.engine.pending())
             # expects from decodes held for a send not posted yet (decode-first: before the prefill computes)
-            out["early_expects"] = worker.worker_side.engine.status().expects_before_send
+            out["early_expects"] = worker.worker_side.engine.status()["expects_before_send"]
         if LOGGED:
             out["logged"] = logged()
             out["prom"] = prom_samples()
