@@ -136,3 +136,11 @@ def test_a_decode_with_the_first_blocks_cached_declines_a_ticket() -> None:
     assert req.kv_transfer_params is not None and req.kv_transfer_params["do_remote_prefill"] is False
     fresh = Req("d1", ticket("t1").to_params())
     assert d.get_num_new_matched_tokens(fresh, 0) == (70, True)
+
+
+def test_a_ticket_with_a_bad_decode_tp_size_goes_the_handoff_way() -> None:
+    p = side(producer=True)
+    req = Req("p0", {**ticket().to_prefill_params(), "decode_tp_size": 0}, num_computed_tokens=70)
+    p.on_new_request(req)  # never raises into vLLM's scheduler
+    assert p.build(scheduled={"p0": 70}, blocks_of=blocks_of).layers == []
+    assert p.request_finished(req, [4, 5, 6]) == (False, None) and p.counts == {"handoff_refused": 1}

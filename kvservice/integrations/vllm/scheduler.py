@@ -26,6 +26,12 @@ A decode whose own prefix cache holds every block a hand-off names loads nothing
 declines the hand-off (the worker's ``decline``: the control link's ``Abort``), so the
 prefill frees its blocks at once instead of after its ``bootstrap_timeout_s``.
 
+A prefill request carrying a router's ticket (decode-first, ``layerwise``) is not handed
+off: once the ticket is proved here as a decode proves a hand-off, each step that computes
+some of its prompt names the blocks it completed (``Work.layers``), the worker sends them
+layer by layer during the forward, and the blocks are held, like a hand-off's, until the
+send ended.  A ticket not proved is counted and the request goes the hand-off way.
+
 Nothing here imports vLLM: requests and block lists are read by the attributes vLLM's
 own objects have (``request_id``, ``kv_transfer_params``, ``prompt_token_ids``,
 ``num_computed_tokens``, ``status``), so the state machine is tested both alone and
@@ -177,8 +183,12 @@ class SchedulerSide:
                                                      f"{type(params).__name__}")
         elif self.producer and wants_remote_decode(params):
             ticket = self._ticket(request)
+            try:
+                decode_tp = decode_tp_size(params, self.decode_tp)
+            except HandoffError:
+                ticket = None  # refused (counted) when it finishes, as without a ticket
             if ticket is not None:
-                self._plans.add(request, ticket, decode_tp_size(params, self.decode_tp))
+                self._plans.add(request, ticket, decode_tp)
             else:
                 self._producing[request.request_id] = request
 
