@@ -77,6 +77,8 @@ class _Send:
     #: vLLM finished the request: it is reported once the send ended
     finished: bool = False
     cancelled: bool = False
+    #: a ticket's request: sent layer by layer (``LayerSend``)
+    layerwise: bool = False
 
 
 class WorkerSide:
@@ -96,6 +98,8 @@ class WorkerSide:
         #: this step's layer-wise chunks, and the layers posted of them so far
         self._chunks: list[LayerSend] = []
         self._posted: set[int] = set()
+        #: (chunk, layer) sends posted from ``save_kv_layer``, during a forward (not after it)
+        self.layers_in_forward = 0
         self.counts: Counter[str] = Counter()
         self.samples = Samples()  # the successful transfers' times and bytes, for vLLM's stats
         self._throttle = Throttle()
@@ -122,7 +126,7 @@ class WorkerSide:
             if chunk.first:
                 self._start_layerwise(chunk)
             entry = self._sends.get(chunk.req_id)
-            if entry is not None and not entry.cancelled:
+            if entry is not None and entry.layerwise and not entry.cancelled:
                 self._chunks.append(chunk)
 
     def save_layer(self, layer_name: str) -> None:
@@ -133,7 +137,7 @@ class WorkerSide:
             return
         if self._cuda:
             torch.cuda.current_stream().synchronize()  # the layer's KV is in its blocks only then
-        self._post_layer(layer)
+        self.layers_in_forward += self._post_layer(layer)
 
     def save(self, work: Work) -> None:
         """After the step's forward: the sends (their blocks hold the step's KV), and any
@@ -148,7 +152,9 @@ class WorkerSide:
         for send in work.sends:
             self._start_send(send)
 
-    def _post_layer(self, layer: int) -> None:
+    def _post_layer(self, layer: int) -> int:
+        """Post ``layer`` of this step's chunks; how many were posted."""
+        posted = 0
         self._posted.add(layer)
         final = len(self._posted) == len(self._layer_index)
         for chunk in self._chunks:
@@ -158,18 +164,20 @@ class WorkerSide:
             try:
                 for sender in entry.senders:
                     sender.send(list(chunk.blocks), layers=range(layer, layer + 1), last=chunk.last and final)
+                posted += 1
             except (ValueError, RuntimeError) as exc:  # the engine is gone: nothing more is sent
                 self._note("send_refused", chunk.req_id, str(exc))
                 entry.cancelled = True
                 for sender in entry.senders:
                     sender.abort()
+        return posted
 
     def _start_layerwise(self, chunk: LayerSend) -> None:
         """The senders of a ticket's request, under the ticket's id (what its decode expects)."""
         if chunk.req_id in self._sends:
             self._note("send_refused", chunk.req_id, "a send of this request is still on its way")
             return
-        entry = self._sends[chunk.req_id] = _Send(SendSpec(chunk.req_id, (), chunk.decode_tp), [])
+        entry = self._sends[chunk.req_id] = _Send(SendSpec(chunk.req_id, (), chunk.decode_tp), [], layerwise=True)
         try:
             engine = self._engine()
             tp = TensorParallel(self.tp_size, chunk.decode_tp)

@@ -139,6 +139,7 @@ def serve(cfg: dict[str, Any]) -> None:
             out["sends_pending"] = sum(type(t).__name__ == "KVSender" for t in worker.worker_side.engine.pending())
             # expects from decodes held for a send not posted yet (decode-first: before the prefill computes)
             out["early_expects"] = worker.worker_side.engine.status()["expects_before_send"]
+            out["layers_in_forward"] = worker.worker_side.layers_in_forward
         if LOGGED:
             out["logged"] = logged()
             out["prom"] = prom_samples()

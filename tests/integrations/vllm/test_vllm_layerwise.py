@@ -20,6 +20,7 @@ from kvservice._trust.handoff import handoff_key
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.integrations.vllm.params import Handoff
 
+from .engine_proc import MODEL
 from .engines import MAX_TOKENS, Engine, free_port
 from .test_vllm_engines import settled, vllm_saw
 
@@ -38,9 +39,10 @@ def spawn(model: Path, logs: Path, key_file: Path) -> Iterator[Any]:
     """Engines with the cluster's key in ``key_file``."""
     started: list[Engine] = []
 
-    def start(name: str, role: str, cpu: int, *, max_batched: int | None = None, **service: Any) -> Engine:
+    def start(name: str, role: str, cpu: int, *, max_batched: int | None = None, prefix_caching: bool = False,
+              **service: Any) -> Engine:
         engine = Engine(name, model, role=role, extra={"kvservice": {"auth_key_file": str(key_file), **service}},
-                        cpu=cpu, log_dir=logs, max_batched=max_batched)
+                        cpu=cpu, log_dir=logs, max_batched=max_batched, prefix_caching=prefix_caching)
         started.append(engine)
         return engine
 
@@ -81,6 +83,8 @@ def test_layerwise_tokens_equal_a_single_engines_whole_and_chunked(
     assert ps["scheduler"] == {"layerwise": 4, "handoffs_freed": 4} and ps["worker"] == {"sends_ok": 4}, ps
     assert ds["scheduler"] == {"loads": 4} and ds["worker"] == {"loads_ok": 4}, ds
     assert vllm_saw(ps) == {"layerwise": 4, "handoffs_freed": 4, "sends_ok": 4}
+    # posted from save_kv_layer, during the forward: each layer of each prompt's one chunk
+    assert ps["layers_in_forward"] == 4 * MODEL["num_hidden_layers"], ps
 
     # a prefill that computes each prompt in chunks of 32 tokens (vLLM's chunked prefill): each
     # step writes the blocks it completed, layer by layer; the last one the partial block
@@ -90,6 +94,8 @@ def test_layerwise_tokens_equal_a_single_engines_whole_and_chunked(
     assert [g["cached"] for g in got] == [len(prompt) for prompt in prompts]
     cs = settled(c)
     assert cs["scheduler"] == {"layerwise": 4, "handoffs_freed": 4} and cs["worker"] == {"sends_ok": 4}, cs
+    # more than one chunk per prompt (each step's completed blocks), each layer posted in the forward
+    assert cs["layers_in_forward"] > len(prompts) * MODEL["num_hidden_layers"], cs
 
     # with the option off (no ticket), today's whole-request hand-off, unchanged
     for i, prompt in enumerate(prompts):
@@ -198,3 +204,21 @@ def test_tickets_not_proved_are_refused_and_counted_on_both_sides(
     p.generate("r1", prompts[0], 1, replay.to_prefill_params())
     assert d.result("r1", timeout=180)["tokens"] == d.result("r2", timeout=180)["tokens"] == baseline[0]
     assert settled(d)["scheduler"]["handoff_replayed"] == 1
+
+
+def test_a_decode_holding_the_first_blocks_declines_and_the_prefill_frees_at_once(
+        spawn: Any, key_file: Path, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    p = spawn("prefill", "kv_producer", 0, port=free_port(), bootstrap_timeout_s=60.0)
+    d = spawn("decode-cached", "kv_consumer", 1, prefix_caching=True)
+    prompt = prompts[2]  # 100 tokens: 3 whole blocks and a partial one
+    assert decode_first(p, d, [prompt], key_file, "a")[0]["tokens"] == baseline[2]
+    settled(p)
+    # the same prompt again: the decode's prefix cache holds its first 3 blocks
+    started = time.monotonic()
+    got = decode_first(p, d, [prompt], key_file, "b")[0]
+    assert got["tokens"] == baseline[2] and got["cached"] == 96  # its own cache, the rest computed here
+    ps = settled(p)
+    assert time.monotonic() - started < 30, "freed long before bootstrap_timeout_s (60 s)"
+    assert ps["worker"] == {"sends_ok": 1, "sends_declined": 1}, ps
+    ds = settled(d)
+    assert ds["scheduler"] == {"loads": 1, "tickets_declined": 1} and ds["worker"] == {"loads_ok": 1, "declines": 1}, ds
