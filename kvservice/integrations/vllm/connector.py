@@ -194,8 +194,9 @@ class KVServiceConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """A ticket's request (decode-first): this layer of the step's blocks, to the decode
         that reserved them.  A hand-off's request is sent whole, after the forward."""
-        if self._worker is not None and isinstance(self._connector_metadata, KVServiceMetadata):
-            self._worker.save_layer(layer_name)
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KVServiceMetadata) and meta.layers:
+            self._worker.save_layer(layer_name, meta.layers)
 
     def wait_for_save(self) -> None:
         """Post the step's sends, after its forward; they run on kvservice's loop, and vLLM

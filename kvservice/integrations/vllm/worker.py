@@ -21,11 +21,12 @@ after all) is aborted first; one whose request was preempted is aborted and neve
 (vLLM took the blocks back when it preempted it).
 
 A ticket's request (decode-first, ``layerwise``) is sent layer by layer instead: the step's
-chunks (``LayerSend``) arrive with the step's metadata (``start``), and after each attention
-layer's forward (``save_layer``, from ``save_kv_layer``) that layer of the chunk's blocks is
-posted; ``save`` (``wait_for_save``, after the forward) posts any layer the forward did not
-pass through ``save_kv_layer``, so every (block, layer) is sent exactly once and the last
-chunk's last call says ``last=True``.  Here the decode's expect may be bound already, so a
+chunks (``LayerSend``) arrive with the step's metadata, which vLLM binds before the forward
+(``start_load_kv`` may run after it: vLLM 0.32 starts asynchronous loads after the forward
+is launched), and after each attention layer's forward (``save_layer``, from
+``save_kv_layer``) that layer of the chunks' blocks is posted; ``save`` (``wait_for_save``,
+after the forward) posts any layer the forward did not pass through ``save_kv_layer``, so
+every (block, layer) is sent exactly once and the last chunk's last call says ``last=True``.  Here the decode's expect may be bound already, so a
 WRITE may start as soon as it is posted: on CPU the layer's KV is written when the attention
 op returns; on a GPU the worker waits for the current stream first.  Reported, freed and
 cancelled as a whole send is.
@@ -95,7 +96,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._layer_index: dict[str, int] = {}  # vLLM's layer name -> kvservice's layer
         self._cuda = False  # the KV is on a GPU: a layer's KV is written when its stream gets there
-        #: this step's layer-wise chunks, and the layers posted of them so far
+        #: this step's layer-wise chunks (those of ``_step``, the metadata's list), and the
+        #: layers posted of them so far
+        self._step: list[LayerSend] | None = None
         self._chunks: list[LayerSend] = []
         self._posted: set[int] = set()
         #: (chunk, layer) sends posted from ``save_kv_layer``, during a forward (not after it)
@@ -121,17 +124,24 @@ class WorkerSide:
             self._start_load(recv)
         for handoff in work.declines:
             self._decline(handoff)
-        self._chunks, self._posted = [], set()
-        for chunk in work.layers:
+
+    def _begin(self, chunks: list[LayerSend]) -> None:
+        """This step's layer-wise chunks (the metadata's list, the same object all step):
+        the first chunk of a request makes its senders."""
+        if chunks is self._step:
+            return
+        self._step, self._chunks, self._posted = chunks, [], set()
+        for chunk in chunks:
             if chunk.first:
                 self._start_layerwise(chunk)
             entry = self._sends.get(chunk.req_id)
             if entry is not None and entry.layerwise and not entry.cancelled:
                 self._chunks.append(chunk)
 
-    def save_layer(self, layer_name: str) -> None:
+    def save_layer(self, layer_name: str, chunks: list[LayerSend]) -> None:
         """After a layer's attention forward (``save_kv_layer``): that layer of this step's
         layer-wise chunks."""
+        self._begin(chunks)
         layer = self._layer_index.get(layer_name)
         if not self._chunks or layer is None or layer in self._posted:
             return
@@ -142,13 +152,14 @@ class WorkerSide:
     def save(self, work: Work) -> None:
         """After the step's forward: the sends (their blocks hold the step's KV), and any
         layer of the layer-wise chunks not posted during the forward."""
+        self._begin(work.layers)
         if self._chunks:
             missing = [i for i in range(len(self._layer_index)) if i not in self._posted]
             if missing and self._cuda:
                 torch.cuda.current_stream().synchronize()
             for layer in missing:
                 self._post_layer(layer)
-            self._chunks = []
+        self._step, self._chunks = None, []
         for send in work.sends:
             self._start_send(send)
 
