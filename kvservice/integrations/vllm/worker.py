@@ -26,10 +26,10 @@ chunks (``LayerSend``) arrive with the step's metadata, which vLLM binds before 
 is launched), and after each attention layer's forward (``save_layer``, from
 ``save_kv_layer``) that layer of the chunks' blocks is posted; ``save`` (``wait_for_save``,
 after the forward) posts any layer the forward did not pass through ``save_kv_layer``, so
-every (block, layer) is sent exactly once and the last chunk's last call says ``last=True``.  Here the decode's expect may be bound already, so a
-WRITE may start as soon as it is posted: on CPU the layer's KV is written when the attention
-op returns; on a GPU the worker waits for the current stream first.  Reported, freed and
-cancelled as a whole send is.
+every (block, layer) is sent exactly once and the last chunk's last call says ``last=True``.
+Here the decode's expect may be bound already, so a WRITE may start as soon as it is
+posted: on CPU the layer's KV is written when the attention op returns; on a GPU the worker
+waits for the current stream first.  Reported, freed and cancelled as a whole send is.
 
 A load is reported to vLLM (``finished_recving``) only when it succeeded or,
 failed, once it is *settled*: nothing of it can land in the blocks any more, so vLLM may
