@@ -17,7 +17,10 @@ round), one request in flight:
 
 Metrics, from the router's first send: ``ttft_ms`` (the decode's first token) and
 ``e2e_ms`` (its last); ``wait_ms``: on the decode, vLLM reserving blocks for the remote KV
-to the load reported finished (for ``layerwise`` this includes the prefill's forward).
+to the load reported finished (for ``layerwise`` this includes the prefill's forward);
+``tail_ms``: from the prefill's answer reaching the router (its forward done) to the decode's
+load reported, the part of the hand-off left after the forward (``CLOCK_MONOTONIC`` is one
+clock for every process of the host; negative when the load was reported first).
 Every decode's tokens are checked against one engine without a connector; a request with
 other tokens or a failed one stops the run.  Prints p50 / p90 and the ratio layerwise /
 whole, with the load average before and after.
@@ -58,7 +61,7 @@ from .vllm_pd import (
 from .vllm_pd_engine import KV_BYTES_PER_TOKEN
 
 FLOWS = ("whole", "layerwise")
-METRICS = ("ttft_ms", "e2e_ms", "wait_ms")
+METRICS = ("ttft_ms", "e2e_ms", "wait_ms", "tail_ms")
 
 
 class Bench:
@@ -81,13 +84,15 @@ class Bench:
         else:
             self.p.generate(f"p{rid}", prompt, 1, {"do_remote_decode": True})
         deadline = start + self.harness.plan.phase_timeout_s
-        first = 0.0
+        first = answered = 0.0
         while True:
             t, who, msg = self.harness.next_event(deadline)
             if msg.get("id") not in (f"p{rid}", f"d{rid}"):
                 continue
             if "error" in msg or msg.get("finish") not in (None, "length", "stop"):
                 raise Broken(f"{who}: {msg.get('id')} failed: {msg.get('error') or msg.get('finish')}")
+            if who == self.p.name and "tokens" in msg:
+                answered = t
             if who == self.p.name and "tokens" in msg and flow == "whole":
                 if not msg.get("params"):
                     raise Broken(f"{who}: {rid} answered without kv_transfer_params")
@@ -98,8 +103,21 @@ class Bench:
                 if msg["tokens"] != expected:
                     raise Broken(f"{rid}: tokens {msg['tokens']} differ from one engine's {expected}")
                 wait = handoffs(self.marks, f"d{rid[0]}x").get(self.n)
+                loaded = loaded_at(self.marks, f"d{rid}")
                 return {"ttft_ms": (first - start) * 1e3, "e2e_ms": (t - start) * 1e3,
-                        "wait_ms": float("nan") if wait is None else wait * 1e3}
+                        "wait_ms": float("nan") if wait is None else wait * 1e3,
+                        "tail_ms": float("nan") if loaded is None or not answered else (loaded - answered) * 1e3}
+
+
+def loaded_at(marks: Path, rid: str) -> float | None:
+    """When the decode's scheduler heard that request ``rid``'s load finished (monotonic s)."""
+    if not marks.exists():
+        return None
+    for line in marks.read_text().splitlines():
+        f = line.split()
+        if len(f) == 3 and f[0] == "loaded" and f[1].rsplit("-", 1)[0] == rid:
+            return float(f[2])
+    return None
 
 
 def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Sequence[Phase]) -> str:
