@@ -42,6 +42,7 @@ from ..._control.addresses import join_address
 from ..._log import get_logger
 from ..._results import ConfigError
 from ..._trust.handoff import handoff_key
+from .layerwise import LayerSend
 from .metrics import KVServicePromMetrics, KVServiceStats
 from .params import DEFAULT_SKEW_S, MAX_LIFETIME_S, Handoff
 from .scheduler import DEFAULT_PORT, Cancel, RecvSpec, SchedulerSide, SendSpec, Work, rank_port
@@ -71,9 +72,10 @@ class KVServiceMetadata(KVConnectorMetadata):
     recvs: list[RecvSpec] = field(default_factory=list)
     cancels: list[Cancel] = field(default_factory=list)
     declines: list[Handoff] = field(default_factory=list)
+    layers: list[LayerSend] = field(default_factory=list)
 
     def work(self) -> Work:
-        return Work(self.sends, self.recvs, self.cancels, self.declines)
+        return Work(self.sends, self.recvs, self.cancels, self.declines, self.layers)
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class KVServiceConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVServiceMetadata:
         manager = self._kv_cache_manager
         return self._sched.build(  # type: ignore[no-any-return]
-            lambda work: KVServiceMetadata(work.sends, work.recvs, work.cancels, work.declines),
+            lambda work: KVServiceMetadata(work.sends, work.recvs, work.cancels, work.declines, work.layers),
             scheduled=scheduler_output.num_scheduled_tokens, preempted=scheduler_output.preempted_req_ids or (),
             blocks_of=None if manager is None else lambda rid: manager.get_block_ids(rid)[0])
 
@@ -190,8 +192,11 @@ class KVServiceConnector(KVConnectorBase_V1):
         """Loads are asynchronous: vLLM schedules a request only once its load is reported."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: a request's KV is sent once it finished (the decode's blocks are
-        not known before the router hands the decode the prefill's answer)."""
+        """A ticket's request (decode-first): this layer of the step's blocks, to the decode
+        that reserved them.  A hand-off's request is sent whole, after the forward."""
+        meta = self._connector_metadata
+        if self._worker is not None and isinstance(meta, KVServiceMetadata) and meta.layers:
+            self._worker.save_layer(layer_name, meta.layers)
 
     def wait_for_save(self) -> None:
         """Post the step's sends, after its forward; they run on kvservice's loop, and vLLM

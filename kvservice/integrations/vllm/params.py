@@ -43,7 +43,7 @@ MAX_TOKENS = 1 << 31
 MAX_LIFETIME_S = 3600
 #: how far the decode's clock may be behind or ahead of the prefill's, by default
 DEFAULT_SKEW_S = 10.0
-FIELDS = frozenset({"request", "senders", "num_tokens", "block_size", "expires", "prompt", "mac"})
+FIELDS = frozenset({"request", "senders", "num_tokens", "block_size", "expires", "prompt", "mac", "ticket"})
 _DIGEST_CHARS = 64
 
 
@@ -99,6 +99,9 @@ class Handoff:
     prompt: str
     #: the MAC over every field above (``_trust.handoff``); "" when issued without a key
     mac: str = ""
+    #: issued by the router before the prefill computed anything (decode-first, layer-wise):
+    #: the KV is still to come; covered by the MAC
+    ticket: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -120,36 +123,54 @@ class Handoff:
             raise HandoffError(f"prompt: must be {_DIGEST_CHARS} lower-case hex digits")
         if self.mac and not _is_hex(self.mac, MAC_CHARS):
             raise HandoffError(f"mac: must be {MAC_CHARS} lower-case hex digits")
+        if not isinstance(self.ticket, bool):
+            raise HandoffError(f"ticket: must be true or absent, got {_short(repr(self.ticket))}")
 
     @classmethod
     def issue(cls, request: str, senders: tuple[str, ...], tokens: Sequence[int] | None, num_tokens: int,
-              block_size: int, *, key: bytes | None, lifetime_s: float, now: float) -> Handoff:
+              block_size: int, *, key: bytes | None, lifetime_s: float, now: float,
+              ticket: bool = False) -> Handoff:
         """A hand-off of the first ``num_tokens`` of ``tokens``, valid for ``lifetime_s`` from
-        ``now`` (Unix time), MACed under the hand-off key ``key`` (unsigned without one)."""
+        ``now`` (Unix time), MACed under the hand-off key ``key`` (unsigned without one);
+        ``ticket``: a router's, before the prefill computed anything."""
         unsigned = cls(request, senders, num_tokens, block_size, math.ceil(now + lifetime_s),
-                       prompt_digest(tokens, num_tokens))
+                       prompt_digest(tokens, num_tokens), ticket=ticket)
         return unsigned if key is None else unsigned.signed(key)
 
     def signed(self, key: bytes) -> Handoff:
         return Handoff(self.request, self.senders, self.num_tokens, self.block_size, self.expires, self.prompt,
-                       mac(key, self.fields))
+                       mac(key, self.fields), self.ticket)
 
     @property
     def fields(self) -> tuple[str | int | tuple[str, ...], ...]:
-        """What the MAC covers: everything the decode acts on."""
-        return (self.request, self.senders, self.num_tokens, self.block_size, self.expires, self.prompt)
+        """What the MAC covers: everything the decode acts on (a ticket's flag appended, so a
+        hand-off's fields, and its MAC, are those of before tickets existed)."""
+        base = (self.request, self.senders, self.num_tokens, self.block_size, self.expires, self.prompt)
+        return (*base, 1) if self.ticket else base
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
 
-    def to_params(self) -> dict[str, Any]:
+    def body(self) -> dict[str, Any]:
+        """The record as it travels (the object under ``KEY``)."""
         body: dict[str, Any] = {"request": self.request, "senders": list(self.senders),
                                 "num_tokens": self.num_tokens, "block_size": self.block_size,
                                 "expires": self.expires, "prompt": self.prompt}
         if self.mac:
             body["mac"] = self.mac
-        return {"do_remote_prefill": True, "do_remote_decode": False, KEY: body}
+        if self.ticket:
+            body["ticket"] = True
+        return body
+
+    def to_params(self) -> dict[str, Any]:
+        """The decode request's ``kv_transfer_params``."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, KEY: self.body()}
+
+    def to_prefill_params(self) -> dict[str, Any]:
+        """A ticket's prefill request's ``kv_transfer_params``: compute, and write each layer
+        to the decode that expects ``request``."""
+        return {"do_remote_decode": True, KEY: self.body()}
 
     def check(self, key: bytes | None, *, now: float, skew_s: float, tokens: Sequence[int] | None) -> None:
         """Raise ``HandoffError`` (its ``kind`` says which check) unless this hand-off may be
@@ -186,7 +207,7 @@ def _is_hex(value: object, length: int) -> bool:
 
 
 def handoff_from(params: Any) -> Handoff | None:
-    """The hand-off a decode request carries; None when it carries none.  Raises
+    """The hand-off (or ticket) a decode request carries; None when it carries none.  Raises
     ``HandoffError`` for one it carries but cannot be used (``check`` then proves it)."""
     if not isinstance(params, Mapping):
         if params:
@@ -194,7 +215,19 @@ def handoff_from(params: Any) -> Handoff | None:
         return None
     if params.get("do_remote_prefill") is not True or KEY not in params:
         return None
-    raw = params[KEY]
+    return _parse(params[KEY])
+
+
+def ticket_from(params: Any) -> Handoff | None:
+    """The ticket a prefill request carries (``to_prefill_params``); None when it carries
+    none.  Raises ``HandoffError`` for one it carries but cannot be used (``check`` then
+    proves it; a record without ``ticket`` is no ticket: its MAC, if any, is a hand-off's)."""
+    if not wants_remote_decode(params) or KEY not in params:
+        return None
+    return _parse(params[KEY])
+
+
+def _parse(raw: Any) -> Handoff:
     if not isinstance(raw, Mapping):
         raise HandoffError(f"{KEY}: expected an object, got {type(raw).__name__}")
     unknown = set(raw) - FIELDS
@@ -208,5 +241,9 @@ def handoff_from(params: Any) -> Handoff | None:
     mac_text = raw.get("mac", "")
     if not isinstance(mac_text, str) or (not mac_text and "mac" in raw):
         raise HandoffError(f"mac: must be {MAC_CHARS} lower-case hex digits")
+    ticket = raw.get("ticket", False)
+    if ticket is not True and "ticket" in raw:
+        raise HandoffError(f"ticket: must be true or absent, got {_short(repr(ticket))}")
     return Handoff(raw.get("request"), tuple(senders), raw.get("num_tokens"),  # type: ignore[arg-type]
-                   raw.get("block_size"), raw.get("expires"), raw.get("prompt"), mac_text)  # type: ignore[arg-type]
+                   raw.get("block_size"), raw.get("expires"), raw.get("prompt"), mac_text,  # type: ignore[arg-type]
+                   bool(ticket))

@@ -16,6 +16,15 @@ request goes anywhere (counted ``client_params_dropped``), and the decode gets t
 answer or no hand-off at all.  The decode still checks what it gets (the hand-off's MAC,
 docs/vllm.md "Trust"): the proxy is not what makes a hand-off trustworthy.
 
+With ``--layerwise`` (off by default) a completion goes decode-first: the proxy tokenizes the
+prompt (the prefill's ``/tokenize``), signs a ticket under the cluster's key (``--key-file``,
+the services' ``auth_key_file``) naming the prefill's kvservice (``--prefill-kvservice``), and
+sends the request to the decode with the ticket (it reserves the prompt's blocks and expects
+them) and, at once, to the prefill (one token), which writes each layer's KV as its forward
+computes it (``layerwise``; docs/vllm.md "Layer-wise push").  Both get the prompt as the
+token ids the ticket signs.  A chat completion, or a prompt the prefill cannot tokenize, goes
+the whole-request way.
+
 It logs (to stderr, ``--log-level``) one ``proxy.listening`` line once it accepts
 connections (its address, the prefills and the decodes), one ``proxy.local_prefill`` line
 each time a request falls back to the decode's own prefill, saying why (at most 10 a
@@ -30,27 +39,77 @@ import asyncio
 import itertools
 import json
 import signal
+import time
+import uuid
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from ..._control.addresses import split_address
 from ..._log import Throttle, configure_logging, get_logger
+from ..._trust.handoff import handoff_key
+from ..._trust.keys import load_key
+from .params import MAX_RANKS, Handoff, HandoffError
 
 log = get_logger("kvservice.vllm.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+#: prefill requests of decode-first completions still being answered, at most (past it, a
+#: completion goes the whole-request way: counted ``layerwise_busy``)
+MAX_LAYERWISE_PREFILLS = 4096
+
+
+@dataclass(frozen=True)
+class Layerwise:
+    """Decode-first, layer-wise completions (``--layerwise``)."""
+
+    #: the hand-off key (``_trust.handoff.handoff_key`` of the cluster's key)
+    key: bytes
+    #: per ``--prefill``, in order: its kvservice addresses, one per TP rank
+    senders: tuple[tuple[str, ...], ...]
+    block_size: int
+    #: how long a ticket is valid (the prefill's ``bootstrap_timeout_s``)
+    lifetime_s: float = 30.0
+
+    @classmethod
+    def configured(cls, key_file: str, senders: Sequence[str], block_size: int, lifetime_s: float,
+                   prefills: int) -> Layerwise:
+        """From the command line; ``ValueError`` naming the option that is wrong."""
+        if len(senders) != prefills:
+            raise ValueError(f"--prefill-kvservice: one per --prefill ({prefills}), got {len(senders)}")
+        parsed = tuple(tuple(a.strip() for a in s.split(",")) for s in senders)
+        for ranks in parsed:
+            if not 1 <= len(ranks) <= MAX_RANKS:
+                raise ValueError(f"--prefill-kvservice: 1..{MAX_RANKS} addresses, got {len(ranks)}")
+            for address in ranks:
+                try:
+                    split_address(address)
+                except ValueError as exc:
+                    raise ValueError(f"--prefill-kvservice: {exc}") from None
+        if not 1 <= block_size <= 1 << 20:
+            raise ValueError(f"--block-size: 1..{1 << 20}, got {block_size}")
+        if not 0 < lifetime_s <= 3600:
+            raise ValueError(f"--ticket-lifetime-s: (0, 3600], got {lifetime_s}")
+        key = handoff_key(load_key(key_file, what="--key-file"))
+        assert key is not None
+        return cls(key, parsed, block_size, lifetime_s)
 
 
 class Router:
-    def __init__(self, prefills: Sequence[str], decodes: Sequence[str]) -> None:
+    def __init__(self, prefills: Sequence[str], decodes: Sequence[str], layerwise: Layerwise | None = None) -> None:
         if not prefills or not decodes:
             raise ValueError("at least one --prefill and one --decode")
-        self._prefills = itertools.cycle([p.rstrip("/") for p in prefills])
+        urls = [p.rstrip("/") for p in prefills]
+        self._prefills = itertools.cycle(urls)
         self._decodes = itertools.cycle([d.rstrip("/") for d in decodes])
+        self._layerwise = layerwise
+        self._with_senders = itertools.cycle(zip(urls, layerwise.senders, strict=True)) if layerwise else None
+        self._tasks: set[asyncio.Task[None]] = set()  # decode-first prefills being answered
         self.counts: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
         self._throttle = Throttle()
@@ -59,6 +118,10 @@ class Router:
         self._session = aiohttp.ClientSession(timeout=_TIMEOUT)
 
     async def stop(self, _app: web.Application) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         if self._session is not None:
             await self._session.close()
 
@@ -70,6 +133,10 @@ class Router:
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object"}, status=400)
         body = self._without_client_params(body)
+        if self._layerwise is not None and request.path == "/v1/completions":
+            answer = await self._decode_first(request, body)
+            if answer is not None:
+                return answer
         params = await self._prefill(request.path, body)
         decode = dict(body)
         if params is not None:
@@ -118,11 +185,90 @@ class Router:
         self.counts["handed_off"] += 1
         return params
 
-    def _local(self, kind: str, prefill: str, why: str) -> None:
+    # -- decode-first, layer-wise ---------------------------------------------------------
+    async def _decode_first(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse | None:
+        """The completion with a ticket to the decode and the prefill at once; None when it
+        goes the whole-request way instead (counted)."""
+        assert self._layerwise is not None and self._with_senders is not None
+        prefill, senders = next(self._with_senders)
+        if len(self._tasks) >= MAX_LAYERWISE_PREFILLS:
+            self.counts["layerwise_busy"] += 1
+            return None
+        tokens = await self._tokens(prefill, body)
+        if tokens is None:
+            return None
+        lw = self._layerwise
+        try:
+            ticket = Handoff.issue(f"kvs-{uuid.uuid4().hex}", senders, tokens, len(tokens), lw.block_size,
+                                   key=lw.key, lifetime_s=lw.lifetime_s, now=time.time(), ticket=True)
+        except HandoffError as exc:  # an empty prompt, one past MAX_TOKENS
+            self._local("layerwise_unusable", prefill, str(exc), event="proxy.whole_request")
+            return None
+        body = dict(body, prompt=tokens)  # both engines compute exactly the tokens signed
+        decode = dict(body, kv_transfer_params=ticket.to_params())
+        first = dict(body, max_tokens=1, stream=False, kv_transfer_params=ticket.to_prefill_params())
+        first.pop("stream_options", None)
+        forward = asyncio.ensure_future(self._forward(request, f"{next(self._decodes)}{request.path}", decode))
+        await asyncio.sleep(0)  # the decode's request goes out first: its expect may precede the KV
+        task = asyncio.ensure_future(self._ticket_prefill(prefill, request.path, first))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await forward
+
+    async def _tokens(self, prefill: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids: as given, or the prefill's ``/tokenize`` of its text."""
+        assert self._session is not None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            self._local("layerwise_unusable", prefill, "the prompt is not one text or one list of token ids",
+                        event="proxy.whole_request")
+            return None
+        try:
+            async with self._session.post(f"{prefill}/tokenize", json={"model": body.get("model"),
+                                                                       "prompt": prompt}) as resp:
+                status, answer = resp.status, await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self._local("layerwise_unusable", prefill, f"/tokenize: {exc!r}", event="proxy.whole_request")
+            return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if status != 200 or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            self._local("layerwise_unusable", prefill, f"/tokenize: HTTP {status}: {_brief(answer)}",
+                        event="proxy.whole_request")
+            return None
+        return tokens
+
+    async def _ticket_prefill(self, prefill: str, path: str, body: dict[str, Any]) -> None:
+        """The prefill's side of a decode-first completion: its answer only counted (the decode
+        answers the client; a prefill that fails fails the decode's load, recomputed there)."""
+        assert self._session is not None
+        try:
+            async with self._session.post(f"{prefill}{path}", json=body) as resp:
+                status, raw = resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._local("layerwise_prefill_failed", prefill, repr(exc), event="proxy.layerwise_failed")
+            return
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = raw.decode(errors="replace")
+        if status != 200:
+            self._local("layerwise_prefill_failed", prefill, f"HTTP {status}: {_brief(answer)}",
+                        event="proxy.layerwise_failed")
+        elif isinstance(answer, dict) and isinstance(answer.get("kv_transfer_params"), dict):
+            # the prefill did not take the ticket (its log says why) and handed off whole
+            self._local("layerwise_refused", prefill, "the prefill answered with a hand-off",
+                        event="proxy.layerwise_failed")
+        else:
+            self.counts["layerwise"] += 1
+
+    def _local(self, kind: str, prefill: str, why: str, event: str = "proxy.local_prefill") -> None:
         """Count (and log, rate-limited) a request the decode prefills itself."""
         self.counts[kind] += 1
         if (unlogged := self._throttle.allow(kind)) is not None:
-            log.warning("proxy.local_prefill", kind=kind, prefill=prefill, why=why, unlogged=unlogged)
+            log.warning(event, kind=kind, prefill=prefill, why=why, unlogged=unlogged)
 
     async def _forward(self, request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
         assert self._session is not None
@@ -150,8 +296,8 @@ class Router:
         return web.json_response(dict(self.counts))
 
 
-def app(prefills: Sequence[str], decodes: Sequence[str]) -> web.Application:
-    router = Router(prefills, decodes)
+def app(prefills: Sequence[str], decodes: Sequence[str], layerwise: Layerwise | None = None) -> web.Application:
+    router = Router(prefills, decodes, layerwise)
     application = web.Application(client_max_size=64 * 1024 * 1024)
     application.on_startup.append(router.start)
     application.on_cleanup.append(router.stop)
@@ -162,9 +308,11 @@ def app(prefills: Sequence[str], decodes: Sequence[str]) -> web.Application:
     return application
 
 
-async def serve(prefills: Sequence[str], decodes: Sequence[str], host: str, port: int) -> None:
+async def serve(prefills: Sequence[str], decodes: Sequence[str], host: str, port: int,
+                layerwise: Layerwise | None = None) -> None:
     """Serve until SIGTERM or SIGINT; ``proxy.listening`` once connections are accepted."""
-    runner = web.AppRunner(app(prefills, decodes), handle_signals=False, access_log=None)  # no line per request
+    runner = web.AppRunner(app(prefills, decodes, layerwise), handle_signals=False,
+                           access_log=None)  # no line per request
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,7 +322,7 @@ async def serve(prefills: Sequence[str], decodes: Sequence[str], host: str, port
         await web.TCPSite(runner, host, port).start()
         bound = [f"http://{_hostport(a)}" for a in runner.addresses]
         log.info("proxy.listening", address=bound[0] if len(bound) == 1 else bound, prefill=list(prefills),
-                 decode=list(decodes))
+                 decode=list(decodes), layerwise=layerwise is not None)
         await stop.wait()
         log.info("proxy.stopped")
     finally:
@@ -188,9 +336,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--layerwise", action="store_true",
+                        help="decode-first: the decode reserves the blocks, the prefill writes each layer as it "
+                             "computes it (needs --key-file, --prefill-kvservice, --block-size)")
+    parser.add_argument("--key-file", help="the cluster's key (the services' auth_key_file): tickets are signed "
+                                           "under it")
+    parser.add_argument("--prefill-kvservice", action="append", default=[],
+                        help="a prefill's kvservice address(es), host:port[,host:port per TP rank], one per "
+                             "--prefill, in order")
+    parser.add_argument("--block-size", type=int, help="the engines' --block-size")
+    parser.add_argument("--ticket-lifetime-s", type=float, default=30.0,
+                        help="how long a ticket is valid (the prefill's bootstrap_timeout_s)")
     args = parser.parse_args(argv)
+    layerwise = None
+    if args.layerwise:
+        if not args.key_file or args.block_size is None:
+            parser.error("--layerwise needs --key-file, --prefill-kvservice and --block-size")
+        try:
+            layerwise = Layerwise.configured(args.key_file, args.prefill_kvservice, args.block_size,
+                                             args.ticket_lifetime_s, len(args.prefill))
+        except ValueError as exc:  # a ConfigError too (the key file)
+            parser.error(str(exc))
     configure_logging(args.log_level)
-    asyncio.run(serve(args.prefill, args.decode, args.host, args.port))
+    asyncio.run(serve(args.prefill, args.decode, args.host, args.port, layerwise))
 
 
 def _hostport(address: Any) -> str:

@@ -26,6 +26,12 @@ A decode whose own prefix cache holds every block a hand-off names loads nothing
 declines the hand-off (the worker's ``decline``: the control link's ``Abort``), so the
 prefill frees its blocks at once instead of after its ``bootstrap_timeout_s``.
 
+A prefill request carrying a router's ticket (decode-first, ``layerwise``) is not handed
+off: once the ticket is proved here as a decode proves a hand-off, each step that computes
+some of its prompt names the blocks it completed (``Work.layers``), the worker sends them
+layer by layer during the forward, and the blocks are held, like a hand-off's, until the
+send ended.  A ticket not proved is counted and the request goes the hand-off way.
+
 Nothing here imports vLLM: requests and block lists are read by the attributes vLLM's
 own objects have (``request_id``, ``kv_transfer_params``, ``prompt_token_ids``,
 ``num_computed_tokens``, ``status``), so the state machine is tested both alone and
@@ -48,7 +54,16 @@ from itertools import islice
 from typing import Any
 
 from ..._log import Throttle, get_logger
-from .params import DEFAULT_SKEW_S, Handoff, HandoffError, decode_tp_size, handoff_from, wants_remote_decode
+from .layerwise import LayerSend, Plan, Plans
+from .params import (
+    DEFAULT_SKEW_S,
+    Handoff,
+    HandoffError,
+    decode_tp_size,
+    handoff_from,
+    ticket_from,
+    wants_remote_decode,
+)
 
 log = get_logger("kvservice.vllm")
 
@@ -114,6 +129,8 @@ class Work:
     cancels: list[Cancel] = field(default_factory=list)
     #: hand-offs whose every block this decode's prefix cache holds: their senders are told
     declines: list[Handoff] = field(default_factory=list)
+    #: ticket requests' chunks computed in this step, sent layer by layer (``layerwise``)
+    layers: list[LayerSend] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -150,7 +167,8 @@ class SchedulerSide:
         # decode: request -> its proved hand-off and the blocks its own prefix cache holds, from
         # the match to the allocation
         self._matched: dict[str, tuple[Handoff, int]] = {}
-        self._seen: dict[str, tuple[str, int]] = {}  # decode: MAC -> (request, expires); MAX_REMEMBERED
+        self._seen: dict[str, tuple[str, int]] = {}  # MAC -> (request, expires); MAX_REMEMBERED
+        self._plans = Plans(block_size)  # prefill: ticket requests, sent layer by layer
         self.counts: Counter[str] = Counter()
         self._throttle = Throttle()
 
@@ -164,7 +182,15 @@ class SchedulerSide:
             self._refuse("handoff_invalid", request, f"kv_transfer_params: expected an object, got "
                                                      f"{type(params).__name__}")
         elif self.producer and wants_remote_decode(params):
-            self._producing[request.request_id] = request
+            ticket = self._ticket(request)
+            try:
+                decode_tp = decode_tp_size(params, self.decode_tp)
+            except HandoffError:
+                ticket = None  # refused (counted) when it finishes, as without a ticket
+            if ticket is not None:
+                self._plans.add(request, ticket, decode_tp)
+            else:
+                self._producing[request.request_id] = request
 
     # -- decode: matching and allocation ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -187,6 +213,15 @@ class SchedulerSide:
         # the decode's own prefix cache holds the first blocks: load the rest (the prefill
         # sends the last blocks, as many as the decode expects); all of them: load nothing
         # and tell the prefill (update_state_after_alloc)
+        if handoff.ticket and num_computed_tokens:
+            # the prefill writes every block, layer by layer, from the first: fitting its chunks
+            # to a decode that holds the first ones is not done (docs/vllm.md "Layer-wise push")
+            if handoff.mac:
+                self._remember(handoff, rid)
+            request.kv_transfer_params["do_remote_prefill"] = False
+            self._work.declines.append(handoff)
+            self.counts["tickets_declined"] += 1
+            return 0, False
         self._matched[rid] = (handoff, num_computed_tokens // self.block_size)
         if handoff.mac:
             self._remember(handoff, rid)
@@ -226,6 +261,9 @@ class SchedulerSide:
         self._matched.pop(rid, None)
         self._producing.pop(rid, None)
         early = self._early.pop(rid, None)
+        plan = self._plans.pop(rid)
+        if plan is not None:
+            return self._finished_layerwise(request, plan)
         if rid in self._loading:
             # finished (aborted) while its KV was on the way: the worker aborts the load and
             # reports it once nothing can land; vLLM frees the blocks then
@@ -275,10 +313,15 @@ class SchedulerSide:
         request's block ids.  A request to hand off whose last token this step samples has
         its send posted in this step (the module's docstring)."""
         for rid in preempted:
-            if self._early.pop(rid, None) is not None:
+            if self._early.pop(rid, None) is not None or self._plans.preempted(rid):
                 self._work.cancels.append(Cancel(rid, finished=False))
                 self.counts["sends_preempted"] += 1
         for rid, n in (scheduled or {}).items():
+            if rid in self._plans:
+                chunk = self._plans.step(rid, n, blocks_of) if blocks_of is not None else None
+                if chunk is not None:
+                    self._work.layers.append(chunk)
+                continue
             request = self._producing.get(rid)
             if request is None or rid in self._early or blocks_of is None or not _last_token_in(request, n):
                 continue
@@ -310,6 +353,56 @@ class SchedulerSide:
         """Prefill requests whose blocks are held for their decode -> how many blocks."""
         return dict(self._held)
 
+    # -- prefill: tickets (decode-first, layer-wise) --------------------------------------
+    def _ticket(self, request: Any) -> Handoff | None:
+        """The request's ticket once proved as a decode proves a hand-off, for this prefill
+        (its senders, block size, the whole prompt) and presented by no other request; None
+        (the request is prefilled and handed off as without one) otherwise, counted."""
+        try:
+            ticket = ticket_from(request.kv_transfer_params)
+            if ticket is None:
+                return None
+            ticket.check(self._key, now=self._clock(), skew_s=self.skew_s, tokens=request.prompt_token_ids)
+            why = None
+            if not ticket.ticket:
+                why = "a prefill's hand-off, not a router's ticket"
+            elif ticket.senders != self.senders:
+                why = f"names senders {list(ticket.senders)}, this prefill is {list(self.senders)}"
+            elif ticket.block_size != self.block_size:
+                why = f"block_size {ticket.block_size} there, {self.block_size} here"
+            elif ticket.num_tokens != len(request.prompt_token_ids or ()):
+                why = f"{ticket.num_tokens} tokens, the prompt has {len(request.prompt_token_ids or ())}"
+            if why is not None:
+                raise HandoffError(why, "handoff_unusable")
+        except HandoffError as exc:
+            self._refuse(exc.kind, request, str(exc), then="prefilled and handed off whole, not layer-wise")
+            return None
+        first = self._seen.get(ticket.mac) if ticket.mac else None
+        if first is not None and first[0] != request.request_id:
+            self._refuse("handoff_replayed", request, f"presented already, by request {first[0]!r}",
+                         then="prefilled and handed off whole, not layer-wise")
+            return None
+        if ticket.mac:
+            self._remember(ticket, request.request_id)
+        return ticket
+
+    def _finished_layerwise(self, request: Any, plan: Plan) -> tuple[bool, dict[str, Any] | None]:
+        """A ticket's request finished: its blocks stay held until every layer's send ended."""
+        rid = request.request_id
+        status = getattr(request.status, "name", str(request.status))
+        if not plan.posted or plan.cancelled:
+            # nothing posted (aborted before its first step), or preempted and aborted already
+            # (vLLM has those blocks back): nothing reads these blocks
+            self.counts["handoffs_skipped"] += 1
+            return False, None
+        self._held[rid] = plan.sent
+        if status in _HANDS_OFF and plan.done:
+            self.counts["layerwise"] += 1
+        else:  # aborted mid-prompt: the decode's load fails (recomputed there)
+            self.counts["handoffs_skipped"] += 1
+            self._work.cancels.append(Cancel(rid, finished=True))
+        return True, None
+
     # -------------------------------------------------------------------------------------
     def _handoff(self, request: Any) -> Handoff | None:
         """The request's hand-off once proved (``Handoff.check``) and presented by no other
@@ -339,11 +432,12 @@ class SchedulerSide:
                 del seen[mac]
         seen[handoff.mac] = (rid, handoff.expires)
 
-    def _refuse(self, kind: str, request: Any, why: str) -> None:
+    def _refuse(self, kind: str, request: Any, why: str, then: str | None = None) -> None:
         self.counts[kind] += 1
         if (unlogged := self._throttle.allow(kind)) is not None:
-            log.warning(f"vllm.{kind}", request=request.request_id, why=why, unlogged=unlogged,
-                        then="the request prefills locally" if kind != "handoff_refused" else "no hand-off")
+            if then is None:
+                then = "the request prefills locally" if kind != "handoff_refused" else "no hand-off"
+            log.warning(f"vllm.{kind}", request=request.request_id, why=why, unlogged=unlogged, then=then)
 
 
 def _last_token_in(request: Any, n: int) -> bool:

@@ -20,6 +20,17 @@ reads the blocks any more.  A send the scheduler cancels (its request handed not
 after all) is aborted first; one whose request was preempted is aborted and never reported
 (vLLM took the blocks back when it preempted it).
 
+A ticket's request (decode-first, ``layerwise``) is sent layer by layer instead: the step's
+chunks (``LayerSend``) arrive with the step's metadata, which vLLM binds before the forward
+(``start_load_kv`` may run after it: vLLM 0.32 starts asynchronous loads after the forward
+is launched), and after each attention layer's forward (``save_layer``, from
+``save_kv_layer``) that layer of the chunks' blocks is posted; ``save`` (``wait_for_save``,
+after the forward) posts any layer the forward did not pass through ``save_kv_layer``, so
+every (block, layer) is sent exactly once and the last chunk's last call says ``last=True``.
+Here the decode's expect may be bound already, so a WRITE may start as soon as it is
+posted: on CPU the layer's KV is written when the attention op returns; on a GPU the worker
+waits for the current stream first.  Reported, freed and cancelled as a whole send is.
+
 A load is reported to vLLM (``finished_recving``) only when it succeeded or,
 failed, once it is *settled*: nothing of it can land in the blocks any more, so vLLM may
 give them to another request.  A failed load is also reported in ``failed_recving`` and
@@ -41,6 +52,7 @@ from ..._results import FailureReason, failure_text
 from ..._tp import TensorParallel
 from ...engine import KVPoll, KVReceiver, KVSender, KVTransferEngine
 from ...memory import KVMemory
+from .layerwise import LayerSend
 from .memory import kv_memory
 from .params import Handoff
 from .scheduler import Cancel, RecvSpec, SendSpec, Work
@@ -66,6 +78,8 @@ class _Send:
     #: vLLM finished the request: it is reported once the send ended
     finished: bool = False
     cancelled: bool = False
+    #: a ticket's request: sent layer by layer (``LayerSend``)
+    layerwise: bool = False
 
 
 class WorkerSide:
@@ -80,12 +94,23 @@ class WorkerSide:
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
+        self._layer_index: dict[str, int] = {}  # vLLM's layer name -> kvservice's layer
+        self._cuda = False  # the KV is on a GPU: a layer's KV is written when its stream gets there
+        #: this step's layer-wise chunks (those of ``_step``, the metadata's list), and the
+        #: layers posted of them so far
+        self._step: list[LayerSend] | None = None
+        self._chunks: list[LayerSend] = []
+        self._posted: set[int] = set()
+        #: (chunk, layer) sends posted from ``save_kv_layer``, during a forward (not after it)
+        self.layers_in_forward = 0
         self.counts: Counter[str] = Counter()
         self.samples = Samples()  # the successful transfers' times and bytes, for vLLM's stats
         self._throttle = Throttle()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         memory = kv_memory(list(kv_caches.values()), tp_size=self.tp_size, tp_rank=self.tp_rank)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._cuda = any(t.is_cuda for t in kv_caches.values())
         self.engine = self._make(self.config, memory).start()
         log.info("vllm.registered", address=self.engine.address, layers=memory.layers,
                  blocks=memory.num_pages, block_bytes=memory.page_bytes, tp_rank=self.tp_rank)
@@ -100,10 +125,80 @@ class WorkerSide:
         for handoff in work.declines:
             self._decline(handoff)
 
+    def _begin(self, chunks: list[LayerSend]) -> None:
+        """This step's layer-wise chunks (the metadata's list, the same object all step):
+        the first chunk of a request makes its senders."""
+        if chunks is self._step:
+            return
+        self._step, self._chunks, self._posted = chunks, [], set()
+        for chunk in chunks:
+            if chunk.first:
+                self._start_layerwise(chunk)
+            entry = self._sends.get(chunk.req_id)
+            if entry is not None and entry.layerwise and not entry.cancelled:
+                self._chunks.append(chunk)
+
+    def save_layer(self, layer_name: str, chunks: list[LayerSend]) -> None:
+        """After a layer's attention forward (``save_kv_layer``): that layer of this step's
+        layer-wise chunks."""
+        self._begin(chunks)
+        layer = self._layer_index.get(layer_name)
+        if not self._chunks or layer is None or layer in self._posted:
+            return
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # the layer's KV is in its blocks only then
+        self.layers_in_forward += self._post_layer(layer)
+
     def save(self, work: Work) -> None:
-        """After the step's forward: the sends (their blocks hold the step's KV)."""
+        """After the step's forward: the sends (their blocks hold the step's KV), and any
+        layer of the layer-wise chunks not posted during the forward."""
+        self._begin(work.layers)
+        if self._chunks:
+            missing = [i for i in range(len(self._layer_index)) if i not in self._posted]
+            if missing and self._cuda:
+                torch.cuda.current_stream().synchronize()
+            for layer in missing:
+                self._post_layer(layer)
+        self._step, self._chunks = None, []
         for send in work.sends:
             self._start_send(send)
+
+    def _post_layer(self, layer: int) -> int:
+        """Post ``layer`` of this step's chunks; how many were posted."""
+        posted = 0
+        self._posted.add(layer)
+        final = len(self._posted) == len(self._layer_index)
+        for chunk in self._chunks:
+            entry = self._sends.get(chunk.req_id)
+            if entry is None or entry.cancelled:
+                continue
+            try:
+                for sender in entry.senders:
+                    sender.send(list(chunk.blocks), layers=range(layer, layer + 1), last=chunk.last and final)
+                posted += 1
+            except (ValueError, RuntimeError) as exc:  # the engine is gone: nothing more is sent
+                self._note("send_refused", chunk.req_id, str(exc))
+                entry.cancelled = True
+                for sender in entry.senders:
+                    sender.abort()
+        return posted
+
+    def _start_layerwise(self, chunk: LayerSend) -> None:
+        """The senders of a ticket's request, under the ticket's id (what its decode expects)."""
+        if chunk.req_id in self._sends:
+            self._note("send_refused", chunk.req_id, "a send of this request is still on its way")
+            return
+        entry = self._sends[chunk.req_id] = _Send(SendSpec(chunk.req_id, (), chunk.decode_tp), [], layerwise=True)
+        try:
+            engine = self._engine()
+            tp = TensorParallel(self.tp_size, chunk.decode_tp)
+            for d in tp.targets(self.tp_rank):
+                entry.senders.append(engine.sender(TensorParallel.request_id(chunk.transfer, self.tp_rank, d)))
+        except (ValueError, RuntimeError) as exc:  # a duplicate id, an engine that is gone: nothing sent
+            self._note("send_refused", chunk.req_id, str(exc))
+            entry.cancelled = True
+            for sender in entry.senders:
+                sender.abort()
 
     def _start_send(self, spec: SendSpec) -> None:
         """Send every block now, fitted by the service to what the decode expects when its

@@ -114,7 +114,8 @@ def serve(cfg: dict[str, Any]) -> None:
     args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32,
                       enable_prefix_caching=bool(cfg.get("prefix_caching")), kv_cache_memory_bytes=64 << 20,
                       enforce_eager=True, distributed_executor_backend="uni", skip_tokenizer_init=True,
-                      kv_transfer_config=kvt, seed=0, max_model_len=1024)
+                      kv_transfer_config=kvt, seed=0, max_model_len=1024,
+                      **({"max_num_batched_tokens": cfg["max_batched"]} if cfg.get("max_batched") else {}))
     engine = LLMEngine.from_engine_args(args, stat_loggers=[connector_stats()] if kvt is not None else None)
     core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     scheduler = core.scheduler
@@ -132,6 +133,9 @@ def serve(cfg: dict[str, Any]) -> None:
             out["address"] = worker.worker_side.engine.address
             # kvservice's own view, moved on by its loop and not by engine steps: sends not ended
             out["sends_pending"] = sum(type(t).__name__ == "KVSender" for t in worker.worker_side.engine.pending())
+            # expects from decodes held for a send not posted yet (decode-first: before the prefill computes)
+            out["early_expects"] = worker.worker_side.engine.status()["expects_before_send"]
+            out["layers_in_forward"] = worker.worker_side.layers_in_forward
         if LOGGED:
             out["logged"] = logged()
             out["prom"] = prom_samples()

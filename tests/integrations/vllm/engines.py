@@ -47,12 +47,14 @@ class Engine:
 
     def __init__(self, name: str, model: Path, *, role: str | None = None, extra: dict[str, Any] | None = None,
                  cpu: int = 0, log_dir: Path | None = None, connector: tuple[str, str] | None = None,
-                 prefix_caching: bool = False, stepping: str = "busy") -> None:
+                 prefix_caching: bool = False, stepping: str = "busy", max_batched: int | None = None) -> None:
         """``stepping``: ``"busy"`` (vLLM's engine-core loop) or ``"request"`` (only inside a
-        request, as ``LLM.generate()`` with the engine core in-process): ``engine_proc``."""
+        request, as ``LLM.generate()`` with the engine core in-process): ``engine_proc``.
+        ``max_batched``: vLLM's ``max_num_batched_tokens`` (a prompt longer is prefilled in
+        chunks of at most this many tokens)."""
         self.name = name
         cfg = {"model": str(model), "role": role, "extra": extra or {}, "connector": connector,
-               "prefix_caching": prefix_caching, "stepping": stepping}
+               "prefix_caching": prefix_caching, "stepping": stepping, "max_batched": max_batched}
         self._stderr = open(log_dir / f"{name}.log", "wb") if log_dir else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.vllm.engine_proc", "serve", json.dumps(cfg)],

@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
 
+from kvservice._trust.keys import generate_key
 from tests.helpers import eventually_sync
 
 from .engines import MAX_TOKENS, ROOT, engine_env, free_port
@@ -79,10 +80,10 @@ def servers(model: Path, logs: Path) -> Iterator[Any]:
                      cpu, f"{url}/health")
         return url, proc
 
-    def proxy(prefill: str, decode: str) -> str:
+    def proxy(prefill: str, decode: str, *options: str) -> str:
         port = free_port()
         start("proxy", ["kvservice.integrations.vllm.proxy", "--prefill", prefill, "--decode", decode,
-                        "--port", str(port)], 0, f"http://127.0.0.1:{port}/health")
+                        "--port", str(port), *options], 0, f"http://127.0.0.1:{port}/health")
         return f"http://127.0.0.1:{port}"
 
     yield vllm, proxy
@@ -166,3 +167,26 @@ def test_two_vllm_servers_and_the_proxy_answer_as_one_engine(
     assert complete(front, model, prompts[0]) == baseline[0]
     assert http(f"{front}/stats") == {"handed_off": len(prompts) + 1, "prefill_unreachable": 1,
                                       "client_params_dropped": 1}
+
+
+def test_the_layerwise_proxy_and_two_vllm_servers_answer_as_one_engine(
+        servers: Any, model: Path, prompts: list[list[int]], baseline: list[list[int]], tmp_path: Path) -> None:
+    """``--layerwise`` as docs/vllm.md "Layer-wise push" runs it: each completion written layer
+    by layer by the prefill into the blocks the decode reserved first."""
+    key = tmp_path / "key"
+    generate_key(key)
+    vllm, proxy = servers
+    kv_port = free_port()
+    prefill, _ = vllm("lw-serve-prefill", "kv_producer", 0, port=kv_port, auth_key_file=str(key))
+    decode, _ = vllm("lw-serve-decode", "kv_consumer", 1, auth_key_file=str(key))
+    front = proxy(prefill, decode, "--layerwise", "--key-file", str(key), "--prefill-kvservice",
+                  f"127.0.0.1:{kv_port}", "--block-size", "32")
+    assert [complete(front, model, prompt) for prompt in prompts] == baseline
+    n = len(prompts)
+    eventually_sync(lambda: http(f"{front}/stats").get("layerwise") == n, 60, 0.5,
+                    what=lambda: str(http(f"{front}/stats")))
+    assert http(f"{front}/stats") == {"layerwise": n}
+    eventually_sync(lambda: counted(prefill).get("handoffs_freed") == n, 60, 0.5, what=lambda: str(scrape(prefill)))
+    eventually_sync(lambda: counted(decode).get("loads_ok") == n, 60, 0.5, what=lambda: str(scrape(decode)))
+    assert counted(prefill) == {"layerwise": n, "handoffs_freed": n, "sends_ok": n}
+    assert counted(decode) == {"loads": n, "loads_ok": n}
