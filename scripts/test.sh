@@ -12,13 +12,13 @@ if [ -f Dockerfile ]; then
     echo "== hadolint"; .venv/bin/hadolint Dockerfile || fail=1
 fi
 echo "== pytest"
-# In one process by default.  KVSERVICE_TEST_WORKERS=N runs it on N pytest-xdist workers, each
-# test handed to the next free one (--dist loadgroup: tests that must not overlap would share an
-# xdist_group; none need to today): most tests wait on real processes, links and deadlines, not on
-# the CPU, but on a 2-core machine 4 workers starved the tests' own child processes (start-up
-# guards and 1-3 s peer timeouts missed), so it is not the default yet.  The slowest tests are in
-# every run's log: what makes it long.
-.venv/bin/python -m pytest -n "${KVSERVICE_TEST_WORKERS:-0}" --dist loadgroup --durations=25 "$@"
+# On 3 pytest-xdist workers by default (KVSERVICE_TEST_WORKERS=N for another number, 0 for one
+# process), each test handed to the next free one (--dist loadgroup: tests that must not overlap
+# would share an xdist_group; none need to today).  Most tests wait on real processes, links and
+# deadlines, not on the CPU; their children are forked from a server that imported kvservice
+# once (tests/conftest.py), and every timeout a slow peer must meet scales with the run's load
+# (tests.helpers.scaled).  The slowest tests are in every run's log: what makes it long.
+.venv/bin/python -m pytest -n "${KVSERVICE_TEST_WORKERS:-3}" --dist loadgroup --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2

@@ -20,12 +20,12 @@ from kvservice import FailureReason, TransferService, TransferStatus
 from kvservice._control.protocol import OLDEST_VERSION, PROTOCOL_VERSION, Hello
 from kvservice.testing import PeerProcess, pattern
 from tests.compat.previous import PREVIOUS_PROTOCOL, previous_env
-from tests.helpers import READY_S, SMALL, config, eventually, free_port, peer_config, peers
+from tests.helpers import READY_S, SMALL, config, eventually, free_port, peer_config, peers, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 #: generous bounds for one step on a loaded machine (never a speed assertion)
-GUARD_S = 30.0
+GUARD_S = scaled(30.0)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from kvservice import KVLayout, KVServiceError, SidecarClient, TransferService
 from kvservice._control.protocol import PROTOCOL_VERSION
 from kvservice.testing import pattern
 from tests.compat.previous import PREVIOUS_PROTOCOL, PREVIOUS_SIDECAR, previous_env
-from tests.helpers import config, peers
+from tests.helpers import config, peers, scaled
 from tests.sidecar.daemons import SMALL_LAYOUT, sidecars
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-GUARD_S = 30.0
+GUARD_S = scaled(30.0)
 LAYOUT = KVLayout(**SMALL_LAYOUT)
 
 

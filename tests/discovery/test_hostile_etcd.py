@@ -31,13 +31,13 @@ from kvservice import FailureReason, KVPoll, TransferService
 from kvservice.discovery.member import IGNORED, Member, encode, read
 from kvservice.sidecar.metrics import render
 from kvservice.testing import pattern
-from tests.helpers import SMALL, config, eventually
+from tests.helpers import SMALL, config, eventually, scaled
 
 from .etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-GUARD_S = 30.0  # a hang guard, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard, never a timed assertion
 MAX_TRANSFERS = 500  # bounds the background traffic in count as well as in time
 CLUSTER = "hostile"
 PREFIX = f"/kvservice/{CLUSTER}/services/".encode()

@@ -20,13 +20,13 @@ import torch
 
 from kvservice import FailureReason, TransferService
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import READY_S, SMALL, config, eventually, peer_config
+from tests.helpers import READY_S, SMALL, config, eventually, peer_config, scaled
 
 from .etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-GUARD_S = 30.0  # a hang guard, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard, never a timed assertion
 SLOW_LINK = {"heartbeat_interval_s": 0.5, "peer_timeout_s": 600.0}  # the link itself never times out here
 
 

@@ -18,14 +18,14 @@ import torch
 
 from kvservice import KVLayout, TransferService
 from kvservice.testing import pattern
-from tests.helpers import LOOPBACK_UCX, config, eventually, peer_config
+from tests.helpers import LOOPBACK_UCX, config, eventually, peer_config, scaled
 
 from .etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(300)]
 
 PEERS = 64
-GUARD_S = 120.0  # a hang guard, never a timed assertion
+GUARD_S = scaled(120.0)  # a hang guard, never a timed assertion
 HUB = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=2 * PEERS)
 
 

@@ -18,13 +18,13 @@ from kvservice.discovery._etcd import Etcd, EtcdOptions
 from kvservice.discovery.member import Member, services_prefix
 from kvservice.discovery.member import read as read_member
 from kvservice.testing import pattern
-from tests.helpers import SMALL, config, eventually
+from tests.helpers import SMALL, config, eventually, scaled
 
 from .etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.nixl]
 
-GUARD_S = 30.0  # a hang guard, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard, never a timed assertion
 
 
 def etcd_config(server: EtcdServer, name: str, role: str, **kw: object) -> dict[str, object]:

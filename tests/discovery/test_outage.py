@@ -20,13 +20,13 @@ import torch
 from kvservice import TransferService
 from kvservice.discovery.registry import DiscoveryUnavailable
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import READY_S, SMALL, config, eventually, peer_config
+from tests.helpers import READY_S, SMALL, config, eventually, peer_config, scaled
 
 from .etcd_server import EtcdServer, require_etcd
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-GUARD_S = 30.0  # a hang guard, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard, never a timed assertion
 OUTAGE_S = 30.0  # how long etcd stays stopped (the "30 s or more")
 MAX_REQUESTS = 2000  # bounds the traffic loop in count as well as in time
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvservice import SidecarClient
-from tests.helpers import eventually
+from tests.helpers import eventually, scaled
 from tests.sidecar.daemons import CONFIG, sidecars
 
 from .etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
-GUARD_S = 30.0  # a hang guard, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard, never a timed assertion
 
 
 def etcd_config(tmp_path: Path, role: str, name: str) -> Path:

@@ -24,7 +24,7 @@ from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import MAX_ASK, Ask, Settled
 from kvservice.testing import PeerProcess, pattern
 from tests.faults.test_settle import LATE_WRITE_WAIT_S, LAYOUT, PAGES, TCP, canary, send_then_stop
-from tests.helpers import config, eventually, heard_by, peer_config, peers
+from tests.helpers import config, eventually, heard_by, peer_config, peers, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -34,7 +34,7 @@ FAST = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 1.0}
 #: loaded machine (1 s was seen to run out, leaving the request unproven: held, as it must)
 PREFILL = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 3.0}
 #: hang guard for a settling that needs a loss (1 s), a resume, a re-dial and an Ask
-SETTLE_GUARD_S = 30.0
+SETTLE_GUARD_S = scaled(30.0)
 LOST = {FailureReason.PEER_LOST, FailureReason.TIMEOUT, FailureReason.REMOTE_DISCONNECT}
 
 

@@ -14,11 +14,11 @@ import torch
 
 from kvservice import TransferHandle, TransferResult, TransferService
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import READY_S, SMALL, config, peer_config
+from tests.helpers import READY_S, SMALL, config, peer_config, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-GUARD_S = 30.0  # a hang guard for each wait, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard for each wait, never a timed assertion
 
 
 @contextlib.asynccontextmanager

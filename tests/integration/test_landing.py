@@ -24,11 +24,11 @@ from kvservice._transfer import landing
 from kvservice._transfer.inbound import Inbound
 from kvservice.memory._pairing import Pair
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import SMALL, config, peer_config, peers
+from tests.helpers import SMALL, config, peer_config, peers, scaled
 
 pytestmark = pytest.mark.nixl
 
-GUARD_S = 30.0  # a hang guard for each wait, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard for each wait, never a timed assertion
 
 
 async def _expect(decode: PeerProcess, rid: str, pages: list[int], sender: str, **kw: Any) -> None:

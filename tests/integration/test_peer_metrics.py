@@ -15,12 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice import FailureReason, KVLayout, KVPoll, TransferService
 from kvservice.testing import PeerProcess
-from tests.helpers import config, eventually, peer_config, peers
+from tests.helpers import config, eventually, peer_config, peers, scaled
 
 pytestmark = pytest.mark.nixl
 
 N = 3  # transfers each way with each peer
-GUARD_S = 30.0  # a hang guard for each wait, never a timed assertion
+GUARD_S = scaled(30.0)  # a hang guard for each wait, never a timed assertion
 #: first links wait for the metadata vetting: on a loaded machine that can pass the default
 #: connect_timeout_s (5 s), which bounds the whole handshake (as in test_fanout)
 SLOW_LINK = {"connect_timeout_s": GUARD_S}

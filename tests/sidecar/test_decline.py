@@ -36,13 +36,13 @@ from kvservice.sidecar.wire import (
     frame_stream,
 )
 from kvservice.testing import pattern
-from tests.helpers import eventually, free_port
+from tests.helpers import eventually, free_port, scaled
 
 from .daemons import Sidecar, frame, metrics, raw_exchange, sidecars
 
 pytestmark = pytest.mark.nixl
 
-GUARD_S = 30.0
+GUARD_S = scaled(30.0)
 FAR = {"KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": "600"}
 FRAMES_REJECTED = "kvservice_sidecar_frames_rejected_total"
 CALL_VERSION = 'kvservice_refused_total{where="workers",kind="call_version"}'

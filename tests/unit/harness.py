@@ -16,10 +16,10 @@ import torch
 from kvservice import ServiceConfig, TransferService
 from kvservice._control.protocol import ChunkNotif, encode_notif
 from kvservice.testing import FakeDoor, FakeFabric, pattern
-from tests.helpers import SMALL, config
+from tests.helpers import SMALL, config, scaled
 
 #: generous bound on any single wait: a hang guard, never a timed assertion
-GUARD_S = 10.0
+GUARD_S = scaled(10.0)
 
 
 def unit_config(**kw: Any) -> ServiceConfig:
