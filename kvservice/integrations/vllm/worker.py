@@ -230,7 +230,6 @@ class WorkerSide:
             return
         moving = any(t.result is None or not t.settled for send in self._sends.values() for t in send.senders)
         if moving or any(t.result is None or not t.settled for load in self._loads.values() for t in load.receivers):
-            self.counts["idle_waits"] += 1
             engine.wait_for_end(timeout)
 
     def _send_ended(self, send: _Send) -> bool:
