@@ -1,7 +1,7 @@
 """vLLM prefill/decode through kvservice, side by side with vLLM's own ``NixlConnector``.
 
     PYTHONPATH=$PWD "$(bash scripts/engine-env.sh vllm)/bin/python" -m benchmarks.vllm_pd \\
-        [--quick] [--rounds N] [--out DIR]
+        [--quick] [--rounds N] [--out DIR] [--phases TEXT] [--configs NAMES]
 
 Three configurations of the same two vLLM engines (prefill pinned to CPU 0, decode to CPU
 1; ``benchmarks.vllm_pd_engine``: vLLM's ``LLMEngine`` stepped as vLLM's engine core
@@ -424,8 +424,13 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--out", type=Path, help="where results.json and the logs go (default: a new temp dir)")
     ap.add_argument("--budget-s", type=float, default=3600.0,
                     help="start no round past this many seconds (default 3600)")
+    ap.add_argument("--phases", help="only the phases whose name contains this (e.g. '1 in flight')")
+    ap.add_argument("--configs", help=f"only these configurations, comma-separated (of {', '.join(CONFIGS)})")
     args = ap.parse_args(list(argv))
-    phases = QUICK if args.quick else FULL
+    phases = tuple(ph for ph in (QUICK if args.quick else FULL) if args.phases is None or args.phases in ph.name)
+    configs = tuple(c for c in CONFIGS if args.configs is None or c in args.configs.split(","))
+    if not phases or not configs:
+        ap.error("--phases / --configs select nothing")
     rounds = args.rounds or (1 if args.quick else 3)
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm-pd-"))
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -453,7 +458,7 @@ def main(argv: Sequence[str]) -> int:
             if time.monotonic() - began > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: {rnd} rounds", flush=True)
                 break
-            order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+            order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
             for config in order:
                 results.setdefault(config, {})
                 t0 = time.monotonic()
@@ -482,7 +487,7 @@ def main(argv: Sequence[str]) -> int:
         harness.stop_all()
     load_after = os.getloadavg()
     table = summarize(results, phases) + kvservice_path(out / "marks", phases)
-    verified = {c: sum(len(m.get("e2e_ms", [])) for m in results.get(c, {}).values()) for c in CONFIGS}
+    verified = {c: sum(len(m.get("e2e_ms", [])) for m in results.get(c, {}).values()) for c in configs}
     header = (f"vLLM P/D, kvservice vs NixlConnector: {rounds} round(s), {MAX_TOKENS} tokens decoded per request, "
               f"model {KV_BYTES_PER_TOKEN // 1024} KiB KV/token; load avg before {load_before[0]:.2f}, "
               f"after {load_after[0]:.2f}; {time.monotonic() - began:.0f} s\n"

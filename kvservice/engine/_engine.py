@@ -95,6 +95,7 @@ class KVTransferEngine:
         self._live: dict[tuple[str, str], _Transfer] = {}  # (side, request id) -> not cleared
         self._tasks = 0  # facade tasks running (loop thread only)
         self._tasks_done: asyncio.Event | None = None
+        self._changed = threading.Event()  # a transfer ended or settled since wait_for_end last looked
 
     # -- lifetime -------------------------------------------------------------------------------
     def start(self) -> KVTransferEngine:
@@ -230,6 +231,9 @@ class KVTransferEngine:
             if self._live.get(key) is transfer:
                 del self._live[key]
 
+    def _ended(self) -> None:
+        self._changed.set()
+
     def _register(self, key: tuple[str, str], transfer: _Transfer) -> None:
         with self._lock:
             if self._thread is None:
@@ -249,6 +253,15 @@ class KVTransferEngine:
             transfer._shutdown(message)
 
     # -- the public API -------------------------------------------------------------------------
+    def wait_for_end(self, timeout: float) -> bool:
+        """Block the calling thread (the GIL and the core released) until one of this
+        engine's transfers ends or settles, or ``timeout`` seconds pass; True if one did
+        since the last call.  For a scheduler with nothing to do but wait on transfers: poll
+        them after this returns (a change after it returned wakes the next call at once)."""
+        changed = self._changed.wait(max(0.0, timeout))
+        self._changed.clear()
+        return changed
+
     def sender(self, request_id: str, *, receiver: str | None = None) -> KVSender:
         """The prefill side of ``request_id``.  ``receiver`` ("host:port") pins it to that
         decode (``TransferService.send(receiver=)``).  Raises ``ValueError`` while another

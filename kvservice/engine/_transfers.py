@@ -51,6 +51,7 @@ class Host(Protocol):
     def _spawn(self, fn: Callable[[TransferService], Awaitable[None]]) -> bool: ...
     def _poll_arrival(self, request_id: str) -> KVPoll | None: ...
     def _forget(self, transfer: _Transfer) -> None: ...
+    def _ended(self) -> None: ...
 
 Pages = Sequence[int] | npt.NDArray[Any]
 Op = Callable[["TransferService"], Awaitable[None]]
@@ -191,13 +192,17 @@ class _Transfer:
             if settled if settled is not None else result.settled:
                 self._settled = True
             if self._result is not None:
-                return False
-            self._result = result
-            return True
+                first = False
+            else:
+                self._result = result
+                first = True
+        self._engine._ended()
+        return first
 
     def _mark_settled(self) -> None:
         with self._lock:
             self._settled = True
+        self._engine._ended()
 
     def _fail_call(self, exc: BaseException) -> None:
         reason, message = _call_failure(exc)

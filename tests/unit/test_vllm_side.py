@@ -288,6 +288,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.made: dict[str, FakeTransfer] = {}
         self.declined: list[tuple[str, str]] = []
+        self.waits: list[float] = []
 
     def start(self) -> FakeEngine:
         return self
@@ -301,6 +302,10 @@ class FakeEngine:
     def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:
         self.declined.append((request_id, sender))
         return True
+
+    def wait_for_end(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return False
 
     def close(self) -> None:
         self.running = False
@@ -505,3 +510,39 @@ def test_a_producers_ports() -> None:
     assert [rank_port(9000, tp_size=2, tp_rank=r, dp_rank=1) for r in range(2)] == [9002, 9003]
     with pytest.raises(ValueError, match=r"not in 1\.\.65535"):
         rank_port(65535, tp_size=2, tp_rank=1)
+
+
+def test_a_step_without_a_forward_waits_for_a_transfer_only_while_one_is_on_its_way() -> None:
+    from kvservice.integrations.vllm.scheduler import Work
+
+    p, pe = worker(1, 0)
+    assert p.finished(set(), idle_wait_s=0.005) == (set(), set(), set()) and pe.waits == []  # nothing moving
+    p.save(Work(sends=[SendSpec("a", (1, 2), 1)]))
+    a = pe.made["a@tp0.0"]
+    assert p.finished(set()) == (set(), set(), set()) and pe.waits == []  # a step with a forward never waits
+    assert p.finished(set(), idle_wait_s=0.005) == (set(), set(), set()) and pe.waits == [0.005]
+    a.state, a.settled, a.result = "Success", True, ok(a.request_id, pages=2)
+    assert p.finished({"a"}, idle_wait_s=0.005) == ({"a"}, set(), set()) and pe.waits == [0.005]  # ended: no wait
+    assert p.counts == {"sends_ok": 1}  # what vLLM's stats show: no count of its own
+
+
+def test_the_engines_wait_for_end_wakes_when_a_transfer_ends() -> None:
+    import threading
+    import time
+
+    from kvservice.engine import KVTransferEngine
+    from kvservice.engine._transfers import KVSender
+
+    engine = KVTransferEngine()
+    assert engine.wait_for_end(0.001) is False  # nothing ended
+    sender = KVSender(engine, "r")
+    timer = threading.Timer(0.05, sender.abort)
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        assert engine.wait_for_end(10.0) is True and time.monotonic() - t0 < 5.0
+    finally:
+        timer.cancel()
+        timer.join(10.0)
+    engine.wait_for_end(0.0)  # what the abort's own shutdown path set after the first wake-up
+    assert sender.result is not None and engine.wait_for_end(0.0) is False  # taken: the next call waits again

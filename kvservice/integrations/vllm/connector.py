@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 __all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
 
+#: how long a step that schedules nothing (its only work: sends held for decodes, loads on
+#: their way) waits for a transfer to end before vLLM steps again (``WorkerSide._idle``): a
+#: request arriving meanwhile waits that long at most
+IDLE_WAIT_S = 0.005
+
 log = get_logger("kvservice.vllm")
 #: vLLM's own logger: the start lines an operator reads among the server's (kvservice's own
 #: logger, unconfigured in vLLM's server, shows only warnings)
@@ -73,6 +78,8 @@ class KVServiceMetadata(KVConnectorMetadata):
     cancels: list[Cancel] = field(default_factory=list)
     declines: list[Handoff] = field(default_factory=list)
     layers: list[LayerSend] = field(default_factory=list)
+    #: the step schedules no tokens: its only work is transfers (``WorkerSide.finished``)
+    idle: bool = False
 
     def work(self) -> Work:
         return Work(self.sends, self.recvs, self.cancels, self.declines, self.layers)
@@ -161,8 +168,10 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVServiceMetadata:
         manager = self._kv_cache_manager
+        idle = not scheduler_output.total_num_scheduled_tokens
         return self._sched.build(  # type: ignore[no-any-return]
-            lambda work: KVServiceMetadata(work.sends, work.recvs, work.cancels, work.declines, work.layers),
+            lambda work: KVServiceMetadata(work.sends, work.recvs, work.cancels, work.declines, work.layers,
+                                           idle=idle),
             scheduled=scheduler_output.num_scheduled_tokens, preempted=scheduler_output.preempted_req_ids or (),
             blocks_of=None if manager is None else lambda rid: manager.get_block_ids(rid)[0])
 
@@ -206,12 +215,12 @@ class KVServiceConnector(KVConnectorBase_V1):
             self._work_side.save(meta.work())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._work_side.finished(finished_req_ids)
+        sending, recving, failed = self._work_side.finished(finished_req_ids, idle_wait_s=self._idle_wait_s())
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._work_side.finished(finished_req_ids)
+        sending, recving, _ = self._work_side.finished(finished_req_ids, idle_wait_s=self._idle_wait_s())
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -237,6 +246,11 @@ class KVServiceConnector(KVConnectorBase_V1):
             self._worker.close()
 
     # -------------------------------------------------------------------------------------
+    def _idle_wait_s(self) -> float:
+        """How long a step without a forward may wait for a transfer to end (none with one)."""
+        meta = self._connector_metadata
+        return IDLE_WAIT_S if isinstance(meta, KVServiceMetadata) and meta.idle else 0.0
+
     @property
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:

@@ -265,9 +265,12 @@ class WorkerSide:
             self._fail(load, f"refused: {exc}")
 
     # -- what finished --------------------------------------------------------------------
-    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+    def finished(self, finished_req_ids: Iterable[str], *, idle_wait_s: float = 0.0
+                 ) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call;
-        ``finished_req_ids``: requests vLLM finished (an abort among them ends its load)."""
+        ``finished_req_ids``: requests vLLM finished (an abort among them ends its load).
+        ``idle_wait_s``: the step ran no forward (its only work is transfers): first wait up
+        to that long for one of them to end (``_idle``)."""
         for rid in finished_req_ids:
             load = self._loads.get(rid)
             if load is not None and not load.failed:
@@ -275,6 +278,8 @@ class WorkerSide:
             send = self._sends.get(rid)
             if send is not None:
                 send.finished = True
+        if idle_wait_s > 0:
+            self._idle(idle_wait_s)
         sending = {rid for rid, send in self._sends.items() if send.finished and self._send_ended(send)}
         for rid in sending:
             del self._sends[rid]
@@ -308,6 +313,20 @@ class WorkerSide:
             self.engine.close()
 
     # -------------------------------------------------------------------------------------
+    def _idle(self, timeout: float) -> None:
+        """vLLM's engine core steps without pause while a request's blocks are held for a
+        decode or a load is on its way, and its steps take the GIL (and, with the engine core
+        in the worker's process, the core) from kvservice's loop, which runs the transfers.
+        Where the step had nothing else to do, block here instead, until a transfer ends
+        (reported by this very step) or ``timeout`` passes (a new request waits that long at
+        most)."""
+        engine = self.engine
+        if engine is None or not engine.running:
+            return
+        moving = any(t.result is None or not t.settled for send in self._sends.values() for t in send.senders)
+        if moving or any(t.result is None or not t.settled for load in self._loads.values() for t in load.receivers):
+            engine.wait_for_end(timeout)
+
     def _send_ended(self, send: _Send) -> bool:
         states = [s.poll() for s in send.senders]
         if not all(state in _ENDED for state in states) or not all(s.settled for s in send.senders):
