@@ -63,3 +63,13 @@ def baseline(model: Path, prompts: list[list[int]], logs: Path) -> list[list[int
         return [engine.result(f"b{i}")["tokens"] for i in range(len(prompts))]
     finally:
         engine.stop()
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    """The cluster's key, as ``auth_key_file``: one per test."""
+    from kvservice._trust.keys import generate_key
+
+    path = tmp_path / "key"
+    generate_key(path)
+    return path

@@ -27,12 +27,6 @@ from .test_vllm_engines import settled, vllm_saw
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@pytest.fixture
-def key_file(tmp_path: Path) -> Path:
-    path = tmp_path / "key"
-    generate_key(path)
-    return path
-
 
 @pytest.fixture
 def spawn(model: Path, logs: Path, key_file: Path) -> Iterator[Any]:

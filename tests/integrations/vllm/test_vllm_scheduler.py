@@ -39,13 +39,6 @@ BLOCKS = 64
 PROMPT = 70  # three blocks
 
 
-@pytest.fixture
-def key_file(tmp_path: Path) -> Path:
-    """The cluster's key, as ``auth_key_file`` (every scheduler here is given it)."""
-    path = tmp_path / "key"
-    generate_key(path)
-    return path
-
 
 @pytest.fixture
 def make_scheduler(model: Path, key_file: Path) -> Iterator[Any]:
