@@ -73,10 +73,16 @@ async def _child(config_json: str) -> None:
     config = ServiceConfig(layout=layout, **raw)
     out_lock = anyio.Lock()
 
+    def write_line(line: str) -> None:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
     async def emit(obj: dict[str, Any]) -> None:
+        # Off the event loop: a parent slow to read must not stall this peer's service
+        # (its heartbeats), only the next event.
+        line = json.dumps(obj) + "\n"
         async with out_lock:
-            sys.stdout.write(json.dumps(obj) + "\n")
-            sys.stdout.flush()
+            await anyio.to_thread.run_sync(write_line, line)
 
     engine: TransferService | SidecarClient = (
         SidecarClient(sidecar) if sidecar

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -112,7 +113,9 @@ class PeerProcess:
                 [*prefix, sys.executable, "-m", PEER_MODULE, *args], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=stderr, env=full_env,
             )
-        send, recv = anyio.create_memory_object_stream[dict[str, Any]](1000)
+        # Unbounded: a test that never reads some events (a traffic loop's "sent") must not
+        # make the pump stop reading, or the child's writes would fill the pipe and stall it.
+        send, recv = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
         tg.start_soon(_pump, proc, send)
         peer = cls(proc, recv, send)
         try:

@@ -64,10 +64,14 @@ class Traffic:
             await self.decode.expect(rid, dst, sender="prefill-0")
             await self.prefill.command(op="send", rid=rid, pages=src)
             got = await self.decode.await_arrival(rid, timeout=GUARD_S)
-            if got.ok and torch.equal(self.decode.kv.pages(dst), pattern(SMALL, "pat", 4)):
+            # the sender's side too (and its events read: a peer's unread output is a backlog)
+            await self.prefill.event("sent", rid, timeout=GUARD_S)
+            sent = await self.prefill.event("completed", rid, timeout=GUARD_S)
+            if got.ok and sent["status"] == "SUCCESS" and torch.equal(self.decode.kv.pages(dst),
+                                                                     pattern(SMALL, "pat", 4)):
                 self.ok += 1
             else:
-                self.failed.append(f"{rid}: {got.status} {got.reason} {got.message}")
+                self.failed.append(f"{rid}: {got.status} {got.reason} {got.message}; sender: {sent}")
             await anyio.sleep(0.05)
 
     async def stop(self) -> None:
