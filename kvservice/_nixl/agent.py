@@ -34,8 +34,8 @@ import numpy.typing as npt
 from .._log import get_logger
 from .._results import FailureReason, KVServiceError, NixlUnavailable
 from .door import DoorError, LocalTable, Segment, XferId, XferState
-from .native_log import after_agent_created, nixl_log_level, ucx_log_file
-from .trial import ucx_environment
+from .native_log import after_agent_created, ucx_log_file
+from .trial import nixl_log_level, ucx_environment
 
 log = get_logger("kvservice.nixl")
 
@@ -119,14 +119,14 @@ def classify(exc: BaseException) -> FailureReason:
 
 @contextlib.contextmanager
 def door_environment(overrides: Mapping[str, str]) -> Iterator[None]:
-    """``ucx_environment``, with UCX's log going to a pipe kvservice reads and logs as
-    its own events, unless the operator chose where UCX logs (``native_log``)."""
+    """``ucx_environment`` and ``nixl_log_level``, with UCX's log going to a pipe kvservice
+    reads and logs as its own events, unless the operator chose where UCX logs (``native_log``)."""
     log_file = ucx_log_file(overrides)
     saved = os.environ.get("UCX_LOG_FILE")
     if log_file is not None:
         os.environ["UCX_LOG_FILE"] = log_file
     try:
-        with ucx_environment(overrides):
+        with nixl_log_level(), ucx_environment(overrides):  # both read as the backend loads
             yield
     finally:
         if saved is None:

@@ -28,8 +28,9 @@ stopped, as the interpreter exits) costs UCX lines, never a stalled transfer.
 NIXL's own C++ lines (``E1201 ... genNotif: backend 'UCX' returned error status
 NIXL_ERR_REMOTE_DISCONNECT``) go to the process's stderr directly, where nothing can
 re-log them; each restates a status the call also returns, which the door raises and
-kvservice reports with a failure reason.  ``NIXL_LOG_LEVEL`` (read as NIXL loads) is
-therefore ``FATAL`` unless the environment sets it (``nixl_log_level``).
+kvservice reports with a failure reason.  ``NIXL_LOG_LEVEL`` is therefore ``FATAL``
+unless the environment sets it (``trial.nixl_log_level``): NIXL's library and each of its
+backend plugins read it as they load (at import and at an agent's creation).
 
 This module never imports ``nixl``: ``agent`` calls it around NIXL's import and its
 agents' creation.
@@ -43,16 +44,14 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from .._log import Throttle, get_logger
 
-__all__ = ["NIXL_LOG_LEVEL", "after_agent_created", "nixl_log_level", "relog", "ucx_log_file"]
+__all__ = ["after_agent_created", "relog", "ucx_log_file"]
 
 log = get_logger("kvservice.ucx")
 
-#: NIXL's own level unless the environment sets ``NIXL_LOG_LEVEL``
-NIXL_LOG_LEVEL = "FATAL"
 #: a UCX log line: ``[time] [host:pid:thread] file.c:123  UCX  LEVEL message``
 _LINE = re.compile(r"^\[(?P<time>[\d.]+)\]\s+\[(?P<host>[^\]:]*):(?P<pid>\d+)\s*:[^\]]*\]\s+"
                    r"(?P<source>\S+:\d+)\s+(?P<component>\S+)\s+(?P<level>[A-Z]+)\s+(?P<message>.*)$")
@@ -184,17 +183,3 @@ def relog(line: str) -> None:
         if held:
             fields["held_back"] = held
     getattr(log, method)(event, line=line, **fields)
-
-
-@contextlib.contextmanager
-def nixl_log_level() -> Iterator[None]:
-    """Around NIXL's import: ``NIXL_LOG_LEVEL`` is ``FATAL`` unless the environment sets
-    it, and as it was again afterwards (children, and other libraries, choose their own)."""
-    if "NIXL_LOG_LEVEL" in os.environ:
-        yield
-        return
-    os.environ["NIXL_LOG_LEVEL"] = NIXL_LOG_LEVEL
-    try:
-        yield
-    finally:
-        os.environ.pop("NIXL_LOG_LEVEL", None)

@@ -19,11 +19,44 @@ import contextlib
 import importlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._results import NixlUnavailable
+
+#: NIXL's own C++ log level unless the environment sets ``NIXL_LOG_LEVEL`` (``native_log``)
+NIXL_LOG_LEVEL = "FATAL"
+
+
+_log_level_lock = threading.Lock()
+_log_level_users = 0  # threads inside ``nixl_log_level`` that set the variable
+
+
+@contextlib.contextmanager
+def nixl_log_level() -> Iterator[None]:
+    """Around NIXL's import and an agent's creation: ``NIXL_LOG_LEVEL`` is ``FATAL`` unless
+    the environment sets it, and as it was again once no thread is inside (children, and
+    other libraries, choose their own).  NIXL's libraries read it as they load (the first
+    import, a backend plugin as an agent loads it); a load without it sets NIXL's C++ log to
+    its default level for the whole process."""
+    global _log_level_users
+    with _log_level_lock:
+        if _log_level_users == 0 and "NIXL_LOG_LEVEL" in os.environ:
+            ours = False  # the environment's (the operator's) choice
+        else:
+            ours = True
+            _log_level_users += 1
+            os.environ["NIXL_LOG_LEVEL"] = NIXL_LOG_LEVEL
+    try:
+        yield
+    finally:
+        if ours:
+            with _log_level_lock:
+                _log_level_users -= 1
+                if _log_level_users == 0:
+                    os.environ.pop("NIXL_LOG_LEVEL", None)
 
 
 def nixl_build() -> str:
@@ -31,7 +64,8 @@ def nixl_build() -> str:
     is one wheel): its vetting child loads the same.  ``nixl`` when NIXL cannot be imported
     here: the child's own import then says why."""
     try:
-        api = importlib.import_module("nixl._api")
+        with nixl_log_level():  # this may be the process's first import of NIXL
+            api = importlib.import_module("nixl._api")
     except ImportError:
         return "nixl"
     return api.__name__.rpartition(".")[0] or "nixl"
@@ -67,8 +101,9 @@ class TrialLoader:
 
     def __init__(self, agent_name: str, *, ucx_env: Mapping[str, str], build: str = "nixl") -> None:
         try:
-            api: Any = importlib.import_module(f"{build}._api")
-            bindings = importlib.import_module(f"{build}._bindings")
+            with nixl_log_level():
+                api: Any = importlib.import_module(f"{build}._api")
+                bindings = importlib.import_module(f"{build}._bindings")
         except ImportError as exc:
             raise NixlUnavailable(f"cannot import nixl ({build}): {exc}") from exc
         # NIXL raises its own classes: any of them is NIXL refusing the metadata
@@ -79,7 +114,7 @@ class TrialLoader:
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         cannot: tuple[type[Exception], ...] = (RuntimeError, *self._errors)
         try:
-            with ucx_environment(ucx_env):  # UCX reads its settings when the backend starts
+            with nixl_log_level(), ucx_environment(ucx_env):  # read as the backend loads
                 self._agent: Any = api.nixl_agent(agent_name, config)
         except cannot as exc:
             raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc

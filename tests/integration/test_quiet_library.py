@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.nixl
 
 REPO = Path(__file__).resolve().parents[2]
 #: what the services log below WARNING in this run (they would show if logging leaked)
+#: a line of NIXL's C++ log (Abseil's format): ``E1202 04:46:56.936129   26884 nixl_agent.cpp:1198] ...``
+NIXL_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\.cpp:\d+\]", re.MULTILINE)
 INFO_EVENTS = ("service.key", "service.started", "peer.connected", "transfer.completed", "service.stopped")
 
 
@@ -39,6 +42,7 @@ def test_unconfigured_library_writes_nothing_to_stdout(tmp_path: Path) -> None:
     assert not leaked, proc.stderr
     # the peer's death is kvservice's to report: UCX's own words about it are not printed
     assert "UCX  ERROR" not in proc.stderr, proc.stderr
+    assert not NIXL_LINE.search(proc.stderr), proc.stderr  # nor NIXL's own (its C++ log)
 
 
 def _ucx_log_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

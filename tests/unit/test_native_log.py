@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from structlog.testing import capture_logs
 
 from kvservice._nixl import native_log
-from kvservice._nixl.native_log import nixl_log_level, relog
+from kvservice._nixl.native_log import relog
+from kvservice._nixl.trial import nixl_log_level
 
 PREFIX = "[1796148215.386324] [vm:14786:0]            sock.c:355  UCX  "
 
@@ -78,3 +80,24 @@ def test_nixl_log_level_only_while_nixl_loads(monkeypatch: pytest.MonkeyPatch) -
     with nixl_log_level():
         assert os.environ["NIXL_LOG_LEVEL"] == "INFO"
     assert os.environ["NIXL_LOG_LEVEL"] == "INFO"
+
+
+def test_nixl_log_level_holds_while_any_thread_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vetting thread and the door's thread may load NIXL at once: the level stays set
+    until the last of them is done, not dropped when the first one ends."""
+    monkeypatch.delenv("NIXL_LOG_LEVEL", raising=False)
+    inside, leave = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with nixl_log_level():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(10)
+    with nixl_log_level():  # the second, while the first is still inside
+        leave.set()
+        thread.join(10)  # the first is done
+        assert os.environ.get("NIXL_LOG_LEVEL") == "FATAL"
+    assert "NIXL_LOG_LEVEL" not in os.environ
