@@ -2,14 +2,16 @@
 after the end (``await_arrival`` of an ended request, a late ``send``, a peer's
 question), the oldest falling out past ``results_kept``.
 
-Each is kept as a plain tuple of its fields (its status and reason as their values)
-and made a ``TransferResult`` again when looked up.  Why: a service keeps up to
-``results_kept`` (10,000) of them per side, and every full cyclic-GC collection walks
-every object it tracks.  A ``TransferResult`` is such an object, and its fields point
-at distinct strings and floats the collector reads in turn; a tuple of those plain
-values (no exception in it) is one the collector stops tracking at its first
-collection.  Measured with 10,000 kept: a full collection's CPU 1.40 ms more with
-results, 0.16 ms with tuples.  A look-up builds a new, equal ``TransferResult``.
+A success is kept as a plain tuple of its fields (its status as its value) and made a
+``TransferResult`` again when looked up.  Why: a service keeps up to ``results_kept``
+(10,000) of them per side, and every full cyclic-GC collection walks every object it
+tracks.  A ``TransferResult`` is such an object, and its fields point at distinct
+strings and floats the collector reads in turn; a tuple of those plain values is one
+the collector stops tracking at its first collection.  Measured with 10,000 kept: a
+full collection's CPU 1.40 ms more with results, 0.16 ms with tuples.  A look-up
+builds a new, equal ``TransferResult``.  A failure is kept as it is, the same object
+on every look-up (a sticky failure's later ``send`` calls hand it out): failures are
+few, and one holding its error would stay tracked as a tuple too.
 """
 
 from __future__ import annotations
@@ -44,18 +46,18 @@ class Results:
 
     def __init__(self, capacity: int) -> None:
         self._cap = capacity
-        self._d: collections.OrderedDict[str, Packed] = collections.OrderedDict()
+        self._d: collections.OrderedDict[str, Packed | TransferResult] = collections.OrderedDict()
 
     def put(self, request_id: str, result: TransferResult) -> None:
         d = self._d
-        d[request_id] = pack(result)
+        d[request_id] = pack(result) if result.ok else result
         d.move_to_end(request_id)
         while len(d) > self._cap:
             d.popitem(last=False)
 
     def get(self, request_id: str) -> TransferResult | None:
         p = self._d.get(request_id)
-        return None if p is None else unpack(p)
+        return unpack(p) if isinstance(p, tuple) else p
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._d
