@@ -1,7 +1,8 @@
 """What a full cyclic-GC collection costs at thousands of requests in flight, for this
 checkout's kvservice and other versions of it, interleaved.
 
-    .venv/bin/python -m benchmarks.gc_probe --against ../kv-before/kvservice --requests 4096 --repeats 5
+    .venv/bin/python -m benchmarks.gc_probe --against ../kv-before/kvservice --requests 4096 --repeats 5 \\
+        --history 10000
 
 Per version (two processes each, ``kvservice.bench.kv_side``'s ``gc_probe``): the
 receiver expects every request, the sender sends them all at once, each awaited by a
@@ -9,7 +10,9 @@ client task of its own, and in the next loop turn counts the objects the cyclic 
 tracks that were not there before (per request, and the most common types) and
 times one full collection by the CPU time of its thread, which the machine's load
 does not inflate the way it inflates a wall-clock pause.  Prints medians over the
-repeats and the first repeat's objects by type.
+repeats and the first repeat's objects by type.  ``--history N`` first completes N
+requests per version, so that a service's result history (``results_kept``) is as full as
+it is by the time ``kvservice bench`` reaches ``w3/c4096``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def main(argv: Sequence[str]) -> int:
     add_against(p)
     p.add_argument("--requests", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--history", type=int, default=0,
+                   help="first complete this many requests per version (256 in flight), so that its "
+                        "result history is as full as the bench's is when it reaches w3/c4096")
     args = p.parse_args(list(argv))
     with tempfile.TemporaryDirectory(prefix="kvservice-gcprobe-") as tmp:
         methods = [KvService(LLAMA3_8B, FULL.pool_pages)]
@@ -58,6 +64,10 @@ def main(argv: Sequence[str]) -> int:
             for m in methods:
                 m.start()
                 probe(m, 64, "warm")
+                for i in range(0, args.history, 1024):
+                    k = min(1024, args.history - i)
+                    m.measure(Case("w3", "c256", 256, ring_requests(f"h{i}-", [1] * k, FULL.pool_pages,
+                                                                    FULL.pool_pages)), "hist")
             for rep in range(args.repeats):
                 k = rep % len(methods)
                 for m in methods[k:] + methods[:k]:
@@ -65,7 +75,7 @@ def main(argv: Sequence[str]) -> int:
         finally:
             for m in methods:
                 m.close()
-    print(f"{args.requests} requests in flight, medians of {args.repeats} repeats")
+    print(f"{args.requests} requests in flight ({args.history} completed before), medians of {args.repeats} repeats")
     for name, r in runs.items():
         print(f"  {name:<40} live {median([x['live'] for x in r]):5.0f}  tracked/request "
               f"{median([x['per_request'] for x in r]):5.2f}  full collection CPU "

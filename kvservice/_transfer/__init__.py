@@ -32,6 +32,7 @@ Reading path:
   (a WRITE let go before ``DONE``); ``heal``: ``Heal``: the receiver's ``Ask`` on a new
   link, the sender's answer.
 - ``deadlines``: the heap of request deadlines the watchdog pops each tick.
+- ``history``: ``Results``, the results of the most recent ended requests, kept as tuples.
 - ``staging``: which requests move through the staging buffer, the ranges they hold and
   the copies in and out of it (what a staged page *is* stays in ``memory._staging``).
 - ``landing``: opt-in landing checks: the sender's CRC32C of each chunk's bytes (on the

@@ -5,12 +5,16 @@ each time cost ~80 us per scan with 1,000 requests expected on a receiver, and
 grows with the in-flight count; a heap answers "anything due?" by looking at
 its top.
 
-Entries are never removed eagerly.  A deadline that moves gets a new entry
-(``push``); a popped entry is checked against its request: ended requests are
-dropped, a deadline that moved later is filed again.  So the heap may hold a
-few entries per live request plus those of ended ones; ``compact`` rebuilds it
-from the live set once the ended outnumber the live, which bounds its size by
-O(live) and keeps no ended request alive for long.
+Each request has one entry that counts, its newest: a deadline that moves gets a
+new entry (``push``), and the one before it no longer names the request.  A request
+that ends lets go of its entry at once (``discard``): its heap pair stays behind,
+naming nobody, but nothing here keeps the request alive, so refcounting frees it
+(and what it holds) as soon as its caller lets go, instead of the cyclic GC walking
+it, thousands of ended requests at a time, until its entry pops.  A popped entry is
+checked against its request: a deadline that moved later is filed again.  So the
+heap may hold a few pairs per live request plus those of ended ones; ``compact``
+rebuilds it from the live set once the ended outnumber the live, which bounds its
+size by O(live).
 
 The heap holds ``(deadline, number)`` pairs and the requests sit in a dict by that
 number: a pair of a float and an int is a tuple the cyclic GC stops tracking after
@@ -44,7 +48,8 @@ class Deadlines(Generic[R]):
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int]] = []
-        self._filed: dict[int, R] = {}  # each entry's request, by the entry's number
+        self._filed: dict[int, R] = {}  # each request's newest entry: its number -> the request
+        self._newest: dict[int, int] = {}  # id() of each request in ``_filed`` -> its entry's number
         self._seq = itertools.count()  # ties break by insertion, never by comparing requests
 
     def __len__(self) -> int:
@@ -53,21 +58,32 @@ class Deadlines(Generic[R]):
     def push(self, req: R) -> None:
         """File ``req`` at its current ``due_at()``.  Call again whenever that moves."""
         n = next(self._seq)
+        old = self._newest.get(id(req))
+        if old is not None:  # that entry's pair stays in the heap, naming nobody
+            del self._filed[old]
+        self._newest[id(req)] = n
         self._filed[n] = req
         heapq.heappush(self._heap, (req.due_at(), n))
+
+    def discard(self, req: R) -> None:
+        """``req`` has ended: hold it no longer (its pair in the heap names nobody now)."""
+        n = self._newest.pop(id(req), None)
+        if n is not None:
+            del self._filed[n]
 
     def pop_due(self, now: float) -> list[R]:
         """Live requests whose deadline is before ``now``, each once, earliest first."""
         due: list[R] = []
-        seen: set[int] = set()  # a request may have several entries
         heap = self._heap
         while heap and heap[0][0] < now:
-            req = self._filed.pop(heapq.heappop(heap)[1])
-            if req.finished or id(req) in seen:
+            req = self._filed.pop(heapq.heappop(heap)[1], None)
+            if req is None:  # superseded by a newer entry, or its request was discarded
+                continue
+            del self._newest[id(req)]
+            if req.finished:
                 continue
             if req.due_at() < now:
                 due.append(req)
-                seen.add(id(req))
             else:  # its deadline moved later since this entry was filed
                 self.push(req)
         return due
@@ -75,9 +91,10 @@ class Deadlines(Generic[R]):
     def compact(self, live: Iterable[R], nlive: int) -> None:
         """Rebuild from ``live`` (``nlive`` of them) if ended entries dominate."""
         if len(self._heap) > self.SLACK * nlive + self.FLOOR:
-            self._heap, self._filed = [], {}
+            self._heap, self._filed, self._newest = [], {}, {}
             for req in live:
                 n = next(self._seq)
                 self._filed[n] = req
+                self._newest[id(req)] = n
                 self._heap.append((req.due_at(), n))
             heapq.heapify(self._heap)

@@ -21,8 +21,9 @@ from .._control.plane import ControlPlane
 from .._control.protocol import Message, Settled
 from .._log import get_logger
 from .._nixl.door import DoorError
-from .._results import TransferResult, TransferStatus
-from .requests import Recent, SendRequest
+from .._results import TransferStatus
+from .history import Results
+from .requests import SendRequest
 from .settle import Settlement
 from .watchdog import Watchdog
 
@@ -35,7 +36,7 @@ FENCE_TRIES = 3
 class SendEnds:
     """Failed sends between their failure and their end; see the module docstring."""
 
-    def __init__(self, config: ServiceConfig, settlement: Settlement, sends_done: Recent[str, TransferResult],
+    def __init__(self, config: ServiceConfig, settlement: Settlement, sends_done: Results,
                  watchdog: Watchdog, control: ControlPlane, send_to: Callable[[str, Message], None]) -> None:
         self._heartbeat = config.heartbeat_interval_s
         self._settlement = settlement

@@ -35,6 +35,7 @@ from . import landing
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
+from .history import Results
 from .matching import LOCAL, Dropped, Matching
 from .requests import Chunk, Recent, RecvRequest, SendRequest, fit_tail, make_result, place
 from .settle import Settlement
@@ -63,10 +64,10 @@ class RequestPlane:
         results_kept = cfg.results_kept
         self.sends: dict[str, SendRequest] = {}
         self.recvs: dict[str, RecvRequest] = {}
-        # Ended requests keep only their result: one object each for the cyclic GC
-        # to walk, not the request's events, queues and sets.
-        self.sends_done: Recent[str, TransferResult] = Recent(results_kept)
-        self.recvs_done: Recent[str, TransferResult] = Recent(results_kept)
+        # Ended requests keep only their result, as a tuple of plain values: nothing of
+        # them for the cyclic GC to walk (``history``).
+        self.sends_done = Results(results_kept)
+        self.recvs_done = Results(results_kept)
         self.deadlines: Deadlines[SendRequest | RecvRequest] = Deadlines()
         # Expects that arrived before the matching send()
         self.early = EarlyExpects.configured(cfg)
@@ -342,6 +343,7 @@ class RequestPlane:
             # no sender ever had these pages, or its fence has landed already
             result = dataclasses.replace(result, settled=True)
         req.result = result
+        self.deadlines.discard(req)  # nothing here keeps an ended request alive
         side = "send" if isinstance(req, SendRequest) else "recv"
         if req.peer is not None:
             self.done_peers.put((side, req.request_id), req.peer)

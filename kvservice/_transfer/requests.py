@@ -30,6 +30,27 @@ class DoneEvent(Protocol):
     async def wait(self) -> object: ...
 
 
+class _Waiter(asyncio.Future[TransferResult]):
+    """The future one task waits on for a request's result, and its own iterator for
+    ``await``: what a plain future's ``await`` makes besides it (a ``FutureIter``, one
+    more object the cyclic GC walks per waiting request) does not exist.  Awaiting it
+    behaves as awaiting a plain future: it yields itself to the task until done, then
+    returns its result (or raises what it holds, ``CancelledError`` once cancelled)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> _Waiter:  # type: ignore[override]
+        return self
+
+    __iter__ = __await__  # type: ignore[assignment]
+
+    def __next__(self) -> _Waiter:
+        if not self.done():
+            self._asyncio_future_blocking = True
+            return self
+        raise StopIteration(self.result())
+
+
 @dataclass(eq=False, slots=True)
 class _Request:
     """A request is its own done event (``req.done.set()``, ``await req.done.wait()``,
@@ -74,8 +95,8 @@ class _Request:
     def until_done(self) -> asyncio.Future[TransferResult]:
         """A future that ends with the result once the request is done: awaited directly
         by the caller's coroutine, so a waiting task holds no coroutine of ours (the
-        objects per waiting request are the future and the iterator ``await`` makes)."""
-        future: asyncio.Future[TransferResult] = asyncio.get_running_loop().create_future()
+        object per waiting request is that future, its own iterator: ``_Waiter``)."""
+        future: asyncio.Future[TransferResult] = _Waiter(loop=asyncio.get_running_loop())
         if self.done_set:
             assert self.result is not None
             future.set_result(self.result)

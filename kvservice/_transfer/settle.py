@@ -45,11 +45,11 @@ from collections.abc import Callable
 import anyio
 
 from .._results import FailureReason, TransferResult, TransferStatus
-from .requests import Recent
+from .history import Results
 
 
 class Settlement:
-    def __init__(self, recvs_done: Recent[str, TransferResult], sends_done: Recent[str, TransferResult]) -> None:
+    def __init__(self, recvs_done: Results, sends_done: Results) -> None:
         self._recvs_done = recvs_done
         self._sends_done = sends_done
         # (receiver request id, the sender incarnation that may still write) -> pages
@@ -120,7 +120,7 @@ class Settlement:
     def settled_send(self, result: TransferResult) -> TransferResult:
         """The sender's failed ``result``, now that the door released every handle of it."""
         settled = dataclasses.replace(result, settled=True)
-        if self._sends_done.get(result.request_id) is not None:
+        if result.request_id in self._sends_done:
             self._sends_done.put(result.request_id, settled)
         self._wake("send", result.request_id)
         return settled
