@@ -15,6 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-e
 
 import aiohttp
 from aiohttp import web
+from structlog.testing import capture_logs
 
 from kvservice._trust.handoff import handoff_key
 from kvservice._trust.keys import generate_key, load_key
@@ -36,17 +37,18 @@ def prefill_app(completions: Upstream, tokenize: Upstream | None = None) -> web.
     return application
 
 
-def decode_app(decode: Upstream) -> web.Application:
+def decode_app(decode: Any) -> web.Application:
     application = web.Application()
     application.router.add_post("/v1/completions", decode.handle)
     return application
 
 
 def run(key_file: Path, prefill: Upstream, bodies: list[dict[str, Any]], *, tokenize: Upstream | None = None,
-        want: int = 1) -> tuple[Upstream, list[int], dict[str, int]]:
+        want: int = 1, decode: Any = None, texts: list[bytes] | None = None) -> tuple[Any, list[int], dict[str, int]]:
     """Each of ``bodies`` through a ``--layerwise`` proxy: (the decode, the statuses, the stats
-    once ``want`` counts are in, within 10 s)."""
-    decode = Upstream(lambda _: web.json_response({"choices": [{"text": "ok"}]}))
+    once ``want`` counts are in, within 10 s).  ``decode``: the decode's front (an object with
+    ``handle``; default: an ``Upstream`` answering at once); ``texts``: the answers' bodies."""
+    decode = decode or Upstream(lambda _: web.json_response({"choices": [{"text": "ok"}]}))
     layerwise = Layerwise.configured(str(key_file), [SENDERS], 32, 30.0, prefills=1)
 
     async def main() -> tuple[list[int], dict[str, int]]:
@@ -60,6 +62,9 @@ def run(key_file: Path, prefill: Upstream, bodies: list[dict[str, Any]], *, toke
                 for body in bodies:
                     async with client.post(f"http://127.0.0.1:{x_port}/v1/completions", json=body) as resp:
                         statuses.append(resp.status)
+                        text = await resp.read()
+                        if texts is not None:
+                            texts.append(text)
                 stats: dict[str, int] = {}
                 deadline = time.monotonic() + 10
                 while sum(stats.values()) < want and time.monotonic() < deadline:  # the prefill's answer
@@ -133,3 +138,81 @@ def test_bad_layerwise_options_are_named(key_file: Path) -> None:
         Layerwise.configured(str(key_file), [SENDERS], 0, 30.0, prefills=1)
     with pytest.raises(ValueError, match="--key-file"):
         Layerwise.configured(str(key_file.with_name("absent")), [SENDERS], 32, 30.0, prefills=1)
+
+
+# -- the prefill refuses the ticket or fails: the decode's wait ends at once -----------------
+
+class WaitingDecode:
+    """A decode's front as vLLM's server behaves with a ticket: a stream's headers at once, then
+    nothing until the KV is there (here: until its client goes, which it records, or 20 s);
+    with ``early`` a stream's first chunk at once (a decode that went on without the KV) and
+    the rest 0.5 s later.  Any other request is answered at once, streamed when asked."""
+
+    def __init__(self, early: bool = False) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.gone: list[dict[str, Any]] = []  # ticket requests whose client went
+        self.early = early
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        ticket = (body.get("kv_transfer_params") or {}).get("kvservice", {}).get("ticket")
+        stream: web.StreamResponse | None = None
+        if body.get("stream"):
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+        if ticket and not self.early:
+            for _ in range(2000):  # its client's connection, every 10 ms for 20 s
+                if request.transport is None or request.transport.is_closing():
+                    break
+                await asyncio.sleep(0.01)
+            self.gone.append(body)
+            return stream or web.json_response({"choices": [{"text": "late"}]})
+        if stream is None:
+            return web.json_response({"choices": [{"text": "ok"}]})
+        await stream.write(b'data: {"choices": [{"text": "o"}]}\n\n')
+        if self.early:
+            await asyncio.sleep(0.5)
+        await stream.write(b'data: {"choices": [{"text": "k"}]}\n\ndata: [DONE]\n\n')
+        return stream
+
+
+OK_STREAM = b'data: {"choices": [{"text": "o"}]}\n\ndata: {"choices": [{"text": "k"}]}\n\ndata: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("prefill", "kind", "again"), [
+    (Upstream(answers(500, None)), "layerwise_prefill_failed", None),  # the decode prefills it
+    (Upstream(answers(200, PREFILL_HANDOFF)), "layerwise_refused", PREFILL_HANDOFF),  # loads the whole hand-off
+])
+def test_a_prefill_that_refuses_or_fails_ends_the_decodes_wait_at_once(
+        key_file: Path, prefill: Upstream, kind: str, again: dict[str, Any] | None, stream: bool) -> None:
+    decode, texts = WaitingDecode(), []
+    started = time.monotonic()
+    with capture_logs() as logs:
+        _, statuses, stats = run(key_file, prefill, [{"model": "m", "prompt": TOKENS, "max_tokens": 8,
+                                                      "stream": stream}], decode=decode, texts=texts)
+    assert time.monotonic() - started < 10, "ended at once, not after the decode's wait (20 s here)"
+    assert statuses == [200] and stats == {kind: 1}
+    assert texts == [OK_STREAM if stream else b'{"choices": [{"text": "ok"}]}']  # the second answer, whole, once
+    first, second = decode.bodies
+    assert decode.gone == [first] and handoff_from(first["kv_transfer_params"]).ticket  # type: ignore[union-attr]
+    assert second.get("kv_transfer_params") == again  # and nothing else changed
+    assert {k: v for k, v in second.items() if k != "kv_transfer_params"} == \
+        {k: v for k, v in first.items() if k != "kv_transfer_params"}
+    assert second["prompt"] == TOKENS and second["stream"] is stream
+    (line,) = [e for e in logs if e["event"] == "proxy.layerwise_failed"]
+    assert line["kind"] == kind and line["then"].startswith("the decode's request ended and sent again"), line
+
+
+def test_a_decode_that_began_to_answer_is_left_to_finish(key_file: Path) -> None:
+    """The prefill fails once the decode has streamed a first chunk (it went on without the
+    ticket's KV): the client gets that answer, whole and once."""
+    decode, texts = WaitingDecode(early=True), []
+    with capture_logs() as logs:
+        _, statuses, stats = run(key_file, Upstream(answers(500, None)),
+                                 [{"model": "m", "prompt": TOKENS, "stream": True}], decode=decode, texts=texts)
+    assert statuses == [200] and stats == {"layerwise_prefill_failed": 1}
+    assert texts == [OK_STREAM] and len(decode.bodies) == 1 and decode.gone == []
+    (line,) = [e for e in logs if e["event"] == "proxy.layerwise_failed"]
+    assert line["then"].startswith("left to the decode"), line
