@@ -330,16 +330,16 @@ class Router:
         assert self._session is not None
         try:
             async with self._session.post(url, json=body) as resp:
-                if not body.get("stream"):
-                    return web.Response(body=await resp.read(), status=resp.status,
-                                        content_type=resp.content_type)
                 try:
+                    if not body.get("stream"):
+                        return web.Response(body=await resp.read(), status=resp.status,
+                                            content_type=resp.content_type)
                     async for chunk in resp.content.iter_any():
                         await relay.write(chunk, resp)
+                    return await relay.end(resp)
                 except asyncio.CancelledError:
-                    resp.close()  # not back to the pool: the decode sees the client gone and aborts
+                    resp.close()  # not back to the pool: the decode sees its client gone and aborts
                     raise
-                return await relay.end(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.counts["decode_unreachable"] += 1
             if (unlogged := self._throttle.allow("decode_unreachable")) is not None:
