@@ -23,7 +23,11 @@ sends the request to the decode with the ticket (it reserves the prompt's blocks
 them) and, at once, to the prefill (one token), which writes each layer's KV as its forward
 computes it (``layerwise``; docs/vllm.md "Layer-wise push").  Both get the prompt as the
 token ids the ticket signs.  A chat completion, or a prompt the prefill cannot tokenize, goes
-the whole-request way.
+the whole-request way.  When the prefill refuses the ticket (it answers with a hand-off of
+its own) or fails, nothing will come under the ticket: while the decode has sent the client
+nothing (its first token needs the KV), the proxy ends the decode's request (it closes the
+connection; vLLM aborts the request, and kvservice its load) and sends it again, with the
+prefill's hand-off or, without one, to be prefilled there.
 
 It logs (to stderr, ``--log-level``) one ``proxy.listening`` line once it accepts
 connections (its address, the prefills and the decodes), one ``proxy.local_prefill`` line
@@ -100,6 +104,32 @@ class Layerwise:
         return cls(key, parsed, block_size, lifetime_s)
 
 
+class _Relay:
+    """The client's side of one request: a streamed answer is passed on chunk by chunk."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        #: the client's response, once the decode sent a first chunk (its headers went then)
+        self.out: web.StreamResponse | None = None
+        #: decode-first: the decode's request to send instead, once the first was ended
+        self.again: dict[str, Any] | None = None
+
+    async def write(self, chunk: bytes, resp: aiohttp.ClientResponse) -> None:
+        out = await self._prepared(resp)
+        await out.write(chunk)
+
+    async def end(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        out = await self._prepared(resp)
+        await out.write_eof()
+        return out
+
+    async def _prepared(self, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        if self.out is None:  # set before its first await: from here on, nothing ends the decode's request
+            self.out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
+        await self.out.prepare(self.request)  # its headers, once
+        return self.out
+
+
 class Router:
     def __init__(self, prefills: Sequence[str], decodes: Sequence[str], layerwise: Layerwise | None = None) -> None:
         if not prefills or not decodes:
@@ -141,7 +171,7 @@ class Router:
         decode = dict(body)
         if params is not None:
             decode["kv_transfer_params"] = params
-        return await self._forward(request, f"{next(self._decodes)}{request.path}", decode)
+        return await self._forward(_Relay(request), f"{next(self._decodes)}{request.path}", decode)
 
     def _without_client_params(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` without the ``kv_transfer_params`` a client may have put in it: a
@@ -208,12 +238,19 @@ class Router:
         decode = dict(body, kv_transfer_params=ticket.to_params())
         first = dict(body, max_tokens=1, stream=False, kv_transfer_params=ticket.to_prefill_params())
         first.pop("stream_options", None)
-        forward = asyncio.ensure_future(self._forward(request, f"{next(self._decodes)}{request.path}", decode))
+        url, relay = f"{next(self._decodes)}{request.path}", _Relay(request)
+        forward = asyncio.ensure_future(self._forward(relay, url, decode))
         await asyncio.sleep(0)  # the decode's request goes out first: its expect may precede the KV
-        task = asyncio.ensure_future(self._ticket_prefill(prefill, request.path, first))
+        task = asyncio.ensure_future(self._ticket_prefill(prefill, request.path, first, forward, relay, body))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await forward
+        try:
+            await asyncio.wait({forward})
+        finally:
+            forward.cancel()  # this handler was cancelled: so is the decode's request
+        if forward.cancelled() and relay.again is not None:  # _ticket_prefill ended it
+            return await self._forward(relay, url, relay.again)
+        return forward.result()
 
     async def _tokens(self, prefill: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids: as given, or the prefill's ``/tokenize`` of its text."""
@@ -240,53 +277,75 @@ class Router:
             return None
         return tokens
 
-    async def _ticket_prefill(self, prefill: str, path: str, body: dict[str, Any]) -> None:
-        """The prefill's side of a decode-first completion: its answer only counted (the decode
-        answers the client; a prefill that fails fails the decode's load, recomputed there)."""
+    async def _ticket_prefill(self, prefill: str, path: str, body: dict[str, Any], forward: asyncio.Future[Any],
+                              relay: _Relay, plain: dict[str, Any]) -> None:
+        """The prefill's side of a decode-first completion (the decode answers the client).
+        When the prefill refuses the ticket or fails the request, nothing will be written
+        under the ticket's id and the decode's load would wait out its ``arrival_timeout_s``:
+        if the decode has sent nothing yet, its request is ended here (``forward`` cancelled:
+        its connection closed, vLLM aborts the request, its load is aborted and the prefill's
+        kvservice drops the expect) and sent again, as ``relay.again``: with the prefill's own
+        hand-off when it refused (it computed the request whole), else without one (the decode
+        prefills it)."""
         assert self._session is not None
+        handoff = None
         try:
             async with self._session.post(f"{prefill}{path}", json=body) as resp:
                 status, raw = resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self._local("layerwise_prefill_failed", prefill, repr(exc), event="proxy.layerwise_failed")
-            return
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            answer = raw.decode(errors="replace")
-        if status != 200:
-            self._local("layerwise_prefill_failed", prefill, f"HTTP {status}: {_brief(answer)}",
-                        event="proxy.layerwise_failed")
-        elif isinstance(answer, dict) and isinstance(answer.get("kv_transfer_params"), dict):
-            # the prefill did not take the ticket (its log says why) and handed off whole
-            self._local("layerwise_refused", prefill, "the prefill answered with a hand-off",
-                        event="proxy.layerwise_failed")
+            kind, why = "layerwise_prefill_failed", repr(exc)
         else:
-            self.counts["layerwise"] += 1
+            try:
+                answer = json.loads(raw)
+            except ValueError:
+                answer = raw.decode(errors="replace")
+            if status != 200:
+                kind, why = "layerwise_prefill_failed", f"HTTP {status}: {_brief(answer)}"
+            elif isinstance(answer, dict) and isinstance(answer.get("kv_transfer_params"), dict):
+                # the prefill did not take the ticket (its log says why) and handed off whole
+                kind, why, handoff = "layerwise_refused", "the prefill answered with a hand-off", \
+                    answer["kv_transfer_params"]
+            else:
+                self.counts["layerwise"] += 1
+                return
+        if forward.done() or relay.out is not None:
+            then = "left to the decode: it had answered, or begun to, without the ticket's KV"
+        else:
+            relay.again = plain if handoff is None else dict(plain, kv_transfer_params=handoff)
+            forward.cancel()
+            then = ("the decode's request ended and sent again with the prefill's hand-off" if handoff is not None
+                    else "the decode's request ended and sent again without a hand-off: the decode prefills it")
+        self._local(kind, prefill, why, event="proxy.layerwise_failed", then=then)
 
-    def _local(self, kind: str, prefill: str, why: str, event: str = "proxy.local_prefill") -> None:
+    def _local(self, kind: str, prefill: str, why: str, event: str = "proxy.local_prefill", **fields: str) -> None:
         """Count (and log, rate-limited) a request the decode prefills itself."""
         self.counts[kind] += 1
         if (unlogged := self._throttle.allow(kind)) is not None:
-            log.warning(event, kind=kind, prefill=prefill, why=why, unlogged=unlogged)
+            log.warning(event, kind=kind, prefill=prefill, why=why, unlogged=unlogged, **fields)
 
-    async def _forward(self, request: web.Request, url: str, body: dict[str, Any]) -> web.StreamResponse:
+    async def _forward(self, relay: _Relay, url: str, body: dict[str, Any]) -> web.StreamResponse:
+        """The decode's answer to ``body``, passed on to the client.  A stream's headers go
+        to the client with its first chunk (``relay.out``): until then a decode-first
+        request may be ended (cancelled) and sent again into the same ``relay``."""
         assert self._session is not None
         try:
             async with self._session.post(url, json=body) as resp:
-                if not body.get("stream"):
-                    return web.Response(body=await resp.read(), status=resp.status,
-                                        content_type=resp.content_type)
-                out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
-                await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+                try:
+                    if not body.get("stream"):
+                        return web.Response(body=await resp.read(), status=resp.status,
+                                            content_type=resp.content_type)
+                    async for chunk in resp.content.iter_any():
+                        await relay.write(chunk, resp)
+                    return await relay.end(resp)
+                except asyncio.CancelledError:
+                    resp.close()  # not back to the pool: the decode sees its client gone and aborts
+                    raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.counts["decode_unreachable"] += 1
             if (unlogged := self._throttle.allow("decode_unreachable")) is not None:
                 log.warning("proxy.decode_unreachable", decode=url, why=repr(exc), unlogged=unlogged)
+            if relay.out is not None:  # the client has part of a stream: it ends there
+                return relay.out
             return web.json_response({"error": f"decode unreachable: {exc!r}"}, status=502)
 
     async def health(self, _request: web.Request) -> web.Response:

@@ -1,4 +1,5 @@
-"""Driving ``engine_proc`` processes from a test: spawn, send a command, await answers."""
+"""Driving ``engine_proc`` processes from a test: spawn, send a command, await answers; and
+vLLM's own OpenAI servers (``servers`` in conftest) as docs/vllm.md runs them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,10 @@ from tests.helpers import eventually_sync
 ROOT = Path(__file__).resolve().parents[3]
 #: tokens every test decodes
 MAX_TOKENS = 8
+#: the engine flags of docs/vllm.md, sized for a test on a CPU
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--no-enable-prefix-caching",
+                "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--distributed-executor-backend", "uni",
+                "--skip-tokenizer-init", "--max-model-len", "1024"]
 
 
 def free_port() -> int:
@@ -35,6 +42,34 @@ def engine_env(cpu: int) -> dict[str, str]:
                 "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     return env
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited (rc={proc.returncode})")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                return bool(resp.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    eventually_sync(up, timeout, 0.5, what=f"{url} up")
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (its session, started for it), by its id."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def make_model(path: Path) -> None:

@@ -6,15 +6,8 @@ nothing (the decode prefills by itself)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,86 +18,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-e
 from kvservice._trust.keys import generate_key
 from tests.helpers import eventually_sync
 
-from .engines import MAX_TOKENS, ROOT, engine_env, free_port
+from .engines import MAX_TOKENS, free_port, http, kill_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-#: the engine flags of docs/vllm.md, sized for a test on a CPU
-ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--no-enable-prefix-caching",
-                "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--distributed-executor-backend", "uni",
-                "--skip-tokenizer-init", "--max-model-len", "1024"]
-
-
-def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
-    def up() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited (rc={proc.returncode})")
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as resp:
-                return bool(resp.status == 200)
-        except (OSError, urllib.error.URLError):
-            return False
-
-    eventually_sync(up, timeout, 0.5, what=f"{url} up")
-
-
-@pytest.fixture
-def servers(model: Path, logs: Path) -> Iterator[Any]:
-    procs: list[tuple[subprocess.Popen[bytes], Any]] = []
-
-    def start(name: str, args: list[str], cpu: int, health: str) -> subprocess.Popen[bytes]:
-        out = open(logs / f"{name}.log", "wb")  # closed at teardown
-        # a session of its own: vLLM's server runs its engine in a child process, and a server
-        # "SIGKILLed" is its whole group (as when its container dies), never an orphaned engine
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=engine_env(cpu), cwd=ROOT, start_new_session=True)
-        procs.append((proc, out))
-        wait_up(health, proc)
-        return proc
-
-    def vllm(name: str, role: str, cpu: int, **service: Any) -> tuple[str, subprocess.Popen[bytes]]:
-        port = free_port()
-        config = {"kv_connector": "KVServiceConnector", "kv_connector_module_path": "kvservice.integrations.vllm",
-                  "kv_role": role, "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {"kvservice": service}}
-        url = f"http://127.0.0.1:{port}"
-        proc = start(name, ["vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-                            "--port", str(port), *ENGINE_FLAGS, "--kv-transfer-config", json.dumps(config)],
-                     cpu, f"{url}/health")
-        return url, proc
-
-    def proxy(prefill: str, decode: str, *options: str) -> str:
-        port = free_port()
-        start("proxy", ["kvservice.integrations.vllm.proxy", "--prefill", prefill, "--decode", decode,
-                        "--port", str(port), *options], 0, f"http://127.0.0.1:{port}/health")
-        return f"http://127.0.0.1:{port}"
-
-    yield vllm, proxy
-    for proc, out in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-        kill_group(proc)  # whatever the server left behind (its engine process)
-        out.close()
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``proc``'s process group (its session, started for it), by its id."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def scrape(url: str) -> dict[str, float]:
