@@ -35,7 +35,10 @@ def rss_kib() -> int:
 
 
 async def test_one_service_holds_64_linked_peers(etcd: EtcdServer) -> None:
-    disc = {"discovery": "etcd", "etcd_endpoints": [etcd.endpoint], "cluster": "many"}
+    # 64 services in one child process on a loaded machine: a keep-alive may run late, so
+    # leases (and a lapse's grace) are as long as the run's load needs; nothing here waits them out
+    leases = {"etcd_ttl_s": float(max(10, round(scaled(10.0)))), "etcd_rejoin_grace_s": max(5.0, scaled(5.0))}
+    disc = {"discovery": "etcd", "etcd_endpoints": [etcd.endpoint], "cluster": "many", **leases}
     spec = {"n": PEERS, "config": peer_config(**disc, drain_grace_s=0.5)}
     child = await anyio.open_process([sys.executable, "-m", "tests.discovery.many_child", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ))
