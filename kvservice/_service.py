@@ -9,6 +9,7 @@ loop; NIXL is reached only through the door, on the ``DoorThread``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from collections.abc import Callable, Sequence
@@ -312,6 +313,15 @@ class TransferService:
         return await waits.await_done(plane, handle._req, timeout,
                                       f"not complete within await_completion timeout {timeout}s")
 
+    def completion_future(self, handle: TransferHandle) -> asyncio.Future[TransferResult]:
+        """``await_completion(handle)`` without a timeout, as a future of the running loop
+        (call it on the service's loop): for a caller with thousands of requests in flight
+        that adds a done callback instead of keeping a task per request (the engine facade:
+        a waiting task is seven objects the cyclic GC walks, a future and its callback two).
+        Cancelling the future cancels only the future; the transfer goes on."""
+        self._started(handle.request_id)
+        return waits.ended_future(handle._req)
+
     # -- receiving side -------------------------------------------------------------
     async def expect(self, request_id: str, pages: Pages, *, sender: str,
                      timeout: float | None = None, verify: bool | None = None) -> None:
@@ -391,6 +401,11 @@ class TransferService:
         if isinstance(found, RecvRequest):
             return await waits.await_done(plane, found, timeout, f"not arrived within {timeout}s")
         return found
+
+    def arrival_future(self, request_id: str) -> asyncio.Future[TransferResult]:
+        """``await_arrival(request_id)`` without a timeout, as a future of the running loop
+        (see ``completion_future``)."""
+        return waits.ended_future(waits.arrival(self._started(request_id), request_id))
 
     async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until ``request_id`` has ended and nothing of it can be written any more;

@@ -6,6 +6,7 @@ cancellation propagates and the transfer goes on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 
 import anyio
@@ -26,6 +27,17 @@ def await_done(plane: RequestPlane, req: SendRequest | RecvRequest, timeout: flo
     if timeout is None:
         return req.done.until_done()
     return _await_done_within(plane, req, timeout, why)
+
+
+def ended_future(found: SendRequest | RecvRequest | TransferResult) -> asyncio.Future[TransferResult]:
+    """How ``found`` ends, as a future of the running loop (done already for a result):
+    ``await_done`` without a timeout, for a caller that adds a done callback to it rather
+    than keeping a task per request."""
+    if isinstance(found, TransferResult):
+        future: asyncio.Future[TransferResult] = asyncio.get_running_loop().create_future()
+        future.set_result(found)
+        return future
+    return found.done.until_done()
 
 
 async def _await_done_within(plane: RequestPlane, req: SendRequest | RecvRequest, timeout: float,

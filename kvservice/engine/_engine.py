@@ -3,13 +3,15 @@ schedulers that never await.
 
 The loop thread runs ``anyio.run`` (uvloop when available, like ``kvservice serve``),
 enters the service, and owns one task group in which every task the facade starts
-runs (each request's op runner and its watcher); nothing is created without an owner.
+runs (each request's op runner); nothing is created without an owner.  A request's end
+reaches its ``KVSender`` / ``KVReceiver`` by a done callback on the service's future for it
+(``_watch``), counted with the tasks.
 The scheduler's thread reaches the loop only through ``loop.call_soon_threadsafe``,
 which never waits: queuing a call costs a few microseconds whatever the loop is doing.
 
 Shutdown (``close()``): the loop leaves the service's ``async with`` (drain for
 ``drain_grace_s``, the rest ``SHUTDOWN`` on both sides, handles released, the agent
-closed), its watchers publish those results, and whatever the facade still holds
+closed), the done callbacks publish those results, and whatever the facade still holds
 without a result (a receiver never ``init``-ed, a call queued too late) ends
 ``Failed(SHUTDOWN)``: after ``close()`` no request is pending.
 """
@@ -31,7 +33,7 @@ import anyio.abc
 
 from .._config import ServiceConfig
 from .._log import get_logger
-from .._results import FailureReason, KVPoll, KVServiceError
+from .._results import FailureReason, KVPoll, KVServiceError, TransferResult
 from .._runtime import uvloop_available
 from .._stats import ServiceStatus
 from ._transfers import KVReceiver, KVSender, _Transfer
@@ -175,7 +177,7 @@ class KVTransferEngine:
                     await self._stop.wait()
                     with self._lock:
                         self._accepting = False
-                # The service's exit resolved every request: let the watchers publish that.
+                # The service's exit resolved every request: let the done callbacks publish that.
                 with anyio.move_on_after(_FINISH_GRACE_S):
                     while self._tasks:
                         self._tasks_done = asyncio.Event()
@@ -218,6 +220,24 @@ class KVTransferEngine:
                     self._tasks_done.set()
 
         tg.start_soon(counted)
+
+    def _watch(self, future: asyncio.Future[TransferResult], on_end: Callable[[TransferResult], None]) -> None:
+        """On the loop thread: ``on_end(result)`` once ``future`` (the service's
+        ``completion_future`` / ``arrival_future``) is done.  Counted as the facade's tasks
+        are, so that ``close()`` lets it publish what the service's exit resolved; a done
+        callback, not a task, because a scheduler keeps thousands of transfers waiting and
+        the cyclic GC walks every object each one holds (a task: seven; this: three)."""
+        self._tasks += 1
+        future.add_done_callback(functools.partial(self._watched, on_end), context=self._loop_context)
+
+    def _watched(self, on_end: Callable[[TransferResult], None], future: asyncio.Future[TransferResult]) -> None:
+        try:
+            if not future.cancelled():  # nothing of ours cancels it; if it is, _end_all ends the request
+                on_end(future.result())
+        finally:
+            self._tasks -= 1
+            if not self._tasks and self._tasks_done is not None:
+                self._tasks_done.set()
 
     def _poll_arrival(self, request_id: str) -> KVPoll | None:
         svc = self._svc

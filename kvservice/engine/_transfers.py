@@ -22,6 +22,7 @@ those queue and publishes how the request ended.  The rules that keep that safe:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -49,6 +50,7 @@ class Host(Protocol):
     engine knows its transfers, they do not know the engine's type."""
 
     def _spawn(self, fn: Callable[[TransferService], Awaitable[None]]) -> bool: ...
+    def _watch(self, future: asyncio.Future[TransferResult], on_end: Callable[[TransferResult], None]) -> None: ...
     def _poll_arrival(self, request_id: str) -> KVPoll | None: ...
     def _forget(self, transfer: _Transfer) -> None: ...
     def _ended(self) -> None: ...
@@ -343,12 +345,11 @@ class KVSender(_Transfer):
         if self._handle is None:
             self._owned = True
             self._handle = handle
-            self._spawn(self._watch)
+            # No timeout of its own: the service's deadlines (bootstrap, transfer) end every
+            # request, and its completion is a failure only once it is settled.
+            self._engine._watch(svc.completion_future(handle), self._completed)
 
-    async def _watch(self, svc: TransferService) -> None:
-        # No timeout of its own: the service's deadlines (bootstrap, transfer) end every
-        # request, and await_completion returns a failure only once it is settled.
-        result = await svc.await_completion(self._handle)
+    def _completed(self, result: TransferResult) -> None:
         self._publish(result, settled=True)
 
     def _service_poll(self) -> KVPoll | None:
@@ -409,18 +410,20 @@ class KVReceiver(_Transfer):
             return
         await svc.expect(self.request_id, pages, **kwargs)
         self._owned = True
-        self._spawn(self._watch)
-
-    async def _watch(self, svc: TransferService) -> None:
         # Bounded by the service: the arrival deadline, the peer's loss, shutdown.
-        result = await svc.await_arrival(self.request_id)
+        self._engine._watch(svc.arrival_future(self.request_id), self._arrived)
+
+    def _arrived(self, result: TransferResult) -> None:
         self._publish(result)
         if not result.settled:
             # A failed request's pages stay held while a WRITE may still land; this ends
             # when the sender confirms, dies, or this service stops (settle_all).
-            settled = await svc.await_settled(self.request_id)
-            if settled.settled:
-                self._mark_settled()
+            self._spawn(self._await_settled)
+
+    async def _await_settled(self, svc: TransferService) -> None:
+        settled = await svc.await_settled(self.request_id)
+        if settled.settled:
+            self._mark_settled()
 
     def _service_poll(self) -> KVPoll | None:
         if not self._owned:

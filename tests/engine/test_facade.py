@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import inspect
 import threading
 import time
@@ -352,14 +353,14 @@ def test_an_error_inside_a_watcher_ends_that_request_only() -> None:
     with engines(fabric) as (prefill, decode):
         svc = prefill._svc
         assert svc is not None
-        original = svc.await_completion
+        original = svc.completion_future
 
-        async def broken(handle: Any, timeout: float | None = None) -> Any:
+        def broken(handle: Any) -> Any:
             if handle.request_id == "boom":
                 raise TypeError("a bug in the service")
-            return await original(handle, timeout)
+            return original(handle)
 
-        svc.await_completion = broken  # type: ignore[method-assign]
+        svc.completion_future = broken  # type: ignore[method-assign]
         receiver = decode.receiver("ok", sender=prefill.address)
         receiver.init([1])
         boom, ok = prefill.sender("boom"), prefill.sender("ok")
@@ -372,6 +373,42 @@ def test_an_error_inside_a_watcher_ends_that_request_only() -> None:
         assert isinstance(bug.value.__cause__, TypeError)
         assert ok.poll() is KVPoll.Success and receiver.poll() is KVPoll.Success
         assert prefill.running
+
+
+def test_a_waiting_transfer_holds_a_done_callback_not_a_task() -> None:
+    """A scheduler keeps thousands of transfers waiting, and the cyclic GC walks every
+    object each one holds at every full collection: a transfer's end reaches it by a done
+    callback on the service's future for it, not by a task of its own (seven objects)."""
+    n = 48
+    fabric = FakeFabric()
+    with engines(fabric) as (prefill, decode):
+        warm = decode.receiver("warm", sender=prefill.address)
+        warm.init([0])
+        sent = prefill.sender("warm")
+        sent.send([0], last=True)
+        until(ended(warm, sent))
+
+        def tasks() -> int:
+            # tasks still waiting (an ended op runner may wait for a collection to be freed)
+            return sum(1 for o in gc.get_objects() if issubclass(type(o), asyncio.Task) and not o.done())
+
+        idle = tasks()
+        receivers = [decode.receiver(f"r{i}", sender=prefill.address) for i in range(n)]
+        senders = [prefill.sender(f"s{i}") for i in range(n)]
+        for i, (receiver, sender) in enumerate(zip(receivers, senders, strict=True)):
+            receiver.init([i])  # no sender will come: waits for its arrival
+            sender.send([i], last=True)  # no receiver will come: waits for its expect
+        # every one handed to its service and watched (its op runner gone)
+        until(lambda: all(t._owned and not t._running for t in (*receivers, *senders)))
+        waiting = tasks() - idle
+        assert waiting < n // 4, f"{waiting} more tasks with {2 * n} transfers waiting"
+        assert all(t.poll() is not KVPoll.Failed for t in (*receivers, *senders))
+        for t in (*receivers, *senders):
+            t.abort()
+        until(lambda: all(t.settled for t in (*receivers, *senders)))
+        assert all(t.result is not None and t.result.reason is FailureReason.ABORTED
+                   for t in (*receivers, *senders))
+        assert prefill.running and decode.running
 
 
 def test_layer_wise_chunks_and_a_payload_reach_the_receivers_result() -> None:
