@@ -93,6 +93,7 @@ class KVTransferEngine:
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._transfer_lock = threading.Lock()  # every transfer's end and op queue (few stores each)
         self._accepting = False  # calls reach the loop only while this holds
         self._live: dict[tuple[str, str], _Transfer] = {}  # (side, request id) -> not cleared
         self._tasks = 0  # facade tasks running (loop thread only)
@@ -221,23 +222,21 @@ class KVTransferEngine:
 
         tg.start_soon(counted)
 
-    def _watch(self, future: asyncio.Future[TransferResult], on_end: Callable[[TransferResult], None]) -> None:
-        """On the loop thread: ``on_end(result)`` once ``future`` (the service's
+    def _watch(self, future: asyncio.Future[TransferResult], transfer: _Transfer) -> None:
+        """On the loop thread: ``transfer`` learns how it ended once ``future`` (the service's
         ``completion_future`` / ``arrival_future``) is done.  Counted as the facade's tasks
         are, so that ``close()`` lets it publish what the service's exit resolved; a done
         callback, not a task, because a scheduler keeps thousands of transfers waiting and
-        the cyclic GC walks every object each one holds (a task: seven; this: three)."""
+        the cyclic GC walks every object each one holds (``python -m benchmarks.gc_engine``).
+        """
         self._tasks += 1
-        future.add_done_callback(functools.partial(self._watched, on_end), context=self._loop_context)
+        future.add_done_callback(transfer._future_done, context=self._loop_context)
 
-    def _watched(self, on_end: Callable[[TransferResult], None], future: asyncio.Future[TransferResult]) -> None:
-        try:
-            if not future.cancelled():  # nothing of ours cancels it; if it is, _end_all ends the request
-                on_end(future.result())
-        finally:
-            self._tasks -= 1
-            if not self._tasks and self._tasks_done is not None:
-                self._tasks_done.set()
+    def _unwatch(self) -> None:
+        """A watched future's callback has run (``_Transfer._future_done``)."""
+        self._tasks -= 1
+        if not self._tasks and self._tasks_done is not None:
+            self._tasks_done.set()
 
     def _poll_arrival(self, request_id: str) -> KVPoll | None:
         svc = self._svc

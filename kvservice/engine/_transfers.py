@@ -5,7 +5,8 @@ Two threads touch these objects.  The scheduler's thread calls ``init``, ``send`
 those queue and publishes how the request ended.  The rules that keep that safe:
 
 * ``poll()`` never waits on the loop.  The end of a request (``result``) is
-  published by the loop thread in one attribute store, under ``_lock``, first end
+  published by the loop thread in one attribute store, under the engine's
+  ``_transfer_lock`` (one for all its transfers: each holds it for a few stores), first end
   wins: once ``poll()`` has said ``Success`` or ``Failed`` it never says anything
   else, and ``result`` is there to read.  Before that, the progress states
   (``Bootstrapping`` .. ``Transferring``) are read from the service's own
@@ -49,8 +50,11 @@ class Host(Protocol):
     """What a transfer needs of the engine that made it (``KVTransferEngine``): the
     engine knows its transfers, they do not know the engine's type."""
 
+    _transfer_lock: threading.Lock
+
     def _spawn(self, fn: Callable[[TransferService], Awaitable[None]]) -> bool: ...
-    def _watch(self, future: asyncio.Future[TransferResult], on_end: Callable[[TransferResult], None]) -> None: ...
+    def _watch(self, future: asyncio.Future[TransferResult], transfer: _Transfer) -> None: ...
+    def _unwatch(self) -> None: ...
     def _poll_arrival(self, request_id: str) -> KVPoll | None: ...
     def _forget(self, transfer: _Transfer) -> None: ...
     def _ended(self) -> None: ...
@@ -96,11 +100,11 @@ class _Transfer:
         self._engine = engine
         self.request_id = request_id
         self._created = time.monotonic()
-        self._lock = threading.Lock()
+        self._lock = engine._transfer_lock
         self._result: TransferResult | None = None  # how it ended: first end wins
         self._settled = False  # nothing of it can be written any more
         self._progress_seen = KVPoll.Bootstrapping  # the furthest progress state reported
-        self._ops: deque[Op] = deque()
+        self._ops: deque[Op] | None = None  # queued for the loop thread (None when none are)
         self._running = False  # a runner task drains _ops on the loop thread
         self._owned = False  # the service holds a request this object created
         self._queued_any = False  # some op was queued for the loop
@@ -221,13 +225,15 @@ class _Transfer:
         """Run ``op`` on the loop thread after every op queued before it.  Any thread."""
         with self._lock:
             self._queued_any = True
+            if self._ops is None:
+                self._ops = deque()
             self._ops.append(op)
             if self._running:
                 return
             self._running = True
         if not self._spawn(self._drain):
             with self._lock:
-                self._ops.clear()
+                self._ops = None
                 self._running = False
             self._shutdown()
 
@@ -247,6 +253,7 @@ class _Transfer:
         while True:
             with self._lock:
                 if not self._ops:
+                    self._ops = None  # a waiting transfer holds no queue for the GC to walk
                     self._running = False
                     return
                 op = self._ops.popleft()
@@ -268,6 +275,18 @@ class _Transfer:
 
     def _may_abort(self) -> bool:
         return self._owned
+
+    def _ended_with(self, result: TransferResult) -> None:
+        """The service's result for this request (on the loop thread, from ``_watch``)."""
+        raise NotImplementedError
+
+    def _future_done(self, future: asyncio.Future[TransferResult]) -> None:
+        """The done callback ``Host._watch`` adds to the service's future for this request."""
+        try:
+            if not future.cancelled():  # nothing of ours cancels it; if it is, the engine's end ends this
+                self._ended_with(future.result())
+        finally:
+            self._engine._unwatch()
 
 
 class KVSender(_Transfer):
@@ -347,9 +366,9 @@ class KVSender(_Transfer):
             self._handle = handle
             # No timeout of its own: the service's deadlines (bootstrap, transfer) end every
             # request, and its completion is a failure only once it is settled.
-            self._engine._watch(svc.completion_future(handle), self._completed)
+            self._engine._watch(svc.completion_future(handle), self)
 
-    def _completed(self, result: TransferResult) -> None:
+    def _ended_with(self, result: TransferResult) -> None:
         self._publish(result, settled=True)
 
     def _service_poll(self) -> KVPoll | None:
@@ -411,9 +430,9 @@ class KVReceiver(_Transfer):
         await svc.expect(self.request_id, pages, **kwargs)
         self._owned = True
         # Bounded by the service: the arrival deadline, the peer's loss, shutdown.
-        self._engine._watch(svc.arrival_future(self.request_id), self._arrived)
+        self._engine._watch(svc.arrival_future(self.request_id), self)
 
-    def _arrived(self, result: TransferResult) -> None:
+    def _ended_with(self, result: TransferResult) -> None:
         self._publish(result)
         if not result.settled:
             # A failed request's pages stay held while a WRITE may still land; this ends
