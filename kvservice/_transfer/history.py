@@ -16,9 +16,8 @@ few, and one holding its error would stay tracked as a tuple too.
 
 from __future__ import annotations
 
-import collections
-
 from .._results import FailureReason, TransferResult, TransferStatus
+from .requests import Recent
 
 #: a result's fields, in ``TransferResult``'s order, its status and reason as their values
 Packed = tuple[str, str, str | None, BaseException | None, str, str | None, int, int, float,
@@ -41,26 +40,21 @@ def unpack(p: Packed) -> TransferResult:
 
 
 class Results:
-    """A bounded, insertion-ordered map of request id -> result (as ``requests.Recent``:
-    a ``put`` moves its id to the newest end; the oldest fall out past ``capacity``)."""
+    """A bounded, insertion-ordered map of request id -> result: a ``requests.Recent`` of
+    packed successes and failures as they are."""
 
     def __init__(self, capacity: int) -> None:
-        self._cap = capacity
-        self._d: collections.OrderedDict[str, Packed | TransferResult] = collections.OrderedDict()
+        self._kept: Recent[str, Packed | TransferResult] = Recent(capacity)
 
     def put(self, request_id: str, result: TransferResult) -> None:
-        d = self._d
-        d[request_id] = pack(result) if result.ok else result
-        d.move_to_end(request_id)
-        while len(d) > self._cap:
-            d.popitem(last=False)
+        self._kept.put(request_id, pack(result) if result.ok else result)
 
     def get(self, request_id: str) -> TransferResult | None:
-        p = self._d.get(request_id)
+        p = self._kept.get(request_id)
         return unpack(p) if isinstance(p, tuple) else p
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._d
+        return request_id in self._kept
 
     def __len__(self) -> int:
-        return len(self._d)
+        return len(self._kept)

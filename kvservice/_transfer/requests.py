@@ -6,6 +6,7 @@ import abc
 import asyncio
 import collections
 import time
+from collections.abc import ValuesView
 from dataclasses import dataclass
 from typing import Generic, NoReturn, Protocol, TypeVar
 
@@ -395,3 +396,6 @@ class Recent(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._d)
+
+    def values(self) -> ValuesView[V]:
+        return self._d.values()

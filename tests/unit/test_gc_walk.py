@@ -90,7 +90,7 @@ async def test_kept_results_are_nothing_the_collector_walks() -> None:
                 plane = svc._plane
                 assert plane is not None
                 for done in (plane.sends_done, plane.recvs_done):
-                    assert not any(gc.is_tracked(p) for p in done._d.values())
+                    assert not any(gc.is_tracked(p) for p in done._kept.values())
             # (the last request's result may still be in the event loop's hands for a turn)
             assert kinds(gc.get_objects(), before)["TransferResult"] <= LAST, "results kept as objects"
             # and looked up after the end, a result is what it was
