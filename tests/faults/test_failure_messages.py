@@ -23,13 +23,15 @@ import pytest
 
 from kvservice import FailureReason, KVPoll, TransferFailed, TransferResult, TransferService
 from kvservice.testing import PeerProcess
-from tests.helpers import config, eventually, free_port, peer_config, peers
+from tests.helpers import config, eventually, free_port, peer_config, peers, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-#: fast loss detection, so that a stopped peer is declared lost well inside the hang guards;
+#: fast loss detection, so that a stopped peer is declared lost well inside the hang guards,
+#: yet as long as this run's machine needs (on a loaded one a live child's heartbeats came 1-2.5 s
+#: apart and its link, with the expect the test waits for, was lost before the test began);
 #: a patient first dial (a handshake on a busy 2-core machine can take seconds)
-FAST = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 1.0, "connect_timeout_s": 30.0}
+FAST = {"heartbeat_interval_s": 0.2, "peer_timeout_s": scaled(1.0), "connect_timeout_s": 30.0}
 GUARD_S = 20.0  # hang guard: far above FAST's detection, far below any request deadline
 
 

@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parents[3]
 ROLES = Path(__file__).with_name("roles.py")
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 PAGE_BYTES = 2 * 2 * 4 * 2 * 8 * 4  # roles.py: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x float32
-START_S = 120.0  # importing SGLang takes ~10 s per process here; more with the machine busy
+#: a hang guard for a process that imports SGLang: ~10 s here when idle; the first one of a run,
+#: its files not cached yet, took over 120 s on a machine loaded 10-15 times over
+START_S = 300.0
 FAILED, BOOTSTRAPPING, WAITING, TRANSFERRING, SUCCESS = range(5)
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -235,13 +237,17 @@ def test_bootstrap_then_chunked_transfer_bytes_and_aux_verified(tmp_path: Path, 
     for room, (pages, chunk, hold) in rooms.items():
         prefill.send(room=room, pages=pages, chunk=chunk)
         decode.send(room=room, pages=pages, hold_s=hold)
-    for room, (pages, _, _) in rooms.items():
+    for room, (pages, _, hold) in rooms.items():
         sent, got = prefill.end(room), decode.end(room)
         assert sent["poll"] == "Success" and got["poll"] == "Success", (sent, got)
         assert got["verified"] and got["aux"], got
         if layout == "mha":
             assert sent["bytes"] == pages * PAGE_BYTES
-        assert sent["states"][0] == BOOTSTRAPPING and sent["states"][-1] == SUCCESS and forward_only(sent["states"])
+        # Bootstrapping until the decode's metadata arrives: for a room its decode did not hold
+        # back, the metadata may arrive before the prefill's first poll (a prefill process slow
+        # to read its command on a loaded machine)
+        assert sent["states"][0] == BOOTSTRAPPING or (not hold and sent["states"][0] == WAITING), sent
+        assert sent["states"][-1] == SUCCESS and forward_only(sent["states"])
         assert forward_only(got["states"]) and got["states"][-1] == SUCCESS
     # the held request: nothing was computed or sent before its decode's metadata arrived
     seq = prefill.seen
