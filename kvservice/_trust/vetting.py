@@ -139,6 +139,8 @@ class MetadataVetter:
         self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._unsafe: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.children_started = 0  # both lanes'
+        #: why the last child that could not serve could not (``None`` until one could not)
+        self.last_broken: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -171,7 +173,7 @@ class MetadataVetter:
         with anyio.move_on_after(self._start_timeout):
             await child.ready.wait()
         if not child.ready.is_set():
-            child.broken = f"the vetting process did not start within {self._start_timeout:g} s"
+            child.broken = self.last_broken = f"the vetting process did not start within {self._start_timeout:g} s"
             self._kill(child)
         return child
 
@@ -283,7 +285,7 @@ class MetadataVetter:
                 child.proc = proc
         except OSError as exc:
             ours.close()
-            child.broken = f"cannot start the vetting process: {exc}"
+            child.broken = self.last_broken = f"cannot start the vetting process: {exc}"
             child.ready.set()
             child.ended.set()
             return
@@ -341,6 +343,8 @@ class MetadataVetter:
             pending.done.set()
         child.pending.clear()
         served = child.broken is None and child.ready.is_set()
+        if child.broken is not None:
+            self.last_broken = child.broken
         child.ready.set()
         child.ended.set()
         if self._child is child:

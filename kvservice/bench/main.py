@@ -34,7 +34,7 @@ from kvservice._control.addresses import is_loopback_host, join_address, split_a
 from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from kvservice._results import KVServiceError
 from kvservice._trust.keys import load_key, resolve_key
-from kvservice.bench import _lines, control, engines, report
+from kvservice.bench import _lines, control, engines, report, vetting
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import ControlError
 from kvservice.bench.listen import ListenOptions, listen
@@ -299,6 +299,9 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
             n = 4096 if not args.quick else 64
             results["memory"] = memory_per_request(kv, n)
             log(f"  memory: {results['memory']['peak_per_request']:.0f} B per in-flight request (peak, n={n})")
+            # the vetting child every service starts: a failure to start one is the report's to say
+            results["vetting"] = vetting.measure(args.loop, vetting.QUICK_RUNS if args.quick else vetting.RUNS, env)
+            log(f"  {report.vetting_line(results['vetting'])}")
         if "kill" in only:
             results["kill"] = kill_test(kv, plan)
         if only & set(engines.PARTS):

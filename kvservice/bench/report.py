@@ -81,10 +81,10 @@ def table(results: dict[str, Any]) -> str:
         ([(x, "lat", ".1f") for x in timed], 13, "ms"),
     ]
     titles = {"ratio": "/raw", "lat": " p50/p99"}
-    if not results.get("cases"):
-        return "\n".join(lines[:2 + bool(two)] + engine_lines(results) + target_lines(results))
+    if not results.get("cases"):  # --only memory,kill,engine...: no table of cases
+        return "\n".join(lines[:2 + bool(two)] + part_lines(results) + engine_lines(results) + target_lines(results))
     if not gb:  # only the same-transport methods (--methods): their table alone
-        return "\n".join(lines[:2 + bool(two)] + tcp_lines(results) + skipped_lines(results)
+        return "\n".join(lines[:2 + bool(two)] + tcp_lines(results) + skipped_lines(results) + part_lines(results)
                          + engine_lines(results) + target_lines(results))
     head = f"{'case':<16}{'reqs':>6}"
     for cols, width, unit in groups:
@@ -100,7 +100,13 @@ def table(results: dict[str, Any]) -> str:
         lag = _f(kv.get("lag_p99_ms"), ".1f") + "/" + _f(kv.get("lag_max_ms"), ".1f")
         floor = _f(kv.get("probe_lag_p99_ms"), ".1f") + "/" + _f(kv.get("probe_lag_max_ms"), ".1f")
         lines.append(f"{row} | {lag:>12} {floor:>11} {_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}")
-    lines += tcp_lines(results) + verify_lines(results) + skipped_lines(results)
+    lines += tcp_lines(results) + verify_lines(results) + skipped_lines(results) + part_lines(results)
+    return "\n".join(lines + engine_lines(results) + target_lines(results))
+
+
+def part_lines(results: dict[str, Any]) -> list[str]:
+    """The memory part (kvservice's state per request, the vetting child) and the SIGKILL part."""
+    lines: list[str] = []
     mem = results.get("memory")
     if mem:
         lines.append("")
@@ -108,13 +114,25 @@ def table(results: dict[str, Any]) -> str:
                      f"{mem['queued_per_request']:.0f} B queued, {mem['peak_per_request']:.0f} B peak in flight"
                      + (f"; {mem['gc_objects_per_request']:.1f} GC-tracked objects per queued request"
                         if "gc_objects_per_request" in mem else ""))
+    if "vetting" in results:
+        lines += ([""] if not mem else []) + [vetting_line(results["vetting"])]
     kill = results.get("kill")
     if kill:
         lines.append(f"SIGKILL of the receiver, {len(kill['tries'])} tries, ~{kill['inflight_per_try']:.0f} "
                      f"requests in flight each: last Failed after p50 {kill['median_ms']:.1f} ms, "
                      f"p99 {kill['p99_ms']:.1f} ms, max {kill['max_ms']:.1f} ms; none left pending: "
                      f"{_f(kill['all_failed'])}")
-    return "\n".join(lines + engine_lines(results) + target_lines(results))
+    return lines
+
+
+def vetting_line(vet: dict[str, Any]) -> str:
+    """The vetting child's cost (``kvservice.bench.vetting``), or why it could not be measured."""
+    if "error" in vet:
+        return f"metadata-vetting child (one per service): NOT MEASURED: {vet['error']}"
+    pss = f", PSS {vet['pss_mib']:.0f} MiB" if vet.get("pss_mib") is not None else ""
+    return (f"metadata-vetting child (one per service), median of {vet['children']} started as a service "
+            f"starts it: ready after {vet['ready_s']:.2f} s, {vet['cpu_s']:.2f} s CPU, "
+            f"RSS {vet['rss_mib']:.0f} MiB{pss} (load avg {vet['load_avg']:.1f})")
 
 
 def skipped_lines(results: dict[str, Any]) -> list[str]:

@@ -61,6 +61,9 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
 
     memory = results["memory"]
     assert memory["ok"] == memory["n"] and memory["peak_per_request"] > 0
+    vet = results["vetting"]  # the metadata-vetting child every service starts (memory part)
+    assert vet.get("ready_s", 0) > 0 and vet.get("cpu_s", 0) > 0 and vet.get("rss_mib", 0) > 0, vet
+    assert "metadata-vetting child (one per service), median of" in stdout
     kill = results["kill"]
     assert kill["tries"] and all(t["inflight"] > 0 for t in kill["tries"])
     assert {row["target"] for row in results["targets"]}  # every target evaluated

@@ -1,0 +1,71 @@
+"""The vetting child's figures in ``kvservice bench``: what ``procfs`` picks out of ``/proc``'s
+files, and how the report prints the figures, or why there are none."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from kvservice.bench import procfs, report
+
+#: a process whose name holds a space and a ')': fields count from the last one
+STAT = ("4242 (a b) c) S 1 4242 4242 0 -1 4194560 10 0 0 0 "
+        "731 45 0 0 20 0 3 0 100 1000000 2000 18446744073709551615")
+STATUS = "Name:\tpython\nVmPeak:\t  70000 kB\nVmHWM:\t   60000 kB\nVmRSS:\t   56936 kB\nRssAnon:\t  20000 kB\n"
+ROLLUP = ("55c5-7fff ---p 00000000 00:00 0    [rollup]\nRss:   56936 kB\nPss_Anon:  100 kB\n"
+          "Pss:   30512 kB\nPss_Dirty:  144 kB\n")
+
+
+def test_cpu_is_utime_plus_stime_counted_after_the_name() -> None:
+    assert procfs.stat_ticks(STAT) == 731 + 45
+
+
+def test_a_kib_field_is_its_own_line_not_one_it_prefixes() -> None:
+    assert procfs.kib_field(STATUS, "VmRSS") == 56936
+    assert procfs.kib_field(ROLLUP, "Pss") == 30512  # not Pss_Anon's, which comes first
+    assert procfs.kib_field(ROLLUP, "Swap") is None
+
+
+def test_this_process_reads_positive() -> None:
+    used = procfs.usage(os.getpid())
+    assert used.rss_mib > 0 and used.cpu_s > 0
+    assert used.pss_mib is None or 0 < used.pss_mib <= used.rss_mib
+
+
+def test_a_process_that_is_gone_is_an_error_not_a_zero() -> None:
+    with pytest.raises(OSError):
+        procfs.usage(2**22 + 1)  # above pid_max's largest value: never a process
+
+
+VETTING = {"children": 3, "ready_s": 1.234, "cpu_s": 0.31, "rss_mib": 55.4, "pss_mib": 29.8,
+           "per_child": [], "load_avg": 2.5, "loop": "uvloop"}
+
+
+def only_memory(vetting: dict[str, Any]) -> dict[str, Any]:
+    """``bench.json`` of ``kvservice bench --only memory``: no cases."""
+    meta = {"date": "2026-12-02 07:00 UTC", "cpu": "cpu", "cores": 2, "memory_gib": 23.5,
+            "versions": {"nixl": "1.5.1", "torch": "2.13.0"}, "load_avg_start": 1.0, "load_avg_end": 1.0}
+    return {"meta": meta, "plan": {"repeats": 1}, "methods": ["kvservice"], "skipped": {}, "cases": [],
+            "memory": {"n": 64, "ok": 64, "queued_per_request": 1400.0, "peak_per_request": 1600.0},
+            "vetting": vetting, "targets": []}
+
+
+def test_the_memory_part_prints_the_vetting_childs_figures_without_cases() -> None:
+    table = report.table(only_memory(VETTING))
+    assert "kvservice state per request (tracemalloc, n=64)" in table
+    line = next(x for x in table.splitlines() if x.startswith("metadata-vetting child"))
+    assert "median of 3" in line and "ready after 1.23 s" in line and "0.31 s CPU" in line
+    assert "RSS 55 MiB, PSS 30 MiB" in line
+
+
+def test_no_pss_is_left_out_not_printed_as_zero() -> None:
+    line = report.vetting_line({**VETTING, "pss_mib": None})
+    assert "RSS 55 MiB (" in line and "PSS" not in line
+
+
+def test_a_child_that_did_not_start_is_a_line_saying_why() -> None:
+    why = "vetting:uvloop: the vetting process could not create a NIXL agent: NixlUnavailable: ..."
+    table = report.table(only_memory({"error": why}))
+    assert f"metadata-vetting child (one per service): NOT MEASURED: {why}" in table.splitlines()
