@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 
 import anyio
+import anyio.lowlevel
 import numpy as np
+import pytest
 import torch
 
-from kvservice import KVPoll, TransferService, TransferStatus
+from kvservice import KVPoll, TransferService, TransferStatus, UnknownRequestError
 from kvservice._control.protocol import ChunkNotif, decode_notif, encode_notif
 from kvservice.testing import FakeFabric
 from tests.helpers import SMALL, eventually, plane_indices
@@ -220,3 +222,30 @@ async def test_a_second_connection_from_the_same_peer_keeps_its_transfers() -> N
             assert (await rx.await_arrival("first")).ok and (await rx.await_arrival("second")).ok
             assert torch.equal(rx.kv.pages([11]), data)
     fabric.assert_clean()
+
+
+async def test_the_ends_as_futures_equal_the_awaited_results_before_and_after_the_end() -> None:
+    """``completion_future`` / ``arrival_future``: the no-timeout waits as futures of the running
+    loop, for a caller that adds a done callback instead of parking a task per request.  Taken
+    while the request runs, they resolve with the result the waits return; taken after its end,
+    they are done already; an unknown request is refused as ``await_arrival`` refuses it."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            fill(tx, "f", [1, 2])
+            await rx.expect("f", [30, 31], sender=tx.address)
+            arrival = rx.arrival_future("f")
+            handle = await tx.send("f", [1, 2], last=True)
+            completion = tx.completion_future(handle)
+            called: list[TransferStatus] = []
+            arrival.add_done_callback(lambda f: called.append(f.result().status))
+            sent, got = await completion, await arrival
+            assert sent == await tx.await_completion(handle) and sent.ok
+            assert got == await rx.await_arrival("f") and got.ok
+            await anyio.lowlevel.checkpoint()  # the callbacks of a future that ended meanwhile
+            assert called == [TransferStatus.SUCCESS]
+            later = rx.arrival_future("f")  # ended: a kept result, done at once
+            assert later.done() and later.result() == got
+            assert tx.completion_future(handle).result() == sent
+            with pytest.raises(UnknownRequestError):
+                rx.arrival_future("nobody")
