@@ -17,6 +17,8 @@ answer's ``kv_transfer_params`` to the decode, and timestamps what comes back:
 * ``handoff``: on the decode, vLLM reserving blocks for the remote KV
   (``update_state_after_alloc``) to the load reported finished (``finished_recving``
   reaching the scheduler), marked by ``benchmarks.vllm_pd_timing``'s subclasses;
+* ``prefill``: the prefill request sent to its answer received (the router's part of TTFT
+  spent on the prefill: queueing, the prompt's forward, the answer);
 * ``ttft``: the prefill request sent to the decode's first token received;
 * ``e2e``: the prefill request sent to the decode's last token received;
 * ``req/s``: requests completed per second with N in flight (per round).
@@ -60,7 +62,7 @@ MAX_TOKENS = 16
 CONFIGS = ("kvservice", "nixl", "nixl-quiet")
 #: the NixlConnector arms kvservice is compared with
 ARMS = ("nixl", "nixl-quiet")
-METRICS = ("handoff_ms", "ttft_ms", "e2e_ms", "req_per_s")
+METRICS = ("handoff_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s")
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,7 @@ class Harness:
         prompts, expected = self.plan.prompts[phase.name], self.plan.expected[phase.name]
         self.drain()
         sent: dict[int, float] = {}
+        answered: dict[int, float] = {}
         ttft: dict[int, float] = {}
         e2e: dict[int, float] = {}
         nxt = 0
@@ -297,6 +300,7 @@ class Harness:
                 params = msg.get("params")
                 if not params:
                     raise Broken(f"{who}: request {rid} answered without kv_transfer_params")
+                answered[i] = t - sent[i]
                 d.generate(f"d{tag}x{i}", prompts[i], MAX_TOKENS, params)
             elif who == d.name and msg.get("first"):
                 ttft[i] = t - sent[i]
@@ -312,6 +316,7 @@ class Harness:
         if len(handoff) != len(prompts):
             raise Broken(f"{len(handoff)} hand-offs marked for {len(prompts)} requests")
         return {"handoff_ms": [handoff[i] * 1e3 for i in sorted(handoff)],
+                "prefill_ms": [answered[i] * 1e3 for i in sorted(answered)],
                 "ttft_ms": [ttft[i] * 1e3 for i in sorted(ttft)], "e2e_ms": [e2e[i] * 1e3 for i in sorted(e2e)],
                 "req_per_s": [len(prompts) / elapsed]}
 
