@@ -110,6 +110,8 @@ class Engine:
             start_new_session=True)
         self._events = events
         self.ready = threading.Event()
+        #: threads the engine's build had moved off its core (pinned back: vllm_pd_engine)
+        self.moved = 0
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -121,6 +123,7 @@ class Engine:
             except ValueError:
                 continue  # a library's print on stdout
             if msg.get("ready"):
+                self.moved = int(msg.get("moved", 0))
                 self.ready.set()
             else:
                 self._events.put((now, self.name, msg))
@@ -263,6 +266,9 @@ class Harness:
         try:
             p.wait_ready(self.plan.start_timeout_s)
             d.wait_ready(self.plan.start_timeout_s)
+            if p.moved or d.moved:
+                print(f"round {rnd} {config}: pinned back threads the engines' build moved off their core"
+                      f" (prefill {p.moved}, decode {d.moved})", flush=True)
             yield p, d, marks
         finally:
             self.stop(p)

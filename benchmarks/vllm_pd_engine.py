@@ -8,8 +8,11 @@ The engine is vLLM's ``LLMEngine`` with its engine core in this process
 stepped the way vLLM's engine core steps in ``vllm serve``: every request that arrived is
 added, then the engine steps while its scheduler ``has_requests()`` (which counts a
 connector's pending push work), without waiting between steps.  Both connectors meet
-exactly that loop.  ``serve`` pins itself (its threads inherit it) to ``CONFIG["cpu"]``,
-prints ``{"ready": ...}``, then reads JSON lines on stdin: ``{"op": "generate", "id",
+exactly that loop.  ``serve`` pins every thread of its process to ``CONFIG["cpu"]``, before
+the engine is built and again after (NixlConnector's worker, on a CPU platform, moves the
+thread that builds it to the last core of each NUMA node, "reserved for KV transfer": on two
+cores, the other engine's core), prints ``{"ready": ..., "moved": N}`` (N: the threads found
+off their core after the build), then reads JSON lines on stdin: ``{"op": "generate", "id",
 "prompt", "max_tokens", "params"}`` is answered with ``{"id", "first": true}`` in the step
 that produced the request's first token and ``{"id", "tokens", "params", "finish"}`` in the
 step that finished it; ``{"op": "quit"}`` shuts the engine down.
@@ -44,6 +47,20 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
 
 
+def pin_threads(cpu: int) -> int:
+    """Pin every thread of this process to ``cpu`` (a thread's affinity is its own: one set
+    later reaches only the threads created after it).  Returns how many were elsewhere."""
+    moved = 0
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            if os.sched_getaffinity(tid) != {cpu}:
+                moved += 1
+                os.sched_setaffinity(tid, {cpu})
+        except OSError:  # the thread ended meanwhile
+            continue
+    return moved
+
+
 def serve(cfg: dict[str, Any]) -> None:
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.config import KVTransferConfig
@@ -54,10 +71,11 @@ def serve(cfg: dict[str, Any]) -> None:
                       distributed_executor_backend="uni", skip_tokenizer_init=True, kv_transfer_config=kvt,
                       seed=0, max_model_len=cfg["max_model_len"], disable_log_stats=True)
     engine = LLMEngine.from_engine_args(args)
+    moved = pin_threads(int(cfg["cpu"]))
     scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     commands = read_commands()
     started: set[str] = set()
-    say({"ready": True, "pid": os.getpid()})
+    say({"ready": True, "pid": os.getpid(), "moved": moved})
     while True:
         # vLLM's engine core: take what arrived (without waiting while there is work), then
         # step while the scheduler has work (its has_requests() counts a connector's pending
@@ -96,8 +114,8 @@ def main(argv: list[str]) -> None:
         make_model(argv[1])
         return
     cfg = json.loads(argv[1])
-    # the engine's threads (UCX's progress thread among them) inherit this
-    os.sched_setaffinity(0, {int(cfg["cpu"])})
+    # the threads started from here on (UCX's progress thread among them) inherit this
+    pin_threads(int(cfg["cpu"]))
     serve(cfg)
 
 
