@@ -16,6 +16,8 @@ few, and one holding its error would stay tracked as a tuple too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from .._results import FailureReason, TransferResult, TransferStatus
 from .requests import Recent
 
@@ -58,3 +60,7 @@ class Results:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def __iter__(self) -> Iterator[str]:
+        """The request ids whose results are kept, oldest first."""
+        return iter(self._kept)

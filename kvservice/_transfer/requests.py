@@ -6,7 +6,7 @@ import abc
 import asyncio
 import collections
 import time
-from collections.abc import ValuesView
+from collections.abc import Iterator, ValuesView
 from dataclasses import dataclass
 from typing import Generic, NoReturn, Protocol, TypeVar
 
@@ -396,6 +396,10 @@ class Recent(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._d)
+
+    def __iter__(self) -> Iterator[K]:
+        """The keys, oldest first."""
+        return iter(self._d)
 
     def values(self) -> ValuesView[V]:
         return self._d.values()

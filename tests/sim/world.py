@@ -721,7 +721,7 @@ class World:
             if plane.sends or plane.recvs:
                 self.violation(f"{proc.agent} ended with live requests {list(plane.sends)} {list(plane.recvs)}")
             for side, done in (("send", plane.sends_done), ("recv", plane.recvs_done)):
-                for rid in list(done._d):
+                for rid in list(done):
                     result = done.get(rid)
                     assert result is not None
                     if self.finishes[(proc.agent, side, rid)] != 1:
