@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 
 import pytest
 import uvloop
 
 from kvservice._config import host_ucx_defaults
 from kvservice.testing.peer_process import use_fork_server
-from tests.helpers import SLOWDOWN_ENV, measure_slowdown, scaled, slowdown
+from tests.helpers import SLOWDOWN_ENV, measure_slowdown, raise_slowdown, scaled, slowdown
 
 for _name, _value in host_ucx_defaults().items():
     os.environ.setdefault(_name, _value)
+
+#: a test's hang guard before scaling (its ``timeout`` mark, else the run's default)
+GUARD_KEY = pytest.StashKey[float]()
 
 BOTH_LOOPS = {"tests/integration/test_two_process.py", "tests/faults/test_bad_input.py"}
 
@@ -62,10 +65,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         mark = item.get_closest_marker("timeout")
         guard = float(mark.args[0]) if mark is not None and mark.args else default
+        item.stash[GUARD_KEY] = guard
         if guard > 0:
             item.add_marker(pytest.mark.timeout(scaled(guard)), append=False)
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """Before each test, outside pytest-timeout's own hook (which starts the hang guard): where
+    the machine got busier since the run measured its slowdown, raise the factor
+    (``tests.helpers.raise_slowdown``), and scale the test's hang guard by the factor now."""
+    raise_slowdown()
+    guard = item.stash.get(GUARD_KEY, 0.0)
+    if guard > 0:
+        item.add_marker(pytest.mark.timeout(scaled(guard)), append=False)
+    return (yield)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
