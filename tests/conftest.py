@@ -21,7 +21,7 @@ import uvloop
 
 from kvservice._config import host_ucx_defaults
 from kvservice.testing.peer_process import use_fork_server
-from tests.helpers import SLOWDOWN_ENV, measure_slowdown, raise_slowdown, scaled, slowdown
+from tests.helpers import SLOWDOWN_ENV, measure_slowdown, scaled, slowdown
 
 for _name, _value in host_ucx_defaults().items():
     os.environ.setdefault(_name, _value)
@@ -74,13 +74,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
-    """Before each test, outside pytest-timeout's own hook (which starts the hang guard): where
-    the machine got busier since the run measured its slowdown, raise the factor
-    (``tests.helpers.raise_slowdown``), and scale the test's hang guard by the factor now."""
-    raise_slowdown()
+    """Before each test, outside pytest-timeout's own hook (which starts the hang guard): scale
+    the test's hang guard by the higher of the run's slowdown and the machine's load now, so
+    that a load that arrives after the run measured its slowdown (another run, a bench
+    started beside it) makes a test slower, not hung.  Only the guard follows the load: the
+    run's short timeouts keep the one factor every module and child read as the run began."""
     guard = item.stash.get(GUARD_KEY, 0.0)
     if guard > 0:
-        item.add_marker(pytest.mark.timeout(scaled(guard)), append=False)
+        factor = max(slowdown(), measure_slowdown(workers=0))  # the run's workers are in the load by now
+        item.add_marker(pytest.mark.timeout(guard * factor), append=False)
     return (yield)
 
 

@@ -36,33 +36,20 @@ SLOWDOWN_ENV = "KVSERVICE_TEST_SLOWDOWN"
 
 def measure_slowdown(workers: int = 1) -> float:
     """How many times slower than one idle core per process this machine runs now: the
-    runnable processes (the 1-minute load average, plus this run's ``workers`` not yet in
-    it) per CPU, at least 1 and at most 10.  Measured as a run starts (``tests/conftest.py``)
-    and before each test (``raise_slowdown``)."""
+    runnable processes (the 1-minute load average, plus this run's ``workers``) per CPU,
+    at least 1 and at most 10.  Measured once per run (``tests/conftest.py``)."""
     runnable = os.getloadavg()[0] + workers
     return min(10.0, max(1.0, runnable / (os.cpu_count() or 1)))
 
 
+@functools.cache
 def slowdown() -> float:
     """This run's factor: ``KVSERVICE_TEST_SLOWDOWN`` when set (``tests/conftest.py`` sets it
-    as the run starts, before any worker, and raises it before a test: ``raise_slowdown``),
-    else measured now, once."""
+    once per run, before any worker starts), else measured now, once."""
     given = os.environ.get(SLOWDOWN_ENV)
     if not given:
         given = os.environ[SLOWDOWN_ENV] = f"{measure_slowdown():.2f}"  # every later reader agrees
     return float(given)
-
-
-def raise_slowdown() -> float:
-    """Raise this process's factor to the machine's load now where that is higher, and
-    return it.  A load that arrives after a run measured its factor (another run, a bench
-    started beside it) would otherwise fail what the same load at the start would have
-    passed.  Never lowered: a test's waits only get longer.  The run's own workers are in the
-    load average by now, so none are added."""
-    now = measure_slowdown(workers=0)
-    if now > slowdown():
-        os.environ[SLOWDOWN_ENV] = f"{now:.2f}"
-    return slowdown()
 
 
 def scaled(seconds: float) -> float:

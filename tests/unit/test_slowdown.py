@@ -1,6 +1,5 @@
 """``tests.helpers``' slowdown: the factor short timeouts are scaled by follows the machine's
-load, within bounds: measured as a run starts, raised before a test where the machine got
-busier since, never lowered."""
+load, within bounds, and is measured once per run."""
 
 from __future__ import annotations
 
@@ -25,35 +24,36 @@ def test_the_factor_is_runnable_processes_per_cpu(monkeypatch: pytest.MonkeyPatc
 def test_the_runs_factor_is_the_one_set_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(helpers.SLOWDOWN_ENV, "2.5")
     monkeypatch.setattr(helpers.os, "getloadavg", lambda: (99.0, 99.0, 99.0))  # not measured again
-    assert helpers.scaled(1.0) == 2.5
+    helpers.slowdown.cache_clear()
+    try:
+        assert helpers.scaled(1.0) == 2.5
+    finally:
+        helpers.slowdown.cache_clear()
 
 
-def test_a_load_that_arrives_later_raises_the_factor_and_a_lighter_one_never_lowers_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(helpers.SLOWDOWN_ENV, "2.00")
-    monkeypatch.setattr(helpers.os, "cpu_count", lambda: 2)
-    load = [3.0]
-    monkeypatch.setattr(helpers.os, "getloadavg", lambda: (load[0],) * 3)
-    assert helpers.raise_slowdown() == 2.0  # 3 runnable on 2 cores: lighter than measured
-    load[0] = 12.0  # another run started beside this one
-    assert helpers.raise_slowdown() == 6.0 and helpers.scaled(1.0) == 6.0
-    load[0] = 0.5  # and ended
-    assert helpers.raise_slowdown() == 6.0
-
-
-def test_a_test_started_after_the_load_rose_gets_a_longer_hang_guard(request: pytest.FixtureRequest,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tests/conftest.py``'s ``pytest_runtest_protocol`` rescales the test's hang guard (the
-    mark pytest-timeout reads as its own hook starts) by the factor raised just before."""
+@pytest.mark.parametrize(("load", "guard"), [
+    (8.0, 400.0),  # a load that arrived after the run began: 4 runnable per core
+    (0.5, 150.0),  # lighter than when the run began: the run's factor, never less
+])
+def test_a_tests_hang_guard_follows_the_load_as_it_starts(request: pytest.FixtureRequest,
+                                                           monkeypatch: pytest.MonkeyPatch, load: float,
+                                                           guard: float) -> None:
+    """``tests/conftest.py``'s ``pytest_runtest_protocol`` scales the test's hang guard (the
+    mark pytest-timeout reads as its own hook starts) by the higher of the run's factor and
+    the load now; the run's factor itself stays."""
     from tests import conftest
 
-    monkeypatch.setenv(helpers.SLOWDOWN_ENV, "1.00")
+    monkeypatch.setenv(helpers.SLOWDOWN_ENV, "1.50")
+    helpers.slowdown.cache_clear()
     monkeypatch.setattr(helpers.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(helpers.os, "getloadavg", lambda: (8.0, 8.0, 8.0))
-    item = request.node
-    monkeypatch.setitem(item.stash, conftest.GUARD_KEY, 100.0)
-    hook = conftest.pytest_runtest_protocol(item, None)
-    next(hook)
-    mark = item.get_closest_marker("timeout")
-    assert mark is not None and mark.args[0] == 400.0
-    hook.close()
+    monkeypatch.setattr(helpers.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setitem(request.node.stash, conftest.GUARD_KEY, 100.0)
+    try:
+        hook = conftest.pytest_runtest_protocol(request.node, None)
+        next(hook)
+        mark = request.node.get_closest_marker("timeout")
+        assert mark is not None and mark.args[0] == guard
+        assert helpers.slowdown() == 1.5
+        hook.close()
+    finally:
+        helpers.slowdown.cache_clear()
