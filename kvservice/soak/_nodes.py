@@ -21,6 +21,11 @@ from ..testing import PeerProcess
 Key = str | tuple[str, str]  # a command's id, or (event, request id) for events without one
 _ids = itertools.count()
 
+#: how long a node may take to be ready: a child imports torch and kvservice and starts its
+#: vetting child, seconds of CPU that a loaded machine (a test run beside the soak) stretches
+#: past ``PeerProcess.start``'s 30 s default; a node that never starts still fails the soak
+START_S = 120.0
+
 
 @dataclass
 class _Slot:
@@ -56,7 +61,7 @@ class Node:
             await anyio.to_thread.run_sync(daemon.start)
             config = {"layout": config["layout"], "sidecar": daemon.socket}
         try:
-            proc = await PeerProcess.start(tg, config, env=env, stderr=log)
+            proc = await PeerProcess.start(tg, config, env=env, stderr=log, ready_timeout=START_S)
         except BaseException:
             if daemon is not None:
                 await anyio.to_thread.run_sync(daemon.kill)
