@@ -40,37 +40,12 @@ from typing import Any
 
 from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
-from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar
+from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes
+from kvservice.bench.procfs import threads_cpu_s
 from kvservice.bench.run import warm_up
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
 
 PROFILE_RATE_HZ = 1000
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds ``pid``'s threads have run (the scheduler's nanosecond count of each
-    thread alive now: ``/proc/PID/stat``'s ticks are 10 ms, too coarse for a few
-    hundred requests)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that just ended
-            continue
-    return total / 1e9
-
-
-def processes(m: Method) -> dict[str, int]:
-    """The method's processes by role."""
-    out: dict[str, int] = {}
-    for role in ("send", "recv"):
-        child = getattr(m, role, None)
-        if child is not None:
-            out[role] = child.pid
-    for d in getattr(m, "daemons", []):
-        out[f"{d.role}-daemon"] = d.pid
-    return out
 
 
 @contextmanager
@@ -107,9 +82,9 @@ def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any
     per: dict[str, list[float]] = {role: [] for role in pids}
     walls: list[float] = []
     for i in range(repeats):
-        before = {role: cpu_s(pid) for role, pid in pids.items()}
+        before = {role: threads_cpu_s(pid) for role, pid in pids.items()}
         sample = m.measure(case, f"cpu{tag}-{case.key}-{i}")
-        after = {role: cpu_s(pid) for role, pid in pids.items()}
+        after = {role: threads_cpu_s(pid) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
             per[role].append((after[role] - before[role]) / n * 1e6)

@@ -86,6 +86,24 @@ def _two_sided(sample: dict[str, Any], arrived: dict[str, Any], n: int) -> dict[
     return sample
 
 
+def processes(m: Method) -> dict[str, int]:
+    """The method's processes on this host, by role: ``send`` and ``recv`` (its children),
+    and for the sidecar each daemon (``prefill-daemon``, ``decode-daemon``).  A remote
+    endpoint (a two-host run's receiver) and the in-driver limit have none."""
+    out: dict[str, int] = {}
+    for role in ("send", "recv"):
+        pid = getattr(getattr(m, role, None), "pid", None)
+        if pid is not None:
+            out[role] = pid
+    for d in getattr(m, "daemons", []):
+        out[f"{d.role}-daemon"] = d.pid
+    return out
+
+
+#: which side of a transfer each process role works for
+SIDES = {"send": "send", "prefill-daemon": "send", "recv": "recv", "decode-daemon": "recv"}
+
+
 class _TwoChildren:
     """A method measured by a sending and a receiving child process."""
 

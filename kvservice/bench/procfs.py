@@ -4,7 +4,9 @@ Linux only.  The readers take a pid and read ``/proc/<pid>/``; the parsers besid
 take the files' text, so that what they pick out of it is testable without a process.
 
 - CPU: ``stat``'s ``utime`` + ``stime`` (the process's user and system time so far, its
-  threads' included; clock ticks, 10 ms on most kernels), in seconds.
+  threads' included; clock ticks, 10 ms on most kernels), in seconds; and, finer, the sum of
+  ``task/*/schedstat``'s first field (nanoseconds each live thread has run), for spans too
+  short for clock ticks.
 - RSS: ``status``'s ``VmRSS``: the pages resident now, each counted whole even when shared
   with other processes (the shared libraries' pages too).
 - PSS: ``smaps_rollup``'s ``Pss``: the same pages, each shared one divided by the number of
@@ -52,6 +54,32 @@ def cpu_s(pid: int) -> float:
     """The CPU time (user + system) ``pid`` has used so far, in seconds."""
     with open(f"/proc/{pid}/stat") as f:
         return stat_ticks(f.read()) / os.sysconf("SC_CLK_TCK")
+
+
+def schedstat_ns(text: str) -> int:
+    """Nanoseconds a thread has run, from the text of ``/proc/<pid>/task/<tid>/schedstat``."""
+    return int(text.split()[0])
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """The CPU time thread ``tid`` of ``pid`` has run, in seconds, to the nanosecond (its
+    main thread: ``tid == pid``).  ``OSError`` if it is gone."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return schedstat_ns(f.read()) / 1e9
+
+
+def threads_cpu_s(pid: int) -> float:
+    """The CPU time ``pid``'s live threads have run, in seconds, to the nanosecond (the
+    scheduler's own count; a thread that has ended is no longer in it, so read it around a
+    span in which the process starts and ends no threads).  ``OSError`` if ``pid`` is gone."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += schedstat_ns(f.read())
+        except OSError:  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def rss_mib(pid: int) -> float:

@@ -100,8 +100,37 @@ def table(results: dict[str, Any]) -> str:
         lag = _f(kv.get("lag_p99_ms"), ".1f") + "/" + _f(kv.get("lag_max_ms"), ".1f")
         floor = _f(kv.get("probe_lag_p99_ms"), ".1f") + "/" + _f(kv.get("probe_lag_max_ms"), ".1f")
         lines.append(f"{row} | {lag:>12} {floor:>11} {_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}")
-    lines += tcp_lines(results) + verify_lines(results) + skipped_lines(results) + part_lines(results)
+    lines += (cpu_lines(results) + tcp_lines(results) + verify_lines(results) + skipped_lines(results)
+              + part_lines(results))
     return "\n".join(lines + engine_lines(results) + target_lines(results))
+
+
+def _pair(got: dict[str, Any], a: str, b: str) -> str:
+    return f"{_f(got.get(a), '.0f')}/{_f(got.get(b), '.0f')}"
+
+
+def cpu_lines(results: dict[str, Any]) -> list[str]:
+    """CPU per request of each side's processes on this host, per method: every thread, and
+    for kvservice and the sidecar their event loops' threads alone (the W2 and W3 cases)."""
+    methods = [m for m in ("raw_nixl", "kvservice", "sidecar") if m in measured(results)]
+    looped = [m for m in ("kvservice", "sidecar") if m in methods]
+    cases = [c for c in results.get("cases", []) if c["workload"] in ("w2", "w3")
+             and any("cpu_send_us" in c["methods"].get(m, {}) for m in methods)]
+    if not cases:
+        return []
+    head = (f"{'case':<16} | " + " ".join(f"{SHORT[m]:>11}" for m in methods)
+            + " | " + " ".join(f"{SHORT[m] + ' loop':>11}" for m in looped))
+    lines = ["", "CPU per request, us, send/recv: every thread of the side's processes (raw NIXL's sender "
+             "polls without pause, so its figure is its wall time); loop: kvservice's event-loop threads "
+             "alone (its Python; NIXL's calls run on other threads); the sidecar's side is its worker and "
+             "its daemon", head, "-" * len(head)]
+    for c in cases:
+        got = c["methods"]
+        cells = [_pair(got.get(m, {}), "cpu_send_us", "cpu_recv_us") for m in methods]
+        loops = [_pair(got.get(m, {}), "loop_cpu_send_us", "loop_cpu_recv_us") for m in looped]
+        lines.append(f"{c['key']:<16} | " + " ".join(f"{x:>11}" for x in cells)
+                     + " | " + " ".join(f"{x:>11}" for x in loops))
+    return lines
 
 
 def part_lines(results: dict[str, Any]) -> list[str]:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.bench._lines import Child
-from kvservice.bench.methods import SETUP_TIMEOUT_S, KvService, Method
+from kvservice.bench.methods import SETUP_TIMEOUT_S, SIDES, KvService, Method, processes
+from kvservice.bench.procfs import thread_cpu_s, threads_cpu_s
 from kvservice.bench.stats import combine, median, quantile, ratios, summarize_sample
 from kvservice.bench.workloads import LLAMA3_8B, Case, Plan, page_bytes, ring_requests
 
@@ -29,7 +30,7 @@ KILL_POOL_PAGES = 32
 TARGETS = {
     "w1_ratio": 0.9, "w2_ratio": 0.9, "w3_ratio": 0.9, "sidecar_ratio": 0.85, "lag_p99_ms": 2.0,
     "lag_max_ms": 10.0, "gc_pause_ms": 10.0, "state_per_request_bytes": 4096, "kill_p99_ms": 100.0,
-    "kv_over_mooncake": 1.0,
+    "kv_over_mooncake": 1.0, "loop_cpu_us": 50.0,
 }
 UNITS = {"gbps": "GB/s", "req_s": "req/s"}
 #: (method, over method, where ``aggregate`` keeps the per-case ratio); the ``/tcp`` methods ran
@@ -89,7 +90,7 @@ def run_cases(methods: list[Method], cases: list[Case], plan: Plan,
             order = methods[k:] + methods[:k]
             line = []
             for m in order:
-                sample = m.measure(case, f"{rep}.{ci}")
+                sample = measured_cpu(m, case, f"{rep}.{ci}")
                 s = summarize_sample(sample, case.pages * pbytes, len(case.requests))
                 if probe is not None and "lag_p99_ms" in s:
                     floor = probe.call("window", "window", start=sample["start"], end=sample["end"])
@@ -98,6 +99,26 @@ def run_cases(methods: list[Method], cases: list[Case], plan: Plan,
                 line.append(f"{m.name} {s['gbps']:.2f} GB/s")
             log(f"  [{rep + 1}/{plan.repeats}] {case.key:<16} " + ", ".join(line))
     return runs
+
+
+def measured_cpu(m: Method, case: Case, prefix: str) -> dict[str, Any]:
+    """``m.measure(case, prefix)``, with the CPU time each side's processes on this host
+    spent in it (the scheduler's count): ``sample["cpu_s"]``, side -> seconds of every
+    thread, and ``sample["loop_cpu_s"]``, side -> seconds of the processes' main threads,
+    where kvservice's event loops run (its Python, the bench client's few lines, no NIXL
+    call: those run on the door thread).  The driver's work between the readings (a few
+    control lines) is in neither."""
+    pids = processes(m)
+    before = {role: (threads_cpu_s(pid), thread_cpu_s(pid, pid)) for role, pid in pids.items()}
+    sample = m.measure(case, prefix)
+    cpu: dict[str, float] = {}
+    loop: dict[str, float] = {}
+    for role, pid in pids.items():
+        side = SIDES[role]
+        cpu[side] = cpu.get(side, 0.0) + threads_cpu_s(pid) - before[role][0]
+        loop[side] = loop.get(side, 0.0) + thread_cpu_s(pid, pid) - before[role][1]
+    sample["cpu_s"], sample["loop_cpu_s"] = cpu, loop
+    return sample
 
 
 def warm_up(methods: list[Method], cases: list[Case]) -> None:
@@ -216,6 +237,13 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"{key} kv/raw req/s", c["kv_over_raw"]["median"], TARGETS[f"{c['workload']}_ratio"], "higher")
         if "sidecar_over_raw" in c and c["concurrency"] > 1:  # one request at a time: no sidecar goal
             add(f"{key} sidecar/raw req/s", c["sidecar_over_raw"]["median"], TARGETS["sidecar_ratio"], "higher")
+    for key, c in cases.items():
+        kv = c["methods"].get("kvservice", {})
+        if c["workload"] in ("w2", "w3"):
+            for side, label in (("send", "sender"), ("recv", "receiver")):
+                if f"loop_cpu_{side}_us" in kv:
+                    add(f"{key} kvservice loop-thread CPU/request, {label}", kv[f"loop_cpu_{side}_us"],
+                        TARGETS["loop_cpu_us"], "lower", " us")
     for key, c in cases.items():
         if "kv_over_mooncake" in c:
             add(f"{key} kv/mooncake {UNITS[c['kv_over_mooncake']['metric']]}, both over TCP",

@@ -30,6 +30,9 @@ def summarize_sample(sample: dict[str, Any], nbytes: int, nreq: int) -> dict[str
         "lat_p50_ms": quantile(lat, 0.50) * 1e3,
         "lat_p99_ms": quantile(lat, 0.99) * 1e3,
     }
+    for key in ("cpu", "loop_cpu"):  # CPU per request of each side's processes, or their main threads
+        for side, seconds in sample.get(f"{key}_s", {}).items():
+            out[f"{key}_{side}_us"] = seconds / nreq * 1e6
     lags = sample.get("lags")
     if lags is not None:
         out.update(lag_p50_ms=quantile(lags, 0.50) * 1e3, lag_p99_ms=quantile(lags, 0.99) * 1e3,

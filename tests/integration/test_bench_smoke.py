@@ -55,9 +55,17 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
             numbers = case["methods"][method]
             for key in ("gbps", "req_s", "lat_p50_ms", "lat_p99_ms"):
                 assert numbers[key] > 0, (case["key"], method, key, numbers)
+            if method == "limit":  # a copy in the driver: no process of its own
+                continue
+            # the CPU each side's processes spent per request (every thread), read around the run
+            assert numbers["cpu_send_us"] > 0 and numbers["cpu_recv_us"] > 0, (case["key"], method, numbers)
         for method, ratio in (("kvservice", "kv_over_raw"), ("sidecar", "sidecar_over_raw")):
             assert case["methods"][method]["lag_samples"] > 0
             assert case[ratio]["median"] > 0
+            numbers = case["methods"][method]
+            # the event loops' threads are part of the processes: more than nothing, less than all
+            for side in ("send", "recv"):
+                assert 0 < numbers[f"loop_cpu_{side}_us"] < numbers[f"cpu_{side}_us"], (case["key"], method, side)
 
     memory = results["memory"]
     assert memory["ok"] == memory["n"] and memory["peak_per_request"] > 0
@@ -66,7 +74,9 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
     assert "metadata-vetting child (one per service), median of" in stdout
     kill = results["kill"]
     assert kill["tries"] and all(t["inflight"] > 0 for t in kill["tries"])
-    assert {row["target"] for row in results["targets"]}  # every target evaluated
+    targets = {row["target"] for row in results["targets"]}  # every target evaluated
+    assert "w3/c1 kvservice loop-thread CPU/request, receiver" in targets, targets
+    assert "CPU per request, us, send/recv" in stdout
 
     # the engine-memory cases: both methods on the same tensors, every number there and positive
     engine = {c["key"]: c for c in results["engines"]["cases"]}

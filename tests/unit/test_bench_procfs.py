@@ -1,5 +1,5 @@
-"""The vetting child's figures in ``kvservice bench``: what ``procfs`` picks out of ``/proc``'s
-files, and how the report prints the figures, or why there are none."""
+"""What ``kvservice bench`` reads from ``/proc`` (``procfs``) and prints from it: the vetting
+child's figures, or why there are none, and the CPU per request of each side's processes."""
 
 from __future__ import annotations
 
@@ -69,3 +69,54 @@ def test_a_child_that_did_not_start_is_a_line_saying_why() -> None:
     why = "vetting:uvloop: the vetting process could not create a NIXL agent: NixlUnavailable: ..."
     table = report.table(only_memory({"error": why}))
     assert f"metadata-vetting child (one per service): NOT MEASURED: {why}" in table.splitlines()
+
+
+# -- CPU per request: the scheduler's per-thread count ------------------------------------------
+
+
+def test_a_threads_schedstat_is_its_run_time_in_nanoseconds() -> None:
+    assert procfs.schedstat_ns("123456789 2000 17\n") == 123456789
+
+
+def test_the_main_thread_is_part_of_the_whole_and_both_grow_with_work() -> None:
+    pid = os.getpid()
+    whole0, main0 = procfs.threads_cpu_s(pid), procfs.thread_cpu_s(pid, pid)
+    sum(i * i for i in range(300_000))  # CPU on this (the main) thread
+    whole1, main1 = procfs.threads_cpu_s(pid), procfs.thread_cpu_s(pid, pid)
+    assert main1 > main0 and whole1 > whole0
+    assert main1 <= whole1
+
+
+def test_the_cpu_table_shows_each_side_and_the_loop_threads() -> None:
+    results = only_memory(VETTING)
+    nums = {"raw_nixl": {"cpu_send_us": 700.4, "cpu_recv_us": 71.0},
+            "kvservice": {"cpu_send_us": 1004.0, "cpu_recv_us": 403.0, "loop_cpu_send_us": 180.0,
+                          "loop_cpu_recv_us": 95.0}}
+    results["methods"] = ["raw_nixl", "kvservice"]
+    results["cases"] = [{"key": "w3/c64", "workload": "w3", "methods": nums},
+                        {"key": "w1/contiguous", "workload": "w1", "methods": nums}]
+    lines = report.cpu_lines(results)
+    assert any(line.startswith("CPU per request, us, send/recv") for line in lines)
+    row = next(line for line in lines if line.startswith("w3/c64"))
+    assert row.split() == ["w3/c64", "|", "700/71", "1004/403", "|", "180/95"]
+    assert not any(line.startswith("w1/") for line in lines)  # one request moves 256 MiB: no such row
+
+
+def test_no_cpu_figures_no_cpu_table() -> None:
+    results = only_memory(VETTING)
+    results["cases"] = [{"key": "w3/c64", "workload": "w3", "methods": {"kvservice": {"req_s": 1.0}}}]
+    assert report.cpu_lines(results) == []
+
+
+def test_the_loop_threads_cpu_is_a_target_per_case_and_side() -> None:
+    from kvservice.bench.run import TARGETS, evaluate
+
+    kv = {"loop_cpu_send_us": 42.0, "loop_cpu_recv_us": 95.0}
+    rows = {r["target"]: r for r in evaluate({"cases": [
+        {"key": "w2/c1", "workload": "w2", "methods": {"kvservice": kv}, "runs": {}},
+        {"key": "w1/contiguous", "workload": "w1", "methods": {"kvservice": kv}, "runs": {}}]})}
+    assert TARGETS["loop_cpu_us"] == 50.0
+    send, recv = (rows[f"w2/c1 kvservice loop-thread CPU/request, {side}"] for side in ("sender", "receiver"))
+    assert (send["measured"], send["met"], send["goal"]) == (42.0, True, "<= 50 us")
+    assert (recv["measured"], recv["met"]) == (95.0, False)
+    assert not any(name.startswith("w1/") for name in rows)
