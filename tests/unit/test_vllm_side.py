@@ -526,6 +526,73 @@ def test_a_step_without_a_forward_waits_for_a_transfer_only_while_one_is_on_its_
     assert p.counts == {"sends_ok": 1}  # what vLLM's stats show: no count of its own
 
 
+def test_an_idle_step_reports_loads_landing_one_after_another_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads of requests prefilled together land milliseconds apart: a step without a forward
+    reports them in one batch, not the first alone (whose decode forward would hold the rest
+    back a whole step); it stops at a gap with nothing ended, and after GATHER_MAX_S in all."""
+    from kvservice.integrations.vllm import worker as worker_module
+    from kvservice.integrations.vllm.scheduler import RecvSpec, Work
+    from kvservice.integrations.vllm.worker import GATHER_GAP_S, GATHER_MAX_S
+
+    clock = [100.0]
+    monkeypatch.setattr(worker_module.time, "monotonic", lambda: clock[0])
+    d, de = worker(1, 0)
+    landing: list[str] = []
+
+    def land_next(timeout: float) -> bool:  # each wait: the next load in line lands 15 ms on
+        de.waits.append(timeout)
+        if not landing:
+            clock[0] += timeout
+            return False
+        clock[0] += 0.015
+        t = de.made[landing.pop(0)]
+        t.state, t.settled, t.result = "Success", True, ok(t.request_id, pages=1)
+        return True
+
+    de.wait_for_end = land_next  # type: ignore[method-assign]
+    for i in range(4):
+        d.start(Work(recvs=[RecvSpec(f"x{i}", make(f"r{i}", ("10.0.0.5:7100",), 32, 32), (i + 1,))]))
+    assert d.finished(set(), idle_wait_s=0.005) == (set(), set(), set()) and de.waits == [0.005]  # none landed
+    de.waits.clear()
+    landing[:] = ["r0@tp0.0", "r1@tp0.0", "r2@tp0.0"]  # r3's prefill is still computing
+    assert d.finished(set(), idle_wait_s=0.005) == (set(), {"x0", "x1", "x2"}, set())
+    assert de.waits == [0.005, GATHER_GAP_S, GATHER_GAP_S, GATHER_GAP_S]  # three ends, then a gap with none
+    de.waits.clear()
+    landing[:] = ["r3@tp0.0"]
+    assert d.finished(set(), idle_wait_s=0.005) == (set(), {"x3"}, set())
+    assert de.waits == [0.005]  # it ended and nothing else moves: no further wait
+
+    # loads that keep landing hold the step GATHER_MAX_S at most; the rest go to the next step
+    for i in range(20):
+        d.start(Work(recvs=[RecvSpec(f"y{i}", make(f"s{i}", ("10.0.0.5:7100",), 32, 32), (i + 1,))]))
+    de.waits.clear()
+    landing[:] = [f"s{i}@tp0.0" for i in range(20)]
+    _, recving, _ = d.finished(set(), idle_wait_s=0.005)
+    gathered = 1 + int(GATHER_MAX_S / 0.015) + 1  # the first, those within the budget, one past its end
+    assert len(recving) == len(de.waits) <= gathered < 20 and recving == {f"y{i}" for i in range(len(recving))}
+    later = d.finished(set(), idle_wait_s=0.005)[1]  # the next step takes up the rest, a budget's worth
+    assert later == {f"y{i}" for i in range(len(recving), len(recving) + len(later))} and later
+
+
+def test_an_idle_prefill_step_does_not_wait_on_for_sends_after_one_ended() -> None:
+    """A send's end only frees blocks: a prefill step reports it and steps again, so that a
+    prompt arriving meanwhile waits IDLE_WAIT_S at most, not a gathering's time."""
+    from kvservice.integrations.vllm.scheduler import Work
+
+    p, pe = worker(1, 0)
+    p.save(Work(sends=[SendSpec("a", (1,), 1), SendSpec("b", (2,), 1)]))
+
+    def one_ends(timeout: float) -> bool:
+        pe.waits.append(timeout)
+        a = pe.made["a@tp0.0"]
+        a.state, a.settled, a.result = "Success", True, ok(a.request_id, pages=1)
+        return True
+
+    pe.wait_for_end = one_ends  # type: ignore[method-assign]
+    assert p.finished({"a", "b"}, idle_wait_s=0.005) == ({"a"}, set(), set())
+    assert pe.waits == [0.005]  # "b" is still on its way: not waited for
+
+
 def test_the_engines_wait_for_end_wakes_when_a_transfer_ends() -> None:
     import threading
     import time

@@ -59,8 +59,10 @@ if TYPE_CHECKING:
 __all__ = ["KVServiceConnector", "KVServiceMetadata", "settings_from"]
 
 #: how long a step that schedules nothing (its only work: sends held for decodes, loads on
-#: their way) waits for a transfer to end before vLLM steps again (``WorkerSide._idle``): a
-#: request arriving meanwhile waits that long at most
+#: their way) waits for a transfer to end before vLLM steps again (``WorkerSide._idle``; once
+#: one ended, it waits on for those landing after it, ``worker.GATHER_GAP_S`` and
+#: ``GATHER_MAX_S``): a request arriving meanwhile waits 5 ms, or while loads land one after
+#: another up to 105 ms
 IDLE_WAIT_S = 0.005
 
 log = get_logger("kvservice.vllm")

@@ -40,6 +40,7 @@ its blocks in ``get_block_ids_with_load_errors``, so vLLM recomputes the prompt
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ from .stats import Samples
 log = get_logger("kvservice.vllm")
 
 _ENDED = (KVPoll.Success, KVPoll.Failed)
+#: a step without a forward in which a transfer ended waits up to this long for the next of
+#: those still on their way to end, and goes on while they do (``WorkerSide._idle``) ...
+GATHER_GAP_S = 0.02
+#: ... up to this long in all
+GATHER_MAX_S = 0.1
 
 
 @dataclass(slots=True)
@@ -319,13 +325,34 @@ class WorkerSide:
         in the worker's process, the core) from kvservice's loop, which runs the transfers.
         Where the step had nothing else to do, block here instead, until a transfer ends
         (reported by this very step) or ``timeout`` passes (a new request waits that long at
-        most)."""
+        most).
+
+        Once one has ended, while loads are still on their way, go on waiting for the next for
+        up to ``GATHER_GAP_S`` each time, ``GATHER_MAX_S`` in all: the loads of requests
+        prefilled together land a few milliseconds apart (one WRITE after another), and a step
+        that reported only the first would have vLLM run that request's decode forward
+        (hundreds of milliseconds on a CPU) before the next step reports the others, which
+        from then on reach the decode a step apart instead of in one batch.  Sends are not
+        waited on so: their end only frees blocks, and a prompt arriving at a prefill would
+        wait for nothing."""
         engine = self.engine
-        if engine is None or not engine.running:
+        if engine is None or not engine.running or not (self._loading() or self._sending()):
             return
-        moving = any(t.result is None or not t.settled for send in self._sends.values() for t in send.senders)
-        if moving or any(t.result is None or not t.settled for load in self._loads.values() for t in load.receivers):
-            engine.wait_for_end(timeout)
+        if not engine.wait_for_end(timeout):
+            return
+        until = time.monotonic() + GATHER_MAX_S
+        while self._loading():
+            left = until - time.monotonic()
+            if left <= 0 or not engine.wait_for_end(min(GATHER_GAP_S, left)):
+                return
+
+    def _sending(self) -> bool:
+        """A send of this worker has not ended, or has not settled."""
+        return any(t.result is None or not t.settled for send in self._sends.values() for t in send.senders)
+
+    def _loading(self) -> bool:
+        """A load of this worker has not ended, or has not settled."""
+        return any(t.result is None or not t.settled for load in self._loads.values() for t in load.receivers)
 
     def _send_ended(self, send: _Send) -> bool:
         states = [s.poll() for s in send.senders]
