@@ -72,14 +72,13 @@ def threads_cpu_s(pid: int) -> float:
     """The CPU time ``pid``'s live threads have run, in seconds, to the nanosecond (the
     scheduler's own count; a thread that has ended is no longer in it, so read it around a
     span in which the process starts and ends no threads).  ``OSError`` if ``pid`` is gone."""
-    total = 0
+    total = 0.0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += schedstat_ns(f.read())
+            total += thread_cpu_s(pid, int(tid))
         except OSError:  # a thread that just ended
             continue
-    return total / 1e9
+    return total
 
 
 def rss_mib(pid: int) -> float:
