@@ -25,6 +25,7 @@ import enum
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -133,6 +134,11 @@ class TickPlan:
     #: ... every ``poll`` seconds, and stop early once ``interrupt`` is set
     poll: float = 0.0
     interrupt: threading.Event | None = None
+    #: posts handed over by the loop after this plan was made (``Watchdog.schedule``): the
+    #: tick posts them before its own, and while it lingers as soon as ``interrupt`` wakes
+    #: it, so a post that arrives during a linger costs no round trip through the loop.
+    #: Shared by every tick; the loop only appends, the door thread only takes.
+    late: deque[PostOp] | None = None
 
 
 @dataclass(slots=True)
@@ -156,7 +162,8 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     nothing to report, the tick *lingers*: it polls the still-running handles
     and the notifications every ``plan.poll`` seconds, here on the door thread,
     and returns at the first news, when ``plan.interrupt`` is set (the loop has
-    new work, or another door call is queued) or after ``plan.linger``.  Polling
+    new work, or another door call is queued) or after ``plan.linger``.  Posts
+    the loop hands over meanwhile (``plan.late``) are posted before it returns.  Polling
     here costs a few microseconds per round instead of a thread hop, and
     ``time``-based waits keep sub-millisecond cadences that event-loop timers
     (uvloop's are in whole milliseconds) cannot.
@@ -164,7 +171,19 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     out = TickOutcome(released=plan.releases)
     for xfer in plan.releases:
         door.release(xfer)
-    for op in plan.posts:
+    if plan.late:  # handed over before this tick began: planned before its own posts
+        _post(door, take_late(plan.late), out)
+    _post(door, plan.posts, out)
+    running = _check(door, plan.checks, out)
+    out.notifs = door.notifs()
+    if plan.linger > 0 and not (out.posted or out.checked or out.notifs):
+        _linger(door, plan, running, out)
+    out.live = door.live_xfers()
+    return out
+
+
+def _post(door: Door, ops: list[PostOp], out: TickOutcome) -> None:
+    for op in ops:
         t0 = time.monotonic()
         try:
             if op.prepare is not None:
@@ -176,12 +195,24 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
         else:
             out.post_times.append((op.peer, time.monotonic() - t0))
             out.posted.append((op.key, xid, state))
-    running = _check(door, plan.checks, out)
-    out.notifs = door.notifs()
-    if plan.linger > 0 and not (out.posted or out.checked or out.notifs):
-        _linger(door, plan, running, out)
-    out.live = door.live_xfers()
-    return out
+
+
+def take_late(late: deque[PostOp]) -> list[PostOp]:
+    """Every post handed over so far, in the order handed (safe beside the loop's appends)."""
+    ops = []
+    while True:
+        try:
+            ops.append(late.popleft())
+        except IndexError:
+            return ops
+
+
+def post_late(door: Door, plan: TickPlan, out: TickOutcome) -> bool:
+    """Post what was handed over to a lingering tick; whether there was any."""
+    if not plan.late:
+        return False
+    _post(door, take_late(plan.late), out)
+    return True
 
 
 def _prepare(prepare: Callable[[], None]) -> None:
@@ -217,6 +248,7 @@ def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome)
         wait = min(plan.poll, left)
         if plan.interrupt is not None:
             if plan.interrupt.wait(wait):
+                post_late(door, plan, out)  # the loop's new work may be posts: post them now
                 return
         else:
             time.sleep(wait)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -102,6 +103,12 @@ class Watchdog:
         self._stopped = anyio.Event()
         #: the tick queued on the door thread and not yet digested, if any
         self._ahead: asyncio.Future[TickOutcome] | None = None
+        #: whether that tick was planned to linger (it has no posts or releases of its own)
+        self._lingering = False
+        #: posts handed over to the tick ahead (``TickPlan.late``), and how many posts and
+        #: bytes it may still be handed (the per-tick limits, counted from its planning)
+        self._late: deque[PostOp] = deque()
+        self._late_left = (0, 0)
         self.ticks = 0
         self.live_handles = 0  # as the door last reported
 
@@ -111,13 +118,21 @@ class Watchdog:
 
         With no tick on the door thread, that tick is queued right here: the door
         thread starts the copy while the loop goes on to wake the watchdog task,
-        instead of after it (a thread wake-up less on a lone request's path)."""
+        instead of after it (a thread wake-up less on a lone request's path).  With
+        a lingering tick there (other transfers in flight or awaited), the posts are
+        handed over to it (``TickPlan.late``): it posts them at once and returns with
+        their outcome, where ending it first would cost a round trip through the loop
+        before the copy starts."""
         self._ready[req.request_id] = req
         if self._ahead is None:
             self._ahead = self._submit(linger=False)
             self._wake.set()  # no tick lingers: the watchdog task only needs to digest this one
-        else:
-            self.wake()
+            return
+        if self._lingering:
+            posts: list[PostOp] = []
+            self._late_left = self._take_posts(posts, *self._late_left)
+            self._late.extend(posts)  # then wake(): the door thread sees them once woken
+        self.wake()
 
     def forget(self, req: SendRequest) -> None:
         """``req`` ended: drop it and release whatever of it is still in flight.  Once
@@ -175,7 +190,8 @@ class Watchdog:
                 if req.inflight is not None:
                     req.inflight.discard(xid)
         # A tick on the door thread may be posting to it: what it posts drains too (_digest).
-        if self._ahead is None and not any(req.peer == peer for req, _ in self._draining.values()):
+        if (self._ahead is None and not self._late
+                and not any(req.peer == peer for req, _ in self._draining.values())):
             return None
         self._drain_until[peer] = until
         event = self._drained.setdefault(peer, anyio.Event())
@@ -204,7 +220,8 @@ class Watchdog:
             self._check_drained(req.peer)
 
     def _check_drained(self, peer: str) -> None:
-        if not any(r.peer == peer for r, _ in self._draining.values()):
+        # Posts handed over and not yet digested may be to ``peer``: they drain too.
+        if not self._late and not any(r.peer == peer for r, _ in self._draining.values()):
             self._drain_until.pop(peer, None)
             event = self._drained.pop(peer, None)
             if event is not None:
@@ -263,7 +280,8 @@ class Watchdog:
         next_scan = 0.0
         while not self._stopping:
             if self._ahead is None:
-                if not (self._ready or self._releases or self._inflight or self._draining or self._owner.busy()):
+                if not (self._ready or self._releases or self._late or self._inflight or self._draining
+                        or self._owner.busy()):
                     self._wake = anyio.Event()
                     with anyio.move_on_after(self._idle):
                         await self._wake.wait()
@@ -284,7 +302,7 @@ class Watchdog:
             if now >= next_scan:
                 self._owner.check_deadlines(now)
                 next_scan = now + DEADLINE_SCAN_S
-            if self._ahead is None and (self._ready or self._releases):
+            if self._ahead is None and (self._ready or self._releases or self._late):
                 # Queue the next tick before yielding, so the door thread copies while
                 # the senders just woken run.  It is planned after the digest and the
                 # deadline scan, so it checks no handle they have just let go of.
@@ -304,8 +322,12 @@ class Watchdog:
         post or release, it waits there (polling) for news for up to ``LINGER_S``."""
         self._thread.interrupt.clear()  # set again by any wake() from here on
         plan = self._plan()
-        if linger and not plan.posts and not plan.releases and (self._inflight or self._draining or self._owner.busy()):
+        plan.late = self._late  # whatever was handed over and not yet posted goes first
+        self._lingering = (linger and not plan.posts and not plan.releases
+                           and bool(self._inflight or self._draining or self._owner.busy()))
+        if self._lingering:
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
+            self._late_left = (self._max_posts, self._max_post_bytes)
         return self._thread.submit(run_tick, self._door, plan)
 
     def _digest(self, outcome: TickOutcome) -> None:
@@ -389,19 +411,7 @@ class Watchdog:
         plan = TickPlan(releases=self._releases, posts=self._fences)
         self._releases = []
         self._fences = []
-        budget = self._max_posts
-        byte_budget = self._max_post_bytes
-        for rid in list(self._ready):
-            if budget <= 0 or byte_budget <= 0:
-                break
-            req = self._ready[rid]
-            while req.pending and budget > 0 and byte_budget > 0:
-                src, _, lo, hi = req.pending[0]
-                byte_budget -= int(src.size) * (hi - lo) * self._layer_page_bytes
-                plan.posts.append(self._post_op(req))
-                budget -= 1
-            if not req.pending:
-                del self._ready[rid]
+        self._take_posts(plan.posts, self._max_posts, self._max_post_bytes)
         xids = list(self._inflight) + list(self._draining)
         if len(xids) <= self._max_checks:
             plan.checks = xids
@@ -410,6 +420,22 @@ class Watchdog:
             plan.checks = (xids[start:] + xids[:start])[: self._max_checks]
             self._cursor = start + self._max_checks
         return plan
+
+    def _take_posts(self, posts: list[PostOp], budget: int, byte_budget: int) -> tuple[int, int]:
+        """Plan the ready requests' next chunks into ``posts``, within ``budget`` posts and
+        ``byte_budget`` bytes; returns what is left of both."""
+        for rid in list(self._ready):
+            if budget <= 0 or byte_budget <= 0:
+                break
+            req = self._ready[rid]
+            while req.pending and budget > 0 and byte_budget > 0:
+                src, _, lo, hi = req.pending[0]
+                byte_budget -= int(src.size) * (hi - lo) * self._layer_page_bytes
+                posts.append(self._post_op(req))
+                budget -= 1
+            if not req.pending:
+                del self._ready[rid]
+        return budget, byte_budget
 
     def _post_op(self, req: SendRequest) -> PostOp:
         kv = req.kv

@@ -5,7 +5,7 @@ queue order), and the caller then yields once, as it would waiting for the
 thread.  A watchdog tick that asks to *linger* does its work at once; if it
 has nothing to report it stays pending for its linger time (virtual) and then
 polls once more, or ends early when ``interrupt`` is set, as the real tick
-does when the loop has new work.
+does when the loop has new work (posting what the loop handed over first).
 
 ``kill()`` is the SIGKILL of the process that owns it: from then on every call
 raises ``CancelledError`` where it stands, so the dead service's code stops
@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvservice._nixl.door import Door, TickOutcome, TickPlan, XferId, _check, run_tick
+from kvservice._nixl.door import Door, TickOutcome, TickPlan, XferId, _check, post_late, run_tick
 
 T = TypeVar("T")
 
@@ -43,9 +43,9 @@ class _Interrupt:
 
 
 class _Linger:
-    def __init__(self, future: asyncio.Future[TickOutcome], door: Door, running: list[XferId],
+    def __init__(self, future: asyncio.Future[TickOutcome], door: Door, plan: TickPlan, running: list[XferId],
                  out: TickOutcome, timer: asyncio.TimerHandle | None) -> None:
-        self.future, self.door, self.running, self.out, self.timer = future, door, running, out, timer
+        self.future, self.door, self.plan, self.running, self.out, self.timer = future, door, plan, running, out, timer
 
 
 class InlineDoorThread:
@@ -82,7 +82,7 @@ class InlineDoorThread:
                 future.set_result(out)
                 return future
             self._end_linger()  # at most one tick lingers
-            self._linger = _Linger(future, door, list(plan.checks), out, None)
+            self._linger = _Linger(future, door, plan, list(plan.checks), out, None)
             self._linger.timer = loop.call_later(linger, self._end_linger)
             return future
         try:
@@ -100,7 +100,9 @@ class InlineDoorThread:
         if self.killed:
             linger.future.cancel()
             return
-        # The tick polls once more (the real one polls every poll_interval until news).
+        # Posts handed over meanwhile are posted, and the tick polls once more (the real one
+        # polls every poll_interval until news).
+        post_late(linger.door, linger.plan, linger.out)
         _check(linger.door, linger.running, linger.out)
         linger.out.notifs = linger.door.notifs()
         linger.out.live = linger.door.live_xfers()

@@ -1,0 +1,126 @@
+"""Posts handed over to a lingering watchdog tick (``TickPlan.late``).
+
+A send that waits for its receiver's expect keeps the watchdog lingering on the door
+thread; when the expect arrives, its WRITE must go out from that tick, not after a
+round trip through the loop (the tick ending, its empty outcome digested, a new tick
+planned).  That round trip was two thread wake-ups on a lone hand-off's path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import anyio
+import pytest
+import torch
+
+from kvservice import TransferService
+from kvservice._nixl import door as door_mod
+from kvservice._nixl.door import Door, PostOp, TickOutcome, TickPlan
+from kvservice._transfer import watchdog as watchdog_mod
+from kvservice.testing import FakeFabric
+from tests.helpers import eventually
+
+from .harness import GUARD_S, door_of, fill, unit_config
+from .test_fake_door import indices, pair
+
+#: (agent, the plan's linger, posts in its outcome) of every tick, appended on the door thread
+Seen = list[tuple[str, float, int]]
+
+
+@pytest.fixture
+def ticks(monkeypatch: pytest.MonkeyPatch) -> Seen:
+    """Every tick recorded; lingers last 2 s, so that one cannot end on its own between a
+    post's hand-over and the door thread's wake-up (the race the next tick covers)."""
+    seen: Seen = []
+
+    def recording(door: Door, plan: TickPlan) -> TickOutcome:
+        out = door_mod.run_tick(door, plan)
+        seen.append((door.agent_name, plan.linger, len(out.posted)))
+        return out
+
+    monkeypatch.setattr(watchdog_mod, "LINGER_S", 2.0)
+    monkeypatch.setattr(watchdog_mod, "run_tick", recording)
+    return seen
+
+
+async def test_a_send_bound_while_the_watchdog_lingers_is_posted_by_that_tick(ticks: Seen) -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with (
+            TransferService(unit_config(), door_factory=fabric.factory) as tx,
+            TransferService(unit_config(), door_factory=fabric.factory) as rx,
+        ):
+            warm = fill(tx, "warm", [1])  # the link up first: its set-up calls the door too
+            await rx.expect("warm", [40], sender=tx.address)
+            assert (await tx.await_completion(await tx.send("warm", [1], last=True))).ok
+            assert torch.equal(rx.kv.pages([40]), warm)
+
+            data = fill(tx, "bound", [2, 3])
+            handle = await tx.send("bound", [2, 3], last=True)  # waits for its expect
+            await eventually(lambda: any(a == tx.agent_name and linger > 0 for a, linger, _ in ticks[-3:]),
+                             GUARD_S, what="a tick lingering while the send waits")
+            before = len(ticks)
+            await rx.expect("bound", [50, 51], sender=tx.address)
+            result = await tx.await_completion(handle)
+            arrived = await rx.await_arrival("bound")
+            posting = [(linger, n) for a, linger, n in ticks[before:] if a == tx.agent_name and n]
+    assert result.ok and arrived.ok, (result, arrived)
+    assert torch.equal(rx.kv.pages([50, 51]), data)
+    assert posting and all(linger > 0 for linger, _ in posting), posting
+    assert door_of(fabric, tx).live_xfers() == 0
+    fabric.assert_clean()
+
+
+async def test_many_sends_bound_while_lingering_all_land_byte_exact(ticks: Seen) -> None:
+    """Expects arriving one after another, each binding a waiting send: every WRITE goes
+    out once, in order, and nothing is left on the door."""
+    fabric = FakeFabric()
+    n = 12
+    with anyio.fail_after(GUARD_S):
+        async with (
+            TransferService(unit_config(max_posts_per_tick=2), door_factory=fabric.factory) as tx,
+            TransferService(unit_config(), door_factory=fabric.factory) as rx,
+        ):
+            data = {i: fill(tx, f"r{i}", [i]) for i in range(n)}
+            handles = [await tx.send(f"r{i}", [i], last=True) for i in range(n)]
+            for i in range(n):
+                await rx.expect(f"r{i}", [30 + i], sender=tx.address)
+            results = [await tx.await_completion(h) for h in handles]
+            arrivals = [await rx.await_arrival(f"r{i}") for i in range(n)]
+    assert all(r.ok for r in results + arrivals), [r for r in results + arrivals if not r.ok]
+    for i in range(n):
+        assert torch.equal(rx.kv.pages([30 + i]), data[i])
+    posted = sum(k for a, _, k in ticks if a == tx.agent_name)
+    assert posted == n, posted  # every chunk posted once: none twice, none dropped
+    assert door_of(fabric, tx).live_xfers() == 0
+    fabric.assert_clean()
+
+
+def test_a_lingering_tick_posts_what_is_handed_over_and_returns_at_once() -> None:
+    fabric, a, b, *_pools = pair()
+    interrupt = threading.Event()
+    late: deque[PostOp] = deque()
+    plan = TickPlan(linger=30.0, poll=0.001, interrupt=interrupt, late=late)
+    op = PostOp("k", "b", indices([1]), indices([2]), b"n")
+    out: list[TickOutcome] = []
+    thread = threading.Thread(target=lambda: out.append(door_mod.run_tick(a, plan)))
+    thread.start()
+    late.append(op)
+    interrupt.set()
+    thread.join(GUARD_S)
+    assert not thread.is_alive(), "the tick lingered on past the hand-over"
+    assert [(key, state) for key, _, state in out[0].posted] == [("k", door_mod.XferState.DONE)]
+    assert not late and b.notifs() == {"a": [b"n"]}
+    fabric.assert_clean()
+
+
+def test_handed_over_posts_go_before_the_ticks_own() -> None:
+    fabric, a, b, *_pools = pair()
+    late: deque[PostOp] = deque([PostOp("first", "b", indices([1]), indices([2]), b"1")])
+    plan = TickPlan(posts=[PostOp("second", "b", indices([3]), indices([4]), b"2")], late=late)
+    out = door_mod.run_tick(a, plan)
+    assert [key for key, _, _ in out.posted] == ["first", "second"]
+    assert b.notifs() == {"a": [b"1", b"2"]} and not late
+    fabric.assert_clean()
