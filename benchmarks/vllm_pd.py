@@ -162,6 +162,8 @@ class Plan:
     kv_cache_bytes: int = 512 << 20
     max_model_len: int = 4096
     start_timeout_s: float = 300.0
+    #: ``ServiceConfig`` keys for both kvservice engines (``--kvservice``; e.g. ``poll_interval_s``)
+    kvservice: dict[str, Any] = field(default_factory=dict)
     phase_timeout_s: float = 600.0
 
 
@@ -249,9 +251,9 @@ class Harness:
         common = {"kv_connector_module_path": TIMING, "kv_load_failure_policy": "fail"}
         if config == "kvservice":
             producer = {**common, "kv_connector": "TimedKVService", "kv_role": "kv_producer",
-                        "kv_connector_extra_config": {"kvservice": {"port": free_port()}}}
+                        "kv_connector_extra_config": {"kvservice": {**self.plan.kvservice, "port": free_port()}}}
             consumer = {**common, "kv_connector": "TimedKVService", "kv_role": "kv_consumer",
-                        "kv_connector_extra_config": {"kvservice": {}}}
+                        "kv_connector_extra_config": {"kvservice": dict(self.plan.kvservice)}}
             p_env: dict[str, str] = {}
             d_env: dict[str, str] = {}
         else:
@@ -427,6 +429,17 @@ def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Seq
     return "\n".join(lines)
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with a JSON value (a bare word is a string); ``ValueError`` otherwise."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_pd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -437,7 +450,14 @@ def main(argv: Sequence[str]) -> int:
                     help="start no round past this many seconds (default 3600)")
     ap.add_argument("--phases", help="only the phases whose name contains this (e.g. '1 in flight')")
     ap.add_argument("--configs", help=f"only these configurations, comma-separated (of {', '.join(CONFIGS)})")
+    ap.add_argument("--kvservice", metavar="KEY=VALUE", action="append", default=[],
+                    help="a ServiceConfig setting for both kvservice engines, its value as JSON "
+                         "(repeatable; e.g. poll_interval_s=0.0001)")
     args = ap.parse_args(list(argv))
+    try:
+        settings = dict(_setting(kv) for kv in args.kvservice)
+    except ValueError as exc:
+        ap.error(f"--kvservice: {exc}")
     phases = tuple(ph for ph in (QUICK if args.quick else FULL) if args.phases is None or args.phases in ph.name)
     configs = tuple(c for c in CONFIGS if args.configs is None or c in args.configs.split(","))
     if not phases or not configs:
@@ -447,7 +467,7 @@ def main(argv: Sequence[str]) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     load_before = os.getloadavg()
-    plan = Plan(model=out / "model", out=out, phases=phases, prompts=make_prompts(phases))
+    plan = Plan(model=out / "model", out=out, phases=phases, prompts=make_prompts(phases), kvservice=settings)
     if args.quick:
         plan.kv_cache_bytes, plan.max_model_len = 128 << 20, 1024
     harness = Harness(plan)
@@ -510,7 +530,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"broken: round {b['round']} {b['config']} {b['phase'] or 'start/warm-up'}: {b['why']}")
     (out / "results.json").write_text(json.dumps(
         {"rounds": rounds, "phases": [ph.__dict__ for ph in phases], "max_tokens": MAX_TOKENS,
-         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "load_before": load_before, "load_after": load_after,
+         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "kvservice": settings,
+         "load_before": load_before, "load_after": load_after,
          "verified": verified, "broken": broken, "interrupted": interrupted, "engine_pids": harness.pids,
          "results": results}, indent=1))
     print(f"results: {out / 'results.json'}")

@@ -1,0 +1,19 @@
+"""``benchmarks.vllm_pd --kvservice KEY=VALUE``: the settings both kvservice engines get."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_pd import _setting
+
+
+def test_a_value_is_json_and_a_bare_word_a_string() -> None:
+    assert _setting("poll_interval_s=0.0001") == ("poll_interval_s", 0.0001)
+    assert _setting("host=10.0.0.5") == ("host", "10.0.0.5")
+    assert _setting("max_posts_per_tick=4") == ("max_posts_per_tick", 4)
+
+
+@pytest.mark.parametrize("text", ["poll_interval_s", "=0.1", "1poll=0.1", "poll interval=0.1"])
+def test_what_is_not_key_equals_value_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        _setting(text)
