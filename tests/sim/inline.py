@@ -24,19 +24,25 @@ T = TypeVar("T")
 
 
 class _Interrupt:
+    """``door.Interrupt`` inline: either wake-up ends the parked tick (which posts what was
+    handed over first); the real one lingers on after a hand-over."""
+
     def __init__(self, owner: InlineDoorThread) -> None:
         self._owner = owner
-        self._set = False
+        self.wanted = False
 
     def set(self) -> None:
-        self._set = True
+        self.wanted = True
         self._owner._end_linger()
 
-    def clear(self) -> None:
-        self._set = False
+    def hand_over(self) -> None:
+        self._owner._end_linger()
+
+    def reset(self) -> None:
+        self.wanted = False
 
     def is_set(self) -> bool:
-        return self._set
+        return self.wanted
 
     def wait(self, timeout: float | None = None) -> bool:
         raise AssertionError("nothing waits on the inline interrupt")
