@@ -19,7 +19,7 @@ import anyio
 import pytest
 import torch
 
-from kvservice import TransferService
+from kvservice import KVPoll, TransferService
 from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, PostOp, TickOutcome, TickPlan
 from kvservice._transfer import watchdog as watchdog_mod
@@ -203,11 +203,49 @@ def test_a_lingering_tick_posts_what_is_handed_over_and_returns_at_once() -> Non
     fabric.assert_clean()
 
 
-def test_handed_over_posts_go_before_the_ticks_own() -> None:
+def test_handed_over_posts_go_after_the_ticks_own() -> None:
+    """What is handed over was planned after the tick's own posts (a request's next chunk
+    after its first): it is posted after them, even when the tick had not begun yet."""
     fabric, a, b, *_pools = pair()
-    late: deque[PostOp] = deque([PostOp("first", "b", indices([1]), indices([2]), b"1")])
-    plan = TickPlan(posts=[PostOp("second", "b", indices([3]), indices([4]), b"2")], late=late)
+    late: deque[PostOp] = deque([PostOp("second", "b", indices([3]), indices([4]), b"2")])
+    plan = TickPlan(posts=[PostOp("first", "b", indices([1]), indices([2]), b"1")], late=late)
     out = door_mod.run_tick(a, plan)
     assert [key for key, _, _ in out.posted] == ["first", "second"]
     assert b.notifs() == {"a": [b"1", b"2"]} and not late
+    fabric.assert_clean()
+
+
+async def test_chunks_sent_one_after_another_are_posted_in_order(ticks: Seen, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's chunks sent back to back: the first planned into a tick, the next ones
+    handed over to it before (or while) it runs; the door sees them in the order sent."""
+    fabric = FakeFabric()
+    order: list[bytes] = []
+    with anyio.fail_after(GUARD_S):
+        async with (
+            TransferService(unit_config(), door_factory=fabric.factory) as tx,
+            TransferService(unit_config(), door_factory=fabric.factory) as rx,
+        ):
+            txd = door_of(fabric, tx)
+            post = txd.post
+
+            def recording(peer: str, local, remote, notif: bytes):  # type: ignore[no-untyped-def]
+                order.append(bytes(local[:1].tobytes()))
+                return post(peer, local, remote, notif)
+
+            monkeypatch.setattr(txd, "post", recording)
+            for r in range(5):
+                data = fill(tx, f"c{r}", list(range(8)))
+                order.clear()
+                # the door thread busy for a moment, so the first chunk's tick is queued behind
+                # this and the later chunks are handed over to it before it begins
+                blocker = tx._thread.submit(time.sleep, 0.3)  # type: ignore[union-attr]
+                first = await tx.send(f"c{r}", [0])
+                await rx.expect(f"c{r}", list(range(20, 28)), sender=tx.address)
+                await eventually(lambda h=first: h.poll() is not KVPoll.Bootstrapping, GUARD_S)  # bound
+                handles = [first] + [await tx.send(f"c{r}", [p], last=p == 7) for p in range(1, 8)]
+                await blocker
+                assert (await tx.await_completion(handles[-1])).ok
+                assert (await rx.await_arrival(f"c{r}")).ok
+                assert torch.equal(rx.kv.pages(list(range(20, 28))), data)
+                assert order == sorted(order, key=lambda x: int.from_bytes(x, "little")), (r, order)
     fabric.assert_clean()
