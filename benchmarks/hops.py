@@ -25,8 +25,11 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from kvservice import TransferService, _door, _nixl, _watchdog
+from kvservice import TransferService
 from kvservice._control import protocol
+from kvservice._nixl import agent as _agent
+from kvservice._nixl import door as _door
+from kvservice._transfer import watchdog as _watchdog
 from kvservice._trust.handshake import NOTIF_MAC_BYTES
 from kvservice.bench._lines import Child
 from kvservice.bench.kv_side import make_config, quiet_logs
@@ -35,6 +38,8 @@ from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases
 #: hop name -> request id -> time.monotonic()
 marks: dict[str, dict[str, float]] = {}
 _posting: list[str] = []  # the request whose tick the loop is waiting for (one at a time here)
+#: how many posts returned each state (``DONE``: the WRITE ended within the post call)
+states: dict[str, int] = {}
 
 
 def _request_of(notif: bytes) -> Any:
@@ -49,7 +54,7 @@ def mark(hop: str, rid: str) -> None:
 
 def instrument() -> None:
     """Wrap the hops of kvservice's hot path with timestamps (this process only)."""
-    post: Callable[..., Any] = _nixl.NixlDoor.post
+    post: Callable[..., Any] = _agent.NixlDoor.post
     settle: Callable[..., Any] = _door._settle
     digest: Callable[..., Any] = _watchdog.Watchdog._digest
 
@@ -58,6 +63,7 @@ def instrument() -> None:
         rid = n.request_id if n else "?"
         mark("post starts", rid)
         out = post(self, peer, local, remote, notif)
+        states[out[1].name] = states.get(out[1].name, 0) + 1
         if out[1] is _door.XferState.DONE:
             mark("post returns DONE", rid)
             _posting.append(rid)
@@ -76,7 +82,7 @@ def instrument() -> None:
         if rid:
             mark("digest ends", rid)
 
-    _nixl.NixlDoor.post = timed_post  # type: ignore[method-assign, assignment]
+    _agent.NixlDoor.post = timed_post  # type: ignore[method-assign, assignment]
     _door._settle = timed_settle
     _watchdog.Watchdog._digest = timed_digest  # type: ignore[method-assign]
 
@@ -127,7 +133,8 @@ def report(reqs: Sequence[dict[str, Any]], n: int, wall: float, cpu: dict[str, t
             "digest ends", "await_completion returns"]
     rids = [r["rid"] for r in reqs[len(reqs) // 10:]  # skip the first tenth: warm-up
             if all(r["rid"] in marks.get(h, {}) for h in hops)]
-    print(f"{n} requests, {len(rids)} measured (post returned DONE); wall {wall / n * 1e6:.0f} us per request")
+    print(f"{n} requests, {len(rids)} measured (post returned DONE); wall {wall / n * 1e6:.0f} us per request;"
+          f" posts returned {', '.join(f'{k} {v}' for k, v in sorted(states.items()))}")
     for a, b in itertools.pairwise(hops):
         spans = [marks[b][rid] - marks[a][rid] for rid in rids]
         print(f"  {a:>24} -> {b:<26} p50 {statistics.median(spans) * 1e6:7.0f} us")

@@ -113,50 +113,6 @@ class Door(Protocol):
         """Release everything and drop the agent.  Idempotent."""
 
 
-class Interrupt:
-    """What wakes a lingering tick (``run_tick``) on the door thread, and why.
-
-    ``set()``: the loop wants the thread back (it has work a tick must carry, or another
-    door call is queued): the tick returns.  ``hand_over()``: the loop only handed the
-    tick posts (``TickPlan.late``): the tick posts them and lingers on.  The loop clears
-    both (``reset()``) when it plans a tick; the door thread clears only the wake-up.
-    """
-
-    __slots__ = ("_event", "wanted")
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        #: set before the wake-up, so a tick that saw it cleared and then woke sees it
-        self.wanted = False
-
-    def set(self) -> None:
-        self.wanted = True
-        self._event.set()
-
-    def hand_over(self) -> None:
-        self._event.set()
-
-    def reset(self) -> None:
-        self.wanted = False
-        self._event.clear()
-
-    def is_set(self) -> bool:
-        return self.wanted
-
-    def wait(self, timeout: float) -> bool:
-        """Until a wake-up of either kind or ``timeout``; whether one came."""
-        return self._event.wait(timeout)
-
-    def woken_for_posts(self) -> bool:
-        """After a wake-up: clear it, and whether it was only ``hand_over``'s (the tick
-        lingers on).  A ``set()`` racing with this is never lost: its flag is seen here or
-        its wake-up ends the tick's next wait."""
-        if self.wanted:
-            return False
-        self._event.clear()
-        return not self.wanted
-
-
 @dataclass(slots=True)
 class PostOp:
     key: Any  # the caller's token, echoed in the outcome
@@ -177,11 +133,10 @@ class TickPlan:
     linger: float = 0.0
     #: ... every ``poll`` seconds, and stop early once ``interrupt`` is set
     poll: float = 0.0
-    interrupt: Interrupt | None = None
+    interrupt: threading.Event | None = None
     #: posts handed over by the loop after this plan was made (``Watchdog.schedule``): the
-    #: tick posts them after its own, and while it lingers as soon as ``interrupt`` wakes
-    #: it (then lingers on them), so a post that arrives during a linger costs no round
-    #: trip through the loop.
+    #: tick posts them before its own, and while it lingers as soon as ``interrupt`` wakes
+    #: it, so a post that arrives during a linger costs no round trip through the loop.
     #: Shared by every tick; the loop only appends, the door thread only takes.
     late: deque[PostOp] | None = None
 
@@ -205,13 +160,10 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     Runs on the door thread, so the event loop pays one thread hop per tick
     however many handles it covers.  When the plan asks for it and there is
     nothing to report, the tick *lingers*: it polls the still-running handles
-    (those it has just posted among them) and the notifications every
-    ``plan.poll`` seconds, here on the door thread, and returns at the first
-    news (a handle ended, a notification, a post that failed or completed as
-    it was made), when ``plan.interrupt`` is set (the loop has new work, or
-    another door call is queued) or after ``plan.linger``.  A lone request's
-    WRITE is so posted and seen to end in one round trip.  Posts the loop
-    hands over meanwhile (``plan.late``) are posted before it returns.  Polling
+    and the notifications every ``plan.poll`` seconds, here on the door thread,
+    and returns at the first news, when ``plan.interrupt`` is set (the loop has
+    new work, or another door call is queued) or after ``plan.linger``.  Posts
+    the loop hands over meanwhile (``plan.late``) are posted before it returns.  Polling
     here costs a few microseconds per round instead of a thread hop, and
     ``time``-based waits keep sub-millisecond cadences that event-loop timers
     (uvloop's are in whole milliseconds) cannot.
@@ -219,13 +171,13 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     out = TickOutcome(released=plan.releases)
     for xfer in plan.releases:
         door.release(xfer)
-    _post(door, plan.posts, out)
-    if plan.late:  # handed over since this plan was made: planned after its posts
+    if plan.late:  # handed over before this tick began: planned before its own posts
         _post(door, take_late(plan.late), out)
+    _post(door, plan.posts, out)
     running = _check(door, plan.checks, out)
     out.notifs = door.notifs()
-    if plan.linger > 0 and not (out.checked or out.notifs or _ended(out.posted)):
-        _linger(door, plan, running + _in_flight(out.posted), out)
+    if plan.linger > 0 and not (out.posted or out.checked or out.notifs):
+        _linger(door, plan, running, out)
     out.live = door.live_xfers()
     return out
 
@@ -245,19 +197,6 @@ def _post(door: Door, ops: list[PostOp], out: TickOutcome) -> None:
             out.posted.append((op.key, xid, state))
 
 
-Posted = list[tuple[Any, XferId | DoorError, XferState | None]]
-
-
-def _ended(posted: Posted) -> bool:
-    """Whether a post failed or completed as it was made: news the loop wants at once."""
-    return any(state is not XferState.PROC for _, _, state in posted)
-
-
-def _in_flight(posted: Posted) -> list[XferId]:
-    """The handles of ``posted`` still in flight: a lingering tick polls them too."""
-    return [got for _, got, state in posted if state is XferState.PROC and isinstance(got, int)]
-
-
 def take_late(late: deque[PostOp]) -> list[PostOp]:
     """Every post handed over so far, in the order handed (safe beside the loop's appends)."""
     ops = []
@@ -268,16 +207,12 @@ def take_late(late: deque[PostOp]) -> list[PostOp]:
             return ops
 
 
-def post_late(door: Door, plan: TickPlan, out: TickOutcome) -> list[XferId] | None:
-    """Post what was handed over to a lingering tick.  Returns the handles still in
-    flight to linger on (none if nothing was handed over), or None when there is news for
-    the loop: a post ended as it was made."""
+def post_late(door: Door, plan: TickPlan, out: TickOutcome) -> bool:
+    """Post what was handed over to a lingering tick; whether there was any."""
     if not plan.late:
-        return []
-    first = len(out.posted)
+        return False
     _post(door, take_late(plan.late), out)
-    posted = out.posted[first:]
-    return None if _ended(posted) else _in_flight(posted)
+    return True
 
 
 def _prepare(prepare: Callable[[], None]) -> None:
@@ -313,10 +248,8 @@ def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome)
         wait = min(plan.poll, left)
         if plan.interrupt is not None:
             if plan.interrupt.wait(wait):
-                posted = post_late(door, plan, out)  # the loop's new work may be posts: post them now
-                if posted is None or not plan.interrupt.woken_for_posts():
-                    return
-                running += posted  # woken only to post these: linger on, polling them too
+                post_late(door, plan, out)  # the loop's new work may be posts: post them now
+                return
         else:
             time.sleep(wait)
         running = _check(door, running, out)
@@ -343,7 +276,7 @@ class DoorThread:
 
     def __init__(self, name: str = "kvservice-nixl") -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.interrupt = Interrupt()
+        self.interrupt = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -8,13 +8,12 @@ the in-flight set), so the event loop stays responsive with thousands of
 transfers in flight and completions come back while later posts still copy.
 
 Cadence.  New work (``schedule``, ``forget``) wakes the watchdog at once.  While
-transfers are in flight or expected, a tick with nothing to release *lingers* on
-the door thread after its posts, polling NIXL every ``poll_interval`` (that
-polling is also what lets peers' WRITEs into this process complete while NIXL's
-progress thread is off) and returning at the first news, or after ``LINGER_S``;
-so the loop pays a thread hop per event rather than per poll, and the cadence
-holds on loops whose timers cannot sleep under a millisecond (uvloop).  Posts
-scheduled while a tick lingers are handed over to it (``schedule``).  Idle, it sleeps
+transfers are in flight or expected, a tick with nothing to post *lingers* on
+the door thread, polling NIXL every ``poll_interval`` (that polling is also what
+lets peers' WRITEs into this process complete while NIXL's progress thread is
+off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
+thread hop per event rather than per poll, and the cadence holds on loops
+whose timers cannot sleep under a millisecond (uvloop).  Idle, it sleeps
 ``idle_interval`` or until woken.  Deadlines are scanned every ``DEADLINE_SCAN_S``.
 
 Proofs.  Every handle it lets go of before NIXL said ``DONE`` (a release while
@@ -36,18 +35,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._control.protocol import FENCE, ChunkNotif, encode_notif
-from .._nixl.door import (
-    Door,
-    DoorError,
-    DoorThread,
-    PostOp,
-    TickOutcome,
-    TickPlan,
-    XferId,
-    XferState,
-    run_tick,
-    take_late,
-)
+from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
@@ -115,10 +103,10 @@ class Watchdog:
         self._stopped = anyio.Event()
         #: the tick queued on the door thread and not yet digested, if any
         self._ahead: asyncio.Future[TickOutcome] | None = None
-        #: whether that tick was planned to linger (it has no releases; see ``_submit``)
+        #: whether that tick was planned to linger (it has no posts or releases of its own)
         self._lingering = False
         #: posts handed over to the tick ahead (``TickPlan.late``), and how many posts and
-        #: bytes it may still be handed (what its own posts left of the per-tick limits)
+        #: bytes it may still be handed (the per-tick limits, counted from its planning)
         self._late: deque[PostOp] = deque()
         self._late_left = (0, 0)
         self.ticks = 0
@@ -130,25 +118,20 @@ class Watchdog:
 
         With no tick on the door thread, that tick is queued right here: the door
         thread starts the copy while the loop goes on to wake the watchdog task,
-        instead of after it (a thread wake-up less on a lone request's path), and
-        lingers on what it posted until it ends.  With a lingering tick there (other
-        transfers in flight or awaited), the posts are handed over to it
-        (``TickPlan.late``): it posts them at once and returns with their outcome,
-        where ending it first would cost a round trip through the loop before the
-        copy starts."""
+        instead of after it (a thread wake-up less on a lone request's path).  With
+        a lingering tick there (other transfers in flight or awaited), the posts are
+        handed over to it (``TickPlan.late``): it posts them at once and returns with
+        their outcome, where ending it first would cost a round trip through the loop
+        before the copy starts."""
         self._ready[req.request_id] = req
         if self._ahead is None:
-            self._ahead = self._submit(linger=True)
-            self._wake.set()  # the watchdog task, idle or about to be, only needs to digest this one
+            self._ahead = self._submit(linger=False)
+            self._wake.set()  # no tick lingers: the watchdog task only needs to digest this one
             return
         if self._lingering:
             posts: list[PostOp] = []
             self._late_left = self._take_posts(posts, *self._late_left)
-            self._late.extend(posts)  # then the wake-up: the door thread sees them once woken
-            self._wake.set()
-            if not self._ready:  # all handed over: the tick posts them and lingers on
-                self._thread.interrupt.hand_over()
-                return
+            self._late.extend(posts)  # then wake(): the door thread sees them once woken
         self.wake()
 
     def forget(self, req: SendRequest) -> None:
@@ -321,10 +304,9 @@ class Watchdog:
                 next_scan = now + DEADLINE_SCAN_S
             if self._ahead is None and (self._ready or self._releases or self._late):
                 # Queue the next tick before yielding, so the door thread copies while
-                # the senders just woken run (their posts are handed over to it).  It is
-                # planned after the digest and the deadline scan, so it checks no handle
-                # they have just let go of.
-                self._ahead = self._submit(linger=True)
+                # the senders just woken run.  It is planned after the digest and the
+                # deadline scan, so it checks no handle they have just let go of.
+                self._ahead = self._submit(linger=False)
                 continue
             # Let the tasks this digest woke run first: a client whose request just
             # ended usually sends its next one in that turn, and schedule() then queues
@@ -336,20 +318,16 @@ class Watchdog:
         self._digest(await self._submit(linger=False))
 
     def _submit(self, *, linger: bool) -> asyncio.Future[TickOutcome]:
-        """Plan a tick and queue it on the door thread.  With ``linger``, nothing to
-        release and something to wait for (its own posts, handles in flight, requests
-        awaited), it waits there (polling) for news for up to ``LINGER_S``: a handle's
-        end, a notification, the loop's interrupt.  Releases are news the loop must
-        settle at once: a tick with some never lingers."""
-        self._thread.interrupt.reset()  # set again by any wake() from here on
+        """Plan a tick and queue it on the door thread.  With ``linger`` and nothing to
+        post or release, it waits there (polling) for news for up to ``LINGER_S``."""
+        self._thread.interrupt.clear()  # set again by any wake() from here on
         plan = self._plan()
-        if self._late:  # handed over to the last tick after it stopped looking: planned first
-            plan.posts[:0] = take_late(self._late)
-        plan.late = self._late  # what is handed over from now on goes after this plan's posts
-        self._lingering = (linger and not plan.releases
-                           and bool(plan.posts or self._inflight or self._draining or self._owner.busy()))
+        plan.late = self._late  # whatever was handed over and not yet posted goes first
+        self._lingering = (linger and not plan.posts and not plan.releases
+                           and bool(self._inflight or self._draining or self._owner.busy()))
         if self._lingering:
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
+            self._late_left = (self._max_posts, self._max_post_bytes)
         return self._thread.submit(run_tick, self._door, plan)
 
     def _digest(self, outcome: TickOutcome) -> None:
@@ -433,8 +411,7 @@ class Watchdog:
         plan = TickPlan(releases=self._releases, posts=self._fences)
         self._releases = []
         self._fences = []
-        # what is left of the tick's limits is what a lingering tick may be handed over
-        self._late_left = self._take_posts(plan.posts, self._max_posts, self._max_post_bytes)
+        self._take_posts(plan.posts, self._max_posts, self._max_post_bytes)
         xids = list(self._inflight) + list(self._draining)
         if len(xids) <= self._max_checks:
             plan.checks = xids

@@ -24,25 +24,19 @@ T = TypeVar("T")
 
 
 class _Interrupt:
-    """``door.Interrupt`` inline: either wake-up ends the parked tick (which posts what was
-    handed over first); the real one lingers on after a hand-over."""
-
     def __init__(self, owner: InlineDoorThread) -> None:
         self._owner = owner
-        self.wanted = False
+        self._set = False
 
     def set(self) -> None:
-        self.wanted = True
+        self._set = True
         self._owner._end_linger()
 
-    def hand_over(self) -> None:
-        self._owner._end_linger()
-
-    def reset(self) -> None:
-        self.wanted = False
+    def clear(self) -> None:
+        self._set = False
 
     def is_set(self) -> bool:
-        return self.wanted
+        return self._set
 
     def wait(self, timeout: float | None = None) -> bool:
         raise AssertionError("nothing waits on the inline interrupt")
