@@ -135,7 +135,7 @@ class TickPlan:
     poll: float = 0.0
     interrupt: threading.Event | None = None
     #: posts handed over by the loop after this plan was made (``Watchdog.schedule``): the
-    #: tick posts them before its own, and while it lingers as soon as ``interrupt`` wakes
+    #: tick posts them after its own, and while it lingers as soon as ``interrupt`` wakes
     #: it, so a post that arrives during a linger costs no round trip through the loop.
     #: Shared by every tick; the loop only appends, the door thread only takes.
     late: deque[PostOp] | None = None
@@ -171,9 +171,9 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     out = TickOutcome(released=plan.releases)
     for xfer in plan.releases:
         door.release(xfer)
-    if plan.late:  # handed over before this tick began: planned before its own posts
-        _post(door, take_late(plan.late), out)
     _post(door, plan.posts, out)
+    if plan.late:  # handed over since this plan was made: planned after its posts
+        _post(door, take_late(plan.late), out)
     running = _check(door, plan.checks, out)
     out.notifs = door.notifs()
     if plan.linger > 0 and not (out.posted or out.checked or out.notifs):

@@ -35,7 +35,18 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._control.protocol import FENCE, ChunkNotif, encode_notif
-from .._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferId, XferState, run_tick
+from .._nixl.door import (
+    Door,
+    DoorError,
+    DoorThread,
+    PostOp,
+    TickOutcome,
+    TickPlan,
+    XferId,
+    XferState,
+    run_tick,
+    take_late,
+)
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
@@ -322,7 +333,9 @@ class Watchdog:
         post or release, it waits there (polling) for news for up to ``LINGER_S``."""
         self._thread.interrupt.clear()  # set again by any wake() from here on
         plan = self._plan()
-        plan.late = self._late  # whatever was handed over and not yet posted goes first
+        if self._late:  # handed over to the last tick after it stopped looking: planned first
+            plan.posts[:0] = take_late(self._late)
+        plan.late = self._late  # what is handed over from now on goes after this plan's posts
         self._lingering = (linger and not plan.posts and not plan.releases
                            and bool(self._inflight or self._draining or self._owner.busy()))
         if self._lingering:

@@ -1,12 +1,9 @@
-"""The watchdog's ticks around a lone request: posts handed over to a lingering tick
-(``TickPlan.late``), and a tick that lingers on what it posted.
+"""Posts handed over to a lingering watchdog tick (``TickPlan.late``).
 
 A send that waits for its receiver's expect keeps the watchdog lingering on the door
 thread; when the expect arrives, its WRITE must go out from that tick, not after a
 round trip through the loop (the tick ending, its empty outcome digested, a new tick
-planned).  And the tick that posts a WRITE polls it until it ends, so that a lone
-request is posted and seen done in one round trip, not two.  Each round trip was two
-thread wake-ups on a lone hand-off's path.
+planned).  That round trip was two thread wake-ups on a lone hand-off's path.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ from tests.helpers import eventually
 from .harness import GUARD_S, door_of, fill, unit_config
 from .test_fake_door import indices, pair
 
-#: (agent, the plan's linger, posts in its outcome, handles seen ended) of every tick,
-#: appended on the door thread
-Seen = list[tuple[str, float, int, int]]
+#: (agent, the plan's linger, posts in its outcome) of every tick, appended on the door thread
+Seen = list[tuple[str, float, int]]
 
 
 @pytest.fixture
@@ -42,7 +38,7 @@ def ticks(monkeypatch: pytest.MonkeyPatch) -> Seen:
 
     def recording(door: Door, plan: TickPlan) -> TickOutcome:
         out = door_mod.run_tick(door, plan)
-        seen.append((door.agent_name, plan.linger, len(out.posted), len(out.checked)))
+        seen.append((door.agent_name, plan.linger, len(out.posted)))
         return out
 
     monkeypatch.setattr(watchdog_mod, "LINGER_S", 2.0)
@@ -70,7 +66,7 @@ async def test_a_send_bound_while_the_watchdog_lingers_is_posted_by_that_tick(ti
             await rx.expect("bound", [50, 51], sender=tx.address)
             result = await tx.await_completion(handle)
             arrived = await rx.await_arrival("bound")
-            posting = [(linger, n) for a, linger, n, _ in ticks[before:] if a == tx.agent_name and n]
+            posting = [(linger, n) for a, linger, n in ticks[before:] if a == tx.agent_name and n]
     assert result.ok and arrived.ok, (result, arrived)
     assert torch.equal(rx.kv.pages([50, 51]), data)
     assert posting and all(linger > 0 for linger, _ in posting), posting
@@ -97,48 +93,9 @@ async def test_many_sends_bound_while_lingering_all_land_byte_exact(ticks: Seen)
     assert all(r.ok for r in results + arrivals), [r for r in results + arrivals if not r.ok]
     for i in range(n):
         assert torch.equal(rx.kv.pages([30 + i]), data[i])
-    posted = sum(k for a, _, k, _ in ticks if a == tx.agent_name)
+    posted = sum(k for a, _, k in ticks if a == tx.agent_name)
     assert posted == n, posted  # every chunk posted once: none twice, none dropped
     assert door_of(fabric, tx).live_xfers() == 0
-    fabric.assert_clean()
-
-
-async def test_a_lone_write_is_posted_and_seen_done_by_one_tick(ticks: Seen) -> None:
-    """A WRITE still in flight when its post returns (``complete_after``) is polled by the
-    tick that posted it: the outcome that carries the post carries its end too."""
-    fabric = FakeFabric()
-    with anyio.fail_after(GUARD_S):
-        async with (
-            TransferService(unit_config(), door_factory=fabric.factory) as tx,
-            TransferService(unit_config(), door_factory=fabric.factory) as rx,
-        ):
-            door_of(fabric, tx).complete_after(3)
-            for i in range(4):
-                data = fill(tx, f"lone{i}", [i])
-                await rx.expect(f"lone{i}", [20 + i], sender=tx.address)
-                before = len(ticks)
-                result = await tx.await_completion(await tx.send(f"lone{i}", [i], last=True))
-                assert (await rx.await_arrival(f"lone{i}")).ok
-                assert result.ok, result
-                assert torch.equal(rx.kv.pages([20 + i]), data)
-                posting = [(n, ended) for a, _, n, ended in ticks[before:] if a == tx.agent_name and n]
-                assert posting == [(1, 1)], (i, ticks[before:])
-    assert door_of(fabric, tx).live_xfers() == 0
-    fabric.assert_clean()
-
-
-def test_a_tick_that_posts_returns_at_once_when_a_post_fails_or_completes() -> None:
-    """Lingering on its posts is only for posts still in flight: an error or a WRITE done
-    as it was posted is news the loop gets at once."""
-    fabric, a, _b, *_pools = pair()
-    plan = TickPlan(posts=[PostOp("k", "b", indices([1]), indices([2]), b"n")],
-                    linger=30.0, poll=0.001, interrupt=door_mod.Interrupt())
-    out = door_mod.run_tick(a, plan)  # the fake completes a WRITE as it is posted
-    assert [state for _, _, state in out.posted] == [door_mod.XferState.DONE]
-    plan = TickPlan(posts=[PostOp("k", "nobody", indices([1]), indices([2]), b"n")],
-                    linger=30.0, poll=0.001, interrupt=door_mod.Interrupt())
-    out = door_mod.run_tick(a, plan)
-    assert isinstance(out.posted[0][1], door_mod.DoorError)
     fabric.assert_clean()
 
 
@@ -149,49 +106,9 @@ def _lingering(a: Door, plan: TickPlan) -> tuple[threading.Thread, list[TickOutc
     return thread, out
 
 
-def test_a_tick_handed_posts_posts_them_and_lingers_on_until_they_end() -> None:
-    fabric, a, b, *_pools = pair()
-    a.complete_after(3)
-    interrupt = door_mod.Interrupt()
-    late: deque[PostOp] = deque()
-    thread, out = _lingering(a, TickPlan(linger=30.0, poll=0.001, interrupt=interrupt, late=late))
-    late.append(PostOp("k", "b", indices([1]), indices([2]), b"n"))
-    interrupt.hand_over()
-    thread.join(GUARD_S)
-    assert not thread.is_alive(), "the tick lingered on past its post's end"
-    (key, xid, state), = out[0].posted
-    assert (key, state) == ("k", door_mod.XferState.PROC)
-    assert out[0].checked == [(xid, door_mod.XferState.DONE)]  # polled by the same tick
-    assert not late and b.notifs() == {"a": [b"n"]}
-    fabric.assert_clean()
-
-
-def test_a_set_interrupt_ends_a_tick_that_lingers_on_handed_posts() -> None:
-    fabric, a, _b, *_pools = pair()
-    a.hang()
-    interrupt = door_mod.Interrupt()
-    late: deque[PostOp] = deque()
-    thread, out = _lingering(a, TickPlan(linger=30.0, poll=0.001, interrupt=interrupt, late=late))
-    late.append(PostOp("k", "b", indices([1]), indices([2]), b"n"))
-    interrupt.hand_over()
-    until = time.monotonic() + GUARD_S  # a bounded wait for the post
-    while not a.posts and time.monotonic() < until:
-        time.sleep(0.001)
-    assert thread.is_alive()  # lingering on the hung post
-    interrupt.set()  # the loop wants the thread: the tick returns with the post in flight
-    thread.join(GUARD_S)
-    assert not thread.is_alive()
-    assert [(key, state) for key, _, state in out[0].posted] == [("k", door_mod.XferState.PROC)]
-    assert out[0].checked == []
-    for xid in a.live_ids():
-        a.release(xid)
-    fabric.assert_clean()
-
-
 def test_a_lingering_tick_posts_what_is_handed_over_and_returns_at_once() -> None:
-    """``set()`` with the posts (more work than they): the tick posts them and returns."""
     fabric, a, b, *_pools = pair()
-    interrupt = door_mod.Interrupt()
+    interrupt = threading.Event()
     late: deque[PostOp] = deque()
     thread, out = _lingering(a, TickPlan(linger=30.0, poll=0.001, interrupt=interrupt, late=late))
     late.append(PostOp("k", "b", indices([1]), indices([2]), b"n"))
