@@ -325,7 +325,11 @@ def test_a_prefill_that_fails_or_is_gone_costs_the_decode_no_wait(
     ps = settled_counts(prefill, lambda c: c.get("handoffs_freed") == 1)
     assert ps == {"layerwise": 1, "handoffs_freed": 1, "sends_ok": 1}, ps  # the others never reached its engine
     ds = settled_counts(decode, lambda c: c.get("loads_ok") == 1)
-    assert ds["loads"] > 1 and ds["load_failed"] == ds["loads_abandoned"] == ds["loads"] - 1, ds
+    # A failed prompt's decode request ends when the prefill's answer comes back: a load it had
+    # started is aborted with it; one it had not started yet (the prefill's HTTP 400 came back
+    # before the decode scheduled the request, as on a busy host) never starts. Either way no
+    # load is left waiting (settled_counts: every block free).
+    assert ds["loads_ok"] == 1 and ds.get("load_failed", 0) == ds.get("loads_abandoned", 0) == ds["loads"] - 1, ds
 
     kill_group(p_proc)  # the prefill server is gone, its kvservice with it
     p_proc.wait(timeout=30)
