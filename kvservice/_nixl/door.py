@@ -207,12 +207,10 @@ def take_late(late: deque[PostOp]) -> list[PostOp]:
             return ops
 
 
-def post_late(door: Door, plan: TickPlan, out: TickOutcome) -> bool:
-    """Post what was handed over to a lingering tick; whether there was any."""
-    if not plan.late:
-        return False
-    _post(door, take_late(plan.late), out)
-    return True
+def post_late(door: Door, plan: TickPlan, out: TickOutcome) -> None:
+    """Post what was handed over to a lingering tick, if anything was."""
+    if plan.late:
+        _post(door, take_late(plan.late), out)
 
 
 def _prepare(prepare: Callable[[], None]) -> None:

@@ -16,14 +16,14 @@ import anyio
 import pytest
 import torch
 
-from kvservice import KVPoll, TransferService
+from kvservice import KVPoll
 from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, PostOp, TickOutcome, TickPlan
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
 from tests.helpers import eventually
 
-from .harness import GUARD_S, door_of, fill, unit_config
+from .harness import GUARD_S, door_of, fill, two_services, unit_config
 from .test_fake_door import indices, pair
 
 #: (agent, the plan's linger, posts in its outcome) of every tick, appended on the door thread
@@ -49,10 +49,7 @@ def ticks(monkeypatch: pytest.MonkeyPatch) -> Seen:
 async def test_a_send_bound_while_the_watchdog_lingers_is_posted_by_that_tick(ticks: Seen) -> None:
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
-        async with (
-            TransferService(unit_config(), door_factory=fabric.factory) as tx,
-            TransferService(unit_config(), door_factory=fabric.factory) as rx,
-        ):
+        async with two_services(fabric) as (tx, rx):
             warm = fill(tx, "warm", [1])  # the link up first: its set-up calls the door too
             await rx.expect("warm", [40], sender=tx.address)
             assert (await tx.await_completion(await tx.send("warm", [1], last=True))).ok
@@ -80,10 +77,7 @@ async def test_many_sends_bound_while_lingering_all_land_byte_exact(ticks: Seen)
     fabric = FakeFabric()
     n = 12
     with anyio.fail_after(GUARD_S):
-        async with (
-            TransferService(unit_config(max_posts_per_tick=2), door_factory=fabric.factory) as tx,
-            TransferService(unit_config(), door_factory=fabric.factory) as rx,
-        ):
+        async with two_services(fabric, sender=unit_config(max_posts_per_tick=2)) as (tx, rx):
             data = {i: fill(tx, f"r{i}", [i]) for i in range(n)}
             handles = [await tx.send(f"r{i}", [i], last=True) for i in range(n)]
             for i in range(n):
@@ -138,10 +132,7 @@ async def test_chunks_sent_one_after_another_are_posted_in_order(ticks: Seen, mo
     fabric = FakeFabric()
     order: list[bytes] = []
     with anyio.fail_after(GUARD_S):
-        async with (
-            TransferService(unit_config(), door_factory=fabric.factory) as tx,
-            TransferService(unit_config(), door_factory=fabric.factory) as rx,
-        ):
+        async with two_services(fabric) as (tx, rx):
             txd = door_of(fabric, tx)
             post = txd.post
 
