@@ -132,6 +132,8 @@ def run_prefill(args: argparse.Namespace) -> int:
     with KVTransferEngine(engine_config(args)) as engine:
         freeze_startup_objects()
         emit(event="ready", role="prefill", address=engine.address, pid=os.getpid())
+        if args.hold:  # requests reach a prefill once a decode is up: a router's order
+            sys.stdin.readline()
         free, running = Pages(LAYOUT.num_pages), dict[str, Job]()
         deadline = time.monotonic() + args.max_seconds
         while (todo or running) and time.monotonic() < deadline:
@@ -216,7 +218,8 @@ class Child:
     """A role in a child process; its JSON lines are read by a thread into a queue."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True,
+                                     stdin=subprocess.PIPE if "--hold" in argv else subprocess.DEVNULL)
         self.pid = self.proc.pid
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
@@ -246,6 +249,12 @@ class Child:
                 return ev
         return None
 
+    def go(self) -> None:
+        """Release a role started with ``--hold``."""
+        assert self.proc.stdin is not None
+        with self.proc.stdin:
+            self.proc.stdin.write("go\n")
+
     def finish(self, timeout: float) -> int:
         """Read to the end; the exit code (killed if it overruns)."""
         self.wait_for(lambda ev: False, timeout)
@@ -264,12 +273,13 @@ def role_argv(role: str, args: argparse.Namespace, **extra: Any) -> list[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    prefill = Child(role_argv("prefill", args))
+    prefill = Child([*role_argv("prefill", args), "--hold"])
     ready = prefill.wait_for(lambda ev: ev["event"] == "ready", 60)
     assert ready is not None, "the prefill did not start"
     decode = Child(role_argv("decode", args, prefill=ready["address"]))
     d_ready = decode.wait_for(lambda ev: ev["event"] == "ready", 60)
     assert d_ready is not None, "the decode did not start"
+    prefill.go()
     successes = 0
     while successes < args.crash_after:
         ev = decode.wait_for(lambda ev: ev["event"] == "end", 60)
@@ -321,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--prefill", help="the prefill's address (decode role)")
     parser.add_argument("--first", type=int, default=0, help="first request index (decode role)")
+    parser.add_argument("--hold", action="store_true",
+                        help="prefill: admit nothing until a line arrives on stdin (once a decode is up)")
     parser.add_argument("--crash-after", type=int, default=10, help="demo: decode successes before SIGKILL")
     parser.add_argument("--bootstrap-timeout", type=float, default=15.0)
     parser.add_argument("--arrival-timeout", type=float, default=15.0)

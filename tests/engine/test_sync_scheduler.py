@@ -35,11 +35,13 @@ def summary(child: Child) -> dict[str, Any]:
 
 
 def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
-    # a send waits this long for the decode's expect: on a loaded machine the first expects
-    # of a decode just started come late, which is slow, not lost
-    common = ["--requests", str(N), "--step", "0.02", "--bootstrap-timeout", f"{scaled(8):g}",
-              "--max-seconds", f"{scaled(60):g}"]
-    prefill = Child(["prefill", *common])
+    # The prefill admits nothing until the first decode is up (a router's order). A send waits
+    # --bootstrap-timeout for the decode's expect: the requests admitted while the decode is
+    # dead wait for the restarted one to start, which on a loaded machine took over 16 s
+    # (a service's start and its vetting child), and that is slow, not lost.
+    common = ["--requests", str(N), "--step", "0.02", "--bootstrap-timeout", f"{scaled(25):g}",
+              "--max-seconds", f"{scaled(90):g}"]
+    prefill = Child(["prefill", *common, "--hold"])
     decode = again = None
     try:
         ready = prefill.wait_for(lambda ev: ev["event"] == "ready", scaled(60))
@@ -47,6 +49,7 @@ def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
         decode = Child(["decode", *common, "--prefill", ready["address"]])
         d_ready = decode.wait_for(lambda ev: ev["event"] == "ready", scaled(60))
         assert d_ready is not None, "decode did not start"
+        prefill.go()
 
         def mid_run(_: dict[str, Any]) -> bool:
             assert decode is not None
@@ -64,8 +67,8 @@ def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
         first = int(max(announced)[1:]) + 1
         port = d_ready["address"].rsplit(":", 1)[1]
         again = Child(["decode", *common, "--prefill", ready["address"], "--first", str(first), "--port", port])
-        assert prefill.finish(scaled(60)) == 0
-        assert again.finish(scaled(60)) == 0
+        assert prefill.finish(scaled(90)) == 0
+        assert again.finish(scaled(90)) == 0
     finally:
         for child in (prefill, decode, again):
             if child is not None and child.proc.poll() is None:
