@@ -352,7 +352,7 @@ def handoffs(marks: Path, prefix: str) -> dict[int, float]:
 
 #: the segments of a kvservice hand-off, from the marks of ``TimedKVService`` (decode, prefill)
 SEGMENTS = ("alloc->recv created", "recv created->expect sent", "expect sent->landed", "landed->polled",
-            "polled->scheduler", "send created-alloc", "send 1st write-expect sent")
+            "polled->scheduler", "send created-alloc", "send 1st write-expect sent", "send's posts")
 
 
 def kvservice_path(marks_dir: Path, phases: Sequence[Phase]) -> str:
@@ -360,12 +360,21 @@ def kvservice_path(marks_dir: Path, phases: Sequence[Phase]) -> str:
     seg: dict[str, dict[str, list[float]]] = {}
     for decode_marks in sorted(marks_dir.glob("kvservice-r*[0-9].txt")):
         sends: dict[str, tuple[float, float]] = {}
+        #: the NIXL post calls' time of each send (the calls since the last mark, shared out)
+        post_s: dict[str, float] = {}
         prefill_marks = decode_marks.with_name(decode_marks.stem + "-prefill.txt")
         if prefill_marks.exists():
+            ended, posted = [], 0.0
             for line in prefill_marks.read_text().splitlines():
                 f = line.split()
                 if f[0] == "send":
                     sends[f[1]] = (float(f[3]), float(f[4]))
+                    ended.append(f[1])
+                elif f[0] == "posts":
+                    total = float(f[3])
+                    for rid in ended:
+                        post_s[rid] = (total - posted) / len(ended)
+                    ended, posted = [], total
         alloc: dict[str, float] = {}
         loaded: dict[str, float] = {}
         recvs: dict[str, list[str]] = {}
@@ -386,6 +395,8 @@ def kvservice_path(marks_dir: Path, phases: Sequence[Phase]) -> str:
             values = [c - alloc[rid], st - c, la - st, po - la, loaded[rid] - po]
             if source in sends:
                 values += [sends[source][0] - alloc[rid], sends[source][1] - st]
+                if source in post_s:
+                    values.append(post_s[source])
             for key, v in zip(SEGMENTS, values, strict=False):
                 seg.setdefault(name, {}).setdefault(key, []).append(v * 1e3)
     if not seg:

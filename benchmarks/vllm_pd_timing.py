@@ -67,7 +67,9 @@ class TimedKVService(_Timed, KVServiceConnector):
     polled it finished:
 
     * ``recv DECODE_ID PREFILL_ID CREATED EXPECT_SENT LANDED POLLED`` on the decode;
-    * ``send PREFILL_ID - CREATED FIRST_WRITE FINISHED POLLED`` on the prefill.
+    * ``send PREFILL_ID - CREATED FIRST_WRITE FINISHED POLLED`` on the prefill, then a line
+      ``posts - COUNT SECONDS`` with the service's NIXL post calls so far (how many, and how
+      long they took in all: on the default transport a WRITE's post performs the copy).
     """
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -84,6 +86,11 @@ class TimedKVService(_Timed, KVServiceConnector):
         for rid in out.finished_sending or ():
             for sender in sends.get(rid, []):
                 _path("send", rid, "-", sender.result, polled)
+        if out.finished_sending and worker is not None and worker.engine is not None:
+            svc = worker.engine._svc  # read without a hop to its loop: counters, for a mark
+            if svc is not None:
+                posts = [series["post_time"] for series in svc.stats.peers.snapshot().values()]
+                mark("posts", f"- {sum(p['count'] for p in posts)} {sum(p['sum_s'] for p in posts):.6f}")
         return out
 
 
