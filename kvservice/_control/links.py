@@ -130,6 +130,11 @@ class ControlStream(FramedStream[Message]):
             await self._stream.send(frame(self.mac.seal(body) if self.mac is not None else body))
 
 
+#: wakes of a link's liveness check in a row that come late (this service's own loop held)
+#: and so do not judge the peer's silence (``PeerLink._liveness``)
+STALLS_FORGIVEN = 3
+
+
 class OutboxOverflow(KVServiceError):
     """The peer stopped reading: more than ``max_outbox_bytes`` queued for it, or none
     of it taken for ``peer_timeout_s``.
@@ -284,13 +289,27 @@ class PeerLink:
         self._drained.set()
 
     async def _liveness(self) -> None:
+        """Ping every heartbeat; end the link once the peer has been silent past
+        ``peer_timeout``.
+
+        Silence is judged only on a wake that came on time. A wake late by more than a
+        heartbeat means this service's own loop was held (a GC pause, an engine holding the
+        GIL or the core): the peer's frames may be waiting unread in the socket, and on
+        uvloop timers run before the socket is read. Such a wake pings and looks again a
+        heartbeat later, once the reader has had its turn; at most ``STALLS_FORGIVEN`` times
+        in a row, so a loop that always stalls still finds a dead peer."""
+        forgiven = 0
         while True:
+            asleep = time.monotonic()
             await anyio.sleep(self._heartbeat)
-            silent = time.monotonic() - self.last_rx
-            if silent > self._peer_timeout:
+            now = time.monotonic()
+            silent = now - self.last_rx
+            stalled = now - asleep > 2 * self._heartbeat
+            if silent > self._peer_timeout and not (stalled and forgiven < STALLS_FORGIVEN):
                 self._cause = self._cause or TimeoutError(f"peer silent for {silent:.2f}s")
                 self._scope.cancel()
                 return
+            forgiven = forgiven + 1 if stalled and silent > self._peer_timeout else 0
             self.send(Ping())
 
 

@@ -14,6 +14,7 @@ and reads one command per line on stdin, writes one event per line on stdout::
     -> {"op": "verify", "rid": "r1", "pages": [5, 6]}        <- {"event": "verified", "ok": true, ...}
     -> {"op": "await_settled", "rid": "r1", "timeout": 10}  <- {"event": "settled", "settled": true, ...}
     -> {"op": "decline", "rid": "r1", "sender": "host:port"}  <- {"event": "declined", "ok": true, ...}
+    -> {"op": "stall", "seconds": 2.5}                       <- {"event": "stalled", ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
 
 The first event is ``{"event": "ready", "address", "agent", "pid"}``; the last,
@@ -37,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -161,6 +163,9 @@ async def _child(config_json: str) -> None:
                 elif op == "status":
                     st = await svc.fetch_status() if isinstance(svc, SidecarClient) else svc.status()
                     await emit({"event": "status", **base, **st})
+                elif op == "stall":  # the loop itself held: a GC pause, an engine holding the GIL
+                    hold_the_loop(float(cmd["seconds"]))
+                    await emit({"event": "stalled", **base})
                 elif op == "exit":
                     break
                 else:
@@ -169,6 +174,12 @@ async def _child(config_json: str) -> None:
                 await emit({"event": "error", **base, "type": type(exc).__name__, "message": str(exc)})
         tg.cancel_scope.cancel()
     await emit({"event": "exited"})
+
+
+def hold_the_loop(seconds: float) -> None:
+    """Block the calling thread; called from the event loop, the whole loop stalls (the
+    ``stall`` command's fault)."""
+    time.sleep(seconds)
 
 
 def _synthetic_op(kv: SyntheticKV, op: str, cmd: dict[str, Any], layers: range | None,
