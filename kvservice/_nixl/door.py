@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._results import FailureReason, KVServiceError
+from .._threads import start_thread
 
 XferId = int
 T = TypeVar("T")
@@ -275,8 +276,7 @@ class DoorThread:
     def __init__(self, name: str = "kvservice-nixl") -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.interrupt = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, name=name)
 
     @property
     def thread_ident(self) -> int | None:

@@ -47,6 +47,7 @@ import threading
 from collections.abc import Mapping
 
 from .._log import Throttle, get_logger
+from .._threads import start_thread
 
 __all__ = ["after_agent_created", "relog", "ucx_log_file"]
 
@@ -122,7 +123,7 @@ def ucx_log_file(ucx_env: Mapping[str, str]) -> str | None:
             with contextlib.suppress(OSError, AttributeError):  # Linux only; a smaller pipe still works
                 fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
             _pipe = (read_fd, write_fd)
-            threading.Thread(target=_read, args=(read_fd,), name="kvservice-ucx-log", daemon=True).start()
+            start_thread(_read, read_fd, name="kvservice-ucxlog")
         elif _operator_chose(ucx_env):
             return None  # UCX already logs to the pipe; an explicit choice still keeps its environment
         return f"/proc/{os.getpid()}/fd/{_pipe[1]}"

@@ -36,6 +36,7 @@ from .._log import get_logger
 from .._results import FailureReason, KVPoll, KVServiceError, TransferResult
 from .._runtime import uvloop_available
 from .._stats import ServiceStatus
+from .._threads import start_thread
 from ._transfers import KVReceiver, KVSender, _Transfer
 
 if TYPE_CHECKING:
@@ -106,8 +107,7 @@ class KVTransferEngine:
         its start error, e.g. ``NixlUnavailable``)."""
         if self._thread is not None:
             raise RuntimeError("KVTransferEngine.start() called twice")
-        self._thread = threading.Thread(target=self._thread_main, name="kvservice-engine", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._thread_main, name="kvservice-loop")
         if not self._ready.wait(self._start_timeout):
             self.close()
             raise KVServiceError(f"the transfer service did not start within {self._start_timeout}s")
