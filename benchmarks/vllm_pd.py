@@ -164,6 +164,8 @@ class Plan:
     start_timeout_s: float = 300.0
     #: ``ServiceConfig`` keys for both kvservice engines (``--kvservice``; e.g. ``poll_interval_s``)
     kvservice: dict[str, Any] = field(default_factory=dict)
+    #: environment for every engine of every configuration (``--engine-env``; e.g. OMP_WAIT_POLICY)
+    engine_env: dict[str, str] = field(default_factory=dict)
     phase_timeout_s: float = 600.0
 
 
@@ -180,7 +182,7 @@ class Harness:
     def start(self, name: str, cpu: int, transfer: dict[str, Any] | None, env: dict[str, str]) -> Engine:
         cfg = {"model": str(self.plan.model), "cpu": cpu, "transfer": transfer,
                "kv_cache_bytes": self.plan.kv_cache_bytes, "max_model_len": self.plan.max_model_len}
-        env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu), **env}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(cpu), **self.plan.engine_env, **env}
         engine = Engine(name, cfg, env, self.events, self.plan.out / "logs" / f"{name}.log")
         self.engines.append(engine)
         self.pids.append(engine.proc.pid)
@@ -451,6 +453,14 @@ def _setting(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _variable(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` for an environment variable; ``ValueError`` otherwise."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise ValueError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_pd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -464,11 +474,18 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--kvservice", metavar="KEY=VALUE", action="append", default=[],
                     help="a ServiceConfig setting for both kvservice engines, its value as JSON "
                          "(repeatable; e.g. poll_interval_s=0.0001)")
+    ap.add_argument("--engine-env", metavar="NAME=VALUE", action="append", default=[],
+                    help="an environment variable for every engine of every configuration, the baseline's "
+                         "too (repeatable; e.g. OMP_WAIT_POLICY=PASSIVE)")
     args = ap.parse_args(list(argv))
     try:
         settings = dict(_setting(kv) for kv in args.kvservice)
     except ValueError as exc:
         ap.error(f"--kvservice: {exc}")
+    try:
+        engine_vars = dict(_variable(kv) for kv in args.engine_env)
+    except ValueError as exc:
+        ap.error(f"--engine-env: {exc}")
     phases = tuple(ph for ph in (QUICK if args.quick else FULL) if args.phases is None or args.phases in ph.name)
     configs = tuple(c for c in CONFIGS if args.configs is None or c in args.configs.split(","))
     if not phases or not configs:
@@ -478,7 +495,8 @@ def main(argv: Sequence[str]) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     load_before = os.getloadavg()
-    plan = Plan(model=out / "model", out=out, phases=phases, prompts=make_prompts(phases), kvservice=settings)
+    plan = Plan(model=out / "model", out=out, phases=phases, prompts=make_prompts(phases), kvservice=settings,
+                engine_env=engine_vars)
     if args.quick:
         plan.kv_cache_bytes, plan.max_model_len = 128 << 20, 1024
     harness = Harness(plan)
@@ -541,7 +559,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"broken: round {b['round']} {b['config']} {b['phase'] or 'start/warm-up'}: {b['why']}")
     (out / "results.json").write_text(json.dumps(
         {"rounds": rounds, "phases": [ph.__dict__ for ph in phases], "max_tokens": MAX_TOKENS,
-         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "kvservice": settings,
+         "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "kvservice": settings, "engine_env": engine_vars,
          "load_before": load_before, "load_after": load_after,
          "verified": verified, "broken": broken, "interrupted": interrupted, "engine_pids": harness.pids,
          "results": results}, indent=1))

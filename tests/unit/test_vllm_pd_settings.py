@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_pd import _setting
+from benchmarks.vllm_pd import _setting, _variable
 
 
 def test_a_value_is_json_and_a_bare_word_a_string() -> None:
@@ -17,3 +17,15 @@ def test_a_value_is_json_and_a_bare_word_a_string() -> None:
 def test_what_is_not_key_equals_value_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         _setting(text)
+
+
+def test_an_engine_variable_is_name_equals_text() -> None:
+    assert _variable("OMP_WAIT_POLICY=PASSIVE") == ("OMP_WAIT_POLICY", "PASSIVE")
+    assert _variable("GOMP_SPINCOUNT=0") == ("GOMP_SPINCOUNT", "0")  # text, not JSON
+    assert _variable("EMPTY=") == ("EMPTY", "")
+
+
+@pytest.mark.parametrize("text", ["OMP_WAIT_POLICY", "=PASSIVE", "1X=2", "A B=1"])
+def test_what_is_not_name_equals_value_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        _variable(text)
