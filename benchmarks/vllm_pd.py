@@ -90,6 +90,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: every engine's environment unless ``--engine-env`` says otherwise. vLLM's CPU build runs two
+#: OpenMP compute threads per engine, here on one pinned core; with libgomp's default policy the
+#: idle one spins after every forward (milliseconds each time), taking the core from the other
+#: compute thread (TTFT about 10x, measured) and from whatever else runs there: kvservice's
+#: WRITE on the prefill's core (docs/vllm.md, "The prefill's core").
+ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def engine_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -164,8 +172,8 @@ class Plan:
     start_timeout_s: float = 300.0
     #: ``ServiceConfig`` keys for both kvservice engines (``--kvservice``; e.g. ``poll_interval_s``)
     kvservice: dict[str, Any] = field(default_factory=dict)
-    #: environment for every engine of every configuration (``--engine-env``; e.g. OMP_WAIT_POLICY)
-    engine_env: dict[str, str] = field(default_factory=dict)
+    #: environment for every engine of every configuration (``ENGINE_ENV``, then ``--engine-env``)
+    engine_env: dict[str, str] = field(default_factory=lambda: dict(ENGINE_ENV))
     phase_timeout_s: float = 600.0
 
 
@@ -476,14 +484,15 @@ def main(argv: Sequence[str]) -> int:
                          "(repeatable; e.g. poll_interval_s=0.0001)")
     ap.add_argument("--engine-env", metavar="NAME=VALUE", action="append", default=[],
                     help="an environment variable for every engine of every configuration, the baseline's "
-                         "too (repeatable; e.g. OMP_WAIT_POLICY=PASSIVE)")
+                         f"too (repeatable; on top of {' '.join(f'{k}={v}' for k, v in ENGINE_ENV.items())}: "
+                         "OMP_WAIT_POLICY=ACTIVE for libgomp's spinning)")
     args = ap.parse_args(list(argv))
     try:
         settings = dict(_setting(kv) for kv in args.kvservice)
     except ValueError as exc:
         ap.error(f"--kvservice: {exc}")
     try:
-        engine_vars = dict(_variable(kv) for kv in args.engine_env)
+        engine_vars = {**ENGINE_ENV, **dict(_variable(kv) for kv in args.engine_env)}
     except ValueError as exc:
         ap.error(f"--engine-env: {exc}")
     phases = tuple(ph for ph in (QUICK if args.quick else FULL) if args.phases is None or args.phases in ph.name)
