@@ -5,9 +5,10 @@ ran at 1.7-2.7 GB/s, while vLLM's NixlConnector READs the same blocks in less ti
 that. Is the WRITE itself slower than the READ, with no service and no engine on the path?
 
 Two processes, each pinned to its own core (``--cores``), each with one NIXL agent (UCX,
-progress thread off) and a pool shaped like vLLM's CPU cache in the vLLM benchmark
-(8 layers, 128-token blocks, 4 KiB per token per layer: one 512 KiB descriptor per block
-and layer), touched once. Each request moves ``tokens`` worth of blocks into blocks the
+progress thread off) and a pool with the vLLM benchmark's model's KV (8 layers, 4 KiB per
+token per layer) in vLLM's CPU default blocks (128 tokens: one 512 KiB descriptor per block
+and layer; the benchmark's engines use 32-token blocks, which NIXL merges where adjacent),
+touched once. Each request moves ``tokens`` worth of blocks into blocks the
 decode has not used for a while (vLLM's free list hands out the least recently freed).
 
 * ``write``: the prefill posts a WRITE with a notification and polls its handle; the
