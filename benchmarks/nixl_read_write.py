@@ -37,30 +37,14 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvservice.bench.raw_nixl import descriptor_indices, descriptor_table
+
 LAYERS = 8
 BLOCK_TOKENS = 128
 TOKEN_LAYER_BYTES = 4096  # 32 KiB per token over 8 layers
 BLOCK_BYTES = BLOCK_TOKENS * TOKEN_LAYER_BYTES
 POOL_BLOCKS = 128
 DEADLINE_S = 30.0
-
-
-def _table(base: int) -> Any:
-    import numpy as np
-
-    n = LAYERS * POOL_BLOCKS  # layer-major: descriptor layer * POOL_BLOCKS + block
-    table = np.empty((n, 3), dtype=np.uint64)
-    table[:, 0] = base + np.arange(n, dtype=np.uint64) * np.uint64(BLOCK_BYTES)
-    table[:, 1] = BLOCK_BYTES
-    table[:, 2] = 0
-    return table
-
-
-def _indices(blocks: list[int]) -> Any:
-    import numpy as np
-
-    b = np.asarray(blocks, dtype=np.int32)
-    return (np.arange(LAYERS, dtype=np.int32)[:, None] * np.int32(POOL_BLOCKS) + b[None, :]).ravel()
 
 
 def _side(role: str, core: int, poll_s: float, conn: Connection) -> None:
@@ -74,20 +58,22 @@ def _side(role: str, core: int, poll_s: float, conn: Connection) -> None:
     agent = nixl_agent(f"rw-{role}-{os.getpid()}",
                        nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
     agent.register_memory(pool)
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _table(pool.data_ptr()), "DRAM")
+    table = descriptor_table(pool.data_ptr(), LAYERS, POOL_BLOCKS, BLOCK_BYTES)  # layer-major: the raw baseline's
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, "DRAM")
     conn.send((agent.get_agent_metadata(), pool.data_ptr()))
     peer_md, peer_base = conn.recv()
     peer = agent.add_remote_agent(peer_md)
     if isinstance(peer, bytes):
         peer = peer.decode()
-    remote = agent.prep_xfer_dlist(peer, _table(peer_base), "DRAM")
+    remote = agent.prep_xfer_dlist(peer, descriptor_table(peer_base, LAYERS, POOL_BLOCKS, BLOCK_BYTES), "DRAM")
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         arm, src, dst, tag = cmd
         if (arm == "write") == (role == "prefill"):  # the initiator
             op, mine, theirs = ("WRITE", src, dst) if arm == "write" else ("READ", dst, src)
             t0 = time.monotonic()
-            handle = agent.make_prepped_xfer(op, local, _indices(mine), remote, _indices(theirs), tag)
+            handle = agent.make_prepped_xfer(op, local, descriptor_indices(mine, LAYERS, POOL_BLOCKS), remote,
+                                             descriptor_indices(theirs, LAYERS, POOL_BLOCKS), tag)
             state = agent.transfer(handle)
             post_s = time.monotonic() - t0
             while state == "PROC" and time.monotonic() - t0 < DEADLINE_S:

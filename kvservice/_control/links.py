@@ -304,12 +304,14 @@ class PeerLink:
             await anyio.sleep(self._heartbeat)
             now = time.monotonic()
             silent = now - self.last_rx
-            stalled = now - asleep > 2 * self._heartbeat
-            if silent > self._peer_timeout and not (stalled and forgiven < STALLS_FORGIVEN):
+            if silent <= self._peer_timeout:
+                forgiven = 0
+            elif now - asleep > 2 * self._heartbeat and forgiven < STALLS_FORGIVEN:
+                forgiven += 1  # our own stall: judge once the reader has had its turn
+            else:
                 self._cause = self._cause or TimeoutError(f"peer silent for {silent:.2f}s")
                 self._scope.cancel()
                 return
-            forgiven = forgiven + 1 if stalled and silent > self._peer_timeout else 0
             self.send(Ping())
 
 
