@@ -140,6 +140,10 @@ class TickPlan:
     #: it, so a post that arrives during a linger costs no round trip through the loop.
     #: Shared by every tick; the loop only appends, the door thread only takes.
     late: deque[PostOp] | None = None
+    #: while lingering, notifications are handed to this (on the door thread) and the tick
+    #: lingers on, instead of ending to bring them back: a receiver's batch of arrivals then
+    #: costs the loop one wake-up, not a wake-up and a new tick.  None: they end the tick.
+    deliver: Callable[[Mapping[str, list[bytes]]], None] | None = None
 
 
 @dataclass(slots=True)
@@ -164,7 +168,9 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     and the notifications every ``plan.poll`` seconds, here on the door thread,
     and returns at the first news, when ``plan.interrupt`` is set (the loop has
     new work, or another door call is queued) or after ``plan.linger``.  Posts
-    the loop hands over meanwhile (``plan.late``) are posted before it returns.  Polling
+    the loop hands over meanwhile (``plan.late``) are posted before it returns.
+    Notifications are not news that ends it when the plan has ``deliver``: they
+    are handed to it as they come, and the tick lingers on.  Polling
     here costs a few microseconds per round instead of a thread hop, and
     ``time``-based waits keep sub-millisecond cadences that event-loop timers
     (uvloop's are in whole milliseconds) cannot.
@@ -177,10 +183,20 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
         _post(door, take_late(plan.late), out)
     running = _check(door, plan.checks, out)
     out.notifs = door.notifs()
-    if plan.linger > 0 and not (out.posted or out.checked or out.notifs):
-        _linger(door, plan, running, out)
+    if plan.linger > 0 and not (out.posted or out.checked):
+        _hand_over_notifs(plan, out)
+        if not out.notifs:
+            _linger(door, plan, running, out)
     out.live = door.live_xfers()
     return out
+
+
+def _hand_over_notifs(plan: TickPlan, out: TickOutcome) -> None:
+    """Give a lingering tick's notifications to ``plan.deliver`` (if it has one), so that
+    it lingers on; otherwise they stay in ``out`` and end the tick."""
+    if out.notifs and plan.deliver is not None:
+        plan.deliver(out.notifs)
+        out.notifs = {}
 
 
 def _post(door: Door, ops: list[PostOp], out: TickOutcome) -> None:
@@ -253,7 +269,10 @@ def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome)
             time.sleep(wait)
         running = _check(door, running, out)
         out.notifs = door.notifs()
-        if out.checked or out.notifs:
+        if out.checked:
+            return
+        _hand_over_notifs(plan, out)
+        if out.notifs:
             return
 
 

@@ -13,7 +13,9 @@ the door thread, polling NIXL every ``poll_interval`` (that polling is also what
 lets peers' WRITEs into this process complete while NIXL's progress thread is
 off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
 thread hop per event rather than per poll, and the cadence holds on loops
-whose timers cannot sleep under a millisecond (uvloop).  Idle, it sleeps
+whose timers cannot sleep under a millisecond (uvloop).  Notifications do not
+end it: it hands them to the loop as they come (``_deliver``) and lingers on, so
+a receiver's arrival costs the loop one wake-up and no new tick.  Idle, it sleeps
 ``idle_interval`` or until woken.  Deadlines are scanned every ``DEADLINE_SCAN_S``.
 
 Proofs.  Every handle it lets go of before NIXL said ``DONE`` (a release while
@@ -121,7 +123,14 @@ class Watchdog:
         self._late: deque[PostOp] = deque()
         self._late_left = (0, 0)
         self.ticks = 0
+        #: batches of notifications a lingering tick handed over without ending (``_deliver``)
+        self.deliveries = 0
         self.live_handles = 0  # as the door last reported
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop ``run`` runs on
+        #: notifications handed over by lingering ticks, not yet given to the owner: the door
+        #: thread only appends, the loop only takes (the pump, and every digest first)
+        self._delivered: deque[Mapping[str, list[bytes]]] = deque()
+        self._pump_waiter: asyncio.Future[None] | None = None
 
     # -- called by the service (event loop) -----------------------------------
     def schedule(self, req: SendRequest) -> None:
@@ -273,9 +282,13 @@ class Watchdog:
 
     # -- the task -------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._loop = asyncio.get_running_loop()
         task_status.started()
         try:
-            await self._run()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._pump)
+                await self._run()
+                tg.cancel_scope.cancel()
         finally:
             self._stopped.set()
 
@@ -340,11 +353,46 @@ class Watchdog:
                            and bool(self._inflight or self._draining or self._owner.busy()))
         if self._lingering:
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
+            if self._loop is not None:
+                plan.deliver = self._deliver
             self._late_left = (self._max_posts, self._max_post_bytes)
         return self._thread.submit(run_tick, self._door, plan)
 
+    def _deliver(self, notifs: Mapping[str, list[bytes]]) -> None:
+        """On the door thread: a lingering tick's notifications, handed to the loop while the
+        tick lingers on.  The pump gives them to the owner; whatever it has not taken yet
+        when that tick's outcome is digested goes first, so nothing is reordered."""
+        assert self._loop is not None
+        self._delivered.append(notifs)
+        try:
+            self._loop.call_soon_threadsafe(self._wake_pump)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _wake_pump(self) -> None:
+        waiter = self._pump_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _pump(self) -> None:
+        """Give delivered notifications to the owner as they come, in a task (the owner
+        starts tasks of its own, which a bare loop callback cannot)."""
+        assert self._loop is not None
+        while True:
+            self._take_delivered()
+            self._pump_waiter = self._loop.create_future()
+            if not self._delivered:  # appended between the take and the waiter: no wake is coming
+                await self._pump_waiter
+            self._pump_waiter = None
+
+    def _take_delivered(self) -> None:
+        while self._delivered:
+            self.deliveries += 1
+            self._owner.on_notifs(self._delivered.popleft())
+
     def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
+        self._take_delivered()  # handed over by this tick (or one before) while it lingered
         self.live_handles = outcome.live
         if outcome.post_times:
             self._owner.stats.peers.posts(outcome.post_times)
