@@ -3,13 +3,16 @@
 Every call naming a request id first checks that the calling worker owns it, or
 that nobody does (``owners.py``); ``send`` and ``expect`` claim it (``decline``, which
 registers nothing here, does not).  Each request
-a worker sends or expects gets a watcher task in the worker's connection group
-that pushes a ``Finished`` frame when it ends.
+a worker sends or expects is watched without a task: a done callback on the
+service's future of its end (``completion_future`` / ``arrival_future``) ends
+its bookkeeping and queues a ``Finished`` frame on the connection's outbox,
+which the connection's one pusher task writes (``SidecarServer._pusher``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from .._log import get_logger
@@ -45,18 +48,15 @@ from .wire import (
 
 log = get_logger("kvservice.sidecar")
 
-Push = Callable[[Connection, ServerMessage], Awaitable[None]]
-
 
 class WorkerCalls:
     """``execute(conn, call)`` for the server; ``draining`` refuses new requests."""
 
-    def __init__(self, svc: TransferService, roles: tuple[str, ...], owners: Owners, push: Push,
+    def __init__(self, svc: TransferService, roles: tuple[str, ...], owners: Owners,
                  status: Callable[[], dict[str, Any]]) -> None:
         self.svc = svc
         self.roles = roles
         self.owners = owners
-        self.push = push
         self.status = status
         self.draining = False
 
@@ -78,7 +78,7 @@ class WorkerCalls:
             if new:
                 if result is None:
                     conn.sending[rid] = handle
-                    self.watch(conn, key, handle.wait)
+                    self.watch(conn, key, svc.completion_future(handle))
                 else:  # ended at once (a failure that sticks to the id)
                     conn.sent.put(rid, handle)
                     owners.ended(key)
@@ -99,11 +99,7 @@ class WorkerCalls:
                 if new:
                     owners.unclaim(key)  # nothing was registered (e.g. a duplicate id, a bad sender)
                 raise
-
-            async def arrival() -> TransferResult:
-                return await svc.await_arrival(rid)
-
-            self.watch(conn, key, arrival)
+            self.watch(conn, key, svc.arrival_future(rid))  # no await since expect(): it is known
             return Done(msg.call)
         if isinstance(msg, Decline):  # registers nothing: no claim, and allowed while draining
             self._check_role("decode")
@@ -148,24 +144,15 @@ class WorkerCalls:
         if role not in self.roles:
             raise KVServiceError(f"this sidecar does not serve the {role} role (sidecar.roles = {list(self.roles)})")
 
-    def watch(self, conn: Connection, key: Key, wait: Callable[[], Awaitable[TransferResult]]) -> None:
-        assert conn.tg is not None
+    def watch(self, conn: Connection, key: Key, future: asyncio.Future[TransferResult]) -> None:
+        """Tell the worker when ``key``'s request ends (``future``: the service's of its end)."""
+        side = key[0]
+        ended = conn.on_end.get(side)
+        if ended is None:
+            ended = conn.on_end[side] = _Ended(conn, self.owners, side)
         conn.watching += 1
-        side, rid = key
-
-        async def watcher() -> None:
-            try:
-                result = await wait()
-                self.owners.ended(key)
-                if side == SEND and (handle := conn.sending.pop(rid, None)) is not None:
-                    conn.sent.put(rid, handle)
-                await self.push(conn, Finished(side, result_to_wire(result)))
-            finally:
-                conn.watching -= 1
-                if not conn.watching:
-                    conn.idle.set()
-
-        conn.tg.start_soon(watcher)
+        conn.watched[key] = future
+        future.add_done_callback(ended, context=conn.context)
 
     async def abort_owned(self, conn: Connection) -> int:
         """Abort what a departed worker started and that has not ended."""
@@ -190,3 +177,34 @@ class WorkerCalls:
         except UnknownRequestError:
             return False
 
+
+class _Ended:
+    """The done callback of the futures one connection watches on one ``side``: what a
+    watcher task per request did, without the task (its creation, anyio's wrapper and
+    cancel scope, some 27 objects the cyclic GC walks, and a write per request).  The request's key is its
+    side and its result's id; a cancelled future (the worker went) is only counted off."""
+
+    __slots__ = ("conn", "owners", "side")
+
+    def __init__(self, conn: Connection, owners: Owners, side: str) -> None:
+        self.conn = conn
+        self.owners = owners
+        self.side = side
+
+    def __call__(self, future: asyncio.Future[TransferResult]) -> None:
+        conn = self.conn
+        if future.cancelled():  # Connection.unwatch_all: nobody to tell
+            conn.unwatched(1)
+            return
+        result = future.result()
+        side, rid = self.side, result.request_id
+        key = (side, rid)
+        if conn.watched.get(key) is future:
+            del conn.watched[key]
+        self.owners.ended(key)
+        if side == SEND and (handle := conn.sending.pop(rid, None)) is not None:
+            conn.sent.put(rid, handle)
+        if conn.closed:
+            conn.unwatched(1)
+        else:
+            conn.finish(Finished(side, result_to_wire(result)))  # the pusher counts it off once written

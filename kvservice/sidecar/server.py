@@ -17,8 +17,12 @@ and every request the worker started and that has not ended is aborted
 (``ABORTED``, the peer told), without touching other workers.  A worker acts
 on its own request ids only (``owners.py``).
 
-Every request a connection sends or expects gets a watcher that pushes a
-``Finished`` frame when it ends, so the client resolves handles without asking.
+Every request a connection sends or expects is watched by a done callback on the
+service's future of its end (``WorkerCalls.watch``: no task per request), which
+queues a ``Finished`` frame on the connection's outbox, so the client resolves
+handles without asking.  One pusher task per connection writes whatever is
+queued in one write (a burst of requests that end together costs one syscall and
+one wake-up of the worker), never inside a call's reply.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ from .wire import (
     Welcome,
     call_refusal,
     decode_client,
+    encode,
+    encode_frames,
     frame_stream,
     sidecar_version,
 )
@@ -87,7 +93,7 @@ class SidecarServer:
         self.shm_name = shm_name
         self.conns: set[Connection] = set()
         self.owners = Owners(svc.remembers)
-        self.calls = WorkerCalls(svc, self.roles, self.owners, self._push, self.status)
+        self.calls = WorkerCalls(svc, self.roles, self.owners, self.status)
         self.counters = ServerCounters()
         self.listening = False
         self.draining = False
@@ -219,10 +225,12 @@ class SidecarServer:
         try:
             async with anyio.create_task_group() as tg:
                 conn.tg = tg
+                tg.start_soon(self._pusher, conn)
                 await self._read(conn)
                 conn.close()
         finally:
             self.conns.discard(conn)
+            conn.unwatch_all()
             with anyio.CancelScope(shield=True):
                 aborted = await self.calls.abort_owned(conn)
             self.counters.aborted_on_disconnect_total += aborted
@@ -263,17 +271,40 @@ class SidecarServer:
 
     async def _push(self, conn: Connection, msg: ServerMessage) -> None:
         """Send a frame; a worker that cannot take it in time is dropped."""
-        if conn.closed:
-            return
+        if not conn.closed:
+            await self._write(conn, encode(msg))
+
+    async def _write(self, conn: Connection, frames: bytes) -> bool:
+        """Write whole frames under the stream's write lock (never inside another's);
+        False once the connection is closed: the worker is gone, or it did not take them
+        within ``PUSH_TIMEOUT_S`` and is dropped."""
         try:
             with anyio.fail_after(PUSH_TIMEOUT_S):
-                await conn.framed.send(msg)
+                await conn.framed.send_frame(frames)
         except TimeoutError:
             self.counters.refused["push_timeout"] += 1
             log.warning("sidecar.client_stuck", conn=conn.number, pid=conn.pid, timeout_s=PUSH_TIMEOUT_S)
             conn.close()
+            return False
         except CONNECTION_ERRORS:
             conn.close()
+            return False
+        return True
+
+    async def _pusher(self, conn: Connection) -> None:
+        """The connection's Finished frames (``Connection.finish``): everything queued when it
+        wakes, in one write.  Runs until the connection's group is cancelled."""
+        outbox = conn.outbox
+        while not conn.closed:
+            if not outbox:
+                conn.wake = wake = anyio.Event()
+                await wake.wait()
+                continue
+            frames = outbox[:]
+            outbox.clear()
+            if not await self._write(conn, encode_frames(frames)):
+                return
+            conn.unwatched(len(frames))
 
     async def _run_call(self, conn: Connection, msg: Call, scope: anyio.CancelScope) -> None:
         op = str(type(msg).__struct_config__.tag)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import builtins
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
@@ -284,6 +284,11 @@ def encode(msg: ClientMessage | ServerMessage) -> bytes:
     return frame(_encoder.encode(msg))
 
 
+def encode_frames(msgs: Iterable[ClientMessage | ServerMessage]) -> bytes:
+    """``msgs`` as frames back to back, for one write."""
+    return b"".join([frame(_encoder.encode(msg)) for msg in msgs])
+
+
 def decode_client(body: bytes) -> ClientMessage:
     return decode_with(_client_decoder, body)
 
@@ -362,7 +367,11 @@ class SocketFrames(FramedStream[M]):
             raise anyio.IncompleteRead from exc
 
     async def send(self, msg: Any) -> None:
-        data = self._encode(msg)
+        await self.send_frame(self._encode(msg))
+
+    async def send_frame(self, data: bytes) -> None:
+        """Write whole frames (one, or several back to back: ``encode_frames``), never
+        interleaved with another writer's."""
         async with self._write_lock:  # uncontended: no yield
             if self._sock is not None:
                 try:

@@ -3,29 +3,66 @@ daemons, real NIXL and real shared memory; many workers; a worker that dies
 mid-request; malformed frames; /metrics that count what the tests did.
 
 One pair of daemons serves the whole module; each test compares metrics
-before and after, so the numbers it checks are its own.
+before and after, so the numbers it checks are its own.  The tests of how the
+daemon watches requests (a done callback each, one pusher per worker) run a
+daemon in this process as well, to look at its connections and its loop's tasks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import os
+import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import pytest
 import torch
 
-from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient
-from kvservice.sidecar.wire import SIDECAR_OLDEST_VERSION, SIDECAR_PROTOCOL_VERSION, Error, Hello, Status, encode
+from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient, TransferService
+from kvservice.sidecar.connection import Connection
+from kvservice.sidecar.local import daemon_env
+from kvservice.sidecar.server import SidecarServer
+from kvservice.sidecar.settings import load
+from kvservice.sidecar.shm import Segment
+from kvservice.sidecar.wire import (
+    SIDECAR_OLDEST_VERSION,
+    SIDECAR_PROTOCOL_VERSION,
+    Error,
+    Finished,
+    Hello,
+    Status,
+    decode_server,
+    encode,
+)
 from kvservice.testing import pattern
 from tests.helpers import eventually
 
-from .daemons import REPO, Sidecar, aget, frame, metrics, raw_exchange, short_tmpdir, sidecars, wait_bound
+from .daemons import (
+    CONFIG,
+    REPO,
+    SMALL_LAYOUT,
+    TEST_ENV,
+    Sidecar,
+    aget,
+    frame,
+    metrics,
+    raw_exchange,
+    short_tmpdir,
+    sidecars,
+    wait_bound,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -326,3 +363,165 @@ async def test_metrics_are_prometheus_text_with_the_process_collectors(pair: tup
     undocumented = [name for name, (kind, _) in KVSERVICE_FAMILIES.items()
                     if f"`{name}{'_total' if kind == 'counter' else ''}`" not in doc]
     assert not undocumented, undocumented
+
+
+# -- a daemon in this process: its connections and its loop's tasks, seen from the test -------
+
+
+@contextlib.asynccontextmanager
+async def daemon_here(roles: str = "prefill,decode") -> AsyncIterator[tuple[SidecarServer, str]]:
+    """A sidecar daemon in this process, wired as ``Daemon`` wires one (segment, service,
+    server on a Unix socket, the tests' settings): a test can look at its connections and
+    count the tasks of its loop, which is the test's."""
+    workdir = short_tmpdir()
+    sock, shm = os.path.join(workdir, "here.sock"), f"kvs-test-{uuid.uuid4().hex[:10]}"
+    cfg = load(CONFIG / "decode.toml", daemon_env(sock, shm, role=roles, layout=SMALL_LAYOUT, base={}, **TEST_ENV))
+    try:
+        with Segment.create(shm, cfg.layout) as segment:
+            async with TransferService(cfg.service, pool=segment.tensor) as svc:
+                server = SidecarServer(svc, cfg, segment.name)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(server.serve, await anyio.create_unix_listener(sock, mode=0o600))
+                    try:
+                        yield server, sock
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await server.close()
+                        tg.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def connection(server: SidecarServer, client: SidecarClient) -> Connection:
+    return next(c for c in server.conns if c.client == client.name)
+
+
+async def test_a_worker_s_requests_are_watched_without_a_task_each(pair: tuple[Sidecar, Sidecar]) -> None:
+    """N requests a worker sent and N it expects, none ended: the daemon holds no task for
+    any of them (a done callback on the service's future each); then every one ends, and
+    the worker hears of each by its Finished frame, bytes exact on both sides."""
+    prefill, decode = pair
+    n = 24  # sends in pages 0..n-1 of the daemon here, expects in n..2n-1, a warm-up in 62, 63
+    async with daemon_here() as (server, sock), SidecarClient(sock, name="watched") as hw, \
+            SidecarClient(prefill.socket) as pw, SidecarClient(decode.socket) as dw:
+        await _roundtrip(hw, dw, "watch-warm-out", 62, 62)  # both links up: their tasks are there before
+        await _roundtrip(pw, hw, "watch-warm-in", 63, 63)
+        conn = connection(server, hw)
+        before = len(asyncio.all_tasks())
+        handles = []
+        for i in range(n):
+            hw.kv.write([i], pattern(hw.layout, f"watch-out-{i}", 1))
+            handles.append(await hw.send(f"watch-out-{i}", [i], last=True))  # no receiver yet: waits for one
+            await hw.expect(f"watch-in-{i}", [n + i], sender=pw.address)
+        assert all(h.result is None for h in handles)
+        assert len(asyncio.all_tasks()) - before < 4, "a task per request in the daemon"
+        assert len(conn.watched) == conn.watching == 2 * n
+        with anyio.fail_after(60):
+            for i in range(n):
+                await dw.expect(f"watch-out-{i}", [i], sender=hw.address)
+                pw.kv.write([i], pattern(pw.layout, f"watch-in-{i}", 1))
+                await pw.send(f"watch-in-{i}", [i], last=True)
+            for i, handle in enumerate(handles):  # no timeout: answered by the Finished frames alone
+                assert (result := await hw.await_completion(handle)).ok, result
+                assert (arrival := await hw.await_arrival(f"watch-in-{i}")).ok, arrival
+                assert (await dw.await_arrival(f"watch-out-{i}", timeout=30)).ok
+                assert torch.equal(dw.kv.pages([i]), pattern(dw.layout, f"watch-out-{i}", 1))
+                assert torch.equal(hw.kv.pages([n + i]), pattern(hw.layout, f"watch-in-{i}", 1))
+        await eventually(lambda: conn.watching == 0, 10, what="every Finished frame written")
+        assert not conn.watched and not conn.outbox and not conn.sending
+
+
+async def test_a_burst_of_ends_reaches_the_worker_in_few_writes(pair: tuple[Sidecar, Sidecar]) -> None:
+    """64 requests that end together (their sender sent them all while this loop, the
+    daemon's, was held) reach the worker, each with its own result, bytes exact."""
+    prefill, _ = pair
+    n = 64
+    async with daemon_here("decode") as (server, sock), SidecarClient(sock, name="burst") as hw, \
+            SidecarClient(prefill.socket) as pw:
+        await _roundtrip(pw, hw, "burst-warm", 0, 0)
+        conn = connection(server, hw)
+        writes: list[int] = []
+        send_frame = conn.framed.send_frame
+
+        async def counting(data: bytes) -> None:
+            if finished := sum(isinstance(r, Finished) for r in _frames(data)):
+                writes.append(finished)
+            await send_frame(data)
+
+        conn.framed.send_frame = counting  # type: ignore[method-assign]
+        for i in range(n):
+            await hw.expect(f"burst-{i}", [i], sender=pw.address)
+            pw.kv.write([i], pattern(pw.layout, f"burst-{i}", 1))
+
+        sent, done = threading.Event(), threading.Event()
+
+        def send_all() -> None:  # another thread, its own loop and client: this loop is held meanwhile
+            async def sends() -> None:
+                async with SidecarClient(prefill.socket, name="burst-sender") as sender:
+                    for i in range(n):
+                        await sender.send(f"burst-{i}", [i], last=True)
+                    sent.set()
+                    await anyio.to_thread.run_sync(done.wait, 60)  # connected until they ended
+            anyio.run(sends)
+
+        worker = threading.Thread(target=send_all)
+        worker.start()
+        try:
+            assert sent.wait(30)  # holds this loop, the daemon's, on purpose: the ends pile up ...
+            time.sleep(0.2)  # noqa: ASYNC251 - ... and their notifications with them
+            with anyio.fail_after(60):
+                for i in range(n):
+                    assert (arrival := await hw.await_arrival(f"burst-{i}")).ok, arrival
+                    assert arrival.request_id == f"burst-{i}" and arrival.pages == 1
+                    assert torch.equal(hw.kv.pages([i]), pattern(hw.layout, f"burst-{i}", 1))
+        finally:
+            done.set()
+            await anyio.to_thread.run_sync(worker.join, 30)
+        assert sum(writes) == n and len(writes) < n, writes
+
+
+async def test_a_departed_worker_s_futures_are_cancelled_and_its_requests_aborted(
+        pair: tuple[Sidecar, Sidecar]) -> None:
+    prefill, decode = pair
+    n = 8
+    async with daemon_here() as (server, sock), SidecarClient(prefill.socket) as pw, \
+            SidecarClient(decode.socket) as dw:
+        async with SidecarClient(sock, name="leaving", drain_grace_s=0) as gone:
+            for i in range(n):
+                await gone.send(f"left-out-{i}", [i], last=True)  # no receiver: waits for one
+                await gone.expect(f"left-in-{i}", [n + i], sender=pw.address)
+            futures = list(connection(server, gone).watched.values())
+            assert len(futures) == 2 * n
+            ref = weakref.ref(connection(server, gone))
+        await eventually(lambda: ref() not in server.conns, 10, what="the daemon seeing the worker gone")
+        assert all(f.cancelled() for f in futures)
+        assert server.counters.aborted_on_disconnect_total == 2 * n
+        svc = server.svc
+        for i in range(n):
+            assert (await svc.await_arrival(f"left-in-{i}")).reason is FailureReason.ABORTED
+            assert svc.poll_arrival(f"left-in-{i}") is KVPoll.Failed
+        await anyio.lowlevel.checkpoint()  # the cancelled futures' callbacks run: then nothing holds the connection
+        gc.collect()
+        assert ref() is None, gc.get_referrers(ref())
+        # the daemon serves on: another worker's transfer, both ways
+        async with SidecarClient(sock, name="next") as hw:
+            await _roundtrip(hw, dw, "after-left-out", 40, 40)
+            await _roundtrip(pw, hw, "after-left-in", 41, 41)
+            assert not connection(server, hw).watched
+
+
+async def _roundtrip(src: SidecarClient, dst: SidecarClient, rid: str, src_page: int, dst_page: int) -> None:
+    """One request of one page, ``src``'s worker to ``dst``'s, checked byte for byte."""
+    with anyio.fail_after(30):
+        src.kv.write([src_page], pattern(src.layout, rid, 1))
+        await dst.expect(rid, [dst_page], sender=src.address)
+        assert (await src.await_completion(await src.send(rid, [src_page], last=True))).ok
+        assert (await dst.await_arrival(rid)).ok
+        assert torch.equal(dst.kv.pages([dst_page]), pattern(dst.layout, rid, 1))
+
+
+def _frames(data: bytes) -> Iterator[object]:
+    while data:
+        n = int.from_bytes(data[:4], "big")
+        yield decode_server(data[4:4 + n])
+        data = data[4 + n:]
