@@ -11,7 +11,8 @@ sidecar's side is its worker and its daemon together, each also shown alone).
 Wall time per request and the method's own throughput are printed beside them.
 
 ``--against PKG`` (repeatable) adds another kvservice package directory as a method
-of its own (``kvservice@PKG``, as ``benchmarks.compare`` runs it); the methods then
+of its own (``kvservice@PKG``, as ``benchmarks.compare`` runs it, and ``sidecar@PKG``,
+its daemons and workers, when ``--methods`` has the sidecar); the methods then
 take turns run by run (all started at once, the order rotating each repeat), so
 the machine's drift falls on all of them alike.
 
@@ -148,8 +149,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="kvservice-cpu-") as tmp:
             methods = [makers[name]() for name in args.methods.split(",")]
             for i, pkg in enumerate(args.against):
-                methods.append(KvService(LLAMA3_8B, FULL.pool_pages, env=lo, name=f"kvservice@{pkg}",
-                                         path_first=shadow(pkg, Path(tmp) / str(i))))
+                where = shadow(pkg, Path(tmp) / str(i))
+                if "kvservice" in args.methods.split(","):
+                    methods.append(KvService(LLAMA3_8B, FULL.pool_pages, env=lo, name=f"kvservice@{pkg}",
+                                             path_first=where))
+                if "sidecar" in args.methods.split(","):
+                    methods.append(Sidecar(LLAMA3_8B, FULL.pool_pages, name=f"sidecar@{pkg}", path_first=where))
             interleaved(methods, chosen, args.repeats)
         return
     for name in args.methods.split(","):

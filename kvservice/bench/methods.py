@@ -208,7 +208,10 @@ class Sidecar(_ApiChildren):
 
     name = "sidecar"
 
-    def __init__(self, layout: dict[str, Any], num_pages: int, *, loop: str = "uvloop") -> None:
+    def __init__(self, layout: dict[str, Any], num_pages: int, *, loop: str = "uvloop", name: str = "sidecar",
+                 path_first: Path | None = None) -> None:
+        """``path_first``: as ``KvService``'s, for the daemons and the workers alike."""
+        self.name, self.path_first = name, path_first
         self.layout, self.num_pages, self.loop = layout, num_pages, loop
         self.cfg: dict[str, Any] = {"layout": layout, "num_pages": num_pages, "loop": loop}
         self.send: Endpoint | None = None
@@ -236,6 +239,8 @@ class Sidecar(_ApiChildren):
         layout = {**self.layout, "num_pages": self.num_pages}
         env = {**{k: v for k, v in CHILD_ENV.items() if v is not None}, "KVSERVICE_SIDECAR_LOOP": self.loop,
                "KVSERVICE_SERVICE_DRAIN_GRACE_S": "1"}  # as kv_side.make_config
+        if self.path_first is not None:  # the daemons' kvservice is that one (and not the working directory's)
+            env.update(PYTHONPATH=str(self.path_first), PYTHONSAFEPATH="1")
         self.daemons = [LocalDaemon(role, self.workdir, shm=f"{tag}{role}-{uuid.uuid4().hex[:8]}", layout=layout,
                                     env=env, stderr=_lines.child_stderr)
                         for role in ("prefill", "decode")]
@@ -246,8 +251,10 @@ class Sidecar(_ApiChildren):
         except DaemonError as exc:
             raise ChildError(str(exc)) from exc
         self.address = prefill.address
-        self.send = Child("kvservice.bench.sidecar_side", "send", {**self.cfg, "socket": prefill.socket})
-        self.recv = Child("kvservice.bench.sidecar_side", "recv", {**self.cfg, "socket": decode.socket})
+        self.send = Child("kvservice.bench.sidecar_side", "send", {**self.cfg, "socket": prefill.socket},
+                          path_first=self.path_first)
+        self.recv = Child("kvservice.bench.sidecar_side", "recv", {**self.cfg, "socket": decode.socket},
+                          path_first=self.path_first)
         self.send.wait("ready", SETUP_TIMEOUT_S)
         self.recv.wait("ready", SETUP_TIMEOUT_S)
 
