@@ -73,7 +73,8 @@ def report(stretches: list[Run], sends: list[tuple[str, float, float]], top: int
     if not stretches:
         return "no context switches in the recording (perf script -F time,trace of sched:sched_switch)"
     lo, hi = stretches[0][0], stretches[-1][1]
-    lines, total = [], collections.defaultdict(float)
+    lines: list[str] = []
+    total: collections.defaultdict[str, float] = collections.defaultdict(float)
     span = 0.0
     for rid, start, end in sends:
         if start < lo or end > hi:
