@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from kvservice import FailureReason, KVPoll, KVServiceError, SidecarClient, TransferService
+from kvservice.sidecar import server as server_mod
 from kvservice.sidecar.connection import Connection
 from kvservice.sidecar.local import daemon_env
 from kvservice.sidecar.server import SidecarServer
@@ -508,6 +509,42 @@ async def test_a_departed_worker_s_futures_are_cancelled_and_its_requests_aborte
             await _roundtrip(hw, dw, "after-left-out", 40, 40)
             await _roundtrip(pw, hw, "after-left-in", 41, 41)
             assert not connection(server, hw).watched
+
+
+async def test_a_worker_that_takes_no_finished_frame_is_dropped(
+        pair: tuple[Sidecar, Sidecar], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pusher's write of a Finished frame does not complete (a worker that stopped
+    reading its socket): within ``PUSH_TIMEOUT_S`` the daemon counts it, drops the worker
+    and aborts what it left unfinished; the worker hears the connection end; another
+    worker's transfers go on, bytes exact."""
+    prefill, _ = pair
+    monkeypatch.setattr(server_mod, "PUSH_TIMEOUT_S", 0.5)
+    async with daemon_here("decode") as (server, sock), SidecarClient(prefill.socket) as pw:
+        async with SidecarClient(sock, name="stuck") as stuck:
+            await _roundtrip(pw, stuck, "stuck-warm", 0, 0)
+            conn = connection(server, stuck)
+            send_frame = conn.framed.send_frame
+
+            async def never_taken(data: bytes) -> None:
+                if any(isinstance(r, Finished) for r in _frames(data)):
+                    await anyio.sleep_forever()  # the socket's buffer full: the write never ends
+                await send_frame(data)
+
+            conn.framed.send_frame = never_taken  # type: ignore[method-assign]
+            await stuck.expect("stuck-lands", [1], sender=pw.address)
+            await stuck.expect("stuck-left", [2], sender=pw.address)  # never sent: left unfinished
+            pw.kv.write([1], pattern(pw.layout, "stuck-lands", 1))
+            assert (await pw.await_completion(await pw.send("stuck-lands", [1], last=True))).ok
+            with anyio.fail_after(30):
+                why = await stuck.wait_disconnected()
+            assert "closed" in why or "error" in why, why
+        assert server.counters.refused["push_timeout"] == 1
+        assert conn.closed and conn not in server.conns
+        left = await server.svc.await_arrival("stuck-left")
+        assert left.reason is FailureReason.ABORTED, left
+        assert server.counters.aborted_on_disconnect_total == 1
+        async with SidecarClient(sock, name="after-stuck") as hw:
+            await _roundtrip(pw, hw, "after-stuck", 3, 3)
 
 
 async def _roundtrip(src: SidecarClient, dst: SidecarClient, rid: str, src_page: int, dst_page: int) -> None:
