@@ -381,7 +381,7 @@ class Watchdog:
         while True:
             self._take_delivered()
             self._pump_waiter = self._loop.create_future()
-            if not self._delivered:  # appended between the take and the waiter: no wake is coming
+            if not self._delivered:  # appended since the take: go round again (its wake finds no waiter or a fresh one)
                 await self._pump_waiter
             self._pump_waiter = None
 
