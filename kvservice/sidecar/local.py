@@ -76,6 +76,7 @@ class DaemonProcess(Protocol):
 
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
 
 
 class LocalDaemon:
@@ -197,9 +198,10 @@ class LocalDaemon:
 
     # -- stopping ---------------------------------------------------------------------------
     def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to the process started here, if it still runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
+        """Send ``sig`` to the process started here, if it still runs: one that exits
+        between the check and the signal is not an error (``send_signal`` knows that race)."""
+        if self.proc is not None:
+            self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 30.0) -> int:
         """Its exit code (``subprocess.TimeoutExpired`` after ``timeout``)."""

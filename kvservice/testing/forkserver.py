@@ -273,9 +273,17 @@ class ForkedPopen:
         self._server = server
         self.stdout: IO[bytes] | None = os.fdopen(read, "rb")
         self.returncode: int | None = None
+        # Its server reaps it, at a moment of its own: a signal goes through a pidfd, so
+        # that it reaches this child or nothing, never a process that reused its pid.
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # it has exited and been reaped already
+            self._pidfd = -1
 
     def poll(self) -> int | None:
         self.returncode = self._server.exit_code(self.pid)
+        if self.returncode is not None:
+            self._close_pidfd()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -283,12 +291,18 @@ class ForkedPopen:
         if code is None:
             raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout or 0.0)
         self.returncode = code
+        self._close_pidfd()
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
+        if self.poll() is None and self._pidfd >= 0:
             with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
-                os.kill(self.pid, sig)
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 
 import anyio
+import pytest
 
 from kvservice.testing import PeerProcess
 from kvservice.testing.forkserver import ForkedProcess, ForkServer, forkable
@@ -129,4 +130,31 @@ def test_a_sidecar_daemon_is_forked_too_and_stops_as_one() -> None:
         if daemon.proc is not None and daemon.proc.poll() is None:
             daemon.kill()
         daemon.cleanup_names()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_signal_to_a_child_its_server_reaped_unannounced_is_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server reaps a child at a moment of its own and tells the parent after: a daemon
+    stopped in between (here, the server's word held back) is gone, not an error, and the
+    signal goes to no other process that may have its pid by then."""
+    from kvservice.sidecar.local import LocalDaemon, short_tmpdir
+    from kvservice.testing.forkserver import ForkedPopen
+
+    server = ForkServer.shared([PEER_MODULE])
+    child = ForkedPopen(server, ENTRY, ["x", "sleep"], dict(os.environ))
+    assert child.stdout is not None
+    assert child.stdout.readline() == b"{}\n"
+    os.kill(child.pid, signal.SIGKILL)
+    assert server.wait_exit(child.pid, 30) == -signal.SIGKILL  # reaped by its server
+    monkeypatch.setattr(server, "exit_code", lambda pid: None)  # ... its word not here yet
+    workdir = short_tmpdir()
+    try:
+        daemon = LocalDaemon("prefill", workdir)
+        daemon.proc = child
+        daemon.signal(signal.SIGTERM)  # no ProcessLookupError
+        child.send_signal(signal.SIGKILL)
+        monkeypatch.undo()
+        assert daemon.wait(5) == -signal.SIGKILL
+        assert child._pidfd == -1  # closed once its exit is known
+    finally:
         shutil.rmtree(workdir, ignore_errors=True)
