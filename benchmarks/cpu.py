@@ -7,7 +7,9 @@ Runs the benchmark's methods (raw NIXL, kvservice in process, the sidecar) on th
 same cases, as ``kvservice bench`` does, and reads every process's CPU time
 (``/proc/PID/task/*/schedstat``, every thread) around each measured run:
 microseconds of CPU per request on the sending and the receiving side (the
-sidecar's side is its worker and its daemon together, each also shown alone).
+sidecar's side is its worker and its daemon together, each also shown alone), and
+how often each process's threads were put on a CPU per request (``wakes``: every
+wake-up, and every preemption, is one; ``kvservice.bench.procfs.threads_runs``).
 Wall time per request and the method's own throughput are printed beside them.
 
 ``--against PKG`` (repeatable) adds another kvservice package directory as a method
@@ -42,7 +44,7 @@ from typing import Any
 from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
 from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes
-from kvservice.bench.procfs import threads_cpu_s
+from kvservice.bench.procfs import threads_cpu_s, threads_runs
 from kvservice.bench.run import warm_up
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
 
@@ -81,17 +83,26 @@ def sampled(pids: dict[str, int], out: Path | None) -> Iterator[dict[str, Path]]
 def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any]:
     pids = processes(m)
     per: dict[str, list[float]] = {role: [] for role in pids}
+    wakes: dict[str, list[float]] = {role: [] for role in pids}
     walls: list[float] = []
     for i in range(repeats):
-        before = {role: threads_cpu_s(pid) for role, pid in pids.items()}
+        before = {role: (threads_cpu_s(pid), threads_runs(pid)) for role, pid in pids.items()}
         sample = m.measure(case, f"cpu{tag}-{case.key}-{i}")
-        after = {role: threads_cpu_s(pid) for role, pid in pids.items()}
+        after = {role: (threads_cpu_s(pid), threads_runs(pid)) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
-            per[role].append((after[role] - before[role]) / n * 1e6)
+            per[role].append((after[role][0] - before[role][0]) / n * 1e6)
+            wakes[role].append((after[role][1] - before[role][1]) / n)
         walls.append((sample["end"] - sample["start"]) / n * 1e6)
     return {"cpu_us": {role: statistics.median(v) for role, v in per.items()},
+            "wakes": {role: statistics.median(v) for role, v in wakes.items()},
             "wall_us": statistics.median(walls)}
+
+
+def _line(name: str, key: str, wall: float, cpu: dict[str, float], wakes: dict[str, float]) -> str:
+    return (f"{name:<40} {key:<9} wall {wall:6.0f} us/req | CPU us/req: "
+            + "  ".join(f"{role} {us:6.0f}" for role, us in cpu.items())
+            + " | wakes/req: " + "  ".join(f"{role} {w:4.1f}" for role, w in wakes.items()))
 
 
 def profile(m: Method, case: Case, out: Path) -> dict[str, dict[str, float]]:
@@ -123,9 +134,9 @@ def interleaved(methods: list[Method], cases: list[Case], repeats: int) -> None:
         for m in methods:
             runs = got[(m.name, case.key)]
             roles = runs[0]["cpu_us"]
-            cpu = "  ".join(f"{role} {statistics.median([r['cpu_us'][role] for r in runs]):6.0f}" for role in roles)
-            wall = statistics.median([r["wall_us"] for r in runs])
-            print(f"{m.name:<40} {case.key:<9} wall {wall:6.0f} us/req | CPU us/req: {cpu}", flush=True)
+            cpu = {role: statistics.median([r["cpu_us"][role] for r in runs]) for role in roles}
+            wakes = {role: statistics.median([r["wakes"][role] for r in runs]) for role in roles}
+            print(_line(m.name, case.key, statistics.median([r["wall_us"] for r in runs]), cpu, wakes), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -164,8 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             warm_up([m], chosen)
             for case in chosen:
                 got = measure(m, case, args.repeats)
-                cpu = "  ".join(f"{role} {us:6.0f}" for role, us in got["cpu_us"].items())
-                print(f"{name:<10} {case.key:<8} wall {got['wall_us']:6.0f} us/req | CPU us/req: {cpu}", flush=True)
+                print(_line(name, case.key, got["wall_us"], got["cpu_us"], got["wakes"]), flush=True)
                 if args.profile is not None and name != "raw_nixl":
                     parts = profile(m, case, args.profile / name / case.key.replace("/", "-"))
                     for role, by_part in parts.items():

@@ -6,7 +6,8 @@ take the files' text, so that what they pick out of it is testable without a pro
 - CPU: ``stat``'s ``utime`` + ``stime`` (the process's user and system time so far, its
   threads' included; clock ticks, 10 ms on most kernels), in seconds; and, finer, the sum of
   ``task/*/schedstat``'s first field (nanoseconds each live thread has run), for spans too
-  short for clock ticks.
+  short for clock ticks.  That file's third field counts the thread's turns on a CPU
+  (``threads_runs``): how often something woke it or it was preempted.
 - RSS: ``status``'s ``VmRSS``: the pages resident now, each counted whole even when shared
   with other processes (the shared libraries' pages too).
 - PSS: ``smaps_rollup``'s ``Pss``: the same pages, each shared one divided by the number of
@@ -59,6 +60,25 @@ def cpu_s(pid: int) -> float:
 def schedstat_ns(text: str) -> int:
     """Nanoseconds a thread has run, from the text of ``/proc/<pid>/task/<tid>/schedstat``."""
     return int(text.split()[0])
+
+
+def schedstat_runs(text: str) -> int:
+    """How many times a thread was put on a CPU (its third field: one per wake-up or
+    preemption), from the text of ``/proc/<pid>/task/<tid>/schedstat``."""
+    return int(text.split()[2])
+
+
+def threads_runs(pid: int) -> int:
+    """``schedstat_runs`` summed over ``pid``'s live threads: what waking it cost, in
+    scheduler round trips (read around a span, as ``threads_cpu_s``)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += schedstat_runs(f.read())
+        except OSError:  # a thread that just ended
+            continue
+    return total
 
 
 def thread_cpu_s(pid: int, tid: int) -> float:

@@ -48,7 +48,7 @@ import anyio.abc
 import numpy.typing as npt
 
 from .._control.addresses import split_address
-from .._control.links import CONNECTION_ERRORS, FramedStream
+from .._control.links import CONNECTION_ERRORS
 from .._control.protocol import FrameError, text
 from .._results import (
     FailureReason,
@@ -92,6 +92,7 @@ from .wire import (
     Send,
     SendReply,
     ServerMessage,
+    SocketFrames,
     Status,
     StatusReply,
     Welcome,
@@ -142,7 +143,7 @@ class SidecarClient:
         self._connect_timeout = connect_timeout
         self._grace = drain_grace_s
         self._status_interval = status_interval
-        self._framed: FramedStream[ServerMessage] | None = None
+        self._framed: SocketFrames[ServerMessage] | None = None
         self._segment: Segment | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._calls: dict[int, CallSlot] = {}
@@ -421,8 +422,7 @@ class SidecarClient:
             raise KVServiceError(f"the sidecar at {self.socket_path}: {why}: upgrade the daemon")  # nothing sent
         slot = self._calls[n] = CallSlot()
         try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(SEND_TIMEOUT_S):
-                await self._framed.send(msg)  # shielded: never leave half a frame on the socket
+            await self._framed.send(msg, SEND_TIMEOUT_S, shield=True)  # never half a frame on the socket
             await slot.event.wait()
         except anyio.get_cancelled_exc_class():
             if not slot.event.is_set() and self._lost is None:

@@ -22,7 +22,7 @@ from collections.abc import Collection
 import anyio
 import anyio.abc
 
-from .._control.links import CONNECTION_ERRORS, FramedStream
+from .._control.links import CONNECTION_ERRORS
 from .._control.protocol import FrameError
 from .._results import KVServiceError
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
@@ -34,6 +34,7 @@ from .wire import (
     Error,
     Hello,
     ServerMessage,
+    SocketFrames,
     Welcome,
     decode_server,
     frame_stream,
@@ -50,7 +51,7 @@ _EXACT_ONLY = re.compile(r"protocol version \d+, this sidecar speaks (\d+)")
 
 
 async def handshake(path: str, name: str, *, timeout: float,
-                    trusted_uids: Collection[int]) -> tuple[FramedStream[ServerMessage], Welcome, PeerCred]:
+                    trusted_uids: Collection[int]) -> tuple[SocketFrames[ServerMessage], Welcome, PeerCred]:
     """Connect to the daemon at ``path``, check who runs it, say Hello; its Welcome.
     ``KVServiceError`` saying why otherwise."""
     framed, reply, daemon = await _hello(path, name, SIDECAR_PROTOCOL_VERSION, timeout, trusted_uids)
@@ -70,7 +71,7 @@ async def handshake(path: str, name: str, *, timeout: float,
 
 
 async def _hello(path: str, name: str, version: int, timeout: float,
-                 trusted_uids: Collection[int]) -> tuple[FramedStream[ServerMessage], ServerMessage, PeerCred]:
+                 trusted_uids: Collection[int]) -> tuple[SocketFrames[ServerMessage], ServerMessage, PeerCred]:
     """One connection: check who runs the daemon, say Hello in ``version``; its first frame."""
     try:
         with anyio.fail_after(timeout):

@@ -279,8 +279,7 @@ class SidecarServer:
         False once the connection is closed: the worker is gone, or it did not take them
         within ``PUSH_TIMEOUT_S`` and is dropped."""
         try:
-            with anyio.fail_after(PUSH_TIMEOUT_S):
-                await conn.framed.send_frame(frames)
+            await conn.framed.send_frame(frames, PUSH_TIMEOUT_S)
         except TimeoutError:
             self.counters.refused["push_timeout"] += 1
             log.warning("sidecar.client_stuck", conn=conn.number, pid=conn.pid, timeout_s=PUSH_TIMEOUT_S)

@@ -366,22 +366,41 @@ class SocketFrames(FramedStream[M]):
         except anyio.EndOfStream as exc:  # as BufferedByteReceiveStream.receive_exactly
             raise anyio.IncompleteRead from exc
 
-    async def send(self, msg: Any) -> None:
-        await self.send_frame(self._encode(msg))
+    async def send(self, msg: Any, timeout: float | None = None, *, shield: bool = False) -> None:
+        await self.send_frame(self._encode(msg), timeout, shield=shield)
 
-    async def send_frame(self, data: bytes) -> None:
+    async def send_frame(self, data: bytes, timeout: float | None = None, *, shield: bool = False) -> None:
         """Write whole frames (one, or several back to back: ``encode_frames``), never
-        interleaved with another writer's."""
-        async with self._write_lock:  # uncontended: no yield
-            if self._sock is not None:
-                try:
-                    sent = self._sock.send(data)
-                except OSError:  # full (BlockingIOError), or gone: the stream's send decides
-                    sent = 0
-                if sent == len(data):
-                    return
-                data = data[sent:]  # rare: a full socket
-            await self._stream.send(data)
+        interleaved with another writer's.
+
+        ``timeout``: ``TimeoutError`` if the socket has not taken them (and the writer
+        before, if one is writing) within it; the frames may then be cut short, and the
+        connection is the caller's to drop.  ``shield``: a cancelled caller still writes
+        them whole (within ``timeout``).  Both apply only where the socket cannot take
+        the frames at once: the usual write, straight into a socket with room, arms
+        no timer and enters no scope (measured: those were 6-11 % of a sidecar
+        process's loop CPU)."""
+        if self._sock is not None and not self._write_lock.locked():  # no frame is half written
+            sent = self._send_now(data)
+            if sent == len(data):
+                return
+            data = data[sent:]  # the rest goes next: nothing runs before the lock is ours
+        with anyio.CancelScope(shield=shield), anyio.fail_after(timeout):
+            async with self._write_lock:  # uncontended: no yield
+                if self._sock is not None:
+                    data = data[self._send_now(data):]
+                    if not data:
+                        return
+                await self._stream.send(data)  # rare: a full socket, or another writer's turn
+
+    def _send_now(self, data: bytes) -> int:
+        """What a non-blocking send takes of ``data`` now (0: full, or gone: the stream's
+        own ``send`` then decides)."""
+        assert self._sock is not None
+        try:
+            return self._sock.send(data)
+        except OSError:
+            return 0
 
 
 # -- results ---------------------------------------------------------------------------------

@@ -444,10 +444,10 @@ async def test_a_burst_of_ends_reaches_the_worker_in_few_writes(pair: tuple[Side
         writes: list[int] = []
         send_frame = conn.framed.send_frame
 
-        async def counting(data: bytes) -> None:
+        async def counting(data: bytes, timeout: float | None = None, *, shield: bool = False) -> None:
             if finished := sum(isinstance(r, Finished) for r in _frames(data)):
                 writes.append(finished)
-            await send_frame(data)
+            await send_frame(data, timeout, shield=shield)
 
         conn.framed.send_frame = counting  # type: ignore[method-assign]
         for i in range(n):
@@ -523,14 +523,16 @@ async def test_a_worker_that_takes_no_finished_frame_is_dropped(
         async with SidecarClient(sock, name="stuck") as stuck:
             await _roundtrip(pw, stuck, "stuck-warm", 0, 0)
             conn = connection(server, stuck)
-            send_frame = conn.framed.send_frame
+            stream_send = conn.framed.stream.send
 
             async def never_taken(data: bytes) -> None:
                 if any(isinstance(r, Finished) for r in _frames(data)):
-                    await anyio.sleep_forever()  # the socket's buffer full: the write never ends
-                await send_frame(data)
+                    await anyio.sleep_forever()  # the socket's buffer stays full: the write never ends
+                await stream_send(data)
 
-            conn.framed.send_frame = never_taken  # type: ignore[method-assign]
+            # the socket takes nothing at once, and no Finished frame ever: every write waits
+            monkeypatch.setattr(conn.framed, "_send_now", lambda data: 0)
+            monkeypatch.setattr(conn.framed.stream, "send", never_taken)
             await stuck.expect("stuck-lands", [1], sender=pw.address)
             await stuck.expect("stuck-left", [2], sender=pw.address)  # never sent: left unfinished
             pw.kv.write([1], pattern(pw.layout, "stuck-lands", 1))

@@ -13,6 +13,7 @@ import anyio.abc
 import pytest
 
 from kvservice._control.protocol import FrameError
+from kvservice.sidecar import wire
 from kvservice.sidecar.wire import (
     SIDECAR_OLDEST_VERSION,
     SIDECAR_PROTOCOL_VERSION,
@@ -79,6 +80,57 @@ async def test_a_full_socket_is_written_as_the_reader_drains_it() -> None:
     assert sorted(got, key=lambda m: m.call) == msgs
     await worker.aclose()
     await daemon.aclose()
+
+
+async def test_a_write_the_socket_takes_at_once_arms_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usual write (a socket with room) enters no cancel scope and arms no timer,
+    whatever ``timeout`` and ``shield`` say: those cost every call and every result."""
+    a, b = await pair()
+    worker, daemon = frame_stream(a, 1 << 20, decode_server), frame_stream(b, 1 << 20, decode_client)
+
+    def no_scope(*args: object, **kw: object) -> None:
+        raise AssertionError("a scope on the fast path")
+
+    with monkeypatch.context() as m:
+        m.setattr(wire.anyio, "fail_after", no_scope)
+        m.setattr(wire.anyio, "CancelScope", no_scope)
+        await worker.send(Status(1), 5.0, shield=True)
+    assert await daemon.recv() == Status(1)
+    await worker.aclose()
+    await daemon.aclose()
+
+
+async def test_a_full_socket_times_out_and_a_cancelled_shielded_write_ends_whole() -> None:
+    """A socket nobody drains: ``timeout`` raises ``TimeoutError`` (the caller drops the
+    connection).  A shielded write whose caller is cancelled meanwhile still ends whole
+    once the reader drains: the reader then sees whole frames only."""
+    a, b = await pair()
+    a.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    worker, daemon = frame_stream(a, 1 << 24, decode_server), frame_stream(b, 1 << 24, decode_client)
+    big = Send(1, "r1", list(range(200_000)))  # far more than the buffers hold
+    with anyio.fail_after(10):
+        with pytest.raises(TimeoutError):
+            await worker.send(big, 0.2)
+    a2, b2 = await pair()
+    a2.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    worker2, daemon2 = frame_stream(a2, 1 << 24, decode_server), frame_stream(b2, 1 << 24, decode_client)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            done = anyio.Event()
+
+            async def write() -> None:
+                with anyio.CancelScope() as scope:
+                    scope.cancel()  # cancelled before and during: the shield keeps it writing
+                    await worker2.send(big, 10.0, shield=True)
+                done.set()
+
+            tg.start_soon(write)
+            await anyio.sleep(0.1)
+            assert not done.is_set()  # still writing: nobody has read
+            assert await daemon2.recv() == big
+            await done.wait()
+    for s in (worker, daemon, worker2, daemon2):
+        await s.aclose()
 
 
 async def test_an_oversized_length_is_refused_before_the_body() -> None:

@@ -76,6 +76,7 @@ def test_a_child_that_did_not_start_is_a_line_saying_why() -> None:
 
 def test_a_threads_schedstat_is_its_run_time_in_nanoseconds() -> None:
     assert procfs.schedstat_ns("123456789 2000 17\n") == 123456789
+    assert procfs.schedstat_runs("123456789 2000 17\n") == 17
 
 
 def test_the_main_thread_is_part_of_the_whole_and_both_grow_with_work() -> None:
@@ -85,6 +86,28 @@ def test_the_main_thread_is_part_of_the_whole_and_both_grow_with_work() -> None:
     whole1, main1 = procfs.threads_cpu_s(pid), procfs.thread_cpu_s(pid, pid)
     assert main1 > main0 and whole1 > whole0
     assert main1 <= whole1
+
+
+def test_a_thread_woken_ten_times_has_at_least_ten_more_runs() -> None:
+    import threading
+    pid = os.getpid()
+    wake, done = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(10):
+            wake.wait(5)
+            wake.clear()
+            done.set()
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    before = procfs.threads_runs(pid)
+    for _ in range(10):
+        done.clear()
+        wake.set()
+        assert done.wait(5)
+    t.join(5)
+    assert procfs.threads_runs(pid) - before >= 10
 
 
 def test_the_cpu_table_shows_each_side_and_the_loop_threads() -> None:
