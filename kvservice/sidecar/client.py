@@ -423,9 +423,9 @@ class SidecarClient:
         slot = self._calls[n] = CallSlot()
         try:
             await self._framed.send(msg, SEND_TIMEOUT_S, shield=True)  # never half a frame on the socket
-            await slot.event.wait()
+            await slot.done
         except anyio.get_cancelled_exc_class():
-            if not slot.event.is_set() and self._lost is None:
+            if slot.reply is None and self._lost is None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                     await self._framed.send(Cancel(n))
             raise
@@ -459,8 +459,7 @@ class SidecarClient:
                 elif not isinstance(msg, Welcome):
                     slot = self._calls.get(msg.call)
                     if slot is not None:
-                        slot.reply = msg
-                        slot.event.set()
+                        slot.answer(msg)
         except _READ_ERRORS as exc:
             why = f"connection error: {exc!r}"
         finally:
@@ -496,7 +495,7 @@ class SidecarClient:
                 request_id=req.request_id, status=TransferStatus.FAILED, reason=reason,
                 message=why, created_at=req.created, finished_at=now))
         for slot in self._calls.values():
-            slot.event.set()
+            slot.answer(None)
         if self._lost_event is not None:
             self._lost_event.set()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -22,10 +23,22 @@ class RequestState:
     done: anyio.Event = field(default_factory=anyio.Event)
 
 
-@dataclass(eq=False)
 class CallSlot:
-    event: anyio.Event = field(default_factory=anyio.Event)
-    reply: ServerMessage | None = None
+    """One call in flight: ``done`` resolves when its reply came (``reply``) or the
+    connection ended (``reply`` still None).  A bare loop future: a call is awaited once,
+    by its caller, and a future is one object where an ``anyio.Event`` is three."""
+
+    __slots__ = ("done", "reply")
+
+    def __init__(self) -> None:
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.reply: ServerMessage | None = None
+
+    def answer(self, reply: ServerMessage | None) -> None:
+        """Wake the caller (a caller cancelled meanwhile has gone: nothing to wake)."""
+        if not self.done.done():
+            self.reply = reply
+            self.done.set_result(None)
 
 
 class SidecarHandle(HandleBase):

@@ -28,6 +28,7 @@ one wake-up of the worker), never inside a call's reply.
 from __future__ import annotations
 
 import os
+import typing
 from typing import Any
 
 import anyio
@@ -81,6 +82,8 @@ MAX_CALLS_PER_CONNECTION = 10_000
 FLUSH_TIMEOUT_S = 2.0
 #: calls that complete without waiting on anything: run in the reader, saving a task per call
 _INLINE = (Send, Abort, Poll, Status, LivePeers, Expected)
+#: each call's name in the counters ("send", "poll", ...): its frame's tag
+_OPS: dict[type, str] = {t: str(t.__struct_config__.tag) for t in typing.get_args(Call)}
 
 
 class SidecarServer:
@@ -258,7 +261,7 @@ class SidecarServer:
                     self.counters.refused["too_many_calls"] += 1
                     await self._push(conn, Error(msg.call, "KVServiceError", "too many calls in flight"))
                 elif isinstance(msg, _INLINE):  # never waits: answer it now, in order, no task
-                    await self._run_call(conn, msg, anyio.CancelScope())
+                    await self._run_call(conn, msg, None)  # nor a scope: no Cancel is read meanwhile
                 else:
                     scope = conn.calls[msg.call] = anyio.CancelScope()
                     conn.tg.start_soon(self._run_call, conn, msg, scope)
@@ -305,13 +308,18 @@ class SidecarServer:
                 return
             conn.unwatched(len(frames))
 
-    async def _run_call(self, conn: Connection, msg: Call, scope: anyio.CancelScope) -> None:
-        op = str(type(msg).__struct_config__.tag)
+    async def _run_call(self, conn: Connection, msg: Call, scope: anyio.CancelScope | None) -> None:
+        """Run a call and push its reply; ``scope`` (a call in a task of its own) is what
+        the worker's ``Cancel`` cancels (no reply then)."""
+        op = _OPS[type(msg)]
         self.counters.calls[op] += 1
         reply: ServerMessage | None = None
         try:
-            with scope:
+            if scope is None:
                 reply = await self.calls.execute(conn, msg)
+            else:
+                with scope:
+                    reply = await self.calls.execute(conn, msg)
         except NotOwnerError as exc:
             self.counters.refused["not_owner"] += 1
             log.warning("sidecar.not_owner", op=op, conn=conn.number, pid=conn.pid,
