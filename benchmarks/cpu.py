@@ -9,7 +9,7 @@ same cases, as ``kvservice bench`` does, and reads every process's CPU time
 microseconds of CPU per request on the sending and the receiving side (the
 sidecar's side is its worker and its daemon together, each also shown alone), and
 how often each process's threads were put on a CPU per request (``wakes``: every
-wake-up, and every preemption, is one; ``kvservice.bench.procfs.threads_runs``).
+wake-up, and every preemption, is one; ``kvservice.bench.procfs.threads_cpu_and_runs``).
 Wall time per request and the method's own throughput are printed beside them.
 
 ``--against PKG`` (repeatable) adds another kvservice package directory as a method
@@ -44,7 +44,7 @@ from typing import Any
 from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
 from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes
-from kvservice.bench.procfs import threads_cpu_s, threads_runs
+from kvservice.bench.procfs import threads_cpu_and_runs
 from kvservice.bench.run import warm_up
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
 
@@ -86,9 +86,9 @@ def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any
     wakes: dict[str, list[float]] = {role: [] for role in pids}
     walls: list[float] = []
     for i in range(repeats):
-        before = {role: (threads_cpu_s(pid), threads_runs(pid)) for role, pid in pids.items()}
+        before = {role: threads_cpu_and_runs(pid) for role, pid in pids.items()}
         sample = m.measure(case, f"cpu{tag}-{case.key}-{i}")
-        after = {role: (threads_cpu_s(pid), threads_runs(pid)) for role, pid in pids.items()}
+        after = {role: threads_cpu_and_runs(pid) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
             per[role].append((after[role][0] - before[role][0]) / n * 1e6)

@@ -7,7 +7,7 @@ take the files' text, so that what they pick out of it is testable without a pro
   threads' included; clock ticks, 10 ms on most kernels), in seconds; and, finer, the sum of
   ``task/*/schedstat``'s first field (nanoseconds each live thread has run), for spans too
   short for clock ticks.  That file's third field counts the thread's turns on a CPU
-  (``threads_runs``): how often something woke it or it was preempted.
+  (``threads_cpu_and_runs``): how often something woke it or it was preempted.
 - RSS: ``status``'s ``VmRSS``: the pages resident now, each counted whole even when shared
   with other processes (the shared libraries' pages too).
 - PSS: ``smaps_rollup``'s ``Pss``: the same pages, each shared one divided by the number of
@@ -68,19 +68,6 @@ def schedstat_runs(text: str) -> int:
     return int(text.split()[2])
 
 
-def threads_runs(pid: int) -> int:
-    """``schedstat_runs`` summed over ``pid``'s live threads: what waking it cost, in
-    scheduler round trips (read around a span, as ``threads_cpu_s``)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += schedstat_runs(f.read())
-        except OSError:  # a thread that just ended
-            continue
-    return total
-
-
 def thread_cpu_s(pid: int, tid: int) -> float:
     """The CPU time thread ``tid`` of ``pid`` has run, in seconds, to the nanosecond (its
     main thread: ``tid == pid``).  ``OSError`` if it is gone."""
@@ -88,17 +75,31 @@ def thread_cpu_s(pid: int, tid: int) -> float:
         return schedstat_ns(f.read()) / 1e9
 
 
+def _threads_schedstat(pid: int) -> list[str]:
+    """The ``schedstat`` text of each of ``pid``'s live threads (one that ends meanwhile is
+    left out).  ``OSError`` if ``pid`` is gone."""
+    texts = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                texts.append(f.read())
+        except OSError:  # a thread that just ended
+            continue
+    return texts
+
+
 def threads_cpu_s(pid: int) -> float:
     """The CPU time ``pid``'s live threads have run, in seconds, to the nanosecond (the
     scheduler's own count; a thread that has ended is no longer in it, so read it around a
     span in which the process starts and ends no threads).  ``OSError`` if ``pid`` is gone."""
-    total = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += thread_cpu_s(pid, int(tid))
-        except OSError:  # a thread that just ended
-            continue
-    return total
+    return sum(schedstat_ns(t) for t in _threads_schedstat(pid)) / 1e9
+
+
+def threads_cpu_and_runs(pid: int) -> tuple[float, int]:
+    """``threads_cpu_s`` and, from the same reading, ``schedstat_runs`` summed over the live
+    threads: what waking the process cost, in scheduler round trips."""
+    texts = _threads_schedstat(pid)
+    return sum(schedstat_ns(t) for t in texts) / 1e9, sum(schedstat_runs(t) for t in texts)
 
 
 def rss_mib(pid: int) -> float:

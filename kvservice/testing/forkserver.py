@@ -164,6 +164,30 @@ class ForkServer:
         self._sock.close()
 
 
+class _Pidfd:
+    """A forked child's pidfd.  Its server reaps the child at a moment of its own, so a
+    signal goes through this: it reaches that child or nothing, never a process that
+    reused its pid.  ``fd`` is -1 once closed (or if the child was reaped before it opened)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, pid: int) -> None:
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # it has exited and been reaped already
+            self.fd = -1
+
+    def signal(self, sig: int) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
+                signal.pidfd_send_signal(self.fd, sig)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ForkedProcess(anyio.abc.Process):
     """A forked child, as ``anyio.open_process`` would return it: its stdin and stdout are
     one end of a socket pair each (a child reads and writes them as it would pipes)."""
@@ -174,7 +198,7 @@ class ForkedProcess(anyio.abc.Process):
         self._pid = pid
         self._stdin = stdin
         self._stdout = stdout
-        self._pidfd = os.pidfd_open(pid)
+        self._pidfd = _Pidfd(pid)
 
     @classmethod
     async def start(cls, server: ForkServer, entry: str, argv: Sequence[str], env: Mapping[str, str],
@@ -201,17 +225,13 @@ class ForkedProcess(anyio.abc.Process):
     async def wait(self) -> int:
         code = self._server.exit_code(self._pid)
         if code is None:
-            await anyio.wait_readable(self._pidfd)  # the child has exited: its server reaps it next
+            if self._pidfd.fd >= 0:
+                await anyio.wait_readable(self._pidfd.fd)  # the child has exited: its server reaps it next
             code = await anyio.to_thread.run_sync(self._server.wait_exit, self._pid, _REAP_TIMEOUT_S)
             if code is None:
                 raise RuntimeError(f"forked child {self._pid} exited but its server did not say how")
-        self._close_pidfd()
+        self._pidfd.close()
         return code
-
-    def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -220,9 +240,8 @@ class ForkedProcess(anyio.abc.Process):
         self.send_signal(signal.SIGKILL)
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None and self._pidfd >= 0:
-            with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
-                signal.pidfd_send_signal(self._pidfd, sig)
+        if self.returncode is None:
+            self._pidfd.signal(sig)
 
     async def aclose(self) -> None:
         for stream in (self._stdin, self._stdout):
@@ -273,17 +292,12 @@ class ForkedPopen:
         self._server = server
         self.stdout: IO[bytes] | None = os.fdopen(read, "rb")
         self.returncode: int | None = None
-        # Its server reaps it, at a moment of its own: a signal goes through a pidfd, so
-        # that it reaches this child or nothing, never a process that reused its pid.
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-        except ProcessLookupError:  # it has exited and been reaped already
-            self._pidfd = -1
+        self._pidfd = _Pidfd(self.pid)
 
     def poll(self) -> int | None:
         self.returncode = self._server.exit_code(self.pid)
         if self.returncode is not None:
-            self._close_pidfd()
+            self._pidfd.close()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -291,18 +305,12 @@ class ForkedPopen:
         if code is None:
             raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout or 0.0)
         self.returncode = code
-        self._close_pidfd()
+        self._pidfd.close()
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None and self._pidfd >= 0:
-            with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
-                signal.pidfd_send_signal(self._pidfd, sig)
-
-    def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        if self.poll() is None:
+            self._pidfd.signal(sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -155,6 +155,6 @@ def test_a_signal_to_a_child_its_server_reaped_unannounced_is_no_error(monkeypat
         child.send_signal(signal.SIGKILL)
         monkeypatch.undo()
         assert daemon.wait(5) == -signal.SIGKILL
-        assert child._pidfd == -1  # closed once its exit is known
+        assert child._pidfd.fd == -1  # closed once its exit is known
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
