@@ -61,7 +61,10 @@ _LINE = re.compile(r"^\[(?P<time>[\d.]+)\]\s+\[(?P<host>[^\]:]*):(?P<pid>\d+)\s*
 _PEER_GONE = re.compile(
     r"Connection refused|Connection reset|Broken pipe|Connection timed out|Endpoint timeout|"
     r"Destination is unreachable|No route to host|net\.core\.somaxconn|UCX_TCP_MAX_CONN_RETRIES|"
-    r"Transport retry count exceeded", re.IGNORECASE)
+    r"Transport retry count exceeded|"
+    # a connection packet the dying peer's half-closed socket delivered (tcp_cm.c: the
+    # endpoint's connection event it cannot name)
+    r"^tcp_ep 0x[0-9a-f]+: UNKNOWN \(\d+\)", re.IGNORECASE)
 #: UCX's levels, as kvservice logs them
 _EVENTS: dict[str, tuple[str, str]] = {
     "FATAL": ("error", "ucx.fatal"), "ERROR": ("warning", "ucx.error"), "WARN": ("warning", "ucx.warning"),

@@ -30,6 +30,10 @@ def test_a_peer_gone_is_debug_in_kvservice_words() -> None:
             '"net.core.somaxconn", "net.core.netdev_max_backlog", "net.ipv4.tcp_max_syn_backlog" to the maximum '
             'value on the remote node or increase UCX_TCP_MAX_CONN_RETRIES (=25)')
     assert [e["event"] for e in _events(hint)] == ["ucx.peer_unreachable"]
+    # seen as a peer was killed under load: the connection event UCX cannot name
+    unknown = ("[1796278301.639883] [vm:6601 :0]          tcp_cm.c:140  UCX  ERROR tcp_ep 0x7f275c1f1f40: "
+               "UNKNOWN (1) [127.0.0.1:47521]:0")
+    assert [e["event"] for e in _events(unknown)] == ["ucx.peer_unreachable"]
 
 
 @pytest.mark.parametrize(("level", "event", "log_level"), [
