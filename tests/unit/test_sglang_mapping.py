@@ -24,7 +24,7 @@ PAGE = 4
 
 def kv_args(bufs: list[torch.Tensor], **kw: Any) -> SimpleNamespace:
     fields = {"kv_data_ptrs": [t.data_ptr() for t in bufs], "kv_data_lens": [t.nbytes for t in bufs],
-              "kv_item_lens": [t[0].nbytes * PAGE for t in bufs], "page_size": PAGE, "kv_head_num": 2}
+              "kv_item_lens": [t[0].nbytes * PAGE for t in bufs], "page_size": PAGE}
     return SimpleNamespace(**{**fields, **kw})
 
 
@@ -35,8 +35,41 @@ def test_an_mha_pool_is_its_k_and_v_buffers_interleaved_by_layer() -> None:
     assert (memory.layers, memory.num_pages, memory.tp_size, memory.tp_rank) == (3, 8, 2, 1)
     assert [(r.layer, r.kind, r.addr) for r in memory.regions] == [
         (layer, kind, t.data_ptr()) for layer in range(3) for kind, t in (("k", k[layer]), ("v", v[layer]))]
-    first = memory.regions[0]
-    assert (first.page_stride, first.tokens, first.heads, first.head_dim) == (PAGE * 2 * 8 * 4, PAGE, 2, 8 * 4)
+    first = memory.regions[0]  # the rank's 2 heads of 8 float32 as one head of 64 bytes
+    assert (first.page_stride, first.tokens, first.heads, first.head_dim) == (PAGE * 2 * 8 * 4, PAGE, 1, 2 * 8 * 4)
+
+
+def sglang_kv_args(mode: str, bufs: list[torch.Tensor], aux: list[torch.Tensor]) -> SimpleNamespace:
+    """``KVArgs`` with exactly the fields SGLang 0.5.23's schedulers set before ``KVManager(...)``
+    for an MHA pool (``disaggregation/prefill.py`` and ``decode.py``, ``_init_kv_manager``):
+    the prefill also sets ``kv_head_num``, ``total_kv_head_num``, ``gpu_id`` (and more that
+    the backend does not read); the decode none of those three."""
+    fields: dict[str, Any] = {
+        "engine_rank": 0, "pp_rank": 0, "system_dp_rank": 0, "kv_cache_dtype_str": "auto", "kv_layout": None,
+        "kv_data_ptrs": [t.data_ptr() for t in bufs], "kv_data_lens": [t.nbytes for t in bufs],
+        "kv_item_lens": [t[0].nbytes * PAGE for t in bufs], "num_draft_entries": 0, "kv_layer_ids": [0, 1, 0, 1],
+        "page_size": PAGE, "aux_data_ptrs": [t.data_ptr() for t in aux], "aux_data_lens": [t.nbytes for t in aux],
+        "aux_item_lens": [t[0].nbytes for t in aux], "state_types": []}
+    if mode == "prefill":
+        fields.update(kv_head_num=bufs[0].shape[1], total_kv_head_num=bufs[0].shape[1], gpu_id=0,
+                      prefill_start_layer=0, prefill_end_layer=2, rust_http_port=None, ib_device=None)
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("heads", [1, 8])
+def test_both_sides_describe_one_model_the_same_from_what_sglang_sets(heads: int) -> None:
+    """A model with 8 KV heads (Llama, Qwen, Mistral): the decode's pool, described from the
+    ``KVArgs`` SGLang's decode builds (no ``kv_head_num``), pairs with the prefill's."""
+    from kvservice.memory._pairing import compare, pair
+
+    aux = [torch.zeros(8, 16, dtype=torch.int32)]
+    sides = {mode: [torch.zeros(32, heads, 16, dtype=torch.bfloat16) for _ in range(4)] for mode in ("p", "d")}
+    prefill = kv_memory(sglang_kv_args("prefill", sides["p"], aux), is_mla=False, tp_size=1, tp_rank=0)
+    decode = kv_memory(sglang_kv_args("decode", sides["d"], aux), is_mla=False, tp_size=1, tp_rank=0)
+    assert compare(prefill, decode) is None and compare(decode, prefill) is None
+    assert [(r.heads, r.head_dim, r.page_bytes) for r in prefill.regions] == \
+        [(r.heads, r.head_dim, r.page_bytes) for r in decode.regions]
+    assert not isinstance(pair(prefill, decode), str)
 
 
 def test_an_mla_pool_is_one_latent_region_per_layer() -> None:

@@ -83,6 +83,14 @@ def _bootstrap_host(server_args: Any) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else str(host)
 
 
+def _device() -> int:
+    """The GPU this scheduler rank runs on: both of SGLang's schedulers set it as the process's
+    device before they build a manager (only the prefill also sets ``KVArgs.gpu_id``)."""
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
 class KVManager(BaseKVManager):
     """One scheduler rank's transfer engine, over the rank's own KV buffers."""
 
@@ -103,10 +111,11 @@ class KVManager(BaseKVManager):
         self.tp_rank = int(args.engine_rank) % self.attn_tp_size
         self.dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
         self.aux = AuxRows(args)
-        kinds = getattr(args, "kv_data_mem_kinds", None)
-        mem_type = kinds[0] if kinds else "DRAM" if str(getattr(server_args, "device", "cpu")) == "cpu" else "VRAM"
+        # from the server's device, as on both sides (SGLang's decode sets ``kv_data_mem_kinds``
+        # for its NIXL backend only, its prefill never)
+        mem_type = "DRAM" if str(getattr(server_args, "device", "cpu")) == "cpu" else "VRAM"
         self.memory = kv_memory(args, is_mla=self.is_mla_backend, tp_size=self.attn_tp_size, tp_rank=self.tp_rank,
-                                mem_type=mem_type)
+                                mem_type=mem_type, device=_device() if mem_type == "VRAM" else 0)
         self.info = {"attn_tp_size": self.attn_tp_size,
                      "dp_size": int(getattr(server_args, "dp_size", 1) or 1)
                      if getattr(server_args, "enable_dp_attention", False) else 1,

@@ -7,10 +7,17 @@ SGLang hands a transfer backend raw buffers, not tensors (``KVArgs``):
   layer's V buffer (``MHATokenToKVPool``: ``k_buffer + v_buffer``); an MLA pool one latent
   buffer per layer.  kvservice wants regions in layer order (``L0.k, L0.v, L1.k ...``),
   so the K and V halves are interleaved here.
+* Both sides describe their pools from what both of SGLang's schedulers set before
+  ``KVManager(...)``: the buffers (``kv_data_*``, ``kv_item_lens``), ``page_size``,
+  ``num_draft_entries``, the aux buffers.  Nothing else: SGLang's prefill also sets
+  ``kv_head_num``, ``total_kv_head_num`` and ``gpu_id``, its decode none of them
+  (``disaggregation/prefill.py`` and ``decode.py``, ``_init_kv_manager``), so a pool
+  described from them would differ between the two sides of one model.  A rank's heads
+  are therefore described as one (``heads=1``, ``head_dim`` = the bytes of all the
+  rank's heads of one token): the backend pairs equal attention-TP only (``conn``), where
+  pages move whole, and the handshake still compares bytes per page, tokens, layers.
 * ``kv_cache_dtype_str`` may be ``"auto"`` (the model's dtype, which ``KVArgs`` does not
-  carry), so a head is described in bytes: ``dtype="uint8"``, ``head_dim`` = bytes of one
-  head of one token.  Both sides describe their pools the same way, so the handshake's
-  region-by-region check still compares what matters: bytes per page, heads, layers.
+  carry), so a token's heads are described in bytes: ``dtype="uint8"``.
 * ``aux_data_ptrs`` / ``aux_item_lens``: per-request metadata rows in CPU memory (the
   first output token, its logprobs, the bootstrap room...), row ``aux_index`` of each
   buffer.  kvservice carries them as the last chunk's payload (``send(payload=)``) and the
@@ -47,12 +54,13 @@ def _buffers(kv_args: Any) -> tuple[list[int], list[int], list[int]]:
     return ptrs, lens, items
 
 
-def kv_memory(kv_args: Any, *, is_mla: bool, tp_size: int, tp_rank: int, mem_type: str = "DRAM") -> KVMemory:
+def kv_memory(kv_args: Any, *, is_mla: bool, tp_size: int, tp_rank: int, mem_type: str = "DRAM",
+              device: int = 0) -> KVMemory:
     """The KV buffers ``kv_args`` describes, as ``KVMemory`` (nothing is copied).
 
     ``is_mla``: one latent buffer per layer, the same on every tensor-parallel rank;
-    otherwise K buffers then V buffers, this rank's ``kv_head_num`` heads each.
-    ``mem_type``: ``"VRAM"`` (GPU pools, device ``kv_args.gpu_id``) or ``"DRAM"``."""
+    otherwise K buffers then V buffers, this rank's heads each (described as one).
+    ``mem_type``: ``"VRAM"`` (GPU pools, on GPU ``device``) or ``"DRAM"``."""
     if mem_type not in ("DRAM", "VRAM"):
         raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
     if getattr(kv_args, "num_draft_entries", 0):
@@ -65,23 +73,20 @@ def kv_memory(kv_args: Any, *, is_mla: bool, tp_size: int, tp_rank: int, mem_typ
     if any(n % i for n, i in zip(lens, items, strict=True)) or len(num_pages) != 1:
         raise ValueError(f"KVArgs: every buffer must hold the same whole number of pages "
                          f"(kv_data_lens {lens}, kv_item_lens {items})")
-    device = int(getattr(kv_args, "gpu_id", 0) or 0) if mem_type == "VRAM" else 0
+    device = device if mem_type == "VRAM" else 0
     if is_mla:
         order = [(layer, "latent", i) for layer, i in enumerate(range(len(ptrs)))]
-        heads = 1
     else:
         if len(ptrs) % 2:
             raise ValueError(f"KVArgs: an MHA pool lists K then V buffers, got an odd count ({len(ptrs)})")
         half = len(ptrs) // 2
         order = [(layer, kind, layer + j * half) for layer in range(half) for j, kind in enumerate(("k", "v"))]
-        heads = int(getattr(kv_args, "kv_head_num", 0) or 0)
-        if heads <= 0 or items[0] % (page_tokens * heads):
-            heads = 1  # unknown: the rank's heads as one (equal TP on both sides pairs whole pages)
+    heads = 1  # the rank's heads as one: see the module's note
     regions = []
     for layer, kind, i in order:
         if items[i] != items[order[0][2]] or items[i] % (page_tokens * heads):
             raise ValueError(f"KVArgs: buffer {i} has pages of {items[i]} bytes; every buffer must have pages of "
-                             f"{items[order[0][2]]} bytes, a multiple of page_size x heads ({page_tokens} x {heads})")
+                             f"{items[order[0][2]]} bytes, a multiple of page_size ({page_tokens})")
         regions.append(Region(ptrs[i], items[i], layer, kind, "uint8", page_tokens, heads,
                               items[i] // (page_tokens * heads), "NHD", device))
     segments = [(p, n, device) for p, n in zip(ptrs, lens, strict=True)]

@@ -125,8 +125,11 @@ class Rank:
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.state_types = []
         kv_args.page_size = PAGE
-        kv_args.kv_head_num = HEADS
-        kv_args.gpu_id = 0
+        if mode == "prefill" and not mla:  # as SGLang's schedulers do: its decode sets neither
+            kv_args.kv_head_num = HEADS
+            kv_args.total_kv_head_num = HEADS
+        if mode == "prefill":
+            kv_args.gpu_id = 0
         self.mode = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
         self.kv_args = kv_args
         self.free = list(range(NUM_PAGES)) if mode == "decode" else list(reversed(range(NUM_PAGES)))
