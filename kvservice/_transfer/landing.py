@@ -126,31 +126,38 @@ class Landing:
     """A receiver's request's landing sums, as its chunks' notifications bring them.
 
     Every (page, layer) of a request is sent exactly once, so its chunks' sums cover
-    ``pages x layers`` cells together: more is refused as it comes (a sender cannot make
-    the receiver checksum its pages over and over), fewer when the check starts
-    (``uncovered``: cells no sum vouches for)."""
+    each of its ``pages x layers`` cells once: a sum over a cell another sum covers is
+    refused as it comes (a sender cannot vouch for one chunk twice and leave another
+    unchecked, nor make the receiver checksum its pages over and over), cells no sum
+    covers when the check starts (``uncovered``).  Which cells are covered is a bitmap
+    of the request's own size (its pages, this service's layers), made on the first sum."""
 
-    __slots__ = ("cells", "sums")
+    __slots__ = ("_covered", "sums")
 
     def __init__(self) -> None:
         self.sums: list[LandingSum] = []
-        self.cells = 0  # (page, layer) cells the sums cover
+        self._covered: npt.NDArray[np.bool_] | None = None  # [page, layer]: a sum covers it
 
     def add(self, s: LandingSum, npages: int, layers: int) -> str | None:
-        """Keep one chunk's sum; why it cannot be (outside the request, or past its cells) or None."""
+        """Keep one chunk's sum; why it cannot be (outside the request, or over cells
+        another sum covers) or None."""
         if s.pos + s.pages > npages or not s.lo < s.hi <= layers:
             return (f"landing sum for pages {s.pos}..{s.pos + s.pages - 1}, layers {s.lo}..{s.hi - 1} "
                     f"outside the request's {npages} pages and {layers} layers")
-        cells = s.pages * (s.hi - s.lo)
-        if self.cells + cells > npages * layers:
-            return f"landing sums cover more than the request's {npages} pages x {layers} layers"
+        if self._covered is None:
+            self._covered = np.zeros((npages, layers), dtype=np.bool_)
+        cells = self._covered[s.pos : s.pos + s.pages, s.lo : s.hi]
+        if cells.any():
+            return (f"landing sum for pages {s.pos}..{s.pos + s.pages - 1}, layers {s.lo}..{s.hi - 1} "
+                    f"covers {int(np.count_nonzero(cells))} (page, layer) cells another sum covers")
+        cells[...] = True
         self.sums.append(s)
-        self.cells += cells
         return None
 
     def uncovered(self, npages: int, layers: int) -> int:
         """(page, layer) cells of the request no sum covers."""
-        return npages * layers - self.cells
+        covered = 0 if self._covered is None else int(np.count_nonzero(self._covered))
+        return npages * layers - covered
 
 
 def mismatches(back: Pair, pages: PageIndex, sums: Sequence[LandingSum]) -> list[tuple[LandingSum, int]]:

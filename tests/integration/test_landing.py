@@ -2,7 +2,8 @@
 two processes: a checked transfer arrives byte-exact; bytes that differ from what the
 sender checksummed (a sender whose page changed after its checksum, a receiver's page
 overwritten after the WRITE landed) fail the request ``CORRUPTED``, counted and logged,
-and the next transfer passes; ``verify=False`` skips the check; a sender that sends no
+and the next transfer passes; a sender whose sums vouch for one chunk twice and leave
+another unchecked fails it ``INCOMPATIBLE``; ``verify=False`` skips the check; a sender that sends no
 checksum (as a version without landing checks) fails it ``INCOMPATIBLE``."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import structlog
 import torch
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice import FailureReason, TransferService, TransferStatus
-from kvservice._control.protocol import Expect, LandingSum
+from kvservice._control.protocol import ChunkNotif, Expect, LandingSum, encode_notif
 from kvservice._transfer import landing
 from kvservice._transfer.inbound import Inbound
 from kvservice.memory._pairing import Pair
@@ -90,6 +92,50 @@ async def test_a_sender_whose_page_changed_after_its_checksum_is_caught(monkeypa
         st = await _status(decode)
         assert st["landings"] == {"checked": 2, "mismatched": 1}
         assert st["outcomes"]["recv.CORRUPTED"] == 1 and st["outcomes"]["recv.SUCCESS"] == 2
+
+
+async def test_a_sender_whose_second_chunk_carries_the_first_ones_sum_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile sender: chunk 2's notification carries chunk 1's sum (as many cells as
+    the request has, so a count of cells is satisfied), and chunk 2's page is not the
+    page it claims to send.  The receiver refuses the repeated sum as it comes: the
+    request fails ``INCOMPATIBLE`` naming the cells vouched for twice, never a SUCCESS
+    over bytes no sum checked; the next honest transfer passes."""
+    seal = landing.Seal.__call__
+    repeated: list[str] = []
+
+    def repeat_the_first_sum(self: landing.Seal) -> None:
+        seal(self)  # as an honest sender would ...
+        n, s = self._notif, self._sum
+        if not n.request_id.startswith("dup") or s.pos == 0:
+            return
+        # ... but this chunk's page changes before its WRITE, and its notification carries
+        # the sum of chunk 1 (source page 1, the request's page 0) instead of its own
+        page, region = int(self._pages[0]), self._out.src.regions[0]
+        ctypes.c_uint8.from_address(region.addr + page * region.page_stride).value ^= 0x5A
+        first = landing.checksum(self._out.src, self._out.src_views, np.array([1], dtype=np.int32), s.lo, s.hi)
+        self._op.notif = encode_notif(
+            ChunkNotif(n.request_id, n.chunk, n.total, n.payload, LandingSum(first, 0, 1, s.lo, s.hi)), self._key)
+        repeated.append(n.request_id)
+
+    monkeypatch.setattr(landing.Seal, "__call__", repeat_the_first_sum)
+    async with peers(peer_config()) as (decode,), TransferService(config()) as svc:
+        await _expect(decode, "dup1", [10, 11], svc.address, verify=True)
+        await _send(svc, "dup1", [1, 2], [(0, 1), (1, 2)])
+        arrived = await _arrived(decode, "dup1")
+        assert repeated == ["dup1"]
+        assert (arrived["status"], arrived["reason"]) == ("FAILED", "INCOMPATIBLE"), arrived
+        assert (f"the sender's landing checksums do not fit: landing sum for pages 0..0, layers 0..{SMALL.layers - 1} "
+                f"covers {SMALL.layers} (page, layer) cells another sum covers") in arrived["message"], arrived
+
+        await _expect(decode, "ok4", [20, 21], svc.address, verify=True)
+        await _send(svc, "ok4", [3, 4], [(0, 1), (1, 2)])
+        arrived = await _arrived(decode, "ok4")
+        assert (arrived["status"], arrived["verified"]) == ("SUCCESS", True), arrived
+        st = await _status(decode)
+        assert st["landings"] == {"checked": 1}
+        assert st["outcomes"]["recv.INCOMPATIBLE"] == 1 and st["outcomes"]["recv.SUCCESS"] == 1
+        assert st["live_nixl_handles"] == 0
 
 
 def _scrape(svc: TransferService) -> dict[tuple[str, str], float]:

@@ -74,7 +74,7 @@ def _whole(m: KVMemory) -> list[View]:
     return list(p.src_views)
 
 
-def test_landing_sums_outside_the_request_or_past_its_cells_are_refused() -> None:
+def test_landing_sums_outside_the_request_or_over_covered_cells_are_refused() -> None:
     kept = landing.Landing()
     assert "outside" in (kept.add(LandingSum(1, 1, 2, 0, 2), npages=2, layers=2) or "")
     assert "outside" in (kept.add(LandingSum(1, 0, 1, 1, 3), npages=2, layers=2) or "")
@@ -84,9 +84,27 @@ def test_landing_sums_outside_the_request_or_past_its_cells_are_refused() -> Non
     assert kept.add(LandingSum(1, 1, 1, 1, 2), npages=2, layers=2) is None
     assert kept.uncovered(npages=2, layers=2) == 1
     # a sum of the whole request again would make the receiver read it twice
-    assert "cover more" in (kept.add(LandingSum(1, 0, 2, 0, 2), npages=2, layers=2) or "")
+    assert "covers 3 (page, layer) cells another sum covers" in (
+        kept.add(LandingSum(1, 0, 2, 0, 2), npages=2, layers=2) or "")
     assert kept.add(LandingSum(1, 0, 1, 1, 2), npages=2, layers=2) is None
     assert kept.uncovered(npages=2, layers=2) == 0 and len(kept.sums) == 3
+
+
+def test_a_sum_repeated_for_another_chunk_is_refused_not_counted_twice() -> None:
+    """Chunk 2 carries chunk 1's sum: as many cells as the request has, yet half of it
+    vouched for twice and the other half never.  Refused as it comes; the other half
+    stays uncovered."""
+    kept = landing.Landing()
+    first = LandingSum(0x1234, 0, 1, 0, 2)  # page 0, both layers
+    assert kept.add(first, npages=2, layers=2) is None
+    why = kept.add(first, npages=2, layers=2)
+    assert why is not None and "pages 0..0, layers 0..1 covers 2 (page, layer) cells another sum covers" in why
+    assert kept.sums == [first] and kept.uncovered(npages=2, layers=2) == 2
+    # one cell of it, or a larger sum over it, is refused the same way
+    assert "covers 1 " in (kept.add(LandingSum(1, 0, 1, 1, 2), npages=2, layers=2) or "")
+    assert "covers 2 " in (kept.add(LandingSum(1, 0, 2, 0, 2), npages=2, layers=2) or "")
+    assert kept.add(LandingSum(0x5678, 1, 1, 0, 2), npages=2, layers=2) is None  # the chunk it left out
+    assert kept.uncovered(npages=2, layers=2) == 0
 
 
 def test_vram_refuses_landing_checks() -> None:
