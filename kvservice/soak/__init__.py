@@ -1,17 +1,21 @@
-"""``kvservice soak``: many requests between real processes, faults at random, and
-counters that must stay zero.
+"""kvservice soak: many requests between real processes, faults at random, counters that
+must stay zero, and leak accounting for every process.
 
-One prefill and ``--decodes`` decode services run as child processes
-(``kvservice.testing.peer``).  ``--transfers`` requests of random sizes and chunking
-(``--seed``) go from the prefill to a random decode, while the soak SIGKILLs
-and restarts decodes, SIGSTOPs/SIGCONTs them, aborts requests from either side
-and gives some requests deadlines too short to meet.  Every success is verified
-byte for byte on the receiver; every failure on a live receiver is awaited with
-``await_settled`` and its pages then hold a canary that must survive until they
-are reused or the soak ends.  See docs/soak.md.
+One prefill and --decodes decode services run as child processes. Requests of random
+sizes and chunking (--seed) go from the prefill to a random decode until --transfers
+have run or --duration has passed, while the soak SIGKILLs and restarts decodes,
+SIGSTOPs and SIGCONTs them, aborts requests from either side and gives some requests
+deadlines too short to meet. Every success is verified byte for byte on the receiver;
+every failure on a live receiver is awaited until settled, and its pages then hold a
+canary that must survive until they are reused or the soak ends.
 
-Exit status 0 when ``false_success``, ``hung``, ``leaked_handles``,
-``writes_after_settle`` and ``crashes`` are all 0, 1 otherwise, 2 on bad arguments.
+Through the run, every process's resident memory, open files, threads, TCP connections
+and its service's tables (requests, results, ledgers, early expects, peers, NIXL remote
+agents and handles) are sampled; the summary reports each after warm-up as start, end
+and slope, and a resource that keeps growing fails the soak. See docs/soak.md.
+
+Exit status 0 when false_success, hung, leaked_handles, writes_after_settle and crashes
+are all 0 and nothing grows without bound; 1 otherwise; 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -30,27 +34,52 @@ from ._summary import MUST_BE_ZERO, Summary, dumps, exit_code, problems, table
 __all__ = ["MUST_BE_ZERO", "Options", "Summary", "exit_code", "main", "problems", "soak"]
 
 
+#: --transfers with --duration and no --transfers: the clock ends the run
+UNBOUNDED = 1 << 62
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration(text: str) -> float:
+    """Seconds in ``text``: a number with an optional unit s, m or h (``90s``, ``30m``, ``2h``)."""
+    unit = _UNITS.get(text[-1:].lower())
+    try:
+        seconds = float(text[:-1] if unit is not None else text) * (unit or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no duration: a number with s, m or h (e.g. 30m)") from None
+    if not 0 < seconds < 30 * 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: the duration must be above 0 and below 30 days")
+    return seconds
+
+
 def main(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="kvservice soak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--transfers", type=int, default=10_000, help="requests to move (default 10000)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds sizes, chunking, faults (default 0)")
+    parser = argparse.ArgumentParser(prog="kvservice soak", description=__doc__.split("\n\n")[0],
+                                     epilog="See docs/soak.md for what each counter and the leak table prove.")
+    parser.add_argument("--transfers", type=int, default=None,
+                        help="requests to run (default 10000; with --duration: no limit but the time)")
+    parser.add_argument("--duration", type=duration, default=None, metavar="D",
+                        help="run for D (e.g. 90s, 30m, 2h; a bare number is seconds), then finish")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds each request's size, chunking and fault, and the fault schedule (default 0)")
     parser.add_argument("--decodes", type=int, default=2, help="decode processes (default 2, at least 2)")
     parser.add_argument("--concurrency", type=int, default=6, help="requests in flight at once (default 6)")
     parser.add_argument("--max-pages", type=int, default=32, help="largest request, in 16 KiB pages (default 32)")
     parser.add_argument("--fault-interval", type=float, default=1.0,
                         help="mean seconds between process faults; 0 for none (default 1.0)")
     parser.add_argument("--sidecar-decodes", type=int, default=1,
-                        help="of the decodes, how many run as a kvservice serve daemon driven by a worker (default 1)")
-    parser.add_argument("--json", type=Path, help="write the summary's counters here")
+                        help="of the decodes, how many run as a kvservice serve daemon driven by a worker "
+                             "(default 1)")
+    parser.add_argument("--json", type=Path, metavar="FILE",
+                        help="write the summary's counters and leak verdicts here")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     args = parser.parse_args(list(argv))
-    if (args.transfers < 1 or args.decodes < 2 or args.concurrency < 1 or not 1 <= args.max_pages <= 128
-            or not 0 <= args.sidecar_decodes <= args.decodes):
+    transfers = args.transfers if args.transfers is not None else (10_000 if args.duration is None else UNBOUNDED)
+    if (transfers < 1 or args.decodes < 2 or args.concurrency < 1 or not 1 <= args.max_pages <= 128
+            or not 0 <= args.sidecar_decodes <= args.decodes or args.fault_interval < 0):
         parser.error("need --transfers >= 1, --decodes >= 2, --concurrency >= 1, 1 <= --max-pages <= 128, "
-                     "0 <= --sidecar-decodes <= --decodes")
-    opts = Options(transfers=args.transfers, seed=args.seed, decodes=args.decodes, concurrency=args.concurrency,
+                     "0 <= --sidecar-decodes <= --decodes, --fault-interval >= 0")
+    opts = Options(transfers=transfers, seed=args.seed, decodes=args.decodes, concurrency=args.concurrency,
                    max_pages=args.max_pages, fault_interval_s=args.fault_interval, progress=not args.quiet,
-                   sidecar_decodes=args.sidecar_decodes)
+                   sidecar_decodes=args.sidecar_decodes, duration_s=args.duration)
     configure_logging("error")
     # The children log what the soak provokes (lost peers, aborts): into files, read on failure.
     env = [("KVSERVICE_LOG_LEVEL", "error"), ("NIXL_LOG_LEVEL", "FATAL")]
@@ -65,8 +94,8 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.json is not None:
         args.json.write_text(dumps(summary) + "\n")
     if bad:
-        print(f"soak FAILED: {', '.join(bad)}; the children's log is in {logdir}")
+        print(f"soak FAILED: {'; '.join(bad)}; the children's log is in {logdir}")
     else:
-        print("soak: every counter that must be zero is zero")
+        print("soak: every counter that must be zero is zero, and nothing grows without bound")
         shutil.rmtree(logdir, ignore_errors=True)
     return exit_code(data)

@@ -18,7 +18,9 @@ import numpy as np
 from ..memory._layout import KVLayout
 from ..sidecar.local import LocalDaemon, short_tmpdir
 from ..testing.peer_process import stray_output
+from ._leaks import Ledger
 from ._nodes import Node
+from ._sampling import sample
 from ._summary import Summary
 
 # 16 KiB pages (2 layers x K/V x 4 KiB planes), 512 per process: small enough that
@@ -32,6 +34,8 @@ CALL_S = BOUND_S + STOP_MAX_S  # an answer to a command
 SETTLE_S = 15.0  # a failed request with a live, running sender must settle within this
 TAKE_S = 30.0  # waiting for free pages
 LATE_WRITE_WAIT_S = 1.0  # before the final canary check: long past any WRITE on the wire
+#: leak accounting: about this many samples per run, never more often than every SAMPLE_MIN_S
+SAMPLES_PER_RUN, SAMPLE_MIN_S = 600, 1.0
 FAULT_KINDS = ("none", "abort_recv", "abort_send", "recv_deadline", "send_deadline")
 FAULT_P = (0.8, 0.05, 0.05, 0.05, 0.05)
 ABORTS_OR_DEADLINES = frozenset(FAULT_KINDS[1:])
@@ -68,6 +72,12 @@ class Options:
     max_pages: int = 32
     fault_interval_s: float = 1.0  # mean time between process faults (SIGKILL+restart, SIGSTOP/SIGCONT)
     progress: bool = True
+    duration_s: float | None = None  # stop starting requests after this long (and at ``transfers``)
+
+    @property
+    def sample_s(self) -> float:
+        """Seconds between the leak accounting's samples."""
+        return max(SAMPLE_MIN_S, (self.duration_s or 0.0) / SAMPLES_PER_RUN)
 
 
 class Soak:
@@ -88,6 +98,9 @@ class Soak:
         self.finished = anyio.Event()
         self.workdir = short_tmpdir("kvs-soak-")  # sidecar sockets
         self.generation = 0
+        self.ledger = Ledger()
+        self.t0 = time.monotonic()
+        self.deadline = float("inf")
 
     async def _start(self, name: str) -> Node:
         daemon = None
@@ -107,7 +120,9 @@ class Soak:
 
     # -- the run ------------------------------------------------------------------------
     async def run(self) -> Summary:
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
+        if self.opts.duration_s is not None:
+            self.deadline = t0 + self.opts.duration_s
         self.prefill = await self._start("prefill")
         for k in range(self.opts.decodes):
             self.decodes.append(await self._start(f"decode{k}"))
@@ -120,10 +135,14 @@ class Soak:
             self.finished.set()
         await self._finish()
         self.s.seconds = time.monotonic() - t0
+        self.s.leaks = self.ledger.judge()
+        self.s.leak_pids = {row: len(pids) for row, pids in self.ledger.pids.items()}
+        self.s.leak_samples = self.ledger.samples
         return self.s
 
     async def _worker(self) -> None:
-        while self.next < self.opts.transfers and self.prefill is not None and not self.prefill.dead.is_set():
+        while (self.next < self.opts.transfers and time.monotonic() < self.deadline and self.prefill is not None
+               and not self.prefill.dead.is_set()):
             i = self.next
             self.next += 1
             await self._request(i)
@@ -392,13 +411,18 @@ class Soak:
         return got
 
     async def _progress(self) -> None:
+        next_sample = 0.0
         while not self.finished.is_set():
             with anyio.move_on_after(1.0):
                 await self.finished.wait()
-            await self._poll_status()
+            got = await self._poll_status()
+            if time.monotonic() >= next_sample and not self.finished.is_set():
+                next_sample = time.monotonic() + self.opts.sample_s
+                await sample(self.ledger, self._running(), got, time.monotonic() - self.t0)
             if self.opts.progress:
                 s = self.s
-                print(f"soak {self.done}/{self.opts.transfers} ok={s.succeeded_verified} "
+                total = "" if self.opts.duration_s is not None else f"/{self.opts.transfers}"
+                print(f"soak {self.done}{total} t={time.monotonic() - self.t0:.0f}s ok={s.succeeded_verified} "
                       f"failed={sum(s.failed_by_reason.values())} settling={self.settling} "
                       f"unsettled_pages={self.unsettled_pages} faults={sum(s.faults.values())} "
                       f"hung={s.hung} false_success={s.false_success} late_writes={s.writes_after_settle}",

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._leaks import FAILING, Trend, leak_table
+
 #: counters that must stay 0; any other value fails the soak (exit status 1)
 MUST_BE_ZERO = ("false_success", "hung", "leaked_handles", "writes_after_settle", "crashes")
 
@@ -31,6 +33,10 @@ class Summary:
     prefill_loop_lag_ms: float = 0.0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # the leak accounting (``_leaks``): every series judged, and how many processes each row had
+    leaks: list[Trend] = field(default_factory=list)
+    leak_pids: dict[str, int] = field(default_factory=dict)
+    leak_samples: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -40,6 +46,9 @@ class Summary:
             "writes_after_settle": self.writes_after_settle, "crashes": self.crashes,
             "max_loop_lag_ms": round(self.max_loop_lag_ms, 3), "unsettled_pages_max": self.unsettled_pages_max,
             "faults": dict(sorted(self.faults.items())),
+            "seconds": round(self.seconds, 1),
+            "leaks": {proc: {t.resource: t.as_json() for t in self.leaks if t.process == proc}
+                      for proc in sorted({t.process for t in self.leaks})},
         }
 
     def note(self, text: str) -> None:
@@ -49,8 +58,16 @@ class Summary:
 
 
 def problems(summary: dict[str, Any]) -> list[str]:
-    """The counters of ``summary`` (its JSON form) that break the soak's promise."""
-    return [f"{key} = {summary[key]}" for key in MUST_BE_ZERO if summary.get(key, 0) != 0]
+    """The counters of ``summary`` (its JSON form) that break the soak's promise, and the
+    resources that grow without bound (``_leaks``), each named with its process."""
+    bad = [f"{key} = {summary[key]}" for key in MUST_BE_ZERO if summary.get(key, 0) != 0]
+    for proc, resources in summary.get("leaks", {}).items():
+        for res, t in resources.items():
+            if t["verdict"] in FAILING:
+                cap = "" if t["cap"] is None else f", cap {t['cap']}"
+                bad.append(f"leak: {proc} {res} {t['verdict']} (after warm-up {t['start']:g} -> {t['end']:g}, "
+                           f"{t['slope_per_h']:+.1f}/h{cap})")
+    return bad
 
 
 def exit_code(summary: dict[str, Any]) -> int:
@@ -73,6 +90,9 @@ def table(s: Summary) -> str:
     rows += [(key, str(getattr(s, key))) for key in MUST_BE_ZERO]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if s.leaks:
+        lines += ["", f"leak accounting ({s.leak_samples} samples; after warm-up: start->end (slope per hour), "
+                      "GROWS and OVER CAP fail; (short): too few samples to judge):", leak_table(s.leaks, s.leak_pids)]
     return "\n".join(lines)
 
 

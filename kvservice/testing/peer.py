@@ -16,6 +16,7 @@ and reads one command per line on stdin, writes one event per line on stdout::
     -> {"op": "decline", "rid": "r1", "sender": "host:port"}  <- {"event": "declined", "ok": true, ...}
     -> {"op": "stall", "seconds": 2.5}                       <- {"event": "stalled", ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
+    -> {"op": "tables"}                                    <- {"event": "tables", "tables": {...}}
 
 The first event is ``{"event": "ready", "address", "agent", "pid"}``; the last,
 ``{"event": "exited"}``.  CONFIG_JSON holds ``ServiceConfig`` settings, with the
@@ -48,6 +49,7 @@ from .._config import ServiceConfig
 from .._results import KVServiceError, TransferResult
 from ..memory._layout import KVLayout
 from ..memory.synthetic import EngineSpec, SyntheticKV
+from ..soak._probe import service_tables
 from .pages import holds, pattern
 
 
@@ -163,6 +165,8 @@ async def _child(config_json: str) -> None:
                 elif op == "status":
                     st = await svc.fetch_status() if isinstance(svc, SidecarClient) else svc.status()
                     await emit({"event": "status", **base, **st})
+                elif op == "tables" and isinstance(svc, TransferService):  # the soak's leak accounting
+                    await emit({"event": "tables", **base, "tables": service_tables(svc)})
                 elif op == "stall":  # the loop itself held: a GC pause, an engine holding the GIL
                     hold_the_loop(float(cmd["seconds"]))
                     await emit({"event": "stalled", **base})
