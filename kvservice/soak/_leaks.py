@@ -17,7 +17,8 @@ The verdict on one series (``judge``):
   more than the noise floor (``FLOORS`` for the resource, or ``REL_FLOOR`` of A's mean if
   larger); B's least-squares slope is positive; and it is at least half of A's slope.  A
   leak is growth that does not slow down; a cache filling up, or a step (one more peer
-  linked), slows down or stops in B and passes.  Else ``flat``.
+  linked) in A, slows down or stops in B and passes.  A step within B is not told apart
+  from growth by the samples and fails: something grew late in the run.  Else ``flat``.
 
 The slope reported is the least-squares slope over everything after warm-up, per hour.
 """
