@@ -120,7 +120,11 @@ class Exchange:
         for a key that is not one (wrong length, or a low-order point)."""
         if len(theirs) != SHARE_BYTES:
             raise ValueError(f"key exchange: a public key of {len(theirs)} bytes, not {SHARE_BYTES}")
-        return self._private.exchange(X25519PublicKey.from_public_bytes(theirs))
+        try:
+            return self._private.exchange(X25519PublicKey.from_public_bytes(theirs))
+        except ValueError as exc:  # the library's words name neither the key nor the peer
+            raise ValueError("key exchange: the peer's public key is a point of small order, which "
+                             "gives no shared secret (no genuine peer sends one)") from exc
 
 
 def transcript(

@@ -97,9 +97,9 @@ async def test_malformed_and_out_of_range_frames_are_refused_and_harmless() -> N
             await raw.send_raw(data)
             await answered(raw, kind)
 
-        async def hello(kind: str, **fields: Any) -> None:
+        async def hello(kind: str, words: str = "", **fields: Any) -> None:
             raw, answer, _ = await dial(svc.address, hello=fields)
-            assert is_reject(answer, kind), answer
+            assert is_reject(answer, kind) and words in answer.message, answer  # type: ignore[union-attr]
             assert await raw.closed_by_peer()
             await raw.aclose()
 
@@ -116,6 +116,10 @@ async def test_malformed_and_out_of_range_frames_are_refused_and_harmless() -> N
             ("hello_invalid", lambda: hello("hello_invalid", address="0.0.0.0:5000")),
             ("hello_invalid", lambda: hello("hello_invalid", address="no-port")),
             ("hello_invalid", lambda: hello("hello_invalid", agent=svc.agent_name)),  # ourselves
+            # a key-exchange share of small order (its shared secret would be all zero)
+            ("hello_invalid", lambda: hello("hello_invalid", "the peer's public key is a point of small order",
+                                            share=bytes(32))),
+            ("hello_invalid", lambda: hello("hello_invalid", "a public key of 5 bytes, not 32", share=b"short")),
             ("frame", lambda: hello("frame", version="2")),
         ]
         for kind, attack in attacks:
