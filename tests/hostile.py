@@ -1,8 +1,9 @@
-"""A hostile control-channel client: speaks, or mangles, the peer protocol from raw TCP.
+"""A hostile control-channel peer: speaks, or mangles, the peer protocol from raw TCP.
 
 Used by the fault tests to attack a real service the way a stranger on the
-network (or a peer holding the key but misbehaving) would.  Everything it does
-is bounded in time.
+network (or a peer holding the key but misbehaving) would: as a client that dials
+it (``dial``, ``authenticate``), or as the acceptor it dials (``acceptor``,
+``answer_hello``).  Everything it does is bounded in time.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -21,6 +24,7 @@ from kvservice._control.addresses import split_address
 from kvservice._control.peers import agree
 from kvservice._control.protocol import (
     HEADER_BYTES,
+    OLDEST_VERSION,
     PROTOCOL_VERSION,
     Hello,
     Join,
@@ -43,6 +47,7 @@ from kvservice._trust.handshake import (
     LinkSecrets,
     new_nonce,
     prove,
+    transcript,
     verify,
 )
 from kvservice.memory import KVLayout
@@ -130,6 +135,16 @@ class Raw:
             buf += await self.stream.receive(n - len(buf))
         return buf
 
+    async def until_closed(self) -> list[Message]:
+        """Every message the peer sends until it closes the connection (at most 16)."""
+        out: list[Message] = []
+        while len(out) < 16:
+            msg = await self.recv()
+            if msg is None:
+                break
+            out.append(msg)
+        return out
+
     async def closed_by_peer(self, timeout: float = WAIT_S) -> bool:
         """True once the service has closed this connection (reads drain until EOF)."""
         with anyio.move_on_after(timeout):
@@ -193,6 +208,58 @@ async def authenticate(
     return raw
 
 
+@asynccontextmanager
+async def acceptor(serve: Callable[[Raw], Awaitable[None]]) -> AsyncIterator[str]:
+    """A hostile acceptor on loopback: each connection a service dials to it is handed to
+    ``serve`` as a ``Raw`` (bounded by ``WAIT_S``, closed after).  Yields its address."""
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+    async def one(stream: anyio.abc.SocketStream) -> None:
+        raw = Raw(stream)
+        try:
+            with anyio.move_on_after(WAIT_S):
+                await serve(raw)
+        finally:
+            await raw.aclose()
+
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, one)
+        try:
+            yield f"127.0.0.1:{port}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def answer_hello(raw: Raw, *, key: bytes | None, agent: str = "kv-impostor-1",
+                       my_address: str = "127.0.0.1:1", hello: dict[str, Any] | None = None,
+                       version: int | None = None) -> Hello:
+    """As an acceptor: read the dialer's Hello and answer with this release's Hello (fields
+    overridden by ``hello``), proven under ``key`` over the transcript of the link's
+    ``version`` (default: what the dialer's and the answer's versions negotiate; the
+    exchange's shares are whatever the two Hellos carry).  Returns the dialer's Hello."""
+    theirs = await raw.recv()
+    assert isinstance(theirs, Hello), theirs
+    exchange = Exchange()
+    mine = our_hello(agent, my_address, new_nonce(PROTOCOL_VERSION), share=exchange.share)
+    fields: dict[str, Any] = {"type": "hello", **msgspec.structs.asdict(mine)}
+    fields.update(hello or {})
+    sent = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Hello)
+    if version is None:
+        version = min(theirs.newest, sent.newest, PROTOCOL_VERSION)
+    script = transcript((theirs.agent, theirs.address, theirs.nonce), (sent.agent, sent.address, sent.nonce),
+                        version, (theirs.share, sent.share))
+    fields["proof"] = prove(key, ACCEPTOR, script)
+    await raw.send(fields)
+    return theirs
+
+
+def stripped(top: int = 0) -> dict[str, Any]:
+    """Hello fields of an acceptor that says it speaks only version 5 (``top`` stripped, or
+    lowered to ``top``, and no key-exchange share), while its nonce says this release's."""
+    return {"version": OLDEST_VERSION, "top": top, "share": b""}
+
+
 REGION_FIELDS = ("addr", "page_stride", "layer", "kind", "dtype", "tokens", "heads", "head_dim", "order",
                  "device_id")
 
@@ -227,5 +294,5 @@ def is_reject(msg: Message | None, kind: str | None = None) -> bool:
     return isinstance(msg, Reject) and (kind is None or msg.kind == kind)
 
 
-__all__ = ["Join", "Raw", "authenticate", "dial", "fake_metadata", "is_reject", "join_for", "own_key",
-           "wire_memory"]
+__all__ = ["Join", "Raw", "acceptor", "answer_hello", "authenticate", "dial", "fake_metadata", "is_reject",
+           "join_for", "own_key", "stripped", "wire_memory"]
