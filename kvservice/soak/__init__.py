@@ -57,7 +57,8 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--transfers", type=int, default=None,
                         help="requests to run (default 10000; with --duration: no limit but the time)")
     parser.add_argument("--duration", type=duration, default=None, metavar="D",
-                        help="run for D (e.g. 90s, 30m, 2h; a bare number is seconds), then finish")
+                        help="start requests for D once the processes are ready (e.g. 90s, 30m, 2h; "
+                             "a bare number is seconds), then finish")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds each request's size, chunking and fault, and the fault schedule (default 0)")
     parser.add_argument("--decodes", type=int, default=2, help="decode processes (default 2, at least 2)")

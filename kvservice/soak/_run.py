@@ -72,7 +72,7 @@ class Options:
     max_pages: int = 32
     fault_interval_s: float = 1.0  # mean time between process faults (SIGKILL+restart, SIGSTOP/SIGCONT)
     progress: bool = True
-    duration_s: float | None = None  # stop starting requests after this long (and at ``transfers``)
+    duration_s: float | None = None  # stop starting requests this long after the first (or at ``transfers``)
 
     @property
     def sample_s(self) -> float:
@@ -121,11 +121,11 @@ class Soak:
     # -- the run ------------------------------------------------------------------------
     async def run(self) -> Summary:
         t0 = self.t0 = time.monotonic()
-        if self.opts.duration_s is not None:
-            self.deadline = t0 + self.opts.duration_s
         self.prefill = await self._start("prefill")
         for k in range(self.opts.decodes):
             self.decodes.append(await self._start(f"decode{k}"))
+        if self.opts.duration_s is not None:  # of traffic: the processes' start is not counted
+            self.deadline = time.monotonic() + self.opts.duration_s
         async with anyio.create_task_group() as side:
             side.start_soon(self._progress)
             side.start_soon(self._faults)

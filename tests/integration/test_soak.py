@@ -2,8 +2,11 @@
 
 The run: 150 requests with faults; the five counters that must be zero are zero,
 requests succeeded (verified on the receiver) and faults did happen and did
-fail requests.  The verdict: a summary with any of those counters above zero
-fails the soak, so the run above could have failed.
+fail requests; the leak accounting has every resource for every process, read
+from the processes themselves.  A run by ``--duration`` ends by the clock.  The
+verdict: a summary with any of those counters above zero, or a resource that
+grows, fails the soak, so the runs above could have failed (the leak verdict on
+synthetic series: tests/unit/test_soak_leaks.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, problems
+from kvservice.soak._leaks import PROCESS_RESOURCES
+from kvservice.soak._probe import TABLES
+from kvservice.soak._sampling import STATUS_TABLES
 from tests.helpers import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +40,7 @@ def test_soak_150_transfers_keeps_every_counter_at_zero(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())
     assert set(summary) == {
         "transfers", "succeeded_verified", "failed_by_reason", "false_success", "hung", "leaked_handles",
-        "writes_after_settle", "crashes", "max_loop_lag_ms", "unsettled_pages_max", "faults",
+        "writes_after_settle", "crashes", "max_loop_lag_ms", "unsettled_pages_max", "faults", "seconds", "leaks",
     }
     assert summary["transfers"] == 150
     for key in MUST_BE_ZERO:
@@ -46,6 +52,55 @@ def test_soak_150_transfers_keeps_every_counter_at_zero(tmp_path: Path) -> None:
     assert {"PEER_LOST", "ABORTED", "REMOTE_DISCONNECT", "RECEIVER_KILLED"} & set(summary["failed_by_reason"])
     assert "soak " in proc.stderr  # the progress line
     assert "writes_after_settle" in proc.stdout  # the table
+    # with a fault a second, a decode may live between two samples: the rows there are full
+    assert_every_resource_of_every_process(summary["leaks"], all_rows=False)
+    assert "leak accounting" in proc.stdout and "nixl_remote_agents" in proc.stdout
+
+
+def assert_every_resource_of_every_process(leaks: dict[str, dict[str, dict[str, object]]],
+                                           all_rows: bool = True) -> None:
+    """The prefill and the in-process decode: /proc's figures and every table of the probe;
+    the sidecar decode (``decode1``): /proc's and what its status() reports; its worker:
+    /proc's.  Each sampled from the process itself (a value, never "gone").  Without
+    ``all_rows``, a decode row may be missing (every process of it lived between samples)."""
+    in_process = set(PROCESS_RESOURCES) | set(TABLES)
+    expected = {
+        "prefill": in_process,
+        "decode0": in_process,
+        "decode1": set(PROCESS_RESOURCES) | set(STATUS_TABLES) | {"peers"},
+        "decode1 worker": set(PROCESS_RESOURCES),
+    }
+    rows = {p: set(r) for p, r in leaks.items()}
+    if not all_rows:
+        expected = {p: r for p, r in expected.items() if p in rows or p == "prefill"}
+    assert rows == expected
+    for proc, resources in leaks.items():
+        for res, t in resources.items():
+            assert t["verdict"] != "gone", (proc, res, t)
+        assert float(resources["rss_mib"]["peak"]) > 50  # type: ignore[arg-type]
+        assert float(resources["threads"]["peak"]) >= 2  # type: ignore[arg-type]
+    # the prefill links both decodes: its NIXL agent loads each one's metadata
+    assert float(leaks["prefill"]["nixl_remote_agents"]["peak"]) >= 2  # type: ignore[arg-type]
+    assert float(leaks["prefill"]["tcp"]["peak"]) >= 2  # type: ignore[arg-type]
+    assert float(leaks["prefill"]["results"]["peak"]) > 0  # type: ignore[arg-type]
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_soak_by_duration_ends_by_the_clock(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "12s", "--seed", "2", "--fault-interval", "0",
+         "--concurrency", "2", "--quiet", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(220), check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["transfers"] > 0 and summary["faults"].get("sigkill", 0) == 0
+    # no request starts past the duration; the run lasts at least as long (and ends)
+    assert summary["seconds"] >= 12
+    assert_every_resource_of_every_process(summary["leaks"])
 
 
 @pytest.mark.parametrize("counter", MUST_BE_ZERO)
@@ -56,6 +111,16 @@ def test_any_must_be_zero_counter_fails_the_soak(counter: str) -> None:
     setattr(bad, counter, 1)
     assert exit_code(bad.as_json()) == 1
     assert problems(bad.as_json()) == [f"{counter} = 1"]
+
+
+def test_a_growing_resource_fails_the_soak_naming_it() -> None:
+    data = Summary(transfers=10, succeeded_verified=10).as_json()
+    data["leaks"] = {"prefill": {"fds": {"start": 40, "end": 400, "peak": 400, "slope_per_h": 720.0,
+                                         "verdict": "grows", "cap": None}},
+                     "decode0": {"fds": {"start": 40, "end": 40, "peak": 41, "slope_per_h": 0.0,
+                                         "verdict": "flat", "cap": None}}}
+    assert problems(data) == ["leak: prefill fds grows (after warm-up 40 -> 400, +720.0/h)"]
+    assert exit_code(data) == 1
 
 
 def test_failures_and_faults_alone_do_not_fail_the_soak() -> None:
