@@ -10,7 +10,8 @@ seals its own Join back (so a Join received means "you are loaded here")."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -67,6 +68,17 @@ class Handshakes:
         self._local = local
         self._my_address = my_address  # known once the plane listens
 
+    @contextmanager
+    def deadline(self, address: str) -> Iterator[None]:
+        """A handshake with ``address`` (connect, Hellos, Joins, admission) given
+        ``connect_timeout_s``; past it, ``TimeoutError`` saying so (anyio's says nothing)."""
+        limit = self._cfg.connect_timeout_s
+        with anyio.move_on_after(limit) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise TimeoutError(f"the handshake with {address} did not complete within connect_timeout_s "
+                               f"({limit:g} s)")
+
     # -- the dialler --------------------------------------------------------------------
     async def connect(self, address: str) -> ControlStream:
         """A framed connection to ``address``; ``ConnectionRefusedError`` when nobody listens."""
@@ -117,7 +129,7 @@ class Handshakes:
         """The agent that answers at ``address`` now, proven by its proof over our fresh
         nonce (with a key; without one, as it names itself).  Raises as a dial does:
         ``ConnectionRefusedError`` when nobody listens there."""
-        with anyio.fail_after(self._cfg.connect_timeout_s):
+        with self.deadline(address):
             framed = await self.connect(address)
             try:
                 reply, _ = await self.hello(framed, address, probe=True)
