@@ -285,7 +285,7 @@ class ControlPlane:
     async def _dial_and_admit(self, address: str, canon: str) -> Peer:
         if self._vetter is not None:  # its first start is not the peer's delay
             await self._vetter.ready()
-        with anyio.fail_after(self._cfg.connect_timeout_s):
+        with self._handshakes.deadline(address):
             framed = await self._handshakes.connect(address)
             try:
                 return await self._admit(framed, await self._handshakes.dial(framed, address), dialled=canon)

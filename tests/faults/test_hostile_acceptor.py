@@ -93,3 +93,29 @@ async def test_a_dialer_refuses_a_hostile_acceptor_and_sends_it_nothing(attack: 
         assert got == [], got
     failed = [e for e in logs if e["event"] == "peer.dial_failed"]
     assert len(failed) == 1 and failed[0]["kind"] == kind and words in failed[0]["error"], failed
+
+
+async def test_a_dial_that_times_out_says_so() -> None:
+    """An acceptor that takes the connection and the dialer's Hello, then says nothing
+    (as a SIGSTOPped one does): the request fails at the handshake's deadline with a
+    reason in kvservice's words (TimeoutError's own is empty), and the acceptor never
+    hears the dialer's proof."""
+    got: list[Message] = []
+
+    async def silent(raw: Raw) -> None:
+        got.extend(await raw.until_closed())  # its Hello, then whatever else comes
+
+    limit = scaled(1.0)
+    with structlog.testing.capture_logs() as logs:
+        async with acceptor(silent) as address, TransferService(config(connect_timeout_s=limit)) as svc:
+            await svc.expect("r1", [1, 2], sender=address)
+            result = await svc.await_arrival("r1", timeout=GUARD_S)
+            assert (result.status, result.reason) == (TransferStatus.FAILED, FailureReason.PEER_LOST), result
+            assert result.message == (f"cannot reach sender {address}: the handshake with {address} did not "
+                                      f"complete within connect_timeout_s ({limit:g} s)"), result
+            assert isinstance(result.error, TimeoutError), repr(result.error)
+            st = svc.status()
+            assert st["peers"] == [] and st["live_nixl_handles"] == 0, st
+    assert [type(m).__name__ for m in got] == ["Hello"], got
+    failed = [e for e in logs if e["event"] == "peer.dial_failed"]
+    assert len(failed) == 1 and "did not complete within connect_timeout_s" in failed[0]["error"], failed
