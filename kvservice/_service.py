@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
-import numpy.typing as npt
 
+from ._api import Pages
 from ._config import ServiceConfig
 from ._control.addresses import split_address
 from ._control.peers import LocalPeer
@@ -46,7 +46,6 @@ from .memory._regions import KVMemory, memory_to_wire, regions_table
 log = get_logger("kvservice")
 
 DoorFactory = Callable[[str, ServiceConfig], Door]
-Pages = Sequence[int] | npt.NDArray[Any]
 
 
 def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:

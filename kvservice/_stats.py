@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import time
-from dataclasses import dataclass, field
-from typing import Any, NotRequired, TypedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Self, TypedDict
 
 import anyio
 import anyio.abc
@@ -35,7 +37,7 @@ class RequestCounts(TypedDict):
 
 
 class DiscoveryStatus(TypedDict):
-    """``ServiceStatus["discovery"]`` with ``discovery = "etcd"``: the registry's own counts."""
+    """``ServiceStatus.discovery`` with ``discovery = "etcd"``: the registry's own counts."""
 
     name: str  #: the name this service registers under
     cluster: str
@@ -51,27 +53,67 @@ class DiscoveryStatus(TypedDict):
     ignored: dict[str, int]
 
 
-class ServiceStatus(RequestCounts):
-    """``TransferService.status()``: a snapshot for operators, cheap enough to poll (a
-    dict, typed: it crosses the sidecar's wire and goes into JSON as it is)."""
+@dataclass(frozen=True, slots=True)
+class ServiceStatus(Mapping[str, Any]):
+    """``status()``: a snapshot for operators, cheap enough to poll; read its attributes.
 
-    outcomes: dict[str, int]  #: "send.SUCCESS", "recv.PEER_LOST", ... -> count
-    bytes_sent: int
-    bytes_received: int
-    stale_notifs: int  #: notifications for no live request of their sender
-    forced_releases: int  #: handles the door released when their peer was unloaded
-    staging: dict[str, int]  #: "gathered", "fallback_full", "fallback_too_large" -> count
+    It is also a read-only mapping of the same names (``status["outcomes"]``,
+    ``{**status}``, ``dict(status)``: what crosses the sidecar's wire and goes into JSON),
+    without ``discovery`` when that is None.  ``from_mapping`` reads one back, tolerant of
+    a peer release's status (a name it lacks keeps its default, one it adds is dropped)."""
+
+    sending: int = 0  #: live sends
+    receiving: int = 0  #: live receives
+    expects_before_send: int = 0  #: early expects held for a send() not made yet
+    unsettled_pages: int = 0  #: pages of failed receives a WRITE may still land in
+    inflight_handles: int = 0  #: NIXL transfer handles the watchdog holds
+    live_nixl_handles: int = 0  #: handles the door's table holds (released ones leave it)
+    staging_held_bytes: int = 0  #: staging buffer bytes held by requests
+    outcomes: dict[str, int] = field(default_factory=dict)  #: "send.SUCCESS", "recv.PEER_LOST", ... -> count
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    stale_notifs: int = 0  #: notifications for no live request of their sender
+    forced_releases: int = 0  #: handles the door released when their peer was unloaded
+    #: "gathered", "fallback_full", "fallback_too_large" -> count
+    staging: dict[str, int] = field(default_factory=dict)
     #: landing checks of received requests (``verify_landing``): "checked" (matched),
     #: "mismatched" (failed CORRUPTED), "unchecked" (the sender sent no checksum: INCOMPATIBLE)
-    landings: dict[str, int]
-    refused: dict[str, int]  #: what peers and workers tried and was refused, by kind (README "Security")
-    loop_lag_p99_s: float
-    loop_lag_max_s: float
-    peer_times: dict[str, Any]  #: by peer label: time per transfer and to post, counts and sums
-    peers: list[str]  #: linked peers' addresses
+    landings: dict[str, int] = field(default_factory=dict)
+    #: what peers and workers tried and was refused, by kind (README "Security")
+    refused: dict[str, int] = field(default_factory=dict)
+    loop_lag_p99_s: float = 0.0
+    loop_lag_max_s: float = 0.0
+    #: by peer label: time per transfer and to post, counts and sums
+    peer_times: dict[str, Any] = field(default_factory=dict)
+    peers: list[str] = field(default_factory=list)  #: linked peers' addresses
     #: live links by the protocol version they speak ("5", "6"): how far a rolling upgrade is
-    peer_versions: dict[str, int]
-    discovery: NotRequired[DiscoveryStatus]  #: with ``discovery = "etcd"``: the registry's own
+    peer_versions: dict[str, int] = field(default_factory=dict)
+    #: with ``discovery = "etcd"``: the registry's own
+    discovery: DiscoveryStatus | None = None
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Self:
+        names = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in names})
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names() or (key == "discovery" and self.discovery is None):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in self._names() if name != "discovery" or self.discovery is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def _names(self) -> tuple[str, ...]:
+        return _field_names(type(self))
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 @dataclass
@@ -137,7 +179,7 @@ class Stats:
 
     def snapshot(self, requests: RequestCounts, peers: list[str], peer_versions: dict[str, int],
                  discovery: DiscoveryStatus | None = None) -> ServiceStatus:
-        status = ServiceStatus(
+        return ServiceStatus(
             outcomes={f"{side}.{key}": n for (side, key), n in sorted(self.outcomes.items())},
             bytes_sent=self.bytes["send"],
             bytes_received=self.bytes["recv"],
@@ -158,7 +200,5 @@ class Stats:
             inflight_handles=requests["inflight_handles"],
             live_nixl_handles=requests["live_nixl_handles"],
             staging_held_bytes=requests["staging_held_bytes"],
+            discovery=discovery,
         )
-        if discovery is not None:
-            status["discovery"] = discovery
-        return status

@@ -40,7 +40,8 @@ from ._results import TransferResult, TransferStatus
 from ._transfer.requests import TransferHandle
 
 if TYPE_CHECKING:
-    from ._service import Pages, TransferService
+    from ._api import Pages
+    from ._service import TransferService
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ KV pool through named shared memory.  See docs/sidecar.md.
 Modules: ``settings`` (TOML + environment config), ``shm`` (the shared pool),
 ``wire`` (frames), ``server`` and ``connection`` (the workers' socket: admission, one
 connection per worker), ``calls`` (what workers ask of the service), ``owners`` (whose
-request ids), ``client``, ``dial`` and ``handle`` (``SidecarClient``), ``http`` and ``metrics``
+request ids), ``client``, ``dial``, ``handle`` and ``status`` (``SidecarClient``), ``http`` and ``metrics``
 (operations endpoints), ``daemon`` (the lifecycle), ``local`` (daemons started as child
 processes: the examples, tests and benchmark use it).
 """
@@ -14,6 +14,7 @@ from .client import SidecarClient
 from .handle import SidecarHandle
 from .owners import NotOwnerError
 from .settings import SidecarConfig
+from .status import SidecarStatus
 from .wire import SidecarRemoteError
 
-__all__ = ["NotOwnerError", "SidecarClient", "SidecarConfig", "SidecarHandle", "SidecarRemoteError"]
+__all__ = ["NotOwnerError", "SidecarClient", "SidecarConfig", "SidecarHandle", "SidecarRemoteError", "SidecarStatus"]

@@ -69,7 +69,7 @@ class WorkerCalls:
             layers = range(*msg.layers) if msg.layers is not None else None
             try:
                 handle = await svc.send(rid, msg.pages, last=msg.last, timeout=msg.timeout, layers=layers,
-                                        payload=msg.payload, fit=msg.fit)
+                                        payload=msg.payload, fit=msg.fit, receiver=msg.receiver)
             except (ValueError, KVServiceError):
                 if new:
                     owners.unclaim(key)  # nothing was registered (bad pages, a completed id, ...)
@@ -94,13 +94,13 @@ class WorkerCalls:
             rid, key = msg.request_id, (RECV, msg.request_id)
             new = owners.claim(me, key)  # before the await: a disconnect during expect() aborts it
             try:
-                await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout)
+                await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout, verify=msg.verify)
             except (ValueError, KVServiceError):
                 if new:
                     owners.unclaim(key)  # nothing was registered (e.g. a duplicate id, a bad sender)
                 raise
             self.watch(conn, key, svc.arrival_future(rid))  # no await since expect(): it is known
-            return Done(msg.call)
+            return Done(msg.call, int(svc.poll_arrival(rid)))
         if isinstance(msg, Decline):  # registers nothing: no claim, and allowed while draining
             self._check_role("decode")
             owners.check(me, msg.request_id)

@@ -5,21 +5,26 @@ Switching an engine from in-process to sidecar is one line::
     svc = TransferService(config)            # in-process: this process owns a NIXL agent
     svc = SidecarClient("/run/kvservice/prefill.sock")   # sidecar: the daemon owns it
 
-Both are async context managers with ``kv`` (the KV pool: here a tensor over the daemon's
-shared segment, so ``kv.write`` puts bytes where the daemon sends them from), ``layout``,
-``address``, ``send``, ``await_completion``, ``expect``, ``decline``, ``await_arrival``,
-``abort`` and ``status``, with the same arguments, errors and ``TransferResult`` values.
-Differences, all forced by the process boundary:
+Both satisfy ``kvservice.KVTransfer`` (mypy checks it: ``kvservice/_api_check.py``): async
+context managers with ``kv`` (the KV pool: here a tensor over the daemon's shared segment,
+so ``kv.write`` puts bytes where the daemon sends them from), ``layout``, ``address``,
+``agent_name``, ``send``, ``await_completion``, ``expect``, ``decline``, ``await_arrival``,
+``await_settled``, ``poll_arrival``, ``abort`` and ``status``, with the same arguments,
+errors and ``TransferResult`` values.  Differences, all forced by the process boundary:
 
 * ``TransferResult.error`` is a ``SidecarRemoteError`` naming the original
   exception's class (``type_name``) instead of the exception object itself.
-* ``handle.poll()`` is the state the daemon reported with the latest ``send()``
-  (or ``await fetch_poll(handle)``) until the request ends, then ``Success``/``Failed``.
-* ``status()`` is the daemon's snapshot as of the last refresh
-  (``status_interval`` seconds); ``await fetch_status()`` asks for a fresh one.
-* ``poll_arrival``, ``live_peers(role)``, ``expected``, ``expected_pages`` and
-  ``expect_dropped`` are coroutines: what they read lives in the daemon.  ``decline`` and
-  the last three need a daemon of sidecar protocol 3: on an older one they raise
+* ``handle.poll()`` and ``poll_arrival(id)`` never block: the state the daemon reported
+  with the latest ``send()`` / ``expect()`` (or ``await fetch_poll(handle)`` /
+  ``await fetch_poll_arrival(id)``) until the request ends, then ``Success``/``Failed``
+  (the daemon's ``Finished`` frame); ``poll_arrival`` knows the ids this client expected.
+* ``status()`` (a ``SidecarStatus``: the service's ``ServiceStatus`` and the daemon's
+  own) is the snapshot as of the last refresh (``status_interval`` seconds);
+  ``await fetch_status()`` asks for a fresh one.
+* ``live_peers(role)``, ``expected``, ``expected_pages`` and ``expect_dropped`` (not in
+  ``KVTransfer``: see ``kvservice/_api.py``) are coroutines: what they read lives in the
+  daemon.  ``decline`` and the last three need a daemon of sidecar protocol 3, ``send``'s
+  ``receiver=`` and ``expect``'s ``verify=`` one of 4: on an older one they raise
   ``KVServiceError`` without sending a frame.
 * If the daemon goes away, every unfinished request ends ``Failed`` with
   ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
@@ -39,14 +44,14 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import anyio.abc
-import numpy.typing as npt
 
+from .._api import Pages
 from .._control.addresses import split_address
 from .._control.links import CONNECTION_ERRORS
 from .._control.protocol import FrameError, text
@@ -68,7 +73,9 @@ from .dial import handshake, map_pool
 from .handle import CallSlot, RequestState, SidecarHandle
 from .owners import NotOwnerError
 from .shm import Segment
+from .status import SidecarStatus
 from .wire import (
+    MAX_SENDER_CHARS,
     Abort,
     AwaitArrival,
     AwaitCompletion,
@@ -99,8 +106,6 @@ from .wire import (
     call_refusal,
     result_from_wire,
 )
-
-Pages = Sequence[int] | npt.NDArray[Any]
 
 _ERRORS: dict[str, type[Exception]] = {
     "ValueError": ValueError,
@@ -153,7 +158,7 @@ class SidecarClient:
         self._lost: str | None = None
         self._lost_event: anyio.Event | None = None
         self._graceful = False
-        self._status: dict[str, Any] = {}
+        self._status = SidecarStatus()
         self._kv: KVPool | None = None
         self.welcome: Welcome | None = None
         self.layout = KVLayout()
@@ -249,18 +254,23 @@ class SidecarClient:
         return req, reply
 
     async def send(self, request_id: str, pages: Pages, *, last: bool = False,
-                   timeout: float | None = None, layers: range | None = None,
-                   payload: bytes | None = None, fit: Literal["tail"] | None = None) -> SidecarHandle:
+                   timeout: float | None = None, receiver: str | None = None,
+                   layers: range | None = None, payload: bytes | None = None,
+                   fit: Literal["tail"] | None = None) -> SidecarHandle:
         """Queue a chunk of ``request_id``'s pages for the receiver (see ``TransferService.send``)."""
         check_request_id(request_id)
         if fit not in (None, "tail"):  # the service's own check, here rather than a round trip later
             raise ValueError(f"fit must be None or 'tail', got {fit!r}")
+        if receiver is not None and not (isinstance(receiver, str) and 0 < len(receiver) <= MAX_SENDER_CHARS):
+            # the service checks the rest; a longer one would break the frame, and the connection
+            raise ValueError(f"receiver must be 'host:port' (or a member's name) of at most {MAX_SENDER_CHARS} "
+                             f"characters, got {receiver!r:.80}")
         idx = self.layout.check_pages(pages).tolist()
         if layers is not None and (not isinstance(layers, range) or layers.step != 1):
             raise ValueError(f"layers must be a non-empty range with step 1, got {layers!r}")
         span = (layers.start, layers.stop) if layers is not None else None
         req, reply = await self._request_call(
-            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout, span, payload, fit))
+            "send", request_id, lambda n: Send(n, request_id, idx, last, timeout, span, payload, fit, receiver))
         assert isinstance(reply, SendReply)
         if reply.result is not None:
             self._finish(req, result_from_wire(reply.result))
@@ -287,14 +297,18 @@ class SidecarClient:
         return req.result
 
     # -- receiving side ---------------------------------------------------------------------
-    async def expect(self, request_id: str, pages: Pages, *, sender: str, timeout: float | None = None) -> None:
+    async def expect(self, request_id: str, pages: Pages, *, sender: str,
+                     timeout: float | None = None, verify: bool | None = None) -> None:
         """Announce that ``request_id`` goes into ``pages`` and tell ``sender`` (see ``TransferService.expect``)."""
         check_request_id(request_id)
         idx = self.layout.check_pages(pages).tolist()
         split_address(sender)  # the service's own check, here rather than a round trip later
-        _, reply = await self._request_call(
-            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout))
+        check = None if verify is None else bool(verify)
+        req, reply = await self._request_call(
+            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check))
         assert isinstance(reply, Done)
+        if reply.poll is not None and req.result is None:
+            req.poll = KVPoll(reply.poll)
 
     async def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:
         """``TransferService.decline`` through the sidecar: ``sender``'s send of ``request_id``
@@ -320,8 +334,7 @@ class SidecarClient:
     async def await_arrival(self, request_id: str, timeout: float | None = None) -> TransferResult:
         """Wait until every page of ``request_id`` has landed, or it failed."""
         check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
-        key = ("recv", request_id)
-        req = self._live.get(key) or self._done.get(key)
+        req = self._recv(request_id)
         if req is not None and req.result is None and timeout is None:
             await req.done.wait()
         if req is not None and req.result is not None:
@@ -362,15 +375,30 @@ class SidecarClient:
                 req.poll = KVPoll(reply.poll)
         return handle.poll()
 
-    async def poll_arrival(self, request_id: str) -> KVPoll:
-        """Like ``TransferService.poll_arrival``, but a coroutine: the state lives in the daemon."""
+    def poll_arrival(self, request_id: str) -> KVPoll:
+        """Where ``request_id``'s arrival stands, as the daemon last said (see the module's
+        notes); never blocks.  ``UnknownRequestError`` for an id this client did not expect
+        (or one older than the daemon's ``results_kept`` most recent)."""
+        req = self._recv(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (not expected through this client)")
+        return req.poll if req.result is None else req.result.poll
+
+    async def fetch_poll_arrival(self, request_id: str) -> KVPoll:
+        """The arrival's state in the daemon now (``poll_arrival`` then agrees until it changes)."""
         check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
-        req = self._live.get(("recv", request_id)) or self._done.get(("recv", request_id))
+        req = self._recv(request_id)
         if req is not None and req.result is not None:
             return req.result.poll
         reply = await self._call(lambda n: Poll(n, request_id, "recv"))
         assert isinstance(reply, PollReply)
+        if req is not None and req.result is None:
+            req.poll = KVPoll(reply.poll)
         return KVPoll(reply.poll)
+
+    def _recv(self, request_id: str) -> RequestState | None:
+        key = ("recv", request_id)
+        return self._live.get(key) or self._done.get(key)
 
     # ``TransferService.expected``, ``expected_pages`` and ``expect_dropped``, as coroutines:
     # the early expects live in the daemon (one ``Expected`` call answers all three)
@@ -390,15 +418,16 @@ class SidecarClient:
         assert isinstance(reply, ExpectedReply)
         return reply
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SidecarStatus:
         """The daemon's status as of the last refresh (see ``fetch_status``)."""
-        return dict(self._status)
+        return self._status
 
-    async def fetch_status(self) -> dict[str, Any]:
+    async def fetch_status(self) -> SidecarStatus:
+        """The daemon's status now (``status()`` then answers it until the next refresh)."""
         reply = await self._call(lambda n: Status(n))
         assert isinstance(reply, StatusReply)
-        self._status = reply.status
-        return dict(reply.status)
+        self._status = SidecarStatus.from_mapping(reply.status)
+        return self._status
 
     async def live_peers(self, role: str | None = None) -> list[Member]:
         """Like ``TransferService.live_peers``, but a coroutine: the daemon's discovery

@@ -35,9 +35,10 @@ from .._control.protocol import HEADER_BYTES, MAX_TEXT, decode_with, frame, fram
 from .._results import FailureReason, KVServiceError, TransferResult, TransferStatus
 from ..discovery.member import MAX_ROLE_CHARS, Member
 
-#: 2: ``Send.fit``; 3: ``Decline`` and ``Expected`` (a client checks the Welcome's version
-#: before it sends them: a daemon of 2 would take either for a malformed frame)
-SIDECAR_PROTOCOL_VERSION = 3
+#: 2: ``Send.fit``; 3: ``Decline`` and ``Expected``; 4: ``Send.receiver`` and ``Expect.verify``
+#: (a client checks the Welcome's version before it sends a call or a field that is newer
+#: than the daemon: an older one would take it for a malformed frame)
+SIDECAR_PROTOCOL_VERSION = 4
 #: the oldest version a daemon of this release serves: the previous release's clients keep
 #: working while the daemons are upgraded first (README "Upgrades")
 SIDECAR_OLDEST_VERSION = 2
@@ -55,8 +56,10 @@ def sidecar_version(client: int) -> int | None:
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 CallId = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
 Pages = Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(min_length=1)]
-#: a receiver's word for its sender: ``host:port`` (checked by the service)
-Sender = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+MAX_SENDER_CHARS = 512
+#: a receiver's word for its sender, a sender's for its receiver: ``host:port`` or a
+#: member's name (checked by the service)
+Sender = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SENDER_CHARS)]
 #: as the peer control channel's text: what reaches the sender
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Timeout = float | None  # as in-process: a timeout already past fails the request at once
@@ -72,7 +75,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True
     client: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
-class Send(msgspec.Struct, tag="send", frozen=True, forbid_unknown_fields=True):
+class Send(msgspec.Struct, tag="send", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``send()``.  A field at its default is not sent: a daemon of the version before the
+    field decodes the frame (``FIELDS_SINCE``)."""
+
     call: CallId
     request_id: RequestId
     pages: Pages
@@ -81,6 +87,7 @@ class Send(msgspec.Struct, tag="send", frozen=True, forbid_unknown_fields=True):
     layers: Layers | None = None  # [lo, hi): send(layers=range(lo, hi))
     payload: Payload | None = None
     fit: Literal["tail"] | None = None
+    receiver: Sender | None = None  # pins the request to that decode (first chunk only)
 
 
 class AwaitCompletion(msgspec.Struct, tag="await_completion", frozen=True, forbid_unknown_fields=True):
@@ -89,12 +96,15 @@ class AwaitCompletion(msgspec.Struct, tag="await_completion", frozen=True, forbi
     timeout: Timeout = None
 
 
-class Expect(msgspec.Struct, tag="expect", frozen=True, forbid_unknown_fields=True):
+class Expect(msgspec.Struct, tag="expect", frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``expect()``; a field at its default is not sent (as ``Send``)."""
+
     call: CallId
     request_id: RequestId
     pages: Pages
     sender: Sender
     timeout: Timeout = None
+    verify: bool | None = None  # check the landing (None: the daemon's verify_landing)
 
 
 class Decline(msgspec.Struct, tag="decline", frozen=True, forbid_unknown_fields=True):
@@ -163,14 +173,21 @@ ClientMessage = Hello | Call
 #: the version that brought each call in (the rest are in every version served): a client
 #: sends one only to a daemon that speaks it, a daemon takes one only on a connection that does
 SINCE: dict[type[Call], int] = {Decline: 3, Expected: 3}
+#: the version that brought each optional field of a call in: a call that sets one (not at
+#: its default, so on the wire) goes only to a daemon that speaks it
+FIELDS_SINCE: dict[tuple[type[Call], str], int] = {(Send, "receiver"): 4, (Expect, "verify"): 4}
 
 
 def call_refusal(msg: Call, version: int) -> str | None:
     """Why ``msg`` cannot go over a connection speaking ``version``; None when it can."""
+    tag = type(msg).__struct_config__.tag
     since = SINCE.get(type(msg), SIDECAR_OLDEST_VERSION)
-    if since <= version:
-        return None
-    return f"the {type(msg).__struct_config__.tag} call is protocol version {since}, this connection speaks {version}"
+    if since > version:
+        return f"the {tag} call is protocol version {since}, this connection speaks {version}"
+    for (kind, name), since in FIELDS_SINCE.items():
+        if kind is type(msg) and getattr(msg, name) is not None and since > version:
+            return f"the {tag} call's {name}= is protocol version {since}, this connection speaks {version}"
+    return None
 
 
 # -- sidecar -> worker -------------------------------------------------------------------
@@ -211,9 +228,10 @@ class SendReply(msgspec.Struct, tag="sent", frozen=True):
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
-    """Reply to Expect (no value)."""
+    """Reply to Expect: the request's ``KVPoll`` value after it (a daemon of 3 sends none)."""
 
     call: int
+    poll: int | None = None
 
 
 class Declined(msgspec.Struct, tag="declined", frozen=True):

@@ -151,7 +151,7 @@ async def test_bad_arguments_are_refused_and_the_daemons_go_on(pair: tuple[Sidec
         with pytest.raises(ValueError, match="message must be a str"):
             await d.decline("bad-1", sender=w.address, message=b"bytes")  # type: ignore[arg-type]
         for call in (w.expected, w.expected_pages, w.expect_dropped, w.abort, w.await_settled, d.await_arrival,
-                     d.poll_arrival):
+                     d.fetch_poll_arrival):
             with pytest.raises(ValueError, match="request_id"):
                 await call("")
             with pytest.raises(ValueError, match="request_id"):

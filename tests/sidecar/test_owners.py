@@ -43,7 +43,7 @@ async def refused_all(rid: str, calls: list[Callable[[], Awaitable[object]]]) ->
 def everything(b: SidecarClient, rid: str, sender: str) -> list[Callable[[], Awaitable[object]]]:
     """Every call another worker could make naming ``rid``, on either side."""
     return [
-        lambda: b.await_arrival(rid, timeout=1), lambda: b.poll_arrival(rid),
+        lambda: b.await_arrival(rid, timeout=1), lambda: b.fetch_poll_arrival(rid),
         lambda: b.send(rid, [9]), lambda: b.send(rid, [9], last=True, payload=b"forged"),
         lambda: b.abort(rid), lambda: b.await_settled(rid, timeout=1),
         lambda: b.expect(rid, [30], sender=sender), lambda: b.decline(rid, sender=sender),
@@ -66,7 +66,7 @@ async def test_a_worker_refused_on_one_side_cannot_take_the_other(pair: tuple[Si
         n = await refused_all(rid, [lambda: b.await_arrival(rid, timeout=1)])
         n += await refused_all(rid, [lambda: b.send(rid, [9])])  # the unused side: still A's
         n += await refused_all(rid, [lambda: b.abort(rid), lambda: b.await_settled(rid, timeout=1)])
-        assert await a.poll_arrival(rid) is KVPoll.WaitingForInput  # A's expect is live, untouched
+        assert await a.fetch_poll_arrival(rid) is KVPoll.WaitingForInput  # A's expect is live, untouched
         sent = await w.await_completion(await w.send(rid, src, last=True, payload=b"first-token"), timeout=30)
         assert sent.ok, sent
         arrived = await a.await_arrival(rid, timeout=30)

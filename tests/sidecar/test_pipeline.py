@@ -238,7 +238,7 @@ async def test_a_cancelled_wait_is_withdrawn_in_the_daemon(pair: tuple[Sidecar, 
             await calls_waiting(1)
             tg.cancel_scope.cancel()  # the caller is cancelled: the daemon's call goes too ...
         await calls_waiting(0)
-        assert await dw.poll_arrival("patient") is KVPoll.WaitingForInput  # ... and the request lives on
+        assert await dw.fetch_poll_arrival("patient") is KVPoll.WaitingForInput  # ... and the request lives on
         pw.kv.write([50], pattern(pw.layout, "patient", 1))
         assert (await pw.await_completion(await pw.send("patient", [50], last=True), timeout=30)).ok
         assert (await dw.await_arrival("patient", timeout=30)).ok

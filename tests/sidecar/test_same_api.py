@@ -1,10 +1,12 @@
 """One scenario, run against the in-process ``TransferService`` and against a
 ``SidecarClient``: the same calls give the same results and the same errors,
-so switching an engine between them is the one line in ``engine()``."""
+so switching an engine between them is the one line in ``engine()``.  The
+scenario is written against ``kvservice.KVTransfer``, the protocol both satisfy."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +14,10 @@ import torch
 from kvservice import (
     FailureReason,
     KVPoll,
+    KVTransfer,
+    ServiceStatus,
     SidecarClient,
+    SidecarStatus,
     TransferFailed,
     TransferService,
     TransferStatus,
@@ -25,7 +30,7 @@ from .daemons import SMALL_LAYOUT, Sidecar, sidecars
 
 pytestmark = pytest.mark.nixl
 
-Svc = TransferService | SidecarClient
+Svc = KVTransfer[Any]
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +49,13 @@ def engine(mode: str, sidecar: Sidecar) -> Svc:
 
 async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     layout = prefill.layout
-    # 1. bytes arrive, in two chunks
+    # 1. bytes arrive, in two chunks; the receiver's poll never blocks, on either face
     rid, src, dst = f"{tag}-ok", [1, 2, 3], [7, 8, 9]
     prefill.kv.write(src, pattern(layout, rid, 3))
+    with pytest.raises(UnknownRequestError):
+        decode.poll_arrival(rid)
     await decode.expect(rid, dst, sender=prefill.address)
+    assert decode.poll_arrival(rid) in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
     await prefill.send(rid, src[:2], last=False)
     handle = await prefill.send(rid, src[2:], last=True)
     result = await prefill.await_completion(handle, timeout=30)
@@ -58,6 +66,9 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     arrived = await decode.await_arrival(rid, timeout=30)
     assert arrived.ok and arrived.bytes == 3 * layout.page_bytes
     assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 3))
+    assert decode.poll_arrival(rid) is KVPoll.Success
+    with pytest.raises(UnknownRequestError):
+        decode.poll_arrival("")
     with pytest.raises(ValueError, match="already completed"):
         await prefill.send(rid, [4], last=True)
 
@@ -144,10 +155,53 @@ async def scenario(prefill: Svc, decode: Svc, tag: str) -> None:
     assert (await decode.await_arrival(rid, timeout=30)).ok
     assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 1))
 
-    # 7. status() speaks the same keys
-    assert {"outcomes", "sending", "receiving", "peers", "unsettled_pages"} <= prefill.status().keys()
-    snap = await decode.fetch_status() if isinstance(decode, SidecarClient) else decode.status()
-    assert snap["unsettled_pages"] == 0, snap
+    # 7. receiver= pins the request to one decode: the right one gets it, another's Expect
+    #    is refused there; a malformed one, or one on a later chunk, raises at once
+    rid, src, dst = f"{tag}-pinned", [13, 14], [50, 51]
+    prefill.kv.write(src, pattern(layout, rid, 2))
+    with pytest.raises(ValueError):
+        await prefill.send(rid, src, last=True, receiver="nowhere")
+    first = await prefill.send(rid, src[:1], receiver=decode.address)
+    with pytest.raises(ValueError, match="receiver= goes with the first chunk only"):
+        await prefill.send(rid, src[1:], last=True, receiver=decode.address)
+    await decode.expect(rid, dst, sender=prefill.address)
+    pinned = await prefill.await_completion(await prefill.send(rid, src[1:], last=True), timeout=30)
+    assert pinned.ok and first.poll() is KVPoll.Success, pinned
+    assert (await decode.await_arrival(rid, timeout=30)).ok
+    assert torch.equal(decode.kv.pages(dst), pattern(layout, rid, 2))
+    rid = f"{tag}-pinned-elsewhere"
+    elsewhere = await prefill.send(rid, [15], last=True, receiver="127.0.0.1:9")
+    await decode.expect(rid, [52], sender=prefill.address)
+    refused = await decode.await_arrival(rid, timeout=30)
+    assert refused.reason is FailureReason.REFUSED, refused
+    assert elsewhere.poll() is KVPoll.Bootstrapping  # still waiting for its own receiver
+    assert (await prefill.abort(rid)) is not None
+
+    # 8. verify=True: the receiver checks the landing against the sender's checksums
+    rid, src, dst = f"{tag}-verified", [16, 17], [53, 54]
+    before = await fresh_status(decode)
+    prefill.kv.write(src, pattern(layout, rid, 2))
+    await decode.expect(rid, dst, sender=prefill.address, verify=True)
+    assert (await prefill.await_completion(await prefill.send(rid, src, last=True), timeout=30)).ok
+    assert (await decode.await_arrival(rid, timeout=30)).ok
+    after = await fresh_status(decode)
+    assert after.landings.get("checked", 0) == before.landings.get("checked", 0) + 1, (before, after)
+
+    # 9. status() is a typed snapshot on both faces (and a read-only mapping of the same names)
+    snap = await fresh_status(prefill)
+    assert isinstance(snap, ServiceStatus) and snap.outcomes == snap["outcomes"], snap
+    assert {"outcomes", "sending", "receiving", "peers", "unsettled_pages"} <= snap.keys()
+    snap = await fresh_status(decode)
+    assert snap.unsettled_pages == 0, snap
+    for face in (prefill, decode):
+        if isinstance(face, SidecarClient):
+            assert isinstance(face.status(), SidecarStatus) and face.status().workers >= 1
+            assert face.status().agent == face.agent_name
+
+
+async def fresh_status(svc: Svc) -> ServiceStatus:
+    """``status()`` now: a sidecar client's is refreshed every ``status_interval``."""
+    return await svc.fetch_status() if isinstance(svc, SidecarClient) else svc.status()
 
 
 @pytest.mark.parametrize("mode", ["in-process", "sidecar"])

@@ -94,7 +94,7 @@ async def test_a_worker_cannot_touch_another_workers_request(pair: tuple[Sidecar
         attempts: list[Callable[[], Awaitable[object]]] = [
             lambda: b.send(rid, [12], last=True), lambda: b.abort(rid),  # on the prefill sidecar
             lambda: b.await_completion(forged, timeout=1), lambda: b.fetch_poll(forged),
-            lambda: e.poll_arrival(rid), lambda: e.await_arrival(rid, timeout=1),  # on the decode sidecar
+            lambda: e.fetch_poll_arrival(rid), lambda: e.await_arrival(rid, timeout=1),  # on the decode sidecar
             lambda: e.expect(rid, [30], sender=a.address), lambda: e.abort(rid),
         ]
         for call in attempts:

@@ -221,3 +221,28 @@ def test_a_daemon_serves_the_previous_release_and_answers_a_newer_client_with_it
     assert sidecar_version(SIDECAR_PROTOCOL_VERSION + 3) == SIDECAR_PROTOCOL_VERSION  # the client decides
     assert sidecar_version(SIDECAR_OLDEST_VERSION) == SIDECAR_OLDEST_VERSION
     assert sidecar_version(SIDECAR_OLDEST_VERSION - 1) is None
+
+
+def test_a_field_newer_than_the_daemon_is_refused_before_it_is_sent_and_a_default_is_not_sent() -> None:
+    """``Send.receiver`` and ``Expect.verify`` came with protocol 4.  Left at their default
+    they are not on the wire, so a daemon of 2 or 3 (which refuses an unknown field) still
+    decodes the frame; set, they go only to a daemon of 4."""
+    import msgspec
+
+    from kvservice.sidecar.wire import Expect, call_refusal
+
+    plain, pinned = Send(1, "r", [0], True), Send(2, "r", [0], True, receiver="127.0.0.1:7100")
+    checked = Expect(3, "r", [0], "127.0.0.1:7100", verify=False)
+    assert msgspec.msgpack.decode(encode(plain)[4:]) == {"type": "send", "call": 1, "request_id": "r", "pages": [0],
+                                                         "last": True}
+    assert "verify" not in msgspec.msgpack.decode(encode(Expect(4, "r", [0], "127.0.0.1:7100"))[4:])
+    assert decode_client(encode(pinned)[4:]) == pinned and decode_client(encode(checked)[4:]) == checked
+    for old in (SIDECAR_OLDEST_VERSION, 3):
+        assert call_refusal(plain, old) is None
+        speaks = f"is protocol version 4, this connection speaks {old}"
+        assert call_refusal(pinned, old) == f"the send call's receiver= {speaks}"
+        assert call_refusal(checked, old) == f"the expect call's verify= {speaks}"
+    assert call_refusal(pinned, 4) is None and call_refusal(checked, 4) is None
+    with pytest.raises(FrameError):  # bounded as a sender is
+        decode_client(msgspec.msgpack.encode({"type": "send", "call": 1, "request_id": "r", "pages": [1],
+                                              "receiver": "h" * 513}))
