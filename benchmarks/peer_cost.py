@@ -38,7 +38,7 @@ from kvservice import KVLayout, ServiceConfig, TransferService
 from kvservice._nixl.agent import NixlDoor
 from kvservice._runtime import run
 from kvservice.soak._probe import service_tables
-from kvservice.soak._usage import usage
+from kvservice.soak._usage import established, usage
 from kvservice.testing import pattern
 
 UCX = {"UCX_NET_DEVICES": "lo"}
@@ -144,7 +144,7 @@ class Children:
 
 def reading(hub: TransferService) -> dict[str, float]:
     tables = service_tables(hub)
-    got: dict[str, float] = dict(usage(os.getpid()))
+    got: dict[str, float] = dict(usage(os.getpid(), established()))
     got["peers"] = float(tables["peers"]["size"] or 0)
     got["nixl_remote_agents"] = float(tables["nixl_remote_agents"]["size"] or 0)
     return got

@@ -23,8 +23,24 @@ def established_inodes(text: str) -> set[str]:
     return out
 
 
-def usage(pid: int) -> dict[str, float]:
-    """``rss_mib``, ``fds``, ``threads``, ``tcp`` of ``pid`` now (``OSError`` if it is gone)."""
+def established() -> set[str]:
+    """The socket inodes of this network namespace's established TCP connections.  Read
+    once per sample for every process in it: the kernel writes the whole table for each
+    read (milliseconds with a few hundred sockets), whichever process's ``net/`` it is."""
+    out: set[str] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{name}") as f:
+                out |= established_inodes(f.read())
+        except FileNotFoundError:  # no IPv6
+            continue
+    return out
+
+
+def usage(pid: int, tcp: set[str]) -> dict[str, float]:
+    """``rss_mib``, ``fds``, ``threads`` of ``pid`` now and ``tcp``: how many of its sockets
+    are in ``tcp`` (``established()``, read in the same network namespace).  ``OSError`` if
+    ``pid`` is gone."""
     sockets = set()
     fds = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -35,12 +51,5 @@ def usage(pid: int) -> dict[str, float]:
             continue
         if target.startswith("socket:["):
             sockets.add(target[8:-1])
-    established: set[str] = set()
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{name}") as f:
-                established |= established_inodes(f.read())
-        except FileNotFoundError:  # no IPv6
-            continue
     return {"rss_mib": round(rss_mib(pid), 1), "fds": fds, "threads": len(os.listdir(f"/proc/{pid}/task")),
-            "tcp": len(sockets & established)}
+            "tcp": len(sockets & tcp)}

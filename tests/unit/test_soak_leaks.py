@@ -17,7 +17,7 @@ import pytest
 from kvservice.soak import Summary, exit_code, main, problems
 from kvservice.soak._leaks import Ledger, leak_table
 from kvservice.soak._probe import TABLES
-from kvservice.soak._usage import established_inodes, usage
+from kvservice.soak._usage import established, established_inodes, usage
 
 RUN_S = 600.0  # ten minutes, a sample a second
 
@@ -113,10 +113,17 @@ def test_the_leak_table_has_a_column_per_process_and_a_row_per_resource() -> Non
 
 def test_usage_reads_this_process() -> None:
     import os
+    import socket
 
-    got = usage(os.getpid())
-    assert set(got) == {"rss_mib", "fds", "threads", "tcp"}
-    assert got["rss_mib"] > 10 and got["fds"] >= 3 and got["threads"] >= 1 and got["tcp"] >= 0
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        accepted, _ = server.accept()
+        with accepted:
+            got = usage(os.getpid(), established())
+            assert set(got) == {"rss_mib", "fds", "threads", "tcp"}
+            assert got["rss_mib"] > 10 and got["fds"] >= 3 and got["threads"] >= 1
+            assert got["tcp"] >= 2  # both ends of the connection; the listener is not established
+    assert client.fileno() == -1
 
 
 def test_established_inodes_reads_only_established_rows() -> None:
