@@ -14,7 +14,7 @@ from kvservice.discovery.settings import DiscoverySettings
 POSITIVE = (
     "bootstrap_timeout_s", "transfer_timeout_s", "arrival_timeout_s", "connect_timeout_s",
     "heartbeat_interval_s", "peer_timeout_s", "poll_interval_s", "idle_poll_interval_s",
-    "max_posts_per_tick", "max_checks_per_tick", "max_frame_bytes", "results_kept",
+    "max_posts_per_tick", "max_checks_per_tick", "results_kept",
     "max_handshakes", "max_handshakes_per_source",
 )
 

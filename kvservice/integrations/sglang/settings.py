@@ -8,6 +8,11 @@ kvservice's ``bootstrap_timeout_s`` and ``arrival_timeout_s``, so an SGLang depl
 that tuned them keeps its tuning; kvservice's own setting (the ``KVSERVICE_CONFIG``
 file's ``[service]`` key, or ``KVSERVICE_SERVICE_<KEY>``) wins only where it is set.
 
+Every source is decoded through the keys' declarations (``kvservice._settings``): SGLang's
+values are checked as the keys they stand for, and the file and the ``KVSERVICE_*``
+variables as the sidecar's are (``sidecar.settings.load``), so a misspelt key or variable
+is refused naming it and the nearest known one.  docs/configuration.md lists them all.
+
 No SGLang import at module level: the mapping is tested without SGLang.
 """
 
@@ -19,6 +24,7 @@ from typing import Any
 
 from ..._config import ServiceConfig
 from ..._results import ConfigError
+from ..._settings import declared, quote
 
 #: SGLang's variable -> the kvservice setting it stands for
 SGLANG_TIMEOUTS = {
@@ -38,13 +44,14 @@ def read_sglang(name: str) -> Any:
 def sglang_timeouts(read: Callable[[str], Any] = read_sglang) -> dict[str, float]:
     """SGLang's timeouts as kvservice ``[service]`` settings; ``ConfigError`` naming
     SGLang's variable when a value cannot be one."""
+    keys = declared(ServiceConfig)
     values: dict[str, float] = {}
     for name, key in SGLANG_TIMEOUTS.items():
         value = read(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{name}={value!r}: the kvservice backend takes it as its {key}, "
-                              "which must be a number of seconds > 0")
-        values[key] = float(value)
+        try:
+            values[key] = keys[key].check(value)  # as the key is declared: a number of seconds > 0
+        except ConfigError as exc:
+            raise ConfigError(f"{name}={quote(value)}: the kvservice backend takes it as its {exc}") from None
     return values
 
 

@@ -20,6 +20,8 @@ Loaded by module path, nothing patched in vLLM::
 * ``handoff_skew_s``: how far apart the prefills' and decodes' clocks may be, in seconds
   (default ``params.DEFAULT_SKEW_S``): a decode takes a hand-off until its expiry plus this.
 
+``settings.settings_from`` decodes it; an unknown key, at either level, stops the server.
+
 The scheduler signs (a producer) and checks (a consumer) hand-offs under a key derived from
 the service's key (``ServiceConfig.resolve_key``: ``auth_key_file``, or this user's key on
 loopback); with ``allow_unauthenticated`` there is none, and hand-offs prove nothing.
@@ -33,19 +35,18 @@ side's counters (and a worker its transfer times) to vLLM's stats every step
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..._config import ServiceConfig
 from ..._control.addresses import join_address
 from ..._log import get_logger
 from ..._results import ConfigError
 from ..._trust.handoff import handoff_key
 from .layerwise import LayerSend
 from .metrics import KVServicePromMetrics, KVServiceStats
-from .params import DEFAULT_SKEW_S, MAX_LIFETIME_S, Handoff
+from .params import MAX_LIFETIME_S, Handoff
 from .scheduler import DEFAULT_PORT, Cancel, RecvSpec, SchedulerSide, SendSpec, Work, rank_port
+from .settings import settings_from
 from .stats import Interval
 from .worker import WorkerSide
 
@@ -85,34 +86,6 @@ class KVServiceMetadata(KVConnectorMetadata):
 
     def work(self) -> Work:
         return Work(self.sends, self.recvs, self.cancels, self.declines, self.layers)
-
-
-@dataclass(frozen=True)
-class Settings:
-    service: ServiceConfig
-    decode_tp_size: int | None
-    handoff_skew_s: float = DEFAULT_SKEW_S
-
-
-def settings_from(extra: Mapping[str, Any] | None) -> Settings:
-    """The connector's settings from ``kv_connector_extra_config``; ``ConfigError`` names
-    what is wrong."""
-    from ...sidecar.settings import from_mapping  # the [service] table's parser: one place
-
-    extra = dict(extra or {})
-    table = extra.pop("kvservice", {})
-    decode_tp = extra.pop("decode_tp_size", None)
-    skew = extra.pop("handoff_skew_s", DEFAULT_SKEW_S)
-    if extra:
-        raise ConfigError(f"kv_connector_extra_config: unknown keys {sorted(extra)}; "
-                          "allowed: kvservice, decode_tp_size, handoff_skew_s")
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"kv_connector_extra_config.kvservice: expected an object, got {table!r}")
-    if decode_tp is not None and (isinstance(decode_tp, bool) or not isinstance(decode_tp, int) or decode_tp < 1):
-        raise ConfigError(f"kv_connector_extra_config.decode_tp_size: a positive int, got {decode_tp!r}")
-    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew <= 3600:
-        raise ConfigError(f"kv_connector_extra_config.handoff_skew_s: seconds in 0..3600, got {skew!r}")
-    return Settings(from_mapping({"service": dict(table)}).service, decode_tp, float(skew))
 
 
 class KVServiceConnector(KVConnectorBase_V1):
