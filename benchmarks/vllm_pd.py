@@ -94,7 +94,7 @@ def free_port() -> int:
 #: OpenMP compute threads per engine, here on one pinned core; with libgomp's default policy the
 #: idle one spins after every forward (milliseconds each time), taking the core from the other
 #: compute thread (TTFT about 10x, measured) and from whatever else runs there: kvservice's
-#: WRITE on the prefill's core (docs/vllm.md, "The prefill's core").
+#: WRITE on the prefill's core (docs/perf/vllm.md, "The prefill's core").
 ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

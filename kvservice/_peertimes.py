@@ -2,7 +2,7 @@
 
 Two timings, named after NIXL's own telemetry (``agent_xfer_time``,
 ``agent_xfer_post_time``) and exported as ``kvservice_xfer_time_seconds`` and
-``kvservice_xfer_post_time_seconds`` (README "Metrics"):
+``kvservice_xfer_post_time_seconds`` (docs/operations.md, "Per-peer transfer times"):
 
 * **time per transfer**, of each successful request, by side: the sender's from
   its first NIXL post to completion, the receiver's from sending its Expect to

@@ -49,7 +49,7 @@ T = TypeVar("T")
 #:    and a receiver asks a sender it linked with again about what it holds (``Ask``)
 PROTOCOL_VERSION = 6
 #: the oldest version this release still speaks: each release links with the one before it
-#: (README "Upgrades"), so a fleet upgrades one pod at a time without failing a request
+#: (docs/operations.md "Upgrades"), so a fleet upgrades one pod at a time without failing a request
 OLDEST_VERSION = 5
 _HEADER = struct.Struct(">I")
 HEADER_BYTES = _HEADER.size

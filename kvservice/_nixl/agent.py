@@ -2,7 +2,7 @@
 
 It implements ``door.Door`` over a real ``nixl_agent`` and maps NIXL's
 exceptions to ``FailureReason`` (see ``classify``).  Behaviour it relies on,
-measured with nixl 1.5.1 (see the README's "How NIXL behaves" section):
+measured with nixl 1.5.1 (see docs/design.md, "How NIXL behaves"):
 
 * ``transfer()`` / ``check_xfer_state()`` raise for error statuses; they do not
   return ``"ERR"`` in practice (we still treat ``"ERR"`` as a backend failure).

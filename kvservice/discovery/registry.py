@@ -14,7 +14,7 @@ A lapse past the grace, or a registration with a new incarnation (the process
 restarted), calls ``on_lost``: the service drops what it linked to that member because
 the engine named it (``attach.Discovery``), through the control plane's own peer-lost
 path; a registration's word about an agent nobody named it for drops nothing.  A
-lapse is not proof that the process is gone, so it settles nothing (README "Settled").
+lapse is not proof that the process is gone, so it settles nothing (docs/settle.md).
 Lapses are judged only while the watch runs: without etcd this service knows nothing
 new, and drops nobody.
 

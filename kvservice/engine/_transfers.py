@@ -119,7 +119,7 @@ class _Transfer:
     @property
     def settled(self) -> bool:
         """Nothing of this request can be written any more.  On a receiver this is when a
-        failed request's pages may be reused (README "Settled"); a success is settled."""
+        failed request's pages may be reused (docs/settle.md); a success is settled."""
         return self._settled
 
     def poll(self) -> KVPoll:

@@ -3,7 +3,7 @@ the repository's history into a folder of its own, run in child processes with t
 folder first on ``PYTHONPATH`` (the same interpreter and dependencies; nothing of this
 checkout is imported there).
 
-``PREVIOUS`` moves with each release: README "Upgrades" says which versions talk.
+``PREVIOUS`` moves with each release: docs/operations.md "Upgrades" says which versions talk.
 ``KVSERVICE_PREVIOUS_TREE`` names a folder holding such a ``kvservice`` package instead
 (e.g. a wheel unpacked there), for a checkout without the history.
 """

@@ -2,7 +2,7 @@
 under the same name (a new incarnation) is dropped at once, its old NIXL agent removed and
 the new one linked by name; a sender whose lease lapses (SIGSTOP: its keep-alives stop)
 is dropped once the grace has passed.  Either way its requests fail PEER_LOST and
-nothing is settled by it: the pages settle when the old process is gone (README "Settled").
+nothing is settled by it: the pages settle when the old process is gone (docs/settle.md).
 
 The receiver's own link liveness is set far beyond the test (``peer_timeout_s``), so
 only discovery can be what drops the sender."""
@@ -133,7 +133,7 @@ async def test_lapsed_lease_fails_requests_and_settles_once_the_link_heals(etcd:
         await verified_transfer(decode, prefill, "again", "prefill-0")
         # linked again, the same process answers for what the decode holds: it never posted a
         # WRITE of "held" (only its Expect was held), so the pages settle while it lives
-        # (README "Settled": a healed link)
+        # (docs/settle.md: a healed link)
         settled = await decode.await_settled("held", timeout=GUARD_S)
         assert settled.settled and decode.status()["unsettled_pages"] == 0
 

@@ -1,5 +1,5 @@
 """A peer is who it proved to be: addresses, notifications and metadata cannot be
-claimed, forged or read off the wire (README "Security", "Settled").
+claimed, forged or read off the wire (docs/security.md, docs/settle.md).
 
 Each test is an attack that worked before this was built, made against real
 services: real NIXL agents, real processes, real SIGSTOP/SIGKILL.  After each one,
@@ -237,7 +237,7 @@ def leaks(metadata: bytes, wire: bytes, window: int = 48) -> bool:
 async def test_the_join_crosses_the_wire_encrypted_when_keyed(key_file: str, keyed: bool) -> None:
     """A relay on the path records the handshake: with a key, neither side's NIXL
     metadata is in what it saw (before, both were, in clear); without one (the explicit
-    ``allow_unauthenticated``), they are, as the README says.  The transfer through the
+    ``allow_unauthenticated``), they are, as docs/security.md says.  The transfer through the
     relayed link passes byte-exact either way."""
     trust: dict[str, Any] = {"auth_key_file": key_file} if keyed else {"allow_unauthenticated": True}
     async with (TransferService(config(**trust)) as prefill, TransferService(config(**trust)) as decode,

@@ -118,7 +118,7 @@ async def test_receiver_hung_times_out_and_releases_the_handle() -> None:
             assert result.error is None and "deadline" in result.message
             assert any(e["event"] == "transfer.failed" and e["reason"] == "TIMEOUT" for e in logs)
             # the request's handle is released; what may stay live is the settle fence posted
-            # after it, a one-page WRITE waiting for the stopped receiver (README "Settled")
+            # after it, a one-page WRITE waiting for the stopped receiver (docs/settle.md)
             await eventually(lambda: svc.status()["live_nixl_handles"] <= 1)
             assert result.settled
         finally:

@@ -1,6 +1,6 @@
 """The NIXL door against a real remote agent in another process.
 
-These pin down the NIXL behaviour kvservice relies on (see the README): a
+These pin down the NIXL behaviour kvservice relies on (see docs/design.md): a
 post to a dead peer raises ``nixlRemoteDisconnectError``; the door turns it
 into a ``DoorError`` carrying that very instance and leaves no handle behind;
 a handle is never touched after its release; a peer can be reloaded."""

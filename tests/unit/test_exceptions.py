@@ -1,5 +1,5 @@
 """One exception family: every exception class kvservice defines derives from
-``KVServiceError`` (README "Exceptions"), keeps the builtin base its callers catch,
+``KVServiceError`` (docs/api.md "Exceptions"), keeps the builtin base its callers catch,
 survives pickling, and joining the family changed no failure's classification.
 
 The family check imports every module of the package and looks at every exception

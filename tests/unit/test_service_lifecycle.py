@@ -138,7 +138,7 @@ async def test_event_loop_keeps_ticking_while_posts_are_slow() -> None:
 
 async def test_the_control_port_closes_only_after_the_nixl_agent() -> None:
     """A peer that finds the port refusing may take this service's agent for gone and
-    settle what it held (README "Settled"): the port must stay open (refusing new
+    settle what it held (docs/settle.md): the port must stay open (refusing new
     peers) until the agent is closed, and close right after."""
     fabric = FakeFabric()
     seen: list[str] = []
