@@ -199,7 +199,7 @@ class TransferService:
         finally:
             self._close_door()
             # Only now does the port close: a peer that finds it refusing may take our
-            # agent for gone, and it is (README "Settled").
+            # agent for gone, and it is (docs/settle.md).
             await plane.control.close_listeners()
             # Our NIXL agent (and its registration of the pool) is gone: nothing can land in
             # the pool any more, whatever a lost or hung sender still held.

@@ -79,7 +79,7 @@ class ServiceStatus(Mapping[str, Any]):
     #: landing checks of received requests (``verify_landing``): "checked" (matched),
     #: "mismatched" (failed CORRUPTED), "unchecked" (the sender sent no checksum: INCOMPATIBLE)
     landings: dict[str, int] = field(default_factory=dict)
-    #: what peers and workers tried and was refused, by kind (README "Security")
+    #: what peers and workers tried and was refused, by kind (docs/security.md)
     refused: dict[str, int] = field(default_factory=dict)
     loop_lag_p99_s: float = 0.0
     loop_lag_max_s: float = 0.0
@@ -126,7 +126,7 @@ class Stats:
     latency_count: int = 0
     stale_notifs: int = 0
     #: what a peer or a worker tried and was refused, by kind ("auth", "hello_invalid",
-    #: "frame", "outbox_overflow", "accept_error", ...): see README "Security"
+    #: "frame", "outbox_overflow", "accept_error", ...): see docs/security.md
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     forced_releases: int = 0
     #: sends through the staging buffer ("gathered") and those that could not ("fallback_full":

@@ -40,7 +40,7 @@ from ..discovery.member import MAX_ROLE_CHARS, Member
 #: than the daemon: an older one would take it for a malformed frame)
 SIDECAR_PROTOCOL_VERSION = 4
 #: the oldest version a daemon of this release serves: the previous release's clients keep
-#: working while the daemons are upgraded first (README "Upgrades")
+#: working while the daemons are upgraded first (docs/operations.md "Upgrades")
 SIDECAR_OLDEST_VERSION = 2
 
 
