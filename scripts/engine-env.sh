@@ -68,6 +68,8 @@ recipe_sglang() {
     printf 'torch==2.14.1\ntorchvision==0.29.1\n' >"$constraints"
     "$ENV/bin/python" -m pip install --quiet -c "$constraints" "sglang==0.5.23"
     install_kvservice_deps "$constraints"
+    # the SGLang suite's property tests (tests/integrations/sglang/test_sglang_hostile.py)
+    "$ENV/bin/python" -m pip install --quiet -c "$constraints" "hypothesis>=6.100"
     rm -f "$constraints"
     # The plugin's entry point: a distribution of metadata only, written here (no code in it).
     site=$("$ENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

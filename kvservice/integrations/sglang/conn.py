@@ -54,13 +54,16 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
+from ..._control.addresses import split_address
 from ..._log import get_logger
 from ..._results import FailureReason, KVPoll, TransferFailed
 from ...engine import KVReceiver as FacadeReceiver
 from ...engine import KVSender as FacadeSender
 from ...engine import KVTransferEngine
+from ...memory._layout import PageIndex, check_pages
 from . import bootstrap
 from .memory import AuxRows, kv_memory
+from .registration import MAX_RANKS
 from .settings import service_config
 
 log = get_logger("kvservice.sglang")
@@ -203,28 +206,81 @@ class KVManager(BaseKVManager):
         self.engine.close()
 
 
+#: what an entry may raise on a value SGLang handed over (``int(None)``, ``len()`` of a scalar,
+#: ``int(float("inf"))``, the facade's refusals...): each becomes a Failed request, never an
+#: exception in a scheduler's loop
+_BAD_INPUT = (ValueError, TypeError, OverflowError, RuntimeError)
+#: rooms are SGLang's 64-bit request keys (a client may send its own)
+MAX_ROOM = 2**64 - 1
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: a hostile value must not make a long log line."""
+    if isinstance(value, int) and value.bit_length() > 128:  # repr() of a huge int can raise
+        return f"an int of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a hostile object's own __repr__
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def _request_id(room: Any) -> str:
-    if not isinstance(room, (int, np.integer)) or isinstance(room, bool) or room < 0:
-        raise ValueError(f"bootstrap_room must be a non-negative int, got {room!r}")
+    if not isinstance(room, (int, np.integer)) or isinstance(room, (bool, np.bool_)) or not 0 <= room <= MAX_ROOM:
+        raise ValueError(f"bootstrap_room must be an int in 0..2**64-1, got {_show(room)}")
     return str(int(room))
+
+
+def _bootstrap_addr(addr: Any) -> str:
+    """``addr`` if it is a bootstrap address (``host:port``); ``ValueError`` saying why not."""
+    try:
+        split_address(addr)
+    except ValueError:
+        raise ValueError(f"bootstrap_addr must be 'host:port', got {_show(addr)}") from None
+    return str(addr)
+
+
+def _index(name: str, value: Any, bound: int, low: int = 0) -> int:
+    """``value`` as an int in ``low..bound-1``; ``ValueError`` naming ``name`` otherwise."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or not low <= value < bound:
+        raise ValueError(f"{name} must be an int in {low}..{bound - 1}, got {_show(value)}")
+    return int(value)
+
+
+def _pages(kv_indices: Any, num_pages: int) -> PageIndex:
+    """``kv_indices`` as page indices of this rank's pool, checked now (the service would
+    refuse them later, after the call returned); ``ValueError`` naming what is wrong."""
+    try:
+        return check_pages(np.asarray(kv_indices), num_pages)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"kv_indices {_show(kv_indices)}: {exc}") from None
 
 
 class _Side:
     """What sender and receiver share: a sticky failure of our own (before or beside the
-    facade's), the facade object, and the calls that read them."""
+    facade's), the facade object, and the calls that read them.  Every value SGLang hands
+    over (the room and the bootstrap address a client's request carries, ranks, indices) is
+    checked where it arrives; a bad one fails the request (``REFUSED``, saying which value)."""
 
     _t: FacadeSender | FacadeReceiver | None
 
-    def __init__(self, mgr: KVManager, bootstrap_room: Any) -> None:
+    def __init__(self, mgr: KVManager, bootstrap_addr: Any, bootstrap_room: Any) -> None:
         self.kv_mgr = mgr
         self.bootstrap_room = bootstrap_room
+        self.bootstrap_addr = bootstrap_addr
         self._failure: TransferFailed | None = None
         self._t = None
         try:
             self.request_id = _request_id(bootstrap_room)
         except ValueError as exc:
-            self.request_id = repr(bootstrap_room)
+            self.request_id = _show(bootstrap_room)
             self._fail(FailureReason.REFUSED, "not a bootstrap room", exc)
+            return
+        try:
+            _bootstrap_addr(bootstrap_addr)
+        except ValueError as exc:
+            self.bootstrap_addr = _show(bootstrap_addr)  # what failures name as the peer: short
+            self._fail(FailureReason.REFUSED, "not a bootstrap address", exc)
 
     def _peer(self) -> str | None:
         """Who this side's own failures name as the peer."""
@@ -273,8 +329,7 @@ class KVSender(_Side, BaseKVSender):
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
-        super().__init__(mgr, bootstrap_room)
-        self.bootstrap_addr = bootstrap_addr
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._created = time.monotonic()
         self._deadline = self._created + mgr.engine.config.bootstrap_timeout_s
         self._num_pages: int | None = None
@@ -290,11 +345,14 @@ class KVSender(_Side, BaseKVSender):
         if self._t is None or self._failure is not None:
             return
         try:
-            self._t.init(int(num_kv_indices))
-        except (ValueError, RuntimeError) as exc:
+            num_pages = _index("num_kv_indices", num_kv_indices, self.kv_mgr.memory.num_pages + 1, low=1)
+            if aux_index is not None:
+                aux_index = _index("aux_index", aux_index, self.kv_mgr.aux.rows)
+            self._t.init(num_pages)
+        except _BAD_INPUT as exc:
             self._fail(FailureReason.REFUSED, "init() refused", exc)
             return
-        self._num_pages = int(num_kv_indices)
+        self._num_pages = num_pages
         self._aux_index = aux_index
 
     def send(self, kv_indices: Any, state_indices: list[Any] | None = None,
@@ -306,12 +364,12 @@ class KVSender(_Side, BaseKVSender):
                 raise RuntimeError(f"send() before init() for request {self.request_id}")
             if state_indices and any(s is not None for s in state_indices):
                 raise ValueError("state_indices (Mamba/SWA state) are not supported by the kvservice backend")
-            pages = np.asarray(kv_indices)
+            pages = _pages(kv_indices, self.kv_mgr.memory.num_pages)
             last = self._pages_sent + len(pages) >= self._num_pages
             payload = self.kv_mgr.aux.read(self._aux_index) if last and self._aux_index is not None else None
             self._t.send(pages, last=last, payload=payload)
             self._pages_sent += len(pages)
-        except (ValueError, RuntimeError) as exc:
+        except _BAD_INPUT as exc:
             self._fail(FailureReason.REFUSED, "send() refused", exc)
 
     def poll(self) -> int:
@@ -351,8 +409,8 @@ class KVReceiver(_Side, BaseKVReceiver):
     _t: FacadeReceiver | None
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
-        super().__init__(mgr, bootstrap_room)
-        self.bootstrap_addr = bootstrap_addr
+        self._t = None  # what ``_peer`` reads, should the room or the address be refused
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos: list[dict[str, Any]] | None = None
@@ -366,6 +424,11 @@ class KVReceiver(_Side, BaseKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         if self._failure is not None or self._t is not None:
             return
+        try:
+            dp_rank = _index("prefill_dp_rank", prefill_dp_rank, MAX_RANKS)
+        except ValueError as exc:
+            self._fail(FailureReason.REFUSED, "not a prefill DP rank", exc)
+            return
         failure: tuple[FailureReason, str] | None = None  # what failed, in the order tried
         error: BaseException | None = None
         address = ""
@@ -377,7 +440,7 @@ class KVReceiver(_Side, BaseKVReceiver):
             failure, error = (FailureReason.REFUSED, "not a bootstrap address"), exc
         else:
             try:
-                address = self.kv_mgr.prefill_address(self.bootstrap_addr, int(prefill_dp_rank))
+                address = self.kv_mgr.prefill_address(self.bootstrap_addr, dp_rank)
             except ValueError as exc:
                 failure, error = (FailureReason.INCOMPATIBLE, "no prefill rank this rank can pair with"), exc
             else:
@@ -403,10 +466,13 @@ class KVReceiver(_Side, BaseKVReceiver):
                 raise ValueError("state_indices (Mamba/SWA state) are not supported by the kvservice backend")
             if decode_prefix_len:
                 raise ValueError("a decode-side prefix (decode radix cache) is not supported by the kvservice backend")
+            if aux_index is not None:
+                aux_index = _index("aux_index", aux_index, self.kv_mgr.aux.rows)
+            pages = _pages(kv_indices, self.kv_mgr.memory.num_pages)
             self._aux_index = aux_index
-            self._t.init(np.asarray(kv_indices))
+            self._t.init(pages)
             self._metadata_sent = True
-        except (ValueError, RuntimeError) as exc:
+        except _BAD_INPUT as exc:
             self._fail(FailureReason.REFUSED, "send_metadata() refused", exc)
 
     def poll(self) -> int:

@@ -108,6 +108,8 @@ class AuxRows:
                              "other, with positive item lengths")
         self._buffers: Sequence[tuple[int, int, int]] = list(zip(ptrs, lens, items, strict=True))
         self.row_bytes = sum(items)
+        #: rows every buffer has (an aux index is below it)
+        self.rows = min((size // item for _, size, item in self._buffers), default=0)
 
     def _rows(self, index: int) -> list[tuple[int, int]]:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
