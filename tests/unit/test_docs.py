@@ -31,7 +31,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 #: the pages whose quick-start blocks are checked (each must have at least one)
-QUICKSTART_PAGES = ["README.md", "docs/testing.md", "docs/sidecar.md", "docs/perf/README.md", "docs/vllm.md"]
+QUICKSTART_PAGES = ["README.md", "docs/testing.md", "docs/sidecar.md", "docs/perf/README.md", "docs/vllm.md",
+                    "docs/bench.md"]
 QUICKSTART = re.compile(r"<!-- quickstart -->\s*```(?:bash|sh)\n(.*?)```\s*<!-- /quickstart -->", re.S)
 #: shell words that need no check beyond the block parsing (``bash -n``)
 SHELL_WORDS = {"curl", "echo", "kill", "sleep", "grep", "for", "break", "done", "cd", "export"}
