@@ -10,7 +10,8 @@ child processes, several per process (``--per-child``), so that a few hundred fi
 one machine; they load the hub's metadata without a vetting child each (a door other
 than the service's own, as the simulation does), which changes nothing on the hub.
 
-At each step the hub expects one request from each new peer (it dials, handshakes,
+The hub's pool is written through before the first reading, so that the peers' WRITEs land
+in pages already resident.  At each step the hub expects one request from each new peer (it dials, handshakes,
 vets and loads the peer's metadata into its NIXL agent), the peer sends it (two pages,
 verified on arrival), and the hub is read: /proc (RSS, fds, threads, established TCP)
 and its tables (linked peers, NIXL remote agents).  The table prints each step and the
@@ -187,6 +188,10 @@ async def main(steps: list[int], per_child: int) -> None:
             vetter = getattr(hub, "_vetter", None)
             if vetter is not None:
                 await vetter.ready()  # its own process: counted once, before the first peer
+            # every page of the pool resident before the first reading: the peers' WRITEs then
+            # land in memory already counted, and what grows is what the links cost
+            everything = list(range(hub_layout.num_pages))
+            hub.kv.write(everything, pattern(hub_layout, "resident", len(everything)))
             rows.append((0, reading(hub)))
             linked = 0
             for n in steps:
