@@ -15,8 +15,18 @@ So a source is refused for the pool being full only while it holds as many
 slots as any other, and its handshakes are evicted only while it holds the
 most: a source filling the pool (up to its bound, reopening what is closed)
 cannot keep out one that holds fewer.  Among sources tied for the most, the one
-whose oldest handshake is oldest loses it.  A source is the remote IP address;
-anything without one (a Unix socket, an in-memory stream) counts as one source.
+whose oldest handshake is oldest loses it.
+
+A source is what an address costs to have (``budget_key``): an IPv4 address; an
+IPv6 address's /64 prefix, since a host is given a whole /64 (an IPv4-mapped IPv6
+address counts as the IPv4 one); and, since every local process has all of
+127.0.0.0/8, its addresses but 127.0.0.1 together as one.  127.0.0.1 (and ``::1``)
+stays a source of its own: it is what a local dialer connects from unless it binds
+another, so one host's peers keep their share, and a process that connects from
+many loopback addresses holds two shares at most.  Anything without an address (a
+Unix socket, an in-memory stream) counts as one source.  This is the budget before
+the handshake only: once authenticated, a peer's source is its IP address
+(``source_of``; ``max_peers_per_source`` and the early-Expect bounds).
 """
 
 from __future__ import annotations
@@ -29,12 +39,17 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.abc
 
-__all__ = ["EVICTED", "LIMIT", "SOURCE_LIMIT", "HandshakeSlots", "Slot", "source_of"]
+__all__ = ["EVICTED", "LIMIT", "SOURCE_LIMIT", "HandshakeSlots", "Slot", "budget_key", "source_of"]
 
 #: refusal kinds (``Stats.refuse``, the ``Reject`` the connection gets)
 LIMIT, SOURCE_LIMIT, EVICTED = "handshake_limit", "handshake_source_limit", "handshake_evicted"
 #: the source of a stream with no remote IP address
 NO_ADDRESS = "-"
+#: one IPv6 host's addresses: the prefix a handshake's budget is charged to
+V6_PREFIX = 64
+#: the loopback addresses a local dialer does not connect from unless it binds them
+_LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
+_LOCAL_DIALER = ipaddress.IPv4Address("127.0.0.1")
 
 _order = itertools.count()
 
@@ -44,15 +59,32 @@ class Slot:
     """One connection's place in the handshake pool.  ``scope`` wraps its handshake:
     an eviction cancels it (``evicted`` then says why)."""
 
-    source: str
+    source: str  # the budget it is charged to (``budget_key``)
     seq: int = field(default_factory=lambda: next(_order))
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     evicted: bool = False
     held: bool = True
 
 
+def budget_key(source: str) -> str:
+    """The source whose handshake budget a connection from ``source`` (``source_of``: an
+    IP address, or ``NO_ADDRESS``) is charged to; see the module docstring."""
+    try:
+        ip = ipaddress.ip_address(source)
+    except ValueError:
+        return source
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.is_loopback:
+            return str(ip)
+        return str(ipaddress.IPv6Network((ip, V6_PREFIX), strict=False))
+    if ip in _LOOPBACK_V4 and ip != _LOCAL_DIALER:
+        return str(_LOOPBACK_V4)
+    return str(ip)
+
+
 class HandshakeSlots:
-    """The pool; see the module docstring for the policy."""
+    """The pool; see the module docstring for the policy.  Sources are charged by
+    ``budget_key``: callers pass the connection's ``source_of``."""
 
     def __init__(self, total: int, per_source: int) -> None:
         self.total = total
@@ -64,10 +96,12 @@ class HandshakeSlots:
         return self._held
 
     def held_by(self, source: str) -> int:
-        return len(self._by_source.get(source, ()))
+        """Slots held by ``source``'s budget (``budget_key``)."""
+        return len(self._by_source.get(budget_key(source), ()))
 
     def take(self, source: str) -> Slot | str:
         """A slot for a new connection from ``source``, or the refusal kind."""
+        source = budget_key(source)
         mine = self.held_by(source)
         if mine >= self.per_source:
             return SOURCE_LIMIT

@@ -19,7 +19,7 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from .links import CONNECTION_ERRORS, ControlStream, try_send
 from .peers import PEER_SOURCE_LIMIT, IncompatiblePeer, Peer
-from .preauth import EVICTED, SOURCE_LIMIT, HandshakeSlots
+from .preauth import EVICTED, SOURCE_LIMIT, HandshakeSlots, budget_key
 from .protocol import FrameError, Reject, text
 
 __all__ = ["REJECT_SEND_S", "check_room", "handshake_failed", "refuse_handshake", "vet"]
@@ -61,10 +61,12 @@ async def refuse_handshake(framed: ControlStream, kind: str, source: str, slots:
     """Tell a connection the handshake pool refused it, count it, close it.  The Reject
     is tiny and the connection new, so it fits the socket's buffer; ``REJECT_SEND_S``
     only guards against waiting on a stranger."""
+    charged = budget_key(source)
     if (unlogged := stats.refuse(kind)) is not None:
-        log.warning("peer.refused", side="accept", kind=kind, source=source, held=slots.held_by(source),
-                    limit=slots.per_source if kind == SOURCE_LIMIT else slots.total, unlogged=unlogged)
-    why = {SOURCE_LIMIT: f"too many handshakes from {source} (max_handshakes_per_source = {slots.per_source})",
+        log.warning("peer.refused", side="accept", kind=kind, source=source, charged=charged,
+                    held=slots.held_by(source), limit=slots.per_source if kind == SOURCE_LIMIT else slots.total,
+                    unlogged=unlogged)
+    why = {SOURCE_LIMIT: f"too many handshakes from {charged} (max_handshakes_per_source = {slots.per_source})",
            EVICTED: "handshake ended: its slot went to a source holding fewer (max_handshakes = "
                     f"{slots.total})"}.get(kind, f"too many handshakes (max_handshakes = {slots.total})")
     with anyio.CancelScope(shield=True):

@@ -5,7 +5,16 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from kvservice._control.preauth import EVICTED, LIMIT, NO_ADDRESS, SOURCE_LIMIT, HandshakeSlots, Slot, source_of
+from kvservice._control.preauth import (
+    EVICTED,
+    LIMIT,
+    NO_ADDRESS,
+    SOURCE_LIMIT,
+    HandshakeSlots,
+    Slot,
+    budget_key,
+    source_of,
+)
 
 
 def take(slots: HandshakeSlots, source: str) -> Slot:
@@ -73,6 +82,37 @@ def test_source_of(remote: object, source: str) -> None:
             return default if remote is None else remote
 
     assert source_of(Stream()) == source  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("source", "charged"), [
+    ("10.1.2.3", "10.1.2.3"),
+    ("127.0.0.1", "127.0.0.1"),  # where a local dialer connects from: its own share
+    ("127.0.0.2", "127.0.0.0/8"),  # any other loopback address: one share for them all
+    ("127.255.255.254", "127.0.0.0/8"),
+    ("::1", "::1"),
+    ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),  # an IPv6 host holds its /64
+    ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
+    ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+    ("fe80::1", "fe80::/64"),
+    (NO_ADDRESS, NO_ADDRESS),
+])
+def test_the_budget_a_source_is_charged_to(source: str, charged: str) -> None:
+    assert budget_key(source) == charged
+    assert budget_key(charged) == charged  # a budget is its own
+
+
+async def test_many_addresses_of_one_prefix_hold_one_share() -> None:
+    """127.0.0.2-5 (every local process has them all) and the addresses of one IPv6 /64
+    each hold one source's share together; 127.0.0.1 and another /64 keep theirs."""
+    slots = HandshakeSlots(total=64, per_source=4)
+    for i in range(4):
+        take(slots, f"127.0.0.{2 + i}")
+        take(slots, f"2001:db8::{i + 1}")
+    assert slots.take("127.0.0.6") == SOURCE_LIMIT and slots.take("2001:db8::ffff") == SOURCE_LIMIT
+    assert slots.held_by("127.0.0.2") == 4 and slots.held_by("2001:db8::/64") == 4
+    assert take(slots, "127.0.0.1").source == "127.0.0.1"
+    assert take(slots, "2001:db8:0:1::1").source == "2001:db8:0:1::/64"
+    assert len(slots) == 10
 
 
 async def test_an_eviction_cancels_the_handshake_it_wraps() -> None:
