@@ -1,12 +1,18 @@
 """The ``kvservice`` command line.  Each subcommand lives in its own module;
-this file only wires them up."""
+this file only wires them up.
+
+``kvservice --help`` and ``kvservice --version`` import nothing but this module and
+``_exits`` (``kvservice/__init__`` loads the public API lazily), so they answer at once:
+torch and NIXL are imported by the subcommand that needs them."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 
+from . import __version__
 from ._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
@@ -54,28 +60,52 @@ def _cluster(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+#: each subcommand: one line of what it does, and the function that runs it
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
-    "bench": ("measure kvservice against raw NIXL, on this host or between two (--listen / --peer)", _bench),
-    "cluster": ("the services registered in etcd: name, role, address, incarnation, age, links, in flight",
-                _cluster),
-    "check-config": ("validate a sidecar config file and print the effective config", _check_config),
-    "demo": ("two services, a few dozen verified requests, a decode crash and restart", _demo),
-    "keygen": ("write a new cluster key file: kvservice keygen PATH [--force]", _keygen),
-    "soak": ("prefill and decodes as processes, N requests, random kills/stops/aborts; counters must stay 0",
-             _soak),
-    "serve": ("run the sidecar daemon: kvservice serve --config config/prefill.toml", _serve),
+    "bench": ("measure against raw NIXL, on one host or two (--listen/--peer)", _bench),
+    "check-config": ("validate a sidecar config file, print the effective config", _check_config),
+    "cluster": ("the services registered in etcd, with their links and load", _cluster),
+    "demo": ("two services, verified requests, a decode crash and restart", _demo),
+    "keygen": ("write a new cluster key file", _keygen),
+    "serve": ("run the sidecar daemon (--config config/prefill.toml)", _serve),
+    "soak": ("prefill and decodes as processes, under random faults", _soak),
 }
+
+_WIDTH = 78
+
+
+def command_table() -> str:
+    """The subcommands as a two-column table, one description wrapped under its own column."""
+    first = max(len(name) for name in COMMANDS) + 4
+    lines = []
+    for name, (what, _) in sorted(COMMANDS.items()):
+        wrapped = textwrap.wrap(what, _WIDTH - first) or [""]
+        lines.append(f"  {name:<{first - 2}}{wrapped[0]}")
+        lines += [" " * first + more for more in wrapped[1:]]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvservice", usage="kvservice [-h] [--version] COMMAND [ARGS ...]",
+        description="kvservice: KV-cache transfer between LLM serving engines over NVIDIA NIXL.",
+        epilog=f"commands:\n{command_table()}\n\nRun 'kvservice COMMAND --help' for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"kvservice {__version__}",
+                   help="print the version and exit")
+    p.add_argument("command", metavar="COMMAND", choices=sorted(COMMANDS), help="one of the commands below")
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="kvservice", description="KV-cache transfer service over NIXL")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(
-        f"{name}: {desc}" for name, (desc, _) in sorted(COMMANDS.items())))
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return EXIT_OK if argv else EXIT_USAGE
-    args = parser.parse_args(argv[:1])
+    p = parser()
+    if not argv:
+        p.print_help(sys.stderr)
+        return EXIT_USAGE
+    if argv[0].startswith("-"):  # -h, --version, or an option before any command: argparse answers
+        p.parse_args(argv)
+    args = p.parse_args(argv[:1])
     _, run = COMMANDS[args.command]
     # The library logs nothing unless configured (see _log); a command is an application, so
     # warnings and errors go to stderr from here on.  A subcommand with a level of its own

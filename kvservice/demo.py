@@ -298,9 +298,16 @@ async def _main(requests: int, seed: int) -> int:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    parser = argparse.ArgumentParser(prog="kvservice demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="kvservice demo",
+        description="The service's promise, shown end to end in well under a minute: this process is the "
+                    "prefill side, a child process the decode side.  Three phases: steady (chunked "
+                    "requests, every byte verified), crash (the decode process is killed mid-stream; "
+                    "every request still ends, no NIXL handle is left), restart (the decode comes "
+                    "back; requests succeed again).  Exit status 0 when every expectation held.")
     parser.add_argument("--requests", type=int, default=32, help="requests in the steady phase (default 32)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the requests' sizes and the pages they use, so a run repeats (default 0)")
     parser.add_argument("--log-level", default="error", help="structlog level (default error)")
     args = parser.parse_args(list(argv))
     if args.requests < 1:

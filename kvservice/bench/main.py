@@ -59,8 +59,33 @@ TWO_HOST_PARTS = PARTS - {"kill"}
 VERIFY = "kvservice/verify"
 
 
+#: ``kvservice bench --help``: the module's docstring in plain words (no markup)
+_DESCRIPTION = """\
+kvservice against raw NIXL and the memory-copy limit.
+
+On one host it runs every method in child processes over loopback: the copy
+limit, a hand-written raw-NIXL loop, kvservice in process and as a sidecar.
+
+Between two hosts, --listen HOST:PORT on one (the receiving side) and --peer
+HOST:PORT on the other (the sending side, which drives the run and writes the
+report) run the same workloads over the network: raw NIXL and kvservice, each
+between one process on either host, on the UCX transports and devices each
+side selects (--ucx-tls, --net-devices). Off loopback the exchange is
+authenticated with the cluster key (--auth-key-file or
+KVSERVICE_AUTH_KEY_FILE), or runs without one only with
+--allow-unauthenticated; on loopback without a key file, with this user's own
+key."""
+
+_EXAMPLES = """\
+examples:
+  kvservice bench                            # full run on this host, into ./kvservice-bench/
+  kvservice bench --quick --out /tmp/b       # CI smoke run: seconds, asserts nothing about speed
+  kvservice bench --listen 10.0.0.7:7390 --auth-key-file cluster.key         # host A
+  kvservice bench --peer 10.0.0.7:7390 --auth-key-file cluster.key --quick   # host B: drives, reports"""
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvservice bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="kvservice bench", description=_DESCRIPTION, epilog=_EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small CI smoke variant (seconds)")
     p.add_argument("--out", type=Path, default=Path("kvservice-bench"),
@@ -73,7 +98,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--kv-gc", choices=("freeze", "off"), default="freeze",
                    help="cyclic GC in the kvservice processes: frozen start-up heap (default), or also "
                         "no automatic collection (a diagnostic for GC pauses in the loop lag)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1,
+                   help="seeds the W1 and W2 workloads' request sizes, so a run repeats (default 1)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
     p.add_argument("--methods", metavar="LIST",
                    help="one host: measure only these methods (comma-separated, e.g. "
@@ -87,8 +113,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     two = p.add_argument_group("two hosts")
     where = two.add_mutually_exclusive_group()
     where.add_argument("--listen", metavar="HOST:PORT",
-                       help="be the receiving side: wait for one `--peer` run (port 0: any free port)")
-    where.add_argument("--peer", metavar="HOST:PORT", help="drive a run against a `--listen` side and report it")
+                       help="be the receiving side: wait for one --peer run (port 0: any free port)")
+    where.add_argument("--peer", metavar="HOST:PORT", help="drive a run against a --listen side and report it")
     two.add_argument("--ucx-tls", metavar="LIST", help="UCX_TLS for this side's NIXL agents (e.g. rc,ud,sm,self "
                      "for RDMA or tcp); default: UCX's own choice (on one host: the inherited value)")
     two.add_argument("--net-devices", metavar="LIST", help="UCX_NET_DEVICES for this side's agents "

@@ -66,7 +66,14 @@ def _age(seconds: float) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvservice cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="kvservice cluster", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The cluster as an operator wants to see it, read from etcd: one line per\n"
+                    "registered service (name, role, address, incarnation, age, linked peers,\n"
+                    "requests in flight).  Entries that are no valid member are skipped, and\n"
+                    "counted by why on stderr.",
+        epilog="examples:\n  kvservice cluster --endpoints etcd-0:2379 --cluster prod\n"
+               "  kvservice cluster --config /etc/kvservice/decode.toml --json")
     parser.add_argument("--config", help="a sidecar config file: its [service] etcd options")
     parser.add_argument("--endpoints", help="etcd endpoints, comma-separated (over the config's)")
     parser.add_argument("--cluster", help="cluster name (over the config's; default 'default')")

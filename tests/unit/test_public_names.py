@@ -60,3 +60,37 @@ def test_a_config_file_still_decodes_into_the_exported_config() -> None:
     by their annotations."""
     cfg = load(CONFIG / "prefill.toml", env={})
     assert isinstance(cfg.service, kvservice.ServiceConfig) and isinstance(cfg.layout, kvservice.KVLayout)
+
+
+def test_the_lazy_names_the_typed_imports_and_all_agree() -> None:
+    """``kvservice/__init__`` names each public name three times: in ``__all__``, in the
+    imports mypy reads (under ``TYPE_CHECKING``) and in ``_WHERE``, what the interpreter
+    imports on first use.  They must name the same objects from the same modules."""
+    import ast
+
+    tree = ast.parse(Path(kvservice.__file__).read_text())
+    typed: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom)
+                typed |= {alias.name: "." * imp.level + (imp.module or "") for alias in imp.names}
+    where = kvservice._WHERE
+    assert typed == where
+    assert sorted(kvservice.__all__) == sorted([*where, "__version__"])
+    assert set(dir(kvservice)) >= set(kvservice.__all__)
+
+
+def test_import_kvservice_alone_loads_neither_torch_nor_nixl_and_a_public_name_loads_them_all() -> None:
+    import json
+    import subprocess
+    import sys
+
+    probe = ("import json, sys, kvservice\n"
+             "before = [m for m in ('torch', 'nixl', 'kvservice._service') if m in sys.modules]\n"
+             "from kvservice import KVPoll\n"
+             "print(json.dumps([before, kvservice.TransferService.__module__, 'kvservice._service' in sys.modules,"
+             " repr(kvservice.SidecarStatus)]))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
+                          cwd=CONFIG.parent)
+    assert json.loads(done.stdout) == [[], "kvservice", True, "<class 'kvservice.SidecarStatus'>"]
