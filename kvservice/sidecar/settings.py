@@ -165,7 +165,7 @@ SECTIONS: dict[str, type[Any]] = {
     "service": ServiceConfig,
     "layout": KVLayout,
 }
-_NOT_KEYS = {"service": {"layout"}}  # set through another section
+NOT_KEYS = {"service": {"layout"}}  # set through another section
 #: ``KVLayout`` (the memory plane's type) declares its fields without docs: theirs
 LAYOUT_DOCS = {
     "layers": "transformer layers; each has a K and a V plane",
@@ -179,7 +179,7 @@ LAYOUT_DOCS = {
 
 def keys(section: str) -> dict[str, Any]:
     """The keys of ``section`` and their types."""
-    skip = _NOT_KEYS.get(section, set())
+    skip = NOT_KEYS.get(section, set())
     return {name: decl.type for name, decl in declared(SECTIONS[section]).items() if name not in skip}
 
 
@@ -255,7 +255,7 @@ def _apply_env(values: dict[str, dict[str, Any]], env: Mapping[str, str]) -> dic
             continue
         allowed = keys(section)
         if name not in allowed:
-            variables = [_variable(section, k) for k in allowed]
+            variables = [variable_for(section, k) for k in allowed]
             raise ConfigError(f"{var}: {section}.{name} is not a key; {suggest(var, variables)}")
         path = f"{section}.{name}"
         try:
@@ -275,13 +275,13 @@ def _refuse_near_miss(var: str, section: str, name: str) -> None:
     another tool's variable passes."""
     near = difflib.get_close_matches(section, SECTIONS, n=1, cutoff=NEAR_SECTION)
     if near and name:
-        raise ConfigError(f"{var}: {section} is not a section; did you mean {_variable(near[0], name)}?")
+        raise ConfigError(f"{var}: {section} is not a section; did you mean {variable_for(near[0], name)}?")
     alias = difflib.get_close_matches(var, ENV_ALIASES, n=1, cutoff=NEAR_ALIAS)
     if alias:
         raise ConfigError(f"{var}: not a variable of kvservice; did you mean {alias[0]}?")
 
 
-def _variable(section: str, name: str) -> str:
+def variable_for(section: str, name: str) -> str:
     """The variable that sets ``section.name``."""
     return f"{ENV_PREFIX}{section.upper()}_{name.upper()}"
 
