@@ -16,6 +16,8 @@ Every relative link of the README and the docs pages must name a file that exist
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import re
 import shlex
@@ -296,6 +298,38 @@ def test_every_failure_reason_is_in_the_readme_table() -> None:
     table = text.split("## What fails how")[1].split("\n## ")[0]
     missing = [r.name for r in FailureReason if f"`{r.name}`" not in table]
     assert not missing, f"README 'What fails how' lacks {missing}"
+
+
+# -- examples -----------------------------------------------------------------------------------
+
+#: the pages whose Python examples are checked (the README and the docs this project keeps by hand)
+EXAMPLE_PAGES = ["README.md", "docs/api.md", "docs/engines.md", "docs/engine-facade.md", "docs/settle.md",
+                 "docs/sidecar.md", "docs/testing.md", "docs/design.md", "docs/operations.md", "docs/security.md"]
+
+
+def examples(page: str) -> list[ast.Module]:
+    """The page's ```python blocks, parsed as a user would paste them into an async function."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / page).read_text(), re.S)
+    flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    return [compile(block, f"{page}, example {i}", "exec", flags=flags) for i, block in enumerate(blocks)]
+
+
+@pytest.mark.parametrize("page", EXAMPLE_PAGES)
+def test_examples_name_what_kvservice_has(page: str) -> None:
+    """Each example parses; every name it imports from kvservice exists; every attribute it
+    uses on a ``TransferService`` (``svc``) is the service's."""
+    from kvservice import ServiceConfig, TransferService
+
+    service = TransferService(ServiceConfig())  # not started: only its attributes are read
+    for tree in examples(page):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvservice"):
+                module = importlib.import_module(str(node.module))
+                missing = [a.name for a in node.names if not hasattr(module, a.name)]
+                assert not missing, f"{page}: {node.module} has no {missing}"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "svc":
+                assert hasattr(TransferService, node.attr) or node.attr in vars(service), \
+                    f"{page}: TransferService has no {node.attr!r}"
 
 
 # -- links --------------------------------------------------------------------------------------
