@@ -184,6 +184,15 @@ class TransferResult:
     #: on the receiver of a successful request, the sender's ``send(payload=)``
     payload: builtins.bytes | None = None
 
+    def __post_init__(self) -> None:
+        """A failure says why: it cannot be built without a reason and a message (a
+        programming error raises here, where the failure is made, not in a scheduler that
+        logs an empty line much later).  The original error, where one exists, is the
+        caller's to pass (``RequestPlane.fail`` asks for it by name)."""
+        if self.status is TransferStatus.FAILED and (self.reason is None or not self.message.strip()):
+            raise ValueError(f"request {self.request_id!r}: a failed result needs a reason and a message "
+                             f"(reason={self.reason!r}, message={self.message!r}, error={self.error!r})")
+
     @property
     def ok(self) -> bool:
         return self.status is TransferStatus.SUCCESS

@@ -112,6 +112,8 @@ class ControlPlane:
         self._tg = tg
         self._vetter = vetter  # None: the door's metadata is not NIXL's (the fake door)
         self._peers: dict[str, Peer] = {}  # agent -> peer
+        #: agent -> (where it was, why) while its loss is being handled (``losing``)
+        self._losing: dict[str, tuple[str, BaseException | None]] = {}
         self._handshakes = Handshakes(self._transport, config, local, lambda: self.address)
         self._book = AddressBook(self._handshakes.probe)  # which agent is proven at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
@@ -429,11 +431,15 @@ class ControlPlane:
         proven = self._book.unlinked(agent)
         (log.info if graceful else log.warning)(
             "peer.lost", peer=peer.address, agent=agent, graceful=graceful, cause=repr(cause))
-        # The peer's last WRITEs may have landed with their notifications not collected
-        # yet (its Bye can overtake them): take them first, so what arrived succeeds.
-        self._events.on_notifs(await self._thread.call(self._door.notifs))
-        if not graceful and not gone:
-            gone = await self._thread.call(endpoint_gone, self._door, agent)
+        self._losing[agent] = (min(proven) if proven else peer.address, cause)
+        try:
+            # The peer's last WRITEs may have landed with their notifications not collected
+            # yet (its Bye can overtake them): take them first, so what arrived succeeds.
+            self._events.on_notifs(await self._thread.call(self._door.notifs))
+            if not graceful and not gone:
+                gone = await self._thread.call(endpoint_gone, self._door, agent)
+        finally:
+            del self._losing[agent]
         self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, proven)
         self._stats.peers.lost(agent)  # after its requests' ends were recorded under it
         peer.link.close(cause)
@@ -472,6 +478,12 @@ class ControlPlane:
         newer than its version would end the link (an unknown tag is a ``FrameError``)."""
         peer = self._peers.get(agent)
         return peer is not None and peer.version >= version
+
+    def losing(self, agent: str) -> tuple[str, BaseException | None] | None:
+        """Where ``agent`` was and why its link was lost, while that loss is being handled
+        (it left the table, its requests are not failed yet): what a request that meets
+        it meanwhile fails with."""
+        return self._losing.get(agent)
 
     def peer_kv(self, agent: str) -> PeerKV | None:
         peer = self._peers.get(agent)

@@ -62,7 +62,7 @@ class Inbound:
             rid = msg.request_id
             rreq = p.recvs.get(rid)
             if rreq is not None and rreq.peer == agent:
-                p.fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True)
+                p.fail(rreq, _reason(msg.reason), f"sender reported: {msg.message}", from_peer=True, error=None)
             if (rreq.peer if rreq is not None else p.done_peers.get(("recv", rid))) != agent:
                 self._foreign(agent, rid, "failed")  # not its request: it learns nothing of it
                 return
@@ -136,7 +136,7 @@ class Inbound:
             # not pinned: then, as with an Expect, the first peer to speak of it decides.
             if sreq.peer == agent or (sreq.peer is None and p.matching.may_receive(sreq, agent)):
                 # Its release, then a Settled to the receiver, follow (released()).
-                p.fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True)
+                p.fail(sreq, why, f"receiver aborted ({reason}): {message}", from_peer=True, error=None)
             elif rreq is None or rreq.peer != agent:
                 self._foreign(agent, rid, "abort")
         elif (done := p.sends_done.get(rid)) is not None:
@@ -153,7 +153,7 @@ class Inbound:
             p.matching.drop_expect(rid, agent, why)
             p.send_to(agent, Settled(rid))
         if rreq is not None and rreq.peer == agent:
-            p.fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True)
+            p.fail(rreq, why, f"sender aborted ({reason}): {message}", from_peer=True, error=None)
 
     # -- notifications -----------------------------------------------------------------------
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
@@ -185,7 +185,7 @@ class Inbound:
                         p.stats.refuse("payload_limit")
                         p.fail(req, FailureReason.INCOMPATIBLE, (
                             f"payload of {len(n.payload)} bytes exceeds max_payload_bytes "
-                            f"({p.config.max_payload_bytes})"))
+                            f"({p.config.max_payload_bytes})"), error=None)
                         continue
                     req.payload = n.payload
                 if req.total_chunks is not None and req.chunks_seen >= req.total_chunks:
@@ -220,7 +220,8 @@ class Inbound:
             req.landing = Landing()
         why = req.landing.add(s, int(req.pages.size), self._plane.memory.layers)
         if why is not None:
-            self._plane.fail(req, FailureReason.INCOMPATIBLE, f"the sender's landing checksums do not fit: {why}")
+            self._plane.fail(req, FailureReason.INCOMPATIBLE, f"the sender's landing checksums do not fit: {why}",
+                             error=None)
         return why is None
 
     def _arrived_now(self, req: RecvRequest, agent: str) -> None:
@@ -242,11 +243,11 @@ class Inbound:
                         chunks=req.total_chunks, sums=len(sums))
             p.fail(req, FailureReason.INCOMPATIBLE, (
                 f"landing checks were asked, but the sender does not check landings: {len(sums)} of "
-                f"{req.total_chunks} chunks carried a checksum (a sender of a version without them?)"))
+                f"{req.total_chunks} chunks carried a checksum (a sender of a version without them?)"), error=None)
             return
         if left := kept.uncovered(int(req.pages.size), p.memory.layers):
             p.fail(req, FailureReason.INCOMPATIBLE,
-                   f"the sender's landing sums leave {left} (page, layer) cells of the request unchecked")
+                   f"the sender's landing sums leave {left} (page, layer) cells of the request unchecked", error=None)
             return
         kv = p.control.peer_kv(agent)
         back = kv.back if kv is not None else None
@@ -266,7 +267,7 @@ class Inbound:
                   of=len(sums), first=where, expected=f"{first.crc:08x}", found=f"{found:08x}")
         p.fail(req, FailureReason.CORRUPTED, (
             f"landing check failed: {len(bad)} of {len(sums)} chunks differ from what the sender wrote "
-            f"(first: {where}, crc32c {found:08x}, sender's {first.crc:08x})"))
+            f"(first: {where}, crc32c {found:08x}, sender's {first.crc:08x})"), error=None)
 
     def _succeed(self, req: RecvRequest, agent: str) -> None:
         assert req.pages is not None
@@ -290,7 +291,7 @@ class Inbound:
         for rreq in [r for r in p.recvs.values() if r.peer == agent]:
             p.fail(rreq, reason, what, error=cause, from_peer=True)
         for rid in p.early.drop_peer(agent):
-            p.matching.drop_expect(rid, agent, reason)
+            p.matching.drop_expect(rid, agent, reason, cause, proven)
         p.ends.outcomes_lost(agent, time.monotonic())
         p.watchdog.forget_fences(agent)  # its unloading releases them
         if gone:  # its process is gone (ours leaving settles all once our agent is gone: __aexit__)
@@ -357,7 +358,8 @@ class Inbound:
             log.debug("peer.incompatible_unproven", agent=agent, address=address, error=repr(exc))
             return
         for req in [r for r in p.sends.values() if r.peer is None and r.receiver == canon]:
-            p.fail(req, FailureReason.INCOMPATIBLE, f"receiver {address} cannot pair with this service: {why}")
+            p.fail(req, FailureReason.INCOMPATIBLE, f"receiver {address} cannot pair with this service: {why}",
+                   error=None)
 
     async def _relink(self, agent: str, address: str) -> None:
         """Link to a live lost sender again, at the address it was proven at, so that

@@ -36,8 +36,9 @@ log = get_logger("kvservice")
 #: the "agent" of a dropped-expect record made by this service's own ``abort()``
 LOCAL = ""
 
-#: request id -> {agent: (why its expect was dropped, the addresses it was proven at)}
-Dropped = Recent[str, dict[str, tuple[FailureReason, frozenset[str]]]]
+#: request id -> {agent: (why its expect was dropped, the addresses it was proven at, the
+#: original error of that drop: a lost link's, when there was one)}
+Dropped = Recent[str, dict[str, tuple[FailureReason, frozenset[str], BaseException | None]]]
 
 
 class Plane(Protocol):
@@ -58,7 +59,7 @@ class Plane(Protocol):
     @property
     def dropped(self) -> Dropped: ...
     def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32], verify: bool = False) -> None: ...
-    def fail(self, req: SendRequest, reason: FailureReason, message: str) -> None: ...
+    def fail(self, req: SendRequest, reason: FailureReason, message: str, *, error: BaseException | None) -> None: ...
     def send_to(self, agent: str, msg: Message) -> None: ...
 
 
@@ -81,7 +82,7 @@ class Matching:
         dropped = self._p.dropped.get(request_id)
         if not dropped:
             return None
-        agent, (reason, proven) = next(iter(dropped.items()))
+        agent, (reason, proven, _) = next(iter(dropped.items()))
         return reason, _whose(agent, proven)
 
     # -- sends meet receivers ----------------------------------------------------------------
@@ -157,23 +158,29 @@ class Matching:
                 return
             self.refuse_receiver(req, agent)
         dropped = p.dropped.get(rid) or {}
-        for agent, (reason, proven) in list(dropped.items()):
+        for agent, (reason, proven, cause) in list(dropped.items()):
             if agent == LOCAL or req.receiver is None or req.receiver in proven:
                 del dropped[agent]
-                p.fail(req, reason, f"the receiver's expect was dropped before this send ({_whose(agent, proven)})")
+                why = f"the receiver's expect was dropped before this send ({_whose(agent, proven)})"
+                if agent != LOCAL:  # the result names the receiver
+                    req.peer_address = min(proven) if proven else agent
+                p.fail(req, reason, f"{why}: {cause!r}" if cause is not None else why, error=cause)
                 return
         for agent in unknown:
             assert req.receiver is not None
             self.after_proof(agent, req.receiver, lambda: self.match_early(req))
 
-    def drop_expect(self, rid: str, agent: str, why: FailureReason) -> None:
-        """Remember that ``agent``'s Expect for ``rid`` (not sent yet) was dropped."""
+    def drop_expect(self, rid: str, agent: str, why: FailureReason, cause: BaseException | None = None,
+                    proven: frozenset[str] | None = None) -> None:
+        """Remember that ``agent``'s Expect for ``rid`` (not sent yet) was dropped (``cause``:
+        the original error, a lost link's, which the send that comes later fails with;
+        ``proven``: the addresses it was proven at, when its link is gone already)."""
         p = self._p
         dropped = p.dropped.get(rid)
         if dropped is None:
             dropped = {}
             p.dropped.put(rid, dropped)
-        dropped[agent] = (why, p.control.proven_addresses(agent))
+        dropped[agent] = (why, p.control.proven_addresses(agent) if proven is None else proven, cause)
 
 
 def _whose(agent: str, proven: frozenset[str]) -> str:

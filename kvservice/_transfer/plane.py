@@ -199,7 +199,7 @@ class RequestPlane:
         try:
             link = await self.control.link_to(sender)
         except anyio.get_cancelled_exc_class():
-            self.fail(req, FailureReason.ABORTED, "expect() was cancelled")
+            self.fail(req, FailureReason.ABORTED, "expect() was cancelled", error=None)
             raise
         except Exception as exc:  # noqa: BLE001 - classified in ControlPlane.dial_failure
             reason = self.control.dial_failure(exc)
@@ -207,7 +207,7 @@ class RequestPlane:
             self.fail(req, reason, f"cannot reach sender {sender}: {exc}", error=original)
             return
         if self.closing:
-            self.fail(req, FailureReason.SHUTDOWN, "service shut down before the expect was sent")
+            self.fail(req, FailureReason.SHUTDOWN, "service shut down before the expect was sent", error=None)
             return
         if req.result is not None:  # aborted (or timed out) while dialling: the sender fails it at once
             assert req.result.reason is not None
@@ -243,9 +243,9 @@ class RequestPlane:
                 self.send_to(peer, Settled(request_id))  # never bound, nothing posted: its pages are free
             return None
         if sreq is not None:
-            self.fail(sreq, FailureReason.ABORTED, "aborted locally")
+            self.fail(sreq, FailureReason.ABORTED, "aborted locally", error=None)
         if rreq is not None:
-            self.fail(rreq, FailureReason.ABORTED, "aborted locally")
+            self.fail(rreq, FailureReason.ABORTED, "aborted locally", error=None)
         if sreq is None and rreq is None:
             done = self.sends_done.get(request_id) or self.recvs_done.get(request_id)
             if done is None:
@@ -265,9 +265,9 @@ class RequestPlane:
                 self._idle = anyio.Event()
                 await self._idle.wait()
         for sreq in list(self.sends.values()):
-            self.fail(sreq, FailureReason.SHUTDOWN, "service shut down before completion")
+            self.fail(sreq, FailureReason.SHUTDOWN, "service shut down before completion", error=None)
         for rreq in list(self.recvs.values()):
-            self.fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival")
+            self.fail(rreq, FailureReason.SHUTDOWN, "service shut down before arrival", error=None)
         await self.watchdog.stop()
         await self.watchdog.tick()
 
@@ -309,20 +309,26 @@ class RequestPlane:
     # -- transitions -----------------------------------------------------------------------
     def bind(self, req: SendRequest, peer: str, pages: npt.NDArray[np.int32], verify: bool = False) -> None:
         if verify and (why := landing.refusal(self.memory)) is not None:
-            self.fail(req, FailureReason.INCOMPATIBLE, f"the receiver asked for landing checks: {why}", peer=peer)
+            self.fail(req, FailureReason.INCOMPATIBLE, f"the receiver asked for landing checks: {why}", peer=peer,
+                      error=None)
             return
         if req.fit_tail and req.pages_queued > pages.size:
             fit_tail(req, int(pages.size))
         if req.pages_queued > pages.size or (req.last and req.pages_queued != pages.size):
             self.fail(req, FailureReason.INCOMPATIBLE,
-                      f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer)
+                      f"sender has {req.pages_queued} pages, receiver expects {pages.size}", peer=peer, error=None)
             return
         kv = self.control.peer_kv(peer)
-        if kv is None:  # the peer is gone (its loss fails what was bound to it)
-            self.fail(req, FailureReason.PEER_LOST, "receiver lost before the request was bound", peer=peer)
+        if kv is None:  # its link was lost (and its loss is being handled): as the requests bound to it
+            where, cause = self.control.losing(peer) or (None, None)
+            req.peer_address = where  # the result names the receiver
+            why = f"receiver {where or peer} lost before the request was bound"
+            self.fail(req, FailureReason.PEER_LOST, why if cause is None else f"{why}: {cause!r}", peer=peer,
+                      error=cause)
             return
         if kv.out is None:  # e.g. tensor-parallel ranks that hold none of each other's KV heads
-            self.fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer)
+            self.fail(req, FailureReason.INCOMPATIBLE, f"nothing to send to this receiver: {kv.why}", peer=peer,
+                      error=None)
             return
         req.peer = peer
         req.verify = verify
@@ -376,8 +382,11 @@ class RequestPlane:
             self._idle.set()
 
     def fail(self, req: SendRequest | RecvRequest, reason: FailureReason, message: str, *,
-             error: BaseException | None = None, from_peer: bool = False, peer: str | None = None) -> None:
-        """End ``req`` as Failed and, unless the peer told us, tell the peer."""
+             error: BaseException | None, from_peer: bool = False, peer: str | None = None) -> None:
+        """End ``req`` as Failed and, unless the peer told us, tell the peer.  Every failure
+        says why: ``message`` (never empty: the result refuses to be built without one) and
+        ``error``, the original exception, which each caller names (``None`` only where
+        there is none: a deadline, an abort, a bad input)."""
         if req.result is not None:
             return
         message = text(message)  # it travels to the peer, whose frames bound text
@@ -423,7 +432,7 @@ class RequestPlane:
                 why = f"no expect from a receiver within {self.config.bootstrap_timeout_s}s"
             else:
                 why = "transfer deadline passed"
-            self.fail(req, FailureReason.TIMEOUT, why)
+            self.fail(req, FailureReason.TIMEOUT, why, error=None)
         for rid, agent in self.early.expire(now):
             self.stats.refuse("unknown_expect_expired")
             self.matching.refuse_expect(agent, rid, FailureReason.TIMEOUT,

@@ -45,7 +45,7 @@ async def _await_done_within(plane: RequestPlane, req: SendRequest | RecvRequest
     with anyio.move_on_after(timeout):
         await req.done.wait()
     if req.result is None:
-        plane.fail(req, FailureReason.TIMEOUT, why)
+        plane.fail(req, FailureReason.TIMEOUT, why, error=None)
         if isinstance(req, SendRequest):
             await req.done.wait()
     assert req.result is not None

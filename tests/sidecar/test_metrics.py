@@ -61,7 +61,7 @@ def test_the_in_process_service_collector_on_an_engines_registry() -> None:
     ok = TransferResult(request_id="r", status=TransferStatus.SUCCESS, bytes=4096, created_at=1.0, finished_at=1.003)
     svc.stats.record("send", ok)
     svc.stats.record("recv", TransferResult(request_id="s", status=TransferStatus.FAILED,
-                                            reason=FailureReason.PEER_LOST))
+                                            reason=FailureReason.PEER_LOST, message="lost"))
     svc.stats.refuse("auth")
     engine = CollectorRegistry()
     engine.register(ServiceCollector(svc))  # type: ignore[arg-type]

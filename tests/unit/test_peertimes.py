@@ -20,7 +20,7 @@ def ok(seconds: float) -> TransferResult:
                           finished_at=1.0 + seconds)
 
 
-FAILED = TransferResult(request_id="f", status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST)
+FAILED = TransferResult(request_id="f", status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST, message="lost")
 
 
 def test_each_peer_its_own_series_by_address_both_sides() -> None:

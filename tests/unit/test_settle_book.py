@@ -17,7 +17,7 @@ def book() -> tuple[Settlement, Recent[str, TransferResult]]:
 
 
 def failed(rid: str) -> TransferResult:
-    return TransferResult(request_id=rid, status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST)
+    return TransferResult(request_id=rid, status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST, message="lost")
 
 
 def test_a_hold_is_per_sender_incarnation() -> None:

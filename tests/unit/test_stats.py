@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvservice import TransferResult, TransferStatus
+from kvservice import FailureReason, TransferResult, TransferStatus
 from kvservice._log import Throttle
 from kvservice._stats import LATENCY_BUCKETS, Stats
 
@@ -29,9 +29,10 @@ def test_a_duration_lands_in_its_bucket(duration: float, bucket: int) -> None:
 def test_receiving_side_and_failures_stay_out_of_the_histogram() -> None:
     stats = Stats()
     stats.record("recv", result(0.1))
-    stats.record("send", TransferResult(request_id="f", status=TransferStatus.FAILED))
+    stats.record("send", TransferResult(request_id="f", status=TransferStatus.FAILED, reason=FailureReason.PEER_LOST,
+                                        message="lost"))
     assert sum(stats.latency_buckets) == 0
-    assert stats.outcomes[("recv", "SUCCESS")] == 1 and stats.outcomes[("send", "UNKNOWN")] == 1
+    assert stats.outcomes[("recv", "SUCCESS")] == 1 and stats.outcomes[("send", "PEER_LOST")] == 1
 
 
 def test_throttle_logs_a_burst_per_window_and_says_how_many_it_held_back() -> None:
