@@ -161,7 +161,7 @@ class TransferResult:
     ``nixlRemoteDisconnectError`` instance NIXL raised) when there was one.
     Times are ``time.monotonic()`` seconds; ``None`` when a phase never began.
     A success is settled by definition; a failure is settled once nothing of the
-    request can still be written (README "Settled").
+    request can still be written (docs/settle.md).
     """
 
     request_id: str
