@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.bench.stats import quantile
+from kvservice.integrations.vllm.settings import settings_from
 from kvservice.testing.engine_process import ask_to_quit, reap, send_line
 
 from .vllm_pd_engine import KV_BYTES_PER_TOKEN
@@ -489,6 +490,7 @@ def main(argv: Sequence[str]) -> int:
     args = ap.parse_args(list(argv))
     try:
         settings = dict(_setting(kv) for kv in args.kvservice)
+        settings_from({"kvservice": settings})  # refused here as the engines would, before any starts
     except ValueError as exc:
         ap.error(f"--kvservice: {exc}")
     try:

@@ -29,3 +29,17 @@ def test_an_engine_variable_is_name_equals_text() -> None:
 def test_what_is_not_name_equals_value_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         _variable(text)
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("prot=7100", "kv_connector_extra_config.kvservice.prot: unknown key; did you mean port?"),
+    ("poll_interval_s=0", "kv_connector_extra_config.kvservice.poll_interval_s: must be a positive number, got 0"),
+])
+def test_a_setting_the_engines_would_refuse_is_refused_before_any_starts(
+        setting: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.vllm_pd import main
+
+    with pytest.raises(SystemExit) as exit_:  # no phase selected: nothing would start past the check either
+        main(["--kvservice", setting, "--phases", "no such phase"])
+    assert exit_.value.code == 2
+    assert f"--kvservice: {message}" in capsys.readouterr().err
