@@ -291,13 +291,15 @@ def test_the_readme_is_a_front_door() -> None:
         assert heading in text, heading
 
 
-def test_every_failure_reason_is_in_the_readme_table() -> None:
+@pytest.mark.parametrize(("page", "section"),
+                         [("README.md", "## What fails how"), ("docs/api.md", "## Failure reasons")])
+def test_every_failure_reason_is_in_the_tables(page: str, section: str) -> None:
     from kvservice import FailureReason
 
-    text = (REPO / "README.md").read_text()
-    table = text.split("## What fails how")[1].split("\n## ")[0]
+    text = (REPO / page).read_text()
+    table = text.split(section)[1].split("\n## ")[0]
     missing = [r.name for r in FailureReason if f"`{r.name}`" not in table]
-    assert not missing, f"README 'What fails how' lacks {missing}"
+    assert not missing, f"{page} {section!r} lacks {missing}"
 
 
 # -- examples -----------------------------------------------------------------------------------
