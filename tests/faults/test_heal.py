@@ -18,9 +18,10 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog
 import torch
 
-from kvservice import FailureReason, TransferService
+from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._control.protocol import MAX_ASK, Ask, Settled
 from kvservice.testing import PeerProcess, pattern
 from tests.faults.test_settle import LATE_WRITE_WAIT_S, LAYOUT, PAGES, TCP, canary, send_then_stop
@@ -118,6 +119,50 @@ async def test_a_stalled_receiver_that_resumes_settles_what_the_sender_proves() 
         assert (await decode.event("verified", "canary"))["ok"], "a late WRITE landed in settled pages"
         await new_request_arrives_at(prefill, decode, "after", [1, 2], [5, 6])
         print(f"\nreceiver stalled: {len(held)} of {len(rids)} requests held, then settled")
+
+
+async def test_a_write_released_in_flight_is_never_proven_to_a_receiver_that_asks() -> None:
+    """The proof is made where a handle is let go: a WRITE in flight (its receiver, the
+    decode, SIGSTOPped mid-copy), its request aborted on the prefill (the handle released
+    while NIXL still says ``PROC``: its bytes may still land), the link cut, and no settle
+    fence (its link is gone before its Outcome).  SIGCONT: the decode links again and
+    asks; the prefill answers nothing for it, and the pages stay held."""
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,), \
+            TransferService(config(LAYOUT, ucx_env=TCP, **PREFILL)) as prefill:
+        await new_request_arrives_at(prefill, decode, "warm", [0], [1])
+        prefill.kv.write(PAGES, pattern(LAYOUT, "let-go", len(PAGES)))
+        await decode.command(op="expect", rid="let-go", pages=PAGES, sender=prefill.address)
+        await decode.event("expecting", "let-go")
+        assert prefill._plane is not None
+        plane = prefill._plane
+        handle = await prefill.send("let-go", PAGES, last=True)
+        decode.signal(signal.SIGSTOP)
+        try:
+            # its WRITE is in flight to the stopped decode
+            await eventually(lambda: handle.poll() is KVPoll.Transferring and plane.watchdog.inflight >= 1,
+                             timeout=SETTLE_GUARD_S)
+            with structlog.testing.capture_logs() as let_go:
+                aborted = await prefill.abort("let-go")  # released while PROC
+                assert aborted is not None and aborted.reason is FailureReason.ABORTED, aborted
+                plane.control.drop_peer(decode.agent, ConnectionResetError("the link is cut"))
+                sent = await prefill.await_completion(handle, timeout=SETTLE_GUARD_S)
+                assert sent.settled and sent.reason is FailureReason.ABORTED, sent
+                await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S)
+        finally:
+            decode.signal(signal.SIGCONT)
+        with structlog.testing.capture_logs() as logs:
+            arrived = await decode.event("arrived", "let-go", timeout=SETTLE_GUARD_S)
+            assert arrived["status"] == "FAILED", arrived
+            await eventually(lambda: any(e["event"] == "transfer.asked" and e["agent"] == decode.agent for e in logs),
+                             timeout=SETTLE_GUARD_S, what="the decode's Ask on its new link")
+        asked = next(e for e in logs if e["event"] == "transfer.asked")
+        assert asked["requests"] >= 1 and asked["proven"] == 0, asked
+        await decode.command(op="await_settled", rid="let-go", timeout=1.0)
+        assert not (await decode.event("settled", "let-go", timeout=SETTLE_GUARD_S))["settled"]
+        st = await status_of(decode)
+        assert st["unsettled_pages"] == len(PAGES), st
+        assert decode.proc.returncode is None
+        assert any(e["event"] == "transfer.unproven" and e["why"] == "released in flight" for e in let_go), let_go
 
 
 async def test_a_hostile_ask_gets_nothing_and_a_legit_transfer_follows() -> None:
