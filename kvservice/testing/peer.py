@@ -49,7 +49,6 @@ from .._config import ServiceConfig
 from .._results import KVServiceError, TransferResult
 from ..memory._layout import KVLayout
 from ..memory.synthetic import EngineSpec, SyntheticKV
-from ..soak._probe import service_tables
 from .pages import holds, pattern
 
 
@@ -166,6 +165,9 @@ async def _child(config_json: str) -> None:
                     st = await svc.fetch_status() if isinstance(svc, SidecarClient) else svc.status()
                     await emit({"event": "status", **base, **st})
                 elif op == "tables" and isinstance(svc, TransferService):  # the soak's leak accounting
+                    # imported here: every other child (every test's peer) skips the soak's package
+                    from ..soak._probe import service_tables
+
                     await emit({"event": "tables", **base, "tables": service_tables(svc)})
                 elif op == "stall":  # the loop itself held: a GC pause, an engine holding the GIL
                     hold_the_loop(float(cmd["seconds"]))
