@@ -146,27 +146,93 @@ def ended(s: socket.socket, bound_s: float = 30.0) -> bool:
         return False
 
 
-def test_an_idle_connection_flood_is_refused_past_the_caps_and_cut_at_the_deadline() -> None:
-    """Idle connections from several hosts (loopback aliases): past 4 from one host and past
-    8 in all each is closed at once and counted; a legitimate rank registers and is found
-    meanwhile; the held ones are cut at the read deadline (long enough here that none is
-    cut while the test is still opening them)."""
-    registry = bootstrap.Registry("127.0.0.1", 0, key=KEY, max_connections=8, max_per_peer=4, read_deadline_s=10)
+def answer(s: socket.socket, bound_s: float = 30.0) -> bytes:
+    """What the server wrote to ``s`` before closing it (b"" for a bare close), within ``bound_s``."""
+    s.settimeout(bound_s)
+    got = b""
+    try:
+        while len(got) < 65536:
+            data = s.recv(65536)
+            if not data:
+                break
+            got += data
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def metrics(reg: bootstrap.Registry) -> dict[str, float]:
+    """``GET /metrics``, its samples by name and labels, as a scraper reads them."""
+    request = f"GET {bootstrap.METRICS_PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", reg.port), timeout=10) as s:
+        s.sendall(request)
+        raw = answer(s)
+    head, _, text = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), raw[:200]
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_an_idle_flood_from_a_few_addresses_locks_out_no_lookup() -> None:
+    """Issue 39's case at the registry's own caps: 4 loopback addresses open 40 idle
+    connections each, without any key.  Past the per-host cap each is answered 503 saying
+    why (not closed without an answer); the flood fills the cap, and a lookup and a
+    registration from another address still get in (the busiest host's oldest connection
+    makes room) and are answered.  Every refusal is counted in ``/metrics``."""
+    registry = bootstrap.Registry("127.0.0.1", 0, key=KEY, read_deadline_s=120)  # held past the test
+    per_peer, cap = bootstrap.MAX_PER_PEER, bootstrap.MAX_CONNECTIONS
     held: list[socket.socket] = []
     try:
-        for _ in range(6):  # one host: 4 held, 2 refused at once
-            held.append(idle("127.0.0.2", registry.port))
-        eventually_sync(lambda: registry.refused["peer_connections"] == 2, 30,
+        for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"):
+            held += [idle(source, registry.port) for _ in range(40)]
+        eventually_sync(lambda: registry.refused["peer_connections"] == 4 * (40 - per_peer), 60,
                         what=lambda: f"per-host refusals, counted {registry.refused}")
-        legit_pair_still_works(registry, 1)  # from another host, meanwhile
-        for source in ("127.0.0.3", "127.0.0.4", "127.0.0.5"):  # more hosts: 8 open in all, then refused
-            held.append(idle(source, registry.port))
-            held.append(idle(source, registry.port))
-        eventually_sync(lambda: registry.refused["connections"] == 2, 30,
-                        what=lambda: f"refusals past the cap, counted {registry.refused}")
-        assert all(ended(s) for s in held)  # the refused at once, the rest at the read deadline
-        assert registry.refused == {"peer_connections": 2, "connections": 2, "slow": 8}
-        legit_pair_still_works(registry, 2)
+        for host in range(4):  # each host's last 8 were told why, then closed
+            for s in held[host * 40 + per_peer:(host + 1) * 40]:
+                raw = answer(s, 10)
+                assert raw.startswith(b"HTTP/1.1 503") and b'"kind": "peer_connections"' in raw, raw[:300]
+        assert 4 * per_peer >= cap  # the rest fill the registry
+        eventually_sync(lambda: sum(len(q) for q in registry._open.values()) == cap, 60, what="the cap reached")
+        legit_pair_still_works(registry, 3)  # a registration and a lookup from 127.0.0.1, answered
+        assert registry.refused["evicted"] >= 1, registry.refused  # the first made room; then one was free
+        samples = metrics(registry)
+        assert samples['kvservice_refused_total{kind="peer_connections",where="sglang_bootstrap"}'] == \
+            4 * (40 - per_peer)
+        assert samples['kvservice_refused_total{kind="evicted",where="sglang_bootstrap"}'] >= 1
+        assert samples["kvservice_sglang_bootstrap_connections"] <= cap
+    finally:
+        for s in held:
+            s.close()
+        registry.close()
+
+
+def test_a_refusal_at_a_cap_is_an_http_503_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host past its cap, and a newcomer when every host holds its share of a full
+    registry: each reads a 503 whose body names the cap (the decode's lookup then fails
+    with that reason, not "not an HTTP answer")."""
+    registry = bootstrap.Registry("127.0.0.1", 0, key=KEY, max_connections=4, max_per_peer=2, read_deadline_s=120)
+    held: list[socket.socket] = []
+    try:
+        held += [idle("127.0.0.2", registry.port) for _ in range(2)]
+        eventually_sync(lambda: sum(len(q) for q in registry._open.values()) == 2, 30, what="two held")
+        original = socket.create_connection
+        monkeypatch.setattr(socket, "create_connection",  # the lookup from 127.0.0.2
+                            lambda address, timeout=None: original(address, timeout, ("127.0.0.2", 0)))
+        with pytest.raises(bootstrap.BootstrapError, match=r"503.*2 connections from 127\.0\.0\.2 are open already"):
+            bootstrap.lookup(addr(registry), timeout=10)
+        monkeypatch.undo()
+        held += [idle("127.0.0.3", registry.port) for _ in range(2)]
+        eventually_sync(lambda: sum(len(q) for q in registry._open.values()) == 4, 30, what="four held")
+        held += [idle("127.0.0.4", registry.port)]  # at the cap: .4 holds none, so .2's oldest makes room
+        eventually_sync(lambda: registry.refused["evicted"] == 1, 30, what=lambda: f"{registry.refused}")
+        held += [idle("127.0.0.4", registry.port)]  # 1, 2 and 1: nobody holds more than its share
+        raw = answer(held[-1], 10)
+        assert raw.startswith(b"HTTP/1.1 503") and b'"kind": "connections"' in raw, raw[:300]
+        assert registry.refused["connections"] == 1 and registry.refused["peer_connections"] == 1
     finally:
         for s in held:
             s.close()

@@ -21,13 +21,20 @@ its own (``Registry``):
 * ``GET /kvservice/ranks``: ``{"info": {...}, "ranks": {"<dp>/<tp>": "host:port"}}``;
   503 while no rank has registered.  Unauthenticated: what it says can only point a
   decode at an address whose service must still pass the handshake.
+* ``GET /metrics``: Prometheus text, the refusals below as
+  ``kvservice_refused_total{where="sglang_bootstrap", kind}`` and the connections open.
 
-Bounded (each a refusal, counted in ``refused`` by kind and logged at most ``Throttle``'s
-burst): ``max_connections`` open at once and ``max_per_peer`` from one host (past them a
-connection is closed at once); a request must arrive whole within ``read_deadline_s``
-(a slow or idle connection is cut); a head of at most ``MAX_HEAD`` bytes and a body of
-at most ``MAX_BODY``; at most ``MAX_RANKS`` ranks and ``MAX_NONCES`` remembered nonces.
-A failed ``accept()`` backs off (``_control.accept``).
+Bounded (each a refusal, counted in ``refused`` by kind, in ``/metrics``, and logged at
+most ``Throttle``'s burst): ``max_per_peer`` connections open from one host (past it a
+connection is answered 503 with the reason, ``peer_connections``) and ``max_connections``
+in all.  At that cap a host is not locked out by others' connections: a connection from a
+host holding fewer than the busiest host closes that host's oldest (``evicted``), so
+idle connections from a few addresses cannot keep a lookup or a registration out; only
+when every host holds as many as the newcomer's is it answered 503 (``connections``).
+A request must arrive whole within ``read_deadline_s`` (a slow or idle connection is
+cut); a head of at most ``MAX_HEAD`` bytes and a body of at most ``MAX_BODY``; at most
+``MAX_RANKS`` ranks and ``MAX_NONCES`` remembered nonces.  A failed ``accept()`` backs
+off (``_control.accept``).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import collections
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,9 +51,13 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 from anyio.abc import SocketAttribute
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..._control.accept import accept_loop
 from ..._log import Throttle, get_logger
+from ..._metrics import refused_family
 from ..._results import KVServiceError
 from .registration import (
     INFO_KEYS,
@@ -67,11 +78,14 @@ __all__ = ["INFO_KEYS", "MAX_BODY", "PATH", "BootstrapError", "Registry", "looku
 
 log = get_logger("kvservice.sglang")
 
+METRICS_PATH = "/metrics"
 MAX_HEAD = 8 * 1024
 MAX_CONNECTIONS = 128
 MAX_PER_PEER = 32
 READ_DEADLINE_S = 5.0
 WRITE_DEADLINE_S = 5.0
+#: how long a connection refused at a cap may take to be told why (then it is just closed)
+REFUSE_WRITE_S = 1.0
 #: nonces remembered for ``WINDOW_S``; a full book refuses new registrations (only
 #: authenticated ones are remembered, so only a member could fill it)
 MAX_NONCES = 65536
@@ -99,9 +113,18 @@ class _Entry:
     info: dict[str, Any]
 
 
-async def _read_request(stream: anyio.abc.ByteStream) -> tuple[str, dict[str, str], bytes]:
-    """Method, headers (lower-case names) and body of one request; ``Refusal`` when it is
-    not a small, well-formed one."""
+def _http(code: int, data: bytes, content_type: str = "application/json") -> bytes:
+    return (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
+def _refusal_answer(exc: Refusal) -> bytes:
+    return _http(exc.code, json.dumps({"error": str(exc), "kind": exc.kind}).encode())
+
+
+async def _read_request(stream: anyio.abc.ByteStream) -> tuple[str, str, dict[str, str], bytes]:
+    """Method, path, headers (lower-case names) and body of one request; ``Refusal`` when
+    it is not a small, well-formed one."""
     buf = bytearray()
     while (end := buf.find(b"\r\n\r\n")) < 0:
         if len(buf) > MAX_HEAD:
@@ -112,7 +135,7 @@ async def _read_request(stream: anyio.abc.ByteStream) -> tuple[str, dict[str, st
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
         raise Refusal("request", 400, f"not an HTTP/1 request line: {lines[0][:80]!r}")
     method, path = parts[0], parts[1]
-    if path != PATH:
+    if path not in (PATH, METRICS_PATH):
         raise Refusal("request", 404, f"unknown path {path[:80]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -132,7 +155,9 @@ async def _read_request(stream: anyio.abc.ByteStream) -> tuple[str, dict[str, st
             raise Refusal("request", 400, "more bytes than the Content-Length")
     elif method != "GET":
         raise Refusal("request", 400, f"method {method[:16]!r} is not GET or PUT")
-    return method, headers, bytes(body)
+    if path == METRICS_PATH and method != "GET":
+        raise Refusal("request", 400, f"{METRICS_PATH} takes GET only")
+    return method, path, headers, bytes(body)
 
 
 class Registry:
@@ -150,7 +175,8 @@ class Registry:
         self._info: dict[str, Any] | None = None
         self._holds: dict[str, str] = {}  # incarnation -> the rank it registered
         self._nonces: dict[str, float] = {}  # nonce -> when it may be forgotten
-        self._open: collections.Counter[str] = collections.Counter()  # peer host -> open connections
+        #: peer host -> its open connections' cancel scopes, oldest first
+        self._open: dict[str, collections.deque[anyio.CancelScope]] = {}
         #: refusals by kind; ``errors``: failed accepts and crashed handlers
         self.refused: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -233,6 +259,12 @@ class Registry:
         with self._lock:
             return {"info": self._info, "ranks": {k: e.address for k, e in self._ranks.items()}}
 
+    def metrics(self) -> bytes:
+        """``GET /metrics``: the refusals by kind and the connections open, Prometheus text."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(self))
+        return generate_latest(registry)
+
     def refuse(self, kind: str, why: str, peer: str) -> None:
         self.refused[kind] += 1
         if (unlogged := self._throttle.allow(kind)) is not None:
@@ -248,48 +280,87 @@ class Registry:
     def _error(self, kind: str, exc: BaseException) -> None:
         self.errors[kind] += 1
 
+    def _admit(self, peer: str) -> Refusal | None:
+        """Make room for a connection from ``peer``, or say why not (on the loop)."""
+        mine = len(self._open.get(peer, ()))
+        if mine >= self._max_per_peer:
+            return Refusal("peer_connections", 503, f"{self._max_per_peer} connections from {peer} are open "
+                                                    "already; retry when one is answered")
+        if sum(len(q) for q in self._open.values()) < self._max_connections:
+            return None
+        busiest = max(self._open, key=lambda host: len(self._open[host]))
+        if len(self._open[busiest]) <= mine + 1:  # every host holds its share: nobody to shed
+            return Refusal("connections", 503, f"{self._max_connections} connections are open already; "
+                                               "retry when one is answered")
+        self._open[busiest].popleft().cancel()  # the busiest host's oldest makes room
+        self.refuse("evicted", f"{busiest}'s oldest connection closed for one from {peer}", busiest)
+        return None
+
     async def _connection(self, stream: anyio.abc.SocketStream) -> None:
         """One request, under the caps and the read deadline; whatever happens ends here."""
         peer = str(stream.extra(SocketAttribute.remote_address, ("?",))[0])
-        if sum(self._open.values()) >= self._max_connections:
-            self.refuse("connections", f"{self._max_connections} connections open already", peer)
+        refusal = self._admit(peer)
+        if refusal is not None:
+            self.refuse(refusal.kind, str(refusal), peer)
+            with anyio.move_on_after(REFUSE_WRITE_S):  # told why, if it reads; never waited on long
+                try:
+                    await stream.send(_refusal_answer(refusal))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    pass
             return
-        if self._open[peer] >= self._max_per_peer:
-            self.refuse("peer_connections", f"{self._max_per_peer} connections from {peer} open already", peer)
-            return
-        self._open[peer] += 1
+        scope = anyio.CancelScope()
+        self._open.setdefault(peer, collections.deque()).append(scope)
         try:
-            await self._answer_one(stream, peer)
+            with scope:
+                await self._answer_one(stream, peer)
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the client went away: nothing to answer
         finally:
-            self._open[peer] -= 1
-            if not self._open[peer]:
-                del self._open[peer]
+            held = self._open.get(peer)
+            if held is not None:
+                if scope in held:
+                    held.remove(scope)
+                if not held:
+                    del self._open[peer]
 
     async def _answer_one(self, stream: anyio.abc.SocketStream, peer: str) -> None:
-        code = 200
-        answer: dict[str, Any] = {"ok": True}
         try:
             with anyio.fail_after(self._read_deadline):
-                method, headers, body = await _read_request(stream)
-            if method == "GET":
+                method, path, headers, body = await _read_request(stream)
+            if path == METRICS_PATH:
+                data = _http(200, self.metrics(), "text/plain; version=0.0.4; charset=utf-8")
+            elif method == "GET":
                 answer = self.snapshot()
-                code = 200 if answer["ranks"] else 503
+                data = _http(200 if answer["ranks"] else 503, json.dumps(answer).encode())
             else:
                 self.register(body, headers.get(MAC_HEADER.lower()), peer)
+                data = _http(200, json.dumps({"ok": True}).encode())
         except TimeoutError:
             self.refuse("slow", f"no whole request within {self._read_deadline}s", peer)
             return
         except Refusal as exc:
             self.refuse(exc.kind, str(exc), peer)
-            code, answer = exc.code, {"error": str(exc), "kind": exc.kind}
-        data = json.dumps(answer).encode()
-        head = (f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+            data = _refusal_answer(exc)
         with anyio.move_on_after(WRITE_DEADLINE_S):
-            await stream.send(head + data)
+            await stream.send(data)
 
     def close(self) -> None:
         self._task.cancel()
         self._portal_cm.__exit__(None, None, None)
+
+
+class _Families(Collector):
+    """The registry's families, read at each scrape."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        reg = self._registry
+        refused = [("sglang_bootstrap", kind, n) for kind, n in sorted(dict(reg.refused).items())]
+        errors = [("sglang_bootstrap", f"error_{kind}", n) for kind, n in sorted(dict(reg.errors).items())]
+        yield refused_family(refused + errors)
+        open_now = GaugeMetricFamily("kvservice_sglang_bootstrap_connections",
+                                     "Connections open to the SGLang bootstrap registry")
+        open_now.add_metric([], sum(len(q) for q in dict(reg._open).values()))
+        yield open_now
