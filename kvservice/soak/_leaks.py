@@ -170,5 +170,6 @@ def _num(x: float) -> str:
 def _cell(t: Trend) -> str:
     if t.verdict == "gone":
         return "gone"
-    flag = {"grows": " GROWS", "over cap": f" OVER CAP {t.cap}", "short": " (short)"}.get(t.verdict, "")
+    flag = {"grows": " GROWS", "over cap": f" OVER CAP {t.cap}", "short": " (short)",
+            "capped": f" cap {t.cap}"}.get(t.verdict, "")
     return f"{_num(t.start)}->{_num(t.end)} ({t.slope_per_h:+.1f}/h){flag}"
