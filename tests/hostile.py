@@ -41,6 +41,7 @@ from kvservice._control.protocol import hello as our_hello
 from kvservice._trust.handshake import (
     ACCEPTOR,
     DIALER,
+    EXCHANGE_SINCE,
     Agreement,
     Exchange,
     FrameMac,
@@ -135,15 +136,14 @@ class Raw:
             buf += await self.stream.receive(n - len(buf))
         return buf
 
-    async def until_closed(self) -> list[Message]:
-        """Every message the peer sends until it closes the connection (at most 16)."""
-        out: list[Message] = []
-        while len(out) < 16:
+    async def until_closed(self, out: list[Message]) -> None:
+        """Every message the peer sends, appended to ``out`` as it comes, until it closes
+        the connection (at most 16)."""
+        for _ in range(16):
             msg = await self.recv()
             if msg is None:
-                break
+                return
             out.append(msg)
-        return out
 
     async def closed_by_peer(self, timeout: float = WAIT_S) -> bool:
         """True once the service has closed this connection (reads drain until EOF)."""
@@ -211,22 +211,35 @@ async def authenticate(
 @asynccontextmanager
 async def acceptor(serve: Callable[[Raw], Awaitable[None]]) -> AsyncIterator[str]:
     """A hostile acceptor on loopback: each connection a service dials to it is handed to
-    ``serve`` as a ``Raw`` (bounded by ``WAIT_S``, closed after).  Yields its address."""
+    ``serve`` as a ``Raw`` (bounded by ``WAIT_S``, closed after).  Yields its address; on
+    leaving, waits (``WAIT_S`` at most) for the connections' ``serve`` to end: enter it
+    before the dialling service, so that the service's close ends them."""
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    serving = 0
+    idle = anyio.Event()
 
     async def one(stream: anyio.abc.SocketStream) -> None:
+        nonlocal serving, idle
+        serving += 1
         raw = Raw(stream)
         try:
             with anyio.move_on_after(WAIT_S):
                 await serve(raw)
         finally:
             await raw.aclose()
+            serving -= 1
+            if serving == 0:
+                idle.set()
+                idle = anyio.Event()
 
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, one)
         try:
             yield f"127.0.0.1:{port}"
+            if serving:
+                with anyio.move_on_after(WAIT_S):
+                    await idle.wait()
         finally:
             tg.cancel_scope.cancel()
 
@@ -237,7 +250,8 @@ async def answer_hello(raw: Raw, *, key: bytes | None, agent: str = "kv-impostor
     """As an acceptor: read the dialer's Hello and answer with this release's Hello (fields
     overridden by ``hello``), proven under ``key`` over the transcript of the link's
     ``version`` (default: what the dialer's and the answer's versions negotiate; the
-    exchange's shares are whatever the two Hellos carry).  Returns the dialer's Hello."""
+    exchange's shares are whatever the two Hellos carry).  Returns the dialer's Hello;
+    ``raw.agreed`` is what the two Hellos settled (for ``accept_join``)."""
     theirs = await raw.recv()
     assert isinstance(theirs, Hello), theirs
     exchange = Exchange()
@@ -251,7 +265,23 @@ async def answer_hello(raw: Raw, *, key: bytes | None, agent: str = "kv-impostor
                         version, (theirs.share, sent.share))
     fields["proof"] = prove(key, ACCEPTOR, script)
     await raw.send(fields)
+    keyed_exchange = version >= EXCHANGE_SINCE and sent.share == exchange.share
+    raw.agreed = Agreement(version, script, exchange.shared(theirs.share) if keyed_exchange else None)
     return theirs
+
+
+async def accept_join(raw: Raw, *, key: bytes | None) -> Join:
+    """As an acceptor past ``answer_hello``: the dialer's Proof checked under ``key``, the
+    link's secrets taken (Joins sent from here on are sealed), and its Join, opened."""
+    proof = await raw.recv()
+    assert isinstance(proof, Proof), proof
+    assert raw.agreed is not None
+    assert verify(key, DIALER, raw.agreed.script, proof.proof) is None, "the dialer's proof did not verify"
+    raw.secrets = raw.agreed.secrets(key, ACCEPTOR)
+    raw.mac = raw.secrets.frame_mac
+    join = await raw.recv()
+    assert isinstance(join, Join), join
+    return join
 
 
 def stripped(top: int = 0) -> dict[str, Any]:
@@ -294,5 +324,5 @@ def is_reject(msg: Message | None, kind: str | None = None) -> bool:
     return isinstance(msg, Reject) and (kind is None or msg.kind == kind)
 
 
-__all__ = ["Join", "Raw", "acceptor", "answer_hello", "authenticate", "dial", "fake_metadata", "is_reject",
-           "join_for", "own_key", "stripped", "wire_memory"]
+__all__ = ["Join", "Raw", "accept_join", "acceptor", "answer_hello", "authenticate", "dial", "fake_metadata",
+           "is_reject", "join_for", "own_key", "stripped", "wire_memory"]

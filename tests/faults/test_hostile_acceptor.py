@@ -7,21 +7,45 @@ test_hostile_peers.py and tests/compat/test_mixed_versions.py, these are the dia
 For each attack the request that dialled ends failed, with its reason and the
 dialer's own words (never the library's, never empty), the original error kept, at
 once (not at its deadline); the acceptor hears at most a ``Reject``, never the
-dialer's proof nor its Join (its NIXL metadata); nothing stays linked or held."""
+dialer's proof nor its Join (its NIXL metadata); nothing stays linked or held.  An
+acceptor that holds the key and proves it is held to the rest: its Join must come
+sealed by this link and describe a pool and an agent that check out."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import pytest
 import structlog
 
 from kvservice import FailureReason, TransferService, TransferStatus
-from kvservice._control.protocol import PROTOCOL_VERSION, Message, Proof, Reject, Sealed
+from kvservice._control.protocol import (
+    PROTOCOL_VERSION,
+    FrameError,
+    Join,
+    MemoryWire,
+    Message,
+    Proof,
+    Reject,
+    Sealed,
+    encode_body,
+)
 from kvservice._results import AuthenticationError, ProtocolError
 from tests.helpers import config, scaled
-from tests.hostile import Raw, acceptor, answer_hello, own_key, stripped
+from tests.hostile import (
+    Raw,
+    accept_join,
+    acceptor,
+    answer_hello,
+    fake_metadata,
+    join_for,
+    own_key,
+    stripped,
+    wire_memory,
+)
 
 pytestmark = pytest.mark.nixl
 
@@ -71,7 +95,7 @@ async def test_a_dialer_refuses_a_hostile_acceptor_and_sends_it_nothing(attack: 
     async def serve(raw: Raw) -> None:
         own = {k: svc.agent_name if v == SELF else v for k, v in fields.items()}
         await answer_hello(raw, key=_key(key), hello=own)
-        got.extend(await raw.until_closed())
+        await raw.until_closed(got)
 
     with structlog.testing.capture_logs() as logs:
         async with acceptor(serve) as address, TransferService(config(connect_timeout_s=scaled(2.0))) as svc:
@@ -103,7 +127,7 @@ async def test_a_dial_that_times_out_says_so() -> None:
     got: list[Message] = []
 
     async def silent(raw: Raw) -> None:
-        got.extend(await raw.until_closed())  # its Hello, then whatever else comes
+        await raw.until_closed(got)  # its Hello, then whatever else comes
 
     limit = scaled(1.0)
     with structlog.testing.capture_logs() as logs:
@@ -119,3 +143,61 @@ async def test_a_dial_that_times_out_says_so() -> None:
     assert [type(m).__name__ for m in got] == ["Hello"], got
     failed = [e for e in logs if e["event"] == "peer.dial_failed"]
     assert len(failed) == 1 and "did not complete within connect_timeout_s" in failed[0]["error"], failed
+
+
+IMPOSTOR = "kv-impostor-1"
+
+
+async def _clear(raw: Raw) -> None:
+    join = Join(fake_metadata(IMPOSTOR), msgspec.convert(wire_memory(), MemoryWire))
+    await raw.send(Sealed(encode_body(join)))  # the box not encrypted under the link's Join key
+
+
+async def _unmacked(raw: Raw) -> None:
+    raw.mac = None  # sealed, but the frame carries no MAC
+    await raw.send(join_for(IMPOSTOR))
+
+
+def _sends(join: dict[str, Any]) -> Callable[[Raw], Awaitable[None]]:
+    return lambda raw: raw.send(join)
+
+
+#: attack: (what the key-holding acceptor sends for its Join, the request's reason, the error's
+#: type and kind (None: not a ProtocolError), the words the request's message carries)
+JOINS: dict[str, tuple[Callable[[Raw], Awaitable[None]], FailureReason, type[Exception], str | None, str]] = {
+    "a join in clear": (_clear, FailureReason.PEER_LOST, FrameError, None,
+                        "the join failed decryption (not sealed by this link's peer)"),
+    "a join without its MAC": (_unmacked, FailureReason.PEER_LOST, FrameError, None,
+                               "frame failed authentication"),
+    "metadata naming another agent": (
+        _sends(join_for(IMPOSTOR, metadata=fake_metadata("kv-someone-else"))),
+        FailureReason.INCOMPATIBLE, ProtocolError, "metadata_mismatch",
+        f"NIXL metadata names agent 'kv-someone-else', not '{IMPOSTOR}'"),
+    "a pool out of range": (_sends(join_for(IMPOSTOR, memory=wire_memory(tp_size=2, tp_rank=5))),
+                            FailureReason.INCOMPATIBLE, ProtocolError, "incompatible",
+                            "tp_rank 5 of tp_size 2 is not a rank"),
+}
+
+
+@pytest.mark.parametrize("attack", list(JOINS))
+async def test_a_dialer_refuses_a_key_holding_acceptors_bad_join(attack: str) -> None:
+    send_join, reason, error, kind, words = JOINS[attack]
+    got: list[Message] = []
+
+    async def serve(raw: Raw) -> None:
+        await answer_hello(raw, key=own_key(), agent=IMPOSTOR)
+        await accept_join(raw, key=own_key())  # the dialer's proof and Join: it believes us so far
+        await send_join(raw)
+        await raw.until_closed(got)
+
+    async with acceptor(serve) as address, TransferService(config(connect_timeout_s=scaled(2.0))) as svc:
+        await svc.expect("r1", [1, 2], sender=address)
+        result = await svc.await_arrival("r1", timeout=GUARD_S)
+        assert (result.status, result.reason) == (TransferStatus.FAILED, reason), result
+        assert result.message.startswith(f"cannot reach sender {address}: ") and words in result.message, result
+        assert isinstance(result.error, error), repr(result.error)
+        if kind is not None:
+            assert isinstance(result.error, ProtocolError) and result.error.kind == kind, repr(result.error)
+        st = svc.status()
+        assert st["peers"] == [] and st["live_nixl_handles"] == 0, st
+    assert all(isinstance(m, Reject) for m in got), got
