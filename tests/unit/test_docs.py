@@ -65,7 +65,9 @@ def split_commands(page: str, block: str) -> Iterator[Command]:
         if pending.endswith("\\"):
             pending = pending[:-1]
             continue
-        lexer = shlex.shlex(re.sub(r"\d?>&\d", "", pending), posix=True, punctuation_chars=";&|")  # 2>&1 is no `&`
+        # 2>&1 is no `&`; a process substitution `<(...)` is one word (a constraints file)
+        plain = re.sub(r"<\([^)]*\)", "PROCESS-SUBSTITUTION", re.sub(r"\d?>&\d", "", pending))
+        lexer = shlex.shlex(plain, posix=True, punctuation_chars=";&|")
         lexer.whitespace_split = True
         try:
             words = list(lexer)
@@ -179,7 +181,9 @@ def check_kvservice(cmd: Command, args: tuple[str, ...]) -> None:
 
 
 def check_pip(cmd: Command, args: tuple[str, ...]) -> None:
-    assert args[:1] == ("install",), f"{cmd}: only pip install is checked"
+    if args[:1] == ("uninstall",):  # what a recipe removes needs no check
+        return
+    assert args[:1] == ("install",), f"{cmd}: only pip install and uninstall are known"
     skip_next = False
     for word in args[1:]:
         if skip_next:
