@@ -56,6 +56,7 @@ def _nixl_door(agent_name: str, config: ServiceConfig) -> Door:
 
 class TransferService:
     """Moves KV pages between services over NIXL; every transfer ends as a result.
+    ``SidecarClient`` offers the same API through a sidecar daemon (``kvservice.KVTransfer``).
 
     Use as ``async with TransferService(config) as svc:``.  Entering creates the
     NIXL agent, registers the pool and starts the control listener and the

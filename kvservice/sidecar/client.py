@@ -40,10 +40,8 @@ announces is checked before it is used (the segment's name and owner, the layout
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
-import time
 from collections.abc import Callable, Collection
 from types import TracebackType
 from typing import Literal
@@ -53,25 +51,22 @@ import anyio.abc
 
 from .._api import Pages
 from .._control.addresses import split_address
-from .._control.links import CONNECTION_ERRORS
-from .._control.protocol import FrameError, text
+from .._control.protocol import text
 from .._results import (
     FailureReason,
     KVPoll,
     KVServiceError,
-    ProtocolError,
     TransferResult,
-    TransferStatus,
     UnknownRequestError,
 )
-from .._transfer.requests import Recent, check_request_id
+from .._transfer.requests import check_request_id
 from .._trust.peercred import PeerCred
 from ..discovery.member import MAX_ROLE_CHARS, Member
 from ..memory._layout import KVLayout
 from ..memory._pool import KVPool
 from .dial import handshake, map_pool
-from .handle import CallSlot, RequestState, SidecarHandle
-from .owners import NotOwnerError
+from .handle import RequestState, SidecarHandle
+from .link import Lost, WorkerLink
 from .shm import Segment
 from .status import SidecarStatus
 from .wire import (
@@ -80,17 +75,13 @@ from .wire import (
     AwaitArrival,
     AwaitCompletion,
     AwaitSettled,
-    Bye,
     Call,
-    Cancel,
     Decline,
     Declined,
     Done,
-    Error,
     Expect,
     Expected,
     ExpectedReply,
-    Finished,
     LivePeers,
     PeersReply,
     Poll,
@@ -99,33 +90,11 @@ from .wire import (
     Send,
     SendReply,
     ServerMessage,
-    SocketFrames,
     Status,
     StatusReply,
     Welcome,
-    call_refusal,
     result_from_wire,
 )
-
-_ERRORS: dict[str, type[Exception]] = {
-    "ValueError": ValueError,
-    "UnknownRequestError": UnknownRequestError,
-    "KVServiceError": KVServiceError,
-    "ProtocolError": ProtocolError,
-    "NotOwnerError": NotOwnerError,
-}
-
-_READ_ERRORS: tuple[type[BaseException], ...] = (FrameError, *CONNECTION_ERRORS)
-_SEND_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, *CONNECTION_ERRORS)
-#: a daemon that does not take a frame within this long is treated as gone
-SEND_TIMEOUT_S = 30.0
-
-
-class _Lost(KVServiceError):
-    """The connection to the sidecar is gone (the daemon exited or closed it).
-
-    Raised by every call made after the loss; the waits answer the result they already
-    hold instead.  Private: callers catch ``KVServiceError`` and reconnect."""
 
 
 class SidecarClient:
@@ -148,16 +117,9 @@ class SidecarClient:
         self._connect_timeout = connect_timeout
         self._grace = drain_grace_s
         self._status_interval = status_interval
-        self._framed: SocketFrames[ServerMessage] | None = None
+        self._link = WorkerLink(self.socket_path)
         self._segment: Segment | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._calls: dict[int, CallSlot] = {}
-        self._ids = itertools.count(1)
-        self._live: dict[tuple[str, str], RequestState] = {}
-        self._done: Recent[tuple[str, str], RequestState] = Recent(10_000)
-        self._lost: str | None = None
-        self._lost_event: anyio.Event | None = None
-        self._graceful = False
         self._status = SidecarStatus()
         self._kv: KVPool | None = None
         self.welcome: Welcome | None = None
@@ -169,14 +131,14 @@ class SidecarClient:
     @property
     def connected(self) -> bool:
         """True between a successful ``async with`` entry and the loss (or close) of the connection."""
-        return self._framed is not None and self._lost is None
+        return self._link.framed is not None and self._link.lost is None
 
     async def wait_disconnected(self) -> str:
         """Wait until the connection ends (the daemon shut down or vanished); returns why."""
-        if self._lost_event is None:
+        if self._link.lost_event is None:
             raise KVServiceError("not connected (use 'async with SidecarClient(...)')")
-        await self._lost_event.wait()
-        return self._lost or ""
+        await self._link.lost_event.wait()
+        return self._link.lost or ""
 
     @property
     def kv(self) -> KVPool:
@@ -194,11 +156,10 @@ class SidecarClient:
         except BaseException:
             await framed.aclose()
             raise
-        self._framed = framed
-        self._lost_event = anyio.Event()
+        self._link.connected(framed, welcome)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._reader)
+        self._tg.start_soon(self._link.read)
         try:
             await self.fetch_status()
         except BaseException:
@@ -213,19 +174,18 @@ class SidecarClient:
         self.layout, self._segment = map_pool(welcome, daemon, self.socket_path)
         assert self._segment.tensor is not None
         self._kv = KVPool(self.layout, self._segment.tensor)
-        self._done = Recent(welcome.results_kept)
         self.address, self.agent_name, self.roles = welcome.address, welcome.agent, tuple(welcome.roles)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool:
-        assert self._tg is not None and self._framed is not None
+        assert self._tg is not None and self._link.framed is not None
         with anyio.CancelScope(shield=True):
-            if exc is None and self._lost is None:
+            if exc is None and self._link.lost is None:
                 with anyio.move_on_after(self._grace):
-                    for req in list(self._live.values()):
+                    for req in list(self._link.live.values()):
                         await req.done.wait()
-            self._on_lost("sidecar client closed", FailureReason.ABORTED)
-            await self._framed.aclose()
+            self._link.on_lost("sidecar client closed", FailureReason.ABORTED)
+            await self._link.framed.aclose()
             self._tg.cancel_scope.cancel()
         try:
             await self._tg.__aexit__(exc_type, exc, tb)
@@ -243,13 +203,13 @@ class SidecarClient:
         (its Finished frame may overtake the reply); a request this call created is
         forgotten again if the call fails."""
         key = (side, request_id)
-        created = key not in self._live
-        req = self._live.setdefault(key, RequestState(request_id, side))
+        created = key not in self._link.live
+        req = self._link.live.setdefault(key, RequestState(request_id, side))
         try:
-            reply = await self._call(make)
+            reply = await self._link.call(make)
         except BaseException:
-            if created and req.result is None and self._live.get(key) is req:
-                del self._live[key]
+            if created and req.result is None and self._link.live.get(key) is req:
+                del self._link.live[key]
             raise
         return req, reply
 
@@ -273,7 +233,7 @@ class SidecarClient:
             "send", request_id, lambda n: Send(n, request_id, idx, last, timeout, span, payload, fit, receiver))
         assert isinstance(reply, SendReply)
         if reply.result is not None:
-            self._finish(req, result_from_wire(reply.result))
+            self._link.finish(req, result_from_wire(reply.result))
         else:
             req.poll = KVPoll(reply.poll)
         return SidecarHandle(req)
@@ -286,13 +246,13 @@ class SidecarClient:
         if req.result is not None:
             return req.result
         try:
-            reply = await self._call(lambda n: AwaitCompletion(n, req.request_id, timeout))
-        except _Lost:
+            reply = await self._link.call(lambda n: AwaitCompletion(n, req.request_id, timeout))
+        except Lost:
             if req.result is not None:
                 return req.result
             raise
         assert isinstance(reply, ResultReply) and reply.result is not None
-        self._finish(req, result_from_wire(reply.result))
+        self._link.finish(req, result_from_wire(reply.result))
         assert req.result is not None
         return req.result
 
@@ -318,7 +278,7 @@ class SidecarClient:
         if not isinstance(message, str):
             raise ValueError(f"message must be a str, got {type(message).__name__}")
         message = text(message)  # the service cuts the Abort's text to this anyway
-        reply = await self._call(lambda n: Decline(n, request_id, sender, message))
+        reply = await self._link.call(lambda n: Decline(n, request_id, sender, message))
         assert isinstance(reply, Declined)
         return reply.queued
 
@@ -327,7 +287,7 @@ class SidecarClient:
         ``request_id`` can land any more (its pages may be reused), or as it stands when
         ``timeout`` passes (``settled`` still False)."""
         check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
-        reply = await self._call(lambda n: AwaitSettled(n, request_id, timeout))
+        reply = await self._link.call(lambda n: AwaitSettled(n, request_id, timeout))
         assert isinstance(reply, ResultReply) and reply.result is not None
         return result_from_wire(reply.result)
 
@@ -340,36 +300,36 @@ class SidecarClient:
         if req is not None and req.result is not None:
             return req.result
         try:
-            reply = await self._call(lambda n: AwaitArrival(n, request_id, timeout))
-        except _Lost:
+            reply = await self._link.call(lambda n: AwaitArrival(n, request_id, timeout))
+        except Lost:
             if req is not None and req.result is not None:
                 return req.result
             raise
         assert isinstance(reply, ResultReply) and reply.result is not None
         result = result_from_wire(reply.result)
         if req is not None:
-            self._finish(req, result)
+            self._link.finish(req, result)
         return result
 
     # -- either side ------------------------------------------------------------------------
     async def abort(self, request_id: str) -> TransferResult | None:
         """Abandon ``request_id`` and tell the peer (see ``TransferService.abort``)."""
         check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
-        reply = await self._call(lambda n: Abort(n, request_id))
+        reply = await self._link.call(lambda n: Abort(n, request_id))
         assert isinstance(reply, ResultReply)
         if reply.result is None:
             return None
         result = result_from_wire(reply.result)
-        req = self._live.get(("send", request_id)) or self._live.get(("recv", request_id))
+        req = self._link.live.get(("send", request_id)) or self._link.live.get(("recv", request_id))
         if req is not None:
-            self._finish(req, result)
+            self._link.finish(req, result)
         return result
 
     async def fetch_poll(self, handle: SidecarHandle) -> KVPoll:
         """The request's state in the daemon now (``handle.poll()`` then agrees until it changes)."""
         req = handle._req
         if req.result is None:
-            reply = await self._call(lambda n: Poll(n, req.request_id, "send"))
+            reply = await self._link.call(lambda n: Poll(n, req.request_id, "send"))
             assert isinstance(reply, PollReply)
             if req.result is None:
                 req.poll = KVPoll(reply.poll)
@@ -390,7 +350,7 @@ class SidecarClient:
         req = self._recv(request_id)
         if req is not None and req.result is not None:
             return req.result.poll
-        reply = await self._call(lambda n: Poll(n, request_id, "recv"))
+        reply = await self._link.call(lambda n: Poll(n, request_id, "recv"))
         assert isinstance(reply, PollReply)
         if req is not None and req.result is None:
             req.poll = KVPoll(reply.poll)
@@ -398,7 +358,7 @@ class SidecarClient:
 
     def _recv(self, request_id: str) -> RequestState | None:
         key = ("recv", request_id)
-        return self._live.get(key) or self._done.get(key)
+        return self._link.live.get(key) or self._link.done.get(key)
 
     # ``TransferService.expected``, ``expected_pages`` and ``expect_dropped``, as coroutines:
     # the early expects live in the daemon (one ``Expected`` call answers all three)
@@ -414,7 +374,7 @@ class SidecarClient:
 
     async def _expected(self, request_id: str) -> ExpectedReply:
         check_request_id(request_id)  # the wire would refuse the frame, and the connection with it
-        reply = await self._call(lambda n: Expected(n, request_id))
+        reply = await self._link.call(lambda n: Expected(n, request_id))
         assert isinstance(reply, ExpectedReply)
         return reply
 
@@ -424,7 +384,7 @@ class SidecarClient:
 
     async def fetch_status(self) -> SidecarStatus:
         """The daemon's status now (``status()`` then answers it until the next refresh)."""
-        reply = await self._call(lambda n: Status(n))
+        reply = await self._link.call(lambda n: Status(n))
         assert isinstance(reply, StatusReply)
         self._status = SidecarStatus.from_mapping(reply.status)
         return self._status
@@ -435,101 +395,12 @@ class SidecarClient:
         Empty with static discovery."""
         if role is not None and len(role) > MAX_ROLE_CHARS:
             return []  # no member has such a role (and the wire would refuse the frame)
-        reply = await self._call(lambda n: LivePeers(n, role))
+        reply = await self._link.call(lambda n: LivePeers(n, role))
         assert isinstance(reply, PeersReply)
         return reply.members
 
-    # -- the connection ---------------------------------------------------------------------
-    async def _call(self, make: Callable[[int], Call]) -> ServerMessage:
-        if self._framed is None:
-            raise KVServiceError("not connected (use 'async with SidecarClient(...)')")
-        if self._lost is not None:
-            raise _Lost(f"sidecar connection lost: {self._lost}")
-        n = next(self._ids)
-        msg = make(n)
-        if self.welcome is not None and (why := call_refusal(msg, self.welcome.version)) is not None:
-            raise KVServiceError(f"the sidecar at {self.socket_path}: {why}: upgrade the daemon")  # nothing sent
-        slot = self._calls[n] = CallSlot()
-        try:
-            await self._framed.send(msg, SEND_TIMEOUT_S, shield=True)  # never half a frame on the socket
-            await slot.done
-        except anyio.get_cancelled_exc_class():
-            if slot.reply is None and self._lost is None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                    await self._framed.send(Cancel(n))
-            raise
-        except _SEND_ERRORS as exc:  # the reader may not have seen the end yet
-            self._on_lost(f"connection error: {exc!r}", FailureReason.PEER_LOST)
-            raise _Lost(f"sidecar connection lost: {exc!r}") from exc
-        finally:
-            self._calls.pop(n, None)
-        reply = slot.reply
-        if reply is None:
-            raise _Lost(f"sidecar connection lost: {self._lost}")
-        if isinstance(reply, Error):
-            raise _ERRORS.get(reply.kind, KVServiceError)(reply.message)
-        return reply
-
-    async def _reader(self) -> None:
-        assert self._framed is not None
-        why = "the sidecar closed the connection"
-        try:
-            while True:
-                msg = await self._framed.recv()
-                if isinstance(msg, Finished):
-                    self._on_finished(msg)
-                elif isinstance(msg, Bye):
-                    self._graceful = True
-                    why = f"the sidecar shut down: {msg.message}"
-                    return
-                elif isinstance(msg, Error) and msg.call == 0:
-                    why = f"the sidecar dropped us: {msg.kind}: {msg.message}"
-                    return
-                elif not isinstance(msg, Welcome):
-                    slot = self._calls.get(msg.call)
-                    if slot is not None:
-                        slot.answer(msg)
-        except _READ_ERRORS as exc:
-            why = f"connection error: {exc!r}"
-        finally:
-            self._on_lost(why, FailureReason.SHUTDOWN if self._graceful else FailureReason.PEER_LOST)
-
-    def _on_finished(self, msg: Finished) -> None:
-        result = result_from_wire(msg.result)
-        key = (msg.side, result.request_id)
-        req = self._live.get(key)
-        if req is None:
-            req = RequestState(result.request_id, msg.side)
-            self._done.put(key, req)
-        self._finish(req, result)
-
-    def _finish(self, req: RequestState, result: TransferResult) -> None:
-        if req.result is not None:
-            return
-        req.result = result
-        req.done.set()
-        key = (req.side, req.request_id)
-        if self._live.get(key) is req:
-            del self._live[key]
-        self._done.put(key, req)
-
-    def _on_lost(self, why: str, reason: FailureReason) -> None:
-        """The connection ended: fail what is unfinished, wake every waiting call."""
-        if self._lost is not None:
-            return
-        self._lost = why
-        now = time.monotonic()
-        for req in list(self._live.values()):
-            self._finish(req, TransferResult(
-                request_id=req.request_id, status=TransferStatus.FAILED, reason=reason,
-                message=why, created_at=req.created, finished_at=now))
-        for slot in self._calls.values():
-            slot.answer(None)
-        if self._lost_event is not None:
-            self._lost_event.set()
-
     async def _refresh_status(self) -> None:
-        while self._lost is None:
+        while self._link.lost is None:
             await anyio.sleep(self._status_interval)
             try:
                 await self.fetch_status()

@@ -23,10 +23,11 @@ from kvservice import (
     TransferStatus,
     UnknownRequestError,
 )
+from kvservice.sidecar.wire import Status, StatusReply, encode
 from kvservice.testing import pattern
 from tests.helpers import config, eventually
 
-from .daemons import SMALL_LAYOUT, Sidecar, sidecars
+from .daemons import SMALL_LAYOUT, Sidecar, frame, raw_exchange, sidecars
 
 pytestmark = pytest.mark.nixl
 
@@ -216,3 +217,14 @@ async def test_decode_side_same_api(mode: str, pair: tuple[Sidecar, Sidecar]) ->
     prefill_sidecar, decode_sidecar = pair
     async with SidecarClient(prefill_sidecar.socket) as prefill, engine(mode, decode_sidecar) as decode:
         await scenario(prefill, decode, f"d-{mode}")
+
+
+async def test_the_daemons_status_names_every_field_of_a_sidecar_status(pair: tuple[Sidecar, Sidecar]) -> None:
+    """The wire carries the status as a map (so releases can differ); a name the daemon sends
+    that ``SidecarStatus`` lacks would be dropped, one it lacks would read as its default.
+    A daemon of this release sends exactly the fields (``discovery`` only with etcd).  The
+    malformed frame after the call makes the daemon answer and hang up."""
+    replies = await raw_exchange(pair[0].socket, encode(Status(1)) + frame(b"\xc1"))
+    sent = next(reply for reply in replies if isinstance(reply, StatusReply)).status
+    assert sorted(sent) == sorted(SidecarStatus().keys())
+    assert SidecarStatus.from_mapping(sent).workers == 1  # this connection
