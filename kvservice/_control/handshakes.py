@@ -31,7 +31,7 @@ from .._trust.handshake import (
     verify,
 )
 from .addresses import split_address
-from .links import ControlStream, try_send
+from .links import CONNECTION_ERRORS, ControlStream, try_send
 from .peers import LocalPeer, agree, check_hello, rejected_by
 from .protocol import (
     PREAUTH_FRAME_BYTES,
@@ -97,8 +97,9 @@ class Handshakes:
         local = self._local
         exchange = Exchange()
         mine = hello(local.agent, self._my_address(), new_nonce(PROTOCOL_VERSION), probe=probe, share=exchange.share)
-        await framed.send(mine)
-        reply = await framed.recv(PREAUTH_FRAME_BYTES)
+        with broken_off(address, "before its hello"):
+            await framed.send(mine)
+            reply = await framed.recv(PREAUTH_FRAME_BYTES)
         if isinstance(reply, Reject):
             raise rejected_by(address, reply)
         if not isinstance(reply, Hello):
@@ -116,11 +117,12 @@ class Handshakes:
         """The dialler's whole handshake on ``framed``: Hellos, our Proof, the Joins."""
         local = self._local
         reply, agreed = await self.hello(framed, address, probe=False)
-        await framed.send(Proof(prove(local.key, DIALER, agreed.script)))
         secrets = agreed.secrets(local.key, DIALER)
-        framed.mac = secrets.frame_mac
-        await send_join(framed, local.join, secrets)
-        answer = await recv_join_or_reject(framed)
+        with broken_off(address, "before its join"):
+            await framed.send(Proof(prove(local.key, DIALER, agreed.script)))
+            framed.mac = secrets.frame_mac
+            await send_join(framed, local.join, secrets)
+            answer = await recv_join_or_reject(framed)
         if isinstance(answer, Reject):
             raise rejected_by(address, answer)
         return Met(reply, open_join(answer, secrets), secrets, agreed.version)
@@ -164,6 +166,19 @@ class Handshakes:
         secrets = agreed.secrets(local.key, ACCEPTOR)
         framed.mac = secrets.frame_mac
         return Met(theirs, open_join(await framed.recv(), secrets), secrets, version)
+
+
+@contextmanager
+def broken_off(address: str, stage: str) -> Iterator[None]:
+    """The connection to ``address`` lost during a handshake's ``stage``, said as such:
+    ``ConnectionResetError`` naming both, the stream's error its cause (anyio's
+    ``BrokenResourceError`` has no words, ``IncompleteRead`` not ours)."""
+    try:
+        yield
+    except TimeoutError:
+        raise
+    except CONNECTION_ERRORS as exc:
+        raise ConnectionResetError(f"{address} closed the connection during the handshake, {stage}") from exc
 
 
 # -- the sealed Joins -----------------------------------------------------------------------

@@ -14,9 +14,13 @@ sealed by this link and describe a pool and an agent that check out."""
 from __future__ import annotations
 
 import secrets
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+import anyio.abc
 import msgspec
 import pytest
 import structlog
@@ -201,3 +205,26 @@ async def test_a_dialer_refuses_a_key_holding_acceptors_bad_join(attack: str) ->
         st = svc.status()
         assert st["peers"] == [] and st["live_nixl_handles"] == 0, st
     assert all(isinstance(m, Reject) for m in got), got
+
+
+async def _hang_up(raw: Raw) -> None:
+    await raw.recv()  # the dialer's Hello, then the connection closed
+
+
+async def _reset(raw: Raw) -> None:
+    await raw.recv()  # the dialer's Hello, then the connection reset (RST)
+    sock = raw.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@pytest.mark.parametrize("leave", [_hang_up, _reset], ids=["hangs up", "resets"])
+async def test_an_acceptor_that_leaves_mid_handshake_is_named_with_a_reason(
+        leave: Callable[[Raw], Awaitable[None]]) -> None:
+    async with acceptor(leave) as address, TransferService(config(connect_timeout_s=GUARD_S)) as svc:
+        await svc.expect("r1", [1, 2], sender=address)
+        result = await svc.await_arrival("r1", timeout=GUARD_S)
+        assert (result.status, result.reason) == (TransferStatus.FAILED, FailureReason.PEER_LOST), result
+        assert result.message == (f"cannot reach sender {address}: {address} closed the connection during the "
+                                  "handshake, before its hello"), result
+        assert isinstance(result.error, ConnectionError) and isinstance(result.error.__cause__, Exception), repr(
+            result.error)
