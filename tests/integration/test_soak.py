@@ -79,9 +79,11 @@ def assert_every_resource_of_every_process(leaks: dict[str, dict[str, dict[str, 
             assert t["verdict"] != "gone", (proc, res, t)
         assert float(resources["rss_mib"]["peak"]) > 50  # type: ignore[arg-type]
         assert float(resources["threads"]["peak"]) >= 2  # type: ignore[arg-type]
-    # the prefill links both decodes: its NIXL agent loads each one's metadata
-    assert float(leaks["prefill"]["nixl_remote_agents"]["peak"]) >= 2  # type: ignore[arg-type]
-    assert float(leaks["prefill"]["tcp"]["peak"]) >= 2  # type: ignore[arg-type]
+    # the prefill links the decodes: its NIXL agent loads each one's metadata (both of them
+    # at once unless faults keep one restarting whenever a sample is taken)
+    linked = 2 if all_rows else 1
+    assert float(leaks["prefill"]["nixl_remote_agents"]["peak"]) >= linked  # type: ignore[arg-type]
+    assert float(leaks["prefill"]["tcp"]["peak"]) >= 2 * linked  # type: ignore[arg-type]
     assert float(leaks["prefill"]["results"]["peak"]) > 0  # type: ignore[arg-type]
 
 
