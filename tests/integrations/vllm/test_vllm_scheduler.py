@@ -340,8 +340,10 @@ def test_a_producer_without_a_port_takes_the_default_and_bad_settings_are_refuse
         make_scheduler: Any, key_file: Path) -> None:
     s = make_scheduler("kv_producer")
     assert s.connector.scheduler_side.senders == ("127.0.0.1:7100",)
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.bogus: unknown key"):
         make_scheduler("kv_consumer", kvservice={"port": 7100}, bogus=1)
+    with pytest.raises(ValueError, match=r"extra_config\.kvservice\.prot: unknown key; did you mean port\?"):
+        make_scheduler("kv_consumer", kvservice={"prot": 7100})
     with pytest.raises(ValueError, match=r"service\.port"):
         make_scheduler("kv_consumer", kvservice={"port": "x"})
     with pytest.raises(ValueError, match="handoff_skew_s"):
