@@ -89,7 +89,8 @@ def reference() -> str:
     lines += rows(Settings, exclude=("service",))
     lines += ["", "## SGLang", "",
               "SGLang's own variables stand for two keys; kvservice's setting of that key (the file named by "
-              "`KVSERVICE_CONFIG`, or `KVSERVICE_SERVICE_<KEY>`) wins where it is set.", "",
+              "`KVSERVICE_CONFIG`, or `KVSERVICE_SERVICE_<KEY>`) wins where it is set. A variable SGLang does not "
+              "declare that is a near miss of one of these is refused (SGLang would ignore it).", "",
               "| SGLang's variable | stands for |", "|---|---|"]
     lines += [f"| `{var}` | `service.{key}` |" for var, key in SGLANG_TIMEOUTS.items()]
     return "\n".join(lines) + "\n"

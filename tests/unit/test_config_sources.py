@@ -182,3 +182,15 @@ def test_sglangs_values_are_checked_as_the_keys_they_stand_for() -> None:
     message = refused(service_config, 0, env={}, read=lambda name: "soon")
     assert message == ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT='soon': the kvservice backend takes it as its "
                        "bootstrap_timeout_s: must be a positive number, got 'soon'")
+
+
+def test_an_sglang_rank_refuses_a_near_miss_of_sglangs_timeouts() -> None:
+    """SGLang ignores a variable it does not declare: its timeout would silently stay at the
+    default.  A variable SGLang declares passes, however near."""
+    env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMOUT": "600"}
+    message = refused(service_config, 0, env=env, read=sglang, names=lambda: {"SGLANG_DISAGGREGATION_QUEUE_SIZE"})
+    assert message == ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMOUT: not a variable of SGLang; did you mean "
+                       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (the kvservice backend's bootstrap_timeout_s)?")
+    assert service_config(0, env=env, read=sglang, names=lambda: set(env)).bootstrap_timeout_s == 300.0
+    unrelated = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "5", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "90"}
+    assert service_config(0, env=unrelated, read=sglang, names=lambda: pytest.fail("not asked")) is not None

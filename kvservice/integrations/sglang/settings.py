@@ -18,8 +18,9 @@ No SGLang import at module level: the mapping is tested without SGLang.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..._config import ServiceConfig
@@ -31,6 +32,35 @@ SGLANG_TIMEOUTS = {
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "bootstrap_timeout_s",
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "arrival_timeout_s",
 }
+
+
+#: SGLang's variables a near miss of one of ``SGLANG_TIMEOUTS`` is looked for among
+SGLANG_PREFIX = "SGLANG_DISAGGREGATION_"
+#: how near a variable must be to one of them to be taken for a typo of it
+NEAR = 0.9
+
+
+def sglang_names() -> Collection[str]:
+    """The variables SGLang declares (its ``envs``)."""
+    from sglang.srt.environ import envs
+
+    return frozenset(name for name in dir(type(envs)) if name.isupper())
+
+
+def refuse_near_misses(env: Mapping[str, str], names: Callable[[], Collection[str]] = sglang_names) -> None:
+    """``ConfigError`` for a variable that SGLang does not declare and is a near miss of one
+    this backend reads (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMOUT``): SGLang would ignore it,
+    and the timeout it meant would silently stay at its default."""
+    suspects = [var for var in env if var.startswith(SGLANG_PREFIX) and var not in SGLANG_TIMEOUTS
+                and difflib.get_close_matches(var, SGLANG_TIMEOUTS, n=1, cutoff=NEAR)]
+    if not suspects:
+        return
+    known = names()
+    for var in sorted(suspects):
+        if var not in known:
+            near = difflib.get_close_matches(var, SGLANG_TIMEOUTS, n=1, cutoff=NEAR)[0]
+            raise ConfigError(f"{var}: not a variable of SGLang; did you mean {near} (the kvservice backend's "
+                              f"{SGLANG_TIMEOUTS[near]})?")
 
 
 def read_sglang(name: str) -> Any:
@@ -56,13 +86,16 @@ def sglang_timeouts(read: Callable[[str], Any] = read_sglang) -> dict[str, float
 
 
 def service_config(aux_row_bytes: int, *, env: Mapping[str, str] | None = None,
-                   read: Callable[[str], Any] = read_sglang) -> ServiceConfig:
+                   read: Callable[[str], Any] = read_sglang,
+                   names: Callable[[], Collection[str]] = sglang_names) -> ServiceConfig:
     """The service's configuration: the file named by ``KVSERVICE_CONFIG`` (the sidecar's
     TOML format; only ``[service]`` is used) with ``KVSERVICE_SERVICE_*`` overrides, over
-    SGLang's timeouts; its payload bound raised to hold one aux row."""
+    SGLang's timeouts; its payload bound raised to hold one aux row.  ``names``: the
+    variables SGLang declares, asked for only when one set is a near miss of its timeouts."""
     from ...sidecar.settings import load
 
     env = os.environ if env is None else env
+    refuse_near_misses(env, names)
     config = load(env.get("KVSERVICE_CONFIG") or None, env, defaults={"service": sglang_timeouts(read)}).service
     if aux_row_bytes > config.max_payload_bytes:
         config = config.replace(max_payload_bytes=aux_row_bytes)
