@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 import structlog
 
 from kvservice import FailureReason, ServiceConfig, TransferService
-from kvservice._control.protocol import MAX_REGIONS, Expect, Hello, Join, Ping, Proof, frame
+from kvservice._control.protocol import MAX_REGIONS, Expect, Hello, Join, Ping, Proof, Sealed, frame
 from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
 from kvservice._trust.handshake import DIALER, prove
@@ -258,7 +259,18 @@ async def test_without_the_key_nothing_is_learnt_and_nothing_is_accepted(keys: d
             assert await raw.closed_by_peer()  # after a (sealed) Reject it cannot read
             await raw.aclose()
 
+        async def clear_join() -> None:
+            """A key holder whose Join is not encrypted under its link's Join key is refused
+            (as a dialer refuses such an acceptor: test_hostile_acceptor.py)."""
+            raw = await authenticate(svc.address, key=key, agent="kv-insider-2")
+            await raw.send(Sealed(msgspec.msgpack.encode(join_for("kv-insider-2"))))  # the box in clear
+            msg = await raw.recv()
+            assert is_reject(msg, "frame") and "the join failed decryption" in msg.message, msg  # type: ignore[union-attr]
+            assert await raw.closed_by_peer()
+            await raw.aclose()
+
         await expect_refusal(svc, decode, "auth", lambda: with_key(wrong))
+        await expect_refusal(svc, decode, "frame", clear_join)
         await expect_refusal(svc, decode, "auth", lambda: with_key(None))
         await expect_refusal(svc, decode, "auth", replay)
         await expect_refusal(svc, decode, "frame", tampered)
