@@ -236,7 +236,7 @@ async def run(prefill_socket: str, decode: DecodeWorker, args: argparse.Namespac
         after = [r for r in results.values() if r.created_at > restarted_at]
         print(f"after the restart: {sum(r.ok for r in after)} of {len(after)} succeeded")
     print(f"decode worker: {decode.verified} verified byte for byte; not received: {dict(decode.lost) or 'none'}")
-    print(f"prefill sidecar outcomes: {status['outcomes']}")
+    print(f"prefill sidecar outcomes: {status.outcomes}")
     accounted = len(results) == submitted
     print("every request accounted for" if accounted else "SOME REQUESTS WERE NOT ACCOUNTED FOR")
     return 0 if accounted and decode.lost["CORRUPT"] == 0 else 1

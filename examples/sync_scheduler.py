@@ -161,7 +161,7 @@ def run_prefill(args: argparse.Namespace) -> int:
                     free.give(job.pages)
                     del running[rid]
         status = engine.status()
-        ok = ledger.summary(live_nixl_handles=status["live_nixl_handles"], sending=status["sending"])
+        ok = ledger.summary(live_nixl_handles=status.live_nixl_handles, sending=status.sending)
     return 0 if ok and not todo else 1
 
 

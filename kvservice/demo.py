@@ -287,10 +287,10 @@ async def _main(requests: int, seed: int) -> int:
     print()
     print(_table(phases))
     problems = [f"{p.name}: {note}" for p in phases for note in p.notes]
-    if status["live_nixl_handles"] != 0:
-        problems.append(f"{status['live_nixl_handles']} NIXL handles still live")
-    print(f"\nprefill loop lag: p99 {status['loop_lag_p99_s'] * 1000:.2f} ms, "
-          f"max {status['loop_lag_max_s'] * 1000:.2f} ms; live NIXL handles at the end: {status['live_nixl_handles']}")
+    if status.live_nixl_handles != 0:
+        problems.append(f"{status.live_nixl_handles} NIXL handles still live")
+    print(f"\nprefill loop lag: p99 {status.loop_lag_p99_s * 1000:.2f} ms, "
+          f"max {status.loop_lag_max_s * 1000:.2f} ms; live NIXL handles at the end: {status.live_nixl_handles}")
     for problem in problems:
         print(f"FAILED EXPECTATION: {problem}")
     print("demo: all expectations held" if not problems else "demo: FAILED")

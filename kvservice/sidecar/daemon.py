@@ -164,8 +164,7 @@ class Daemon:
                                 failure.__traceback__ if failure else None)
             with anyio.CancelScope(shield=True):
                 await server.close()  # the last Finished frames, then Bye, to every worker
-        status = svc.status()
-        log.info("shutdown.complete", outcomes=status["outcomes"])
+        log.info("shutdown.complete", outcomes=svc.status().outcomes)
         return EXIT_OK
 
     def _start_failure(self, exc: Exception) -> str:
