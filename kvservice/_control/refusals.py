@@ -94,5 +94,17 @@ async def handshake_failed(side: str, framed: ControlStream, exc: Exception, sta
         kind = "handler_error"
         log.error("peer.handshake_crashed", side=side, exc_info=exc)
     if (unlogged := stats.refuse(kind)) is not None:
-        log.warning("peer.handshake_failed", side=side, kind=kind, error=str(exc) or repr(exc), unlogged=unlogged)
+        log.warning("peer.handshake_failed", side=side, kind=kind, error=_words(exc), unlogged=unlogged)
     await framed.aclose()
+
+
+def _words(exc: Exception) -> str:
+    """What went wrong, for the log: the error's own text, or what its kind means here
+    (a handshake's deadline, anyio's stream errors, say nothing)."""
+    if str(exc):
+        return str(exc)
+    if isinstance(exc, TimeoutError):
+        return "the handshake did not complete within connect_timeout_s"
+    if isinstance(exc, CONNECTION_ERRORS):
+        return f"the connection was lost during the handshake ({type(exc).__name__})"
+    return repr(exc)

@@ -335,10 +335,13 @@ async def test_idle_and_trickling_connections_are_bounded_and_time_out() -> None
             except (anyio.BrokenResourceError, OSError):
                 pass
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(drip)
-        await eventually(lambda: refused(svc, "handshake_source_limit") + refused(svc, "handshake_timeout") >= 301,
-                         WAIT_S, 0.05, what="the idle and trickling connections refused or timed out")
+        with structlog.testing.capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drip)
+            await eventually(lambda: refused(svc, "handshake_source_limit") + refused(svc, "handshake_timeout") >= 301,
+                             WAIT_S, 0.05, what="the idle and trickling connections refused or timed out")
+        timeouts = [e for e in logs if e["event"] == "peer.handshake_failed" and e["kind"] == "handshake_timeout"]
+        assert timeouts and timeouts[0]["error"] == "the handshake did not complete within connect_timeout_s", timeouts
         assert refused(svc, "handshake_source_limit") >= 300 - svc.config.max_handshakes_per_source
         assert refused(svc, "handshake_timeout") >= 1
         for raw in [*idle, trickle]:
