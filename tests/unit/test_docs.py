@@ -143,6 +143,18 @@ def kvservice_help(*args: str) -> str:
     return all_helps()[args[0] if args else ""]
 
 
+def kvservice_version() -> str:
+    """What ``kvservice --version`` prints (this checkout's ``kvservice.cli``)."""
+    out = subprocess.run([sys.executable, "-c", "from kvservice.cli import main; main(['--version'])"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def project_version() -> str:
+    return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"])
+
+
 def strip_prefix(words: tuple[str, ...]) -> tuple[str, ...]:
     """Without leading ``NAME=value`` assignments and a ``taskset -c CPUS`` launcher."""
     i = 0
@@ -164,8 +176,11 @@ def module_exists(name: str) -> bool:
 
 
 def check_kvservice(cmd: Command, args: tuple[str, ...]) -> None:
+    if args == ("--version",):  # run as written: it must print this checkout's version
+        assert kvservice_version() == f"kvservice {project_version()}", cmd
+        return
     if not args or args[0].startswith("-"):  # `kvservice --help`: run as written
-        assert args in ((), ("--help",), ("-h",)), f"{cmd}: only --help is checked without a subcommand"
+        assert args in ((), ("--help",), ("-h",)), f"{cmd}: only --help and --version are checked without a subcommand"
         assert "demo" in kvservice_help() and "serve" in kvservice_help()
         return
     sub, rest = args[0], args[1:]
