@@ -22,6 +22,10 @@ decode's in ``disaggregation/decode.py``):
   the rank with this rank's heads: ``WaitingForInput``; ``send_metadata(kv_indices,
   aux_index)`` sends the expect; ``Success`` once every chunk's notification is in and
   the payload is in this rank's aux row.
+* A decode rank believes a prefill's ranks for ``PREFILL_CACHE_S`` (shorter than any
+  restart), so it never dials a restarted prefill's old address; a receiver that fails or
+  is aborted before its expect reached the prefill rank declines the room there, so the
+  prefill's sender fails at once instead of at its bootstrap timeout.
 * Failure is sticky and never raises into a scheduler loop: ``poll()`` says ``Failed``
   for good and ``failure_exception()`` raises ``TransferFailed``, whose message names the
   request, the reason and the peer, with the original error (NIXL's exception, the lost
@@ -41,7 +45,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -54,14 +57,12 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from ..._control.addresses import split_address
 from ..._log import get_logger
 from ..._results import FailureReason, KVPoll, TransferFailed
 from ...engine import KVReceiver as FacadeReceiver
 from ...engine import KVSender as FacadeSender
 from ...engine import KVTransferEngine
-from ...memory._layout import PageIndex, check_pages
-from . import bootstrap
+from . import bootstrap, checks
 from .memory import AuxRows, kv_memory
 from .registration import MAX_RANKS
 from .settings import service_config
@@ -127,7 +128,7 @@ class KVManager(BaseKVManager):
         self.engine = KVTransferEngine(service_config(self.aux.row_bytes), memory=self.memory).start()
         #: bootstrap address -> the prefill's topology, as SGLang's decode scheduler reads it
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
-        self._prefill_ranks: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+        self._prefill_ranks: dict[str, tuple[float, dict[str, Any], dict[str, str]]] = {}
         self.bootstrap_addr = f"{_bootstrap_host(server_args)}:{int(server_args.disaggregation_bootstrap_port)}"
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
@@ -173,13 +174,17 @@ class KVManager(BaseKVManager):
         return True
 
     def prefill_ranks(self, bootstrap_addr: str) -> tuple[dict[str, Any], dict[str, str]]:
-        """The prefill's pool description and ranks (cached; a restarted prefill registers
-        again and a receiver that fails to link drops the cache: ``forget_prefill``)."""
-        cached = self._prefill_ranks.get(bootstrap_addr)
-        if cached is None:
-            cached = bootstrap.lookup(bootstrap_addr)
-            info = cached[0]
-            self._prefill_ranks[bootstrap_addr] = cached
+        """The prefill's pool description and ranks, looked up again once the last lookup is
+        ``PREFILL_CACHE_S`` old (a restarted prefill registers again) or a receiver failed
+        to link (``forget_prefill``)."""
+        now = time.monotonic()
+        entry = self._prefill_ranks.get(bootstrap_addr)
+        if entry is not None and now - entry[0] < PREFILL_CACHE_S:
+            return entry[1], entry[2]
+        cached = bootstrap.lookup(bootstrap_addr)
+        info = cached[0]
+        self._prefill_ranks[bootstrap_addr] = (now, *cached)
+        if entry is None or entry[1] != info:
             self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
                 attn_tp_size=info["attn_tp_size"], attn_cp_size=1, dp_size=info["dp_size"], pp_size=1,
                 page_size=info["page_size"], kv_cache_dtype=info["kv_cache_dtype"], follow_bootstrap_room=True)
@@ -206,54 +211,10 @@ class KVManager(BaseKVManager):
         self.engine.close()
 
 
-#: what an entry may raise on a value SGLang handed over (``int(None)``, ``len()`` of a scalar,
-#: ``int(float("inf"))``, the facade's refusals...): each becomes a Failed request, never an
-#: exception in a scheduler's loop
-_BAD_INPUT = (ValueError, TypeError, OverflowError, RuntimeError)
-#: rooms are SGLang's 64-bit request keys (a client may send its own)
-MAX_ROOM = 2**64 - 1
-
-
-def _show(value: Any) -> str:
-    """``repr(value)``, cut short: a hostile value must not make a long log line."""
-    if isinstance(value, int) and value.bit_length() > 128:  # repr() of a huge int can raise
-        return f"an int of {value.bit_length()} bits"
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a hostile object's own __repr__
-        return f"a {type(value).__name__}"
-    return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-def _request_id(room: Any) -> str:
-    if not isinstance(room, (int, np.integer)) or isinstance(room, (bool, np.bool_)) or not 0 <= room <= MAX_ROOM:
-        raise ValueError(f"bootstrap_room must be an int in 0..2**64-1, got {_show(room)}")
-    return str(int(room))
-
-
-def _bootstrap_addr(addr: Any) -> str:
-    """``addr`` if it is a bootstrap address (``host:port``); ``ValueError`` saying why not."""
-    try:
-        split_address(addr)
-    except ValueError:
-        raise ValueError(f"bootstrap_addr must be 'host:port', got {_show(addr)}") from None
-    return str(addr)
-
-
-def _index(name: str, value: Any, bound: int, low: int = 0) -> int:
-    """``value`` as an int in ``low..bound-1``; ``ValueError`` naming ``name`` otherwise."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or not low <= value < bound:
-        raise ValueError(f"{name} must be an int in {low}..{bound - 1}, got {_show(value)}")
-    return int(value)
-
-
-def _pages(kv_indices: Any, num_pages: int) -> PageIndex:
-    """``kv_indices`` as page indices of this rank's pool, checked now (the service would
-    refuse them later, after the call returned); ``ValueError`` naming what is wrong."""
-    try:
-        return check_pages(np.asarray(kv_indices), num_pages)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise ValueError(f"kv_indices {_show(kv_indices)}: {exc}") from None
+#: how long a decode rank believes a prefill's ranks as looked up.  Shorter than any prefill
+#: restart, so a decode never dials a restarted prefill's old address: its registry restarts
+#: with it, and any lookup it answers after the restart names the new incarnation
+PREFILL_CACHE_S = 1.0
 
 
 class _Side:
@@ -271,15 +232,15 @@ class _Side:
         self._failure: TransferFailed | None = None
         self._t = None
         try:
-            self.request_id = _request_id(bootstrap_room)
+            self.request_id = checks.request_id(bootstrap_room)
         except ValueError as exc:
-            self.request_id = _show(bootstrap_room)
+            self.request_id = checks.show(bootstrap_room)
             self._fail(FailureReason.REFUSED, "not a bootstrap room", exc)
             return
         try:
-            _bootstrap_addr(bootstrap_addr)
+            checks.bootstrap_addr(bootstrap_addr)
         except ValueError as exc:
-            self.bootstrap_addr = _show(bootstrap_addr)  # what failures name as the peer: short
+            self.bootstrap_addr = checks.show(bootstrap_addr)  # what failures name as the peer: short
             self._fail(FailureReason.REFUSED, "not a bootstrap address", exc)
 
     def _peer(self) -> str | None:
@@ -345,11 +306,11 @@ class KVSender(_Side, BaseKVSender):
         if self._t is None or self._failure is not None:
             return
         try:
-            num_pages = _index("num_kv_indices", num_kv_indices, self.kv_mgr.memory.num_pages + 1, low=1)
+            num_pages = checks.index("num_kv_indices", num_kv_indices, self.kv_mgr.memory.num_pages + 1, low=1)
             if aux_index is not None:
-                aux_index = _index("aux_index", aux_index, self.kv_mgr.aux.rows)
+                aux_index = checks.index("aux_index", aux_index, self.kv_mgr.aux.rows)
             self._t.init(num_pages)
-        except _BAD_INPUT as exc:
+        except checks.BAD_INPUT as exc:
             self._fail(FailureReason.REFUSED, "init() refused", exc)
             return
         self._num_pages = num_pages
@@ -364,12 +325,12 @@ class KVSender(_Side, BaseKVSender):
                 raise RuntimeError(f"send() before init() for request {self.request_id}")
             if state_indices and any(s is not None for s in state_indices):
                 raise ValueError("state_indices (Mamba/SWA state) are not supported by the kvservice backend")
-            pages = _pages(kv_indices, self.kv_mgr.memory.num_pages)
+            pages = checks.pages(kv_indices, self.kv_mgr.memory.num_pages)
             last = self._pages_sent + len(pages) >= self._num_pages
             payload = self.kv_mgr.aux.read(self._aux_index) if last and self._aux_index is not None else None
             self._t.send(pages, last=last, payload=payload)
             self._pages_sent += len(pages)
-        except _BAD_INPUT as exc:
+        except checks.BAD_INPUT as exc:
             self._fail(FailureReason.REFUSED, "send() refused", exc)
 
     def poll(self) -> int:
@@ -409,14 +370,30 @@ class KVReceiver(_Side, BaseKVReceiver):
     _t: FacadeReceiver | None
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
-        self._t = None  # what ``_peer`` reads, should the room or the address be refused
+        self._t = None  # what ``_peer`` and ``_fail`` read, should the room or the address be refused
+        self._address = ""  # the prefill rank's kvservice address, once looked up
+        self._metadata_sent = False
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos: list[dict[str, Any]] | None = None
         self._aux_index: int | None = None
-        self._metadata_sent = False
         self._delivered = False
+
+    def _fail(self, reason: FailureReason, message: str, error: BaseException | None = None) -> None:
+        """Also tell the prefill rank, when this side fails a room its expect has not reached
+        there: the prefill's sender fails at once (``decline``) instead of at its bootstrap
+        timeout."""
+        super()._fail(reason, message, error)
+        self._decline(f"the decode failed the request: {reason.value}: {message}")
+
+    def _decline(self, message: str) -> None:
+        if self._address and not self._metadata_sent:
+            self.kv_mgr.engine.decline(self.request_id, sender=self._address, message=message[:200])
+
+    def abort(self) -> None:
+        super().abort()
+        self._decline("the decode aborted the request")
 
     def _peer(self) -> str | None:
         return self._t.sender if self._t is not None else f"{self.bootstrap_addr} (bootstrap)"
@@ -425,7 +402,7 @@ class KVReceiver(_Side, BaseKVReceiver):
         if self._failure is not None or self._t is not None:
             return
         try:
-            dp_rank = _index("prefill_dp_rank", prefill_dp_rank, MAX_RANKS)
+            dp_rank = checks.index("prefill_dp_rank", prefill_dp_rank, MAX_RANKS)
         except ValueError as exc:
             self._fail(FailureReason.REFUSED, "not a prefill DP rank", exc)
             return
@@ -452,6 +429,7 @@ class KVReceiver(_Side, BaseKVReceiver):
             self.kv_mgr.forget_prefill(self.bootstrap_addr)  # a restarted prefill registers anew
             self._fail(*failure, error)
             return
+        self._address = address
         self.bootstrap_infos = [{"address": address}]
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: list[Any] | None = None,
@@ -467,12 +445,12 @@ class KVReceiver(_Side, BaseKVReceiver):
             if decode_prefix_len:
                 raise ValueError("a decode-side prefix (decode radix cache) is not supported by the kvservice backend")
             if aux_index is not None:
-                aux_index = _index("aux_index", aux_index, self.kv_mgr.aux.rows)
-            pages = _pages(kv_indices, self.kv_mgr.memory.num_pages)
+                aux_index = checks.index("aux_index", aux_index, self.kv_mgr.aux.rows)
+            pages = checks.pages(kv_indices, self.kv_mgr.memory.num_pages)
             self._aux_index = aux_index
             self._t.init(pages)
             self._metadata_sent = True
-        except _BAD_INPUT as exc:
+        except checks.BAD_INPUT as exc:
             self._fail(FailureReason.REFUSED, "send_metadata() refused", exc)
 
     def poll(self) -> int:

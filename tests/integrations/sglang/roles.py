@@ -290,7 +290,7 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
             addr = cmd.get("bootstrap", f"127.0.0.1:{args.bootstrap_port}")
             req = SimpleNamespace(room=cmd["room"], n=cmd["pages"], hold_s=cmd.get("hold_s", 0.0),
                                   bootstrap_host=addr.rpartition(":")[0], ready_at=None, tries=0, addr=addr,
-                                  next_try=0.0,
+                                  next_try=0.0, abort=cmd.get("abort", False),
                                   init_direct=cmd.get("init_direct", False))
             req.receiver = receiver_cls(mgr=mgr, bootstrap_addr=addr, bootstrap_room=cmd["room"])
             req.req, req.metadata_buffer_index = req, -1
@@ -313,6 +313,10 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
         for req, poll in zip(prealloc, polls, strict=True):
             track(states, req.room, poll)
             if poll == KVPoll.Bootstrapping:
+                keep.append(req)
+            elif poll == KVPoll.WaitingForInput and req.abort:  # the scheduler gives it up before its metadata
+                req.receiver.abort()
+                req.abort = False
                 keep.append(req)
             elif poll == KVPoll.WaitingForInput:
                 req.ready_at = req.ready_at or time.monotonic()

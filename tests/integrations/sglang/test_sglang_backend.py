@@ -323,6 +323,51 @@ def test_prefill_restart_fails_its_requests_and_the_decode_finds_the_new_one(tmp
     assert decode.quit() == 0 and prefill2.quit() == 0
 
 
+def test_a_prefill_restarted_while_idle_gets_the_decodes_next_request(tmp_path: Path, roles: Any) -> None:
+    """The decode knows the prefill's rank from a request it served; the prefill is SIGKILLed
+    while idle and a new one starts on the same bootstrap port, at a new address.  The
+    decode's first request after that succeeds: it looks the rank up again (its lookup is
+    older than ``PREFILL_CACHE_S``) instead of dialling the old address; the new prefill's
+    room never waits for its timeout (600 s here)."""
+    port = free_port()
+    long = {"KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": "600"}
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True, "env": long}),
+                            ("decode", port, tmp_path, {"env": long}))
+    prefill.send(room=601, pages=2)
+    decode.send(room=601, pages=2)
+    assert decode.end(601)["poll"] == "Success" and prefill.end(601)["poll"] == "Success"
+    prefill.kill()
+    (prefill2,) = roles(("prefill", port, tmp_path, {"serve": True, "env": long}))
+    assert prefill2.ready["address"] != prefill.ready["address"]
+    prefill2.send(room=602, pages=3)
+    decode.send(room=602, pages=3)
+    got = decode.end(602, timeout=120)
+    assert got["poll"] == "Success" and got["verified"] and got["aux"], got
+    assert prefill2.end(602, timeout=120)["poll"] == "Success"
+    assert decode.quit() == 0 and prefill2.quit() == 0
+
+
+def test_a_room_its_decode_gave_up_fails_on_the_prefill_at_once(tmp_path: Path, roles: Any) -> None:
+    """The decode looks the prefill up, then its scheduler aborts the room before sending
+    its metadata: the prefill's sender hears it (the decode declines the room) and fails at
+    once, ``ABORTED`` saying so, instead of holding the room to its bootstrap timeout
+    (600 s here); the next room is served."""
+    port = free_port()
+    long = {"KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": "600"}
+    prefill, decode = roles(("prefill", port, tmp_path, {"serve": True, "env": long}),
+                            ("decode", port, tmp_path, {"env": long}))
+    prefill.send(room=701, pages=2)
+    decode.send(room=701, pages=2, abort=True)
+    assert decode.end(701)["reason"] == "ABORTED"
+    ended = prefill.end(701, timeout=120)
+    assert ended["poll"] == "Failed" and ended["reason"] == "ABORTED", ended
+    says_why(ended, "asked for it, then was lost or gave it up")
+    prefill.send(room=702, pages=2)
+    decode.send(room=702, pages=2)
+    assert decode.end(702)["verified"] and prefill.end(702)["poll"] == "Success"
+    assert prefill.quit() == 0 and decode.quit() == 0
+
+
 def test_bad_input_is_a_clear_failure_never_an_exception_in_the_loop(tmp_path: Path, roles: Any) -> None:
     """A bogus bootstrap address (nothing listens; not an address at all), a bogus room,
     a room no decode ever asks for, and garbage sent to the registry: each is ``Failed``
