@@ -321,6 +321,23 @@ def test_every_failure_reason_is_in_the_tables(page: str, section: str) -> None:
     assert not missing, f"{page} {section!r} lacks {missing}"
 
 
+
+def test_the_api_page_names_every_member_of_kvtransfer() -> None:
+    """docs/api.md's "One API" section names each member of ``KVTransfer`` (kvservice/_api.py),
+    and the calls it says are outside the protocol are not in it but are on ``SidecarClient``."""
+    from kvservice import KVTransfer, SidecarClient
+
+    text = (REPO / "docs" / "api.md").read_text()
+    section = text.split("## One API, two faces: `KVTransfer`")[1].split("\n## ")[0]
+    inside, outside = section.split("Outside the protocol")
+    members = {name for name in vars(KVTransfer) if not name.startswith("_")} | set(KVTransfer.__annotations__)
+    missing = sorted(m for m in members if not re.search(rf"`{m}[`(]", inside))
+    assert not missing, f"docs/api.md's KVTransfer members lack {missing}"
+    named = set(re.findall(r"`(\w+)`", outside.split(".")[0]))
+    assert named == {"expected", "expected_pages", "expect_dropped", "live_peers"}, named
+    assert not named & members and all(hasattr(SidecarClient, n) for n in named), named
+
+
 # -- examples -----------------------------------------------------------------------------------
 
 #: the pages whose Python examples are checked (the README and the docs this project keeps by hand)
