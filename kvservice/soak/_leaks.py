@@ -54,7 +54,8 @@ PROCESS_RESOURCES: dict[str, str] = {
 @dataclass
 class Series:
     points: list[tuple[float, float]] = field(default_factory=list)
-    cap: int | None = None
+    cap: int | None = None  # the capacity at the last sample (it may move with what is live)
+    over: int = 0  # samples above the capacity at their own time
     missing: bool = False  # the probe found no such table at some sample
 
 
@@ -96,6 +97,7 @@ class Ledger:
         s.points.append((t, float(value)))
         if cap is not None:
             s.cap = cap
+            s.over += value > cap
 
     def judge(self) -> list[Trend]:
         t_end = max((p[-1][0] for row in self.series.values() for s in row.values() if (p := s.points)), default=0.0)
@@ -129,7 +131,7 @@ def judge(process: str, resource: str, s: Series, t_end: float) -> Trend:
     if s.missing:
         verdict = "gone"
     elif s.cap is not None:
-        verdict = "over cap" if peak > s.cap else "capped"
+        verdict = "over cap" if s.over else "capped"
     elif len(a) < MIN_POINTS or len(b) < MIN_POINTS:
         verdict = "short"
     else:

@@ -77,7 +77,9 @@ def service_tables(service: Any) -> dict[str, Table]:
     disc = service._discovery
     out = {
         "requests": _read(lambda: len(p.sends) + len(p.recvs)),
-        "deadlines": _read(lambda: len(p.deadlines)),
+        # a heap rebuilt once it passes SLACK x live + FLOOR entries (``_transfer.deadlines``)
+        "deadlines": _read(lambda: len(p.deadlines),
+                           lambda: p.deadlines.SLACK * (len(p.sends) + len(p.recvs)) + p.deadlines.FLOOR),
         "results": _read(lambda: len(p.sends_done) + len(p.recvs_done),
                          lambda: p.sends_done._kept._cap + p.recvs_done._kept._cap),
         "dropped": _read(lambda: len(p.dropped), lambda: p.dropped._cap),

@@ -88,6 +88,17 @@ def test_a_capped_table_fails_only_past_its_capacity() -> None:
     assert verdict(lambda t: t * 20, "results", cap=10_000) == "over cap"
 
 
+def test_a_capacity_that_moves_is_checked_at_each_sample() -> None:
+    # the deadline heap: rebuilt past 2 x live + 256, a saw tooth whose slope means nothing
+    led, over = Ledger(), Ledger()
+    for t in range(600):
+        live = 3 + t % 5
+        led.add("prefill", "deadlines", float(t), (t * 7) % 256 + live, 2 * live + 256)
+        over.add("prefill", "deadlines", float(t), 300 if t == 500 else 10, 2 * live + 256)
+    assert [x.verdict for x in led.judge()] == ["capped"]
+    assert [x.verdict for x in over.judge()] == ["over cap"]
+
+
 def test_too_few_samples_are_not_judged() -> None:
     assert verdict(lambda t: t, every=60.0) == "short"
 
