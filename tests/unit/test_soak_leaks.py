@@ -94,7 +94,8 @@ def test_a_capacity_that_moves_is_checked_at_each_sample() -> None:
     for t in range(600):
         live = 3 + t % 5
         led.add("prefill", "deadlines", float(t), (t * 7) % 256 + live, 2 * live + 256)
-        over.add("prefill", "deadlines", float(t), 300 if t == 500 else 10, 2 * live + 256)
+        # past its capacity then (none live: 256), within the last sample's (20 live: 296)
+        over.add("prefill", "deadlines", float(t), 270 if t == 500 else 10, 256 if t < 599 else 296)
     assert [x.verdict for x in led.judge()] == ["capped"]
     assert [x.verdict for x in over.judge()] == ["over cap"]
 
