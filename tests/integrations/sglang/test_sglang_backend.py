@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 ROLES = Path(__file__).with_name("roles.py")
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -49,12 +51,6 @@ def _sglang() -> None:
     if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
         pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
     pytest.skip(why)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:

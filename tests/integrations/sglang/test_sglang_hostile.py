@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +35,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from kvservice import FailureReason, TransferFailed  # noqa: E402
 from kvservice._control.addresses import split_address  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 #: importing SGLang's scheduler modules on a CPU machine warns (CUDA-only kernels): theirs, not ours
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600),
@@ -47,12 +47,6 @@ LAYERS, HEADS, HEAD_DIM, PAGE, NUM_PAGES, AUX_ROWS = 2, 8, 4, 4, 16, 8
 FAILED, SUCCESS = 0, 4
 ROOMS = itertools.count(1000)
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def manager(mode: str, port: int) -> tuple[Any, list[torch.Tensor]]:

@@ -7,7 +7,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.testing.engine_process import ask_to_quit, reap, send_line
-from tests.helpers import eventually_sync
+from tests.helpers import eventually_sync, free_port
+
+__all__ = ["free_port"]  # tests here take their ports from tests.helpers, as every test does
 
 ROOT = Path(__file__).resolve().parents[3]
 #: tokens every test decodes
@@ -27,12 +28,6 @@ MAX_TOKENS = 8
 ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "32", "--no-enable-prefix-caching",
                 "--kv-cache-memory-bytes", str(64 << 20), "--enforce-eager", "--distributed-executor-backend", "uni",
                 "--skip-tokenizer-init", "--max-model-len", "1024"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_env(cpu: int) -> dict[str, str]:
