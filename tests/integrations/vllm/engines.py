@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvservice.testing.engine_process import ask_to_quit, reap, send_line
-from tests.helpers import eventually_sync, free_port
-
-__all__ = ["free_port"]  # tests here take their ports from tests.helpers, as every test does
+from tests.helpers import eventually_sync
+from tests.helpers import free_port as free_port  # re-exported: this folder's tests take ports from here
 
 ROOT = Path(__file__).resolve().parents[3]
 #: tokens every test decodes
