@@ -20,4 +20,6 @@ travels here; what the requests *mean* lives in the request plane (``_transfer``
   vetting) and how a refusal is told, counted and logged.
 - **source**: the IP address a connection comes from (``preauth.source_of``).  Agent
   names cost a key holder nothing; sources do, so shared bounds are charged to them.
+  Before the handshake a source is what an address costs to have
+  (``preauth.budget_key``: an IPv6 /64, the loopback addresses but 127.0.0.1 as one).
 """

@@ -15,10 +15,11 @@ unloaded again) or ``REFUSED`` (NIXL raised: the message says what).  If UCX
 aborts on the bytes, this process ends and its service sees the socket close.
 
 Every service (every engine rank) runs one, and a peer's first link may wait for
-it to serve, so it starts light: it is run by path, not with ``-m``, which would
-first run ``kvservice/__init__`` and import the whole service and torch (in
-SGLang's environment ~590 MiB resident and ~2.3 s of CPU; this way ~57 MiB and
-~0.3 s: docs/perf).  It enters ``kvservice`` as a bare package (its folder,
+it to serve, so it starts light (the whole service and torch: in SGLang's
+environment ~590 MiB resident and ~2.3 s of CPU; this way ~57 MiB and ~0.3 s:
+docs/perf).  It is run by path, not with ``-m``: ``kvservice/__init__`` now loads
+its names lazily and imports neither, but entering bare keeps this child's
+imports this module's own choice, whatever ``__init__`` grows.  It enters ``kvservice`` as a bare package (its folder,
 none of its ``__init__``) and imports ``_nixl.trial`` and what that imports;
 until then only the standard library, which is also all that ``vetting``
 imports from here (the wire below).
