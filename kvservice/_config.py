@@ -132,7 +132,9 @@ class ServiceConfig(DiscoverySettings):
     #: holding fewer than the heaviest takes that one's oldest slot, else it is refused
     max_handshakes: int = field(default=64, metadata=declare(
         "connections accepted and still in their handshake", above=0))
-    max_handshakes_per_source: int = field(default=16, metadata=declare("such connections from one source IP", above=0))
+    max_handshakes_per_source: int = field(default=16, metadata=declare(
+        "such connections from one source: an IPv4 address, an IPv6 /64, the loopback addresses but "
+        "127.0.0.1 together", above=0))
     #: shared bounds are charged per source as well as per peer: an agent's name costs a key
     #: holder nothing to mint, an address it connects from does
     max_peers: int = field(default=1024, metadata=declare(
