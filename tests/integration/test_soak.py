@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,17 +28,24 @@ from tests.helpers import scaled
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_soak(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """``kvservice soak ARGS`` as a user runs it, once it exited 0: its ``--json`` summary, and
+    the process (what it printed)."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvservice.cli", "soak", *args, "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(220), check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary: dict[str, Any] = json.loads(out.read_text())
+    return summary, proc
+
+
 @pytest.mark.nixl
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_soak_150_transfers_keeps_every_counter_at_zero(tmp_path: Path) -> None:
-    out = tmp_path / "soak.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvservice.cli", "soak", "--transfers", "150", "--seed", "1", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=scaled(220), check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = json.loads(out.read_text())
+    summary, proc = run_soak(tmp_path, "--transfers", "150", "--seed", "1")
     assert set(summary) == {
         "transfers", "succeeded_verified", "failed_by_reason", "false_success", "hung", "leaked_handles",
         "writes_after_settle", "crashes", "max_loop_lag_ms", "unsettled_pages_max", "faults", "seconds", "leaks",
@@ -91,14 +99,8 @@ def assert_every_resource_of_every_process(leaks: dict[str, dict[str, dict[str, 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_soak_by_duration_ends_by_the_clock(tmp_path: Path) -> None:
-    out = tmp_path / "soak.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "12s", "--seed", "2", "--fault-interval", "0",
-         "--concurrency", "2", "--quiet", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=scaled(220), check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = json.loads(out.read_text())
+    summary, _ = run_soak(tmp_path, "--duration", "12s", "--seed", "2", "--fault-interval", "0",
+                          "--concurrency", "2", "--quiet")
     assert summary["transfers"] > 0 and summary["faults"].get("sigkill", 0) == 0
     # no request starts past the duration; the run lasts at least as long (and ends)
     assert summary["seconds"] >= 12
