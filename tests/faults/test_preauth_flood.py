@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable, Sequence
 
 import anyio
 import pytest
 
-from kvservice import FailureReason, TransferService
+from kvservice import FailureReason, ServiceConfig, TransferService
 from kvservice._control.protocol import Hello, Reject
 from tests.faults.test_hostile_peers import WAIT_S, hostile_config, legit_transfer, refused
 from tests.helpers import eventually, peer_config, peers, scaled
@@ -41,6 +42,28 @@ async def hold(address: str, source: str, seen: Counter[str]) -> None:
         await anyio.sleep(0.1)
 
 
+async def decodes_link_while_strangers_hold(
+        cfg: ServiceConfig, decodes_n: int, sources: Sequence[str], seen: Counter[str],
+        full: Callable[[TransferService], bool], what: str) -> TransferService:
+    """A real prefill service on ``cfg``; one idle stranger per entry of ``sources`` (an
+    address) held open (``hold``) until ``full(svc)``; then ``decodes_n`` real decode
+    processes on 127.0.0.1 link and receive byte-exact, and no stranger is linked.  The
+    service, closed, for what it counted."""
+    configs = [peer_config() for _ in range(decodes_n)]
+    async with peers(*configs) as decodes, TransferService(cfg) as svc:
+        async with anyio.create_task_group() as tg:
+            for source in sources:
+                tg.start_soon(hold, svc.address, source, seen)
+            await eventually(lambda: full(svc), WAIT_S, 0.05, what=what)
+            try:
+                for decode in decodes:
+                    await legit_transfer(svc, decode)  # each decode dials the service: a new link
+            finally:
+                tg.cancel_scope.cancel()
+        assert sorted(svc.status()["peers"]) == sorted(d.address for d in decodes)
+    return svc
+
+
 async def test_strangers_on_many_loopback_addresses_hold_one_share() -> None:
     """Six addresses 127.0.0.2-7 each keep 24 idle connections open, reopening every one
     closed (144 wanted; 64 slots, 16 per source): every local process has all of
@@ -50,19 +73,9 @@ async def test_strangers_on_many_loopback_addresses_hold_one_share() -> None:
     byte-exact, and no stranger is linked."""
     cfg = hostile_config(connect_timeout_s=scaled(2.0))  # the pool's defaults: 64 slots, 16 per source
     seen: Counter[str] = Counter()
-    async with peers(peer_config(), peer_config(), peer_config()) as decodes, TransferService(cfg) as svc:
-        async with anyio.create_task_group() as tg:
-            for s in range(2, 8):
-                for _ in range(24):
-                    tg.start_soon(hold, svc.address, f"127.0.0.{s}", seen)
-            await eventually(lambda: sum(refused(svc, kind) for kind in POOL_KINDS) >= 128, WAIT_S, 0.05,
-                             what="the strangers refused")
-            try:
-                for decode in decodes:
-                    await legit_transfer(svc, decode)  # each decode dials the service: a new link
-            finally:
-                tg.cancel_scope.cancel()
-        assert sorted(svc.status()["peers"]) == sorted(d.address for d in decodes)
+    svc = await decodes_link_while_strangers_hold(
+        cfg, 3, [f"127.0.0.{s}" for s in range(2, 8) for _ in range(24)], seen,
+        lambda svc: sum(refused(svc, kind) for kind in POOL_KINDS) >= 128, "the strangers refused")
     counts = {kind: refused(svc, kind) for kind in (*POOL_KINDS, "handshake_timeout")}
     assert counts["handshake_limit"] == 0 and counts["handshake_evicted"] == 0, counts
     # what the strangers were told matches what the service counted (some may have been
@@ -77,19 +90,9 @@ async def test_strangers_filling_a_small_pool_from_loopback_do_not_lock_out_peer
     strangers' oldest slots (evicted), link and receive byte-exact."""
     cfg = hostile_config(connect_timeout_s=scaled(2.0), max_handshakes=16)
     seen: Counter[str] = Counter()
-    async with peers(peer_config(), peer_config()) as decodes, TransferService(cfg) as svc:
-        async with anyio.create_task_group() as tg:
-            for s in range(2, 6):
-                for _ in range(8):
-                    tg.start_soon(hold, svc.address, f"127.0.0.{s}", seen)
-            await eventually(lambda: refused(svc, "handshake_source_limit") >= 16, WAIT_S, 0.05,
-                             what="the pool full of strangers")
-            try:
-                for decode in decodes:
-                    await legit_transfer(svc, decode)
-            finally:
-                tg.cancel_scope.cancel()
-        assert sorted(svc.status()["peers"]) == sorted(d.address for d in decodes)
+    svc = await decodes_link_while_strangers_hold(
+        cfg, 2, [f"127.0.0.{s}" for s in range(2, 6) for _ in range(8)], seen,
+        lambda svc: refused(svc, "handshake_source_limit") >= 16, "the pool full of strangers")
     assert refused(svc, "handshake_evicted") >= 1, svc.status()["refused"]
 
 
@@ -97,18 +100,9 @@ async def test_one_source_reopening_its_connections_is_held_to_its_share() -> No
     """The finding as reported: one source (127.0.0.2) holds 64 idle connections and
     reopens each one closed; new peers (127.0.0.1) link and transfer byte-exact."""
     seen: Counter[str] = Counter()
-    async with peers(peer_config(), peer_config()) as decodes, TransferService(hostile_config()) as svc:
-        async with anyio.create_task_group() as tg:
-            for _ in range(64):
-                tg.start_soon(hold, svc.address, "127.0.0.2", seen)
-            await eventually(lambda: refused(svc, "handshake_source_limit") >= 48, WAIT_S, 0.05,
-                             what="one source held to its share")
-            try:
-                for decode in decodes:
-                    await legit_transfer(svc, decode)
-            finally:
-                tg.cancel_scope.cancel()
-        assert sorted(svc.status()["peers"]) == sorted(d.address for d in decodes)
+    await decodes_link_while_strangers_hold(
+        hostile_config(), 2, ["127.0.0.2"] * 64, seen,
+        lambda svc: refused(svc, "handshake_source_limit") >= 48, "one source held to its share")
     assert seen["handshake_source_limit"] >= 1, seen
 
 
