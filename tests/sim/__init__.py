@@ -1,0 +1,1 @@
+"""A seeded simulation of the whole control plane, checked against invariants."""

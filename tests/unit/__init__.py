@@ -1,0 +1,2 @@
+"""Unit tests: the state machine, protocol, layout and configuration, without NIXL or child
+processes (scripted fakes only here)."""

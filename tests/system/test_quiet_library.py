@@ -31,7 +31,7 @@ def _env() -> dict[str, str]:
 
 def test_unconfigured_library_writes_nothing_to_stdout(tmp_path: Path) -> None:
     out = tmp_path / "outcome.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.quiet_app", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tests.system.quiet_app", str(out)], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=90, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text()) == {"sent": "SUCCESS", "verified": True, "lost": "PEER_LOST"}
@@ -46,7 +46,7 @@ def test_unconfigured_library_writes_nothing_to_stdout(tmp_path: Path) -> None:
 
 
 def _ucx_log_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.ucx_log_child"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.system.ucx_log_child"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=90, check=False)
     assert proc.returncode == 0 and proc.stdout == "", proc
     return proc

@@ -20,7 +20,7 @@ from kvservice.testing.peer_process import PEER_MODULE, use_fork_server
 
 from ..helpers import READY_S, peer_config, unclosed_resources
 
-ENTRY = "tests.integration.fork_child:main"
+ENTRY = "tests.system.fork_child:main"
 
 
 async def _line(proc: ForkedProcess) -> dict[str, object]:

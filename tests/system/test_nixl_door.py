@@ -26,7 +26,7 @@ pytestmark = pytest.mark.nixl
 
 def _start_child() -> tuple[subprocess.Popen[str], bytes, np.ndarray]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.door_child"],
+        [sys.executable, "-m", "tests.system.door_child"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None

@@ -69,7 +69,7 @@ async def decode_as(uid: int, cfg: dict[str, Any]) -> AsyncIterator[PeerProcess]
     for path in [home, code, *(os.path.join(d, n) for d, ds, fs in os.walk(code) for n in ds + fs)]:
         os.chown(path, uid, uid)
     checkout = os.path.dirname(package)  # for the launcher, which runs before the drop
-    launcher = (other_users_python(), "-P", "-m", "tests.integration.as_user", str(uid), home)
+    launcher = (other_users_python(), "-P", "-m", "tests.system.as_user", str(uid), home)
     env = {"PYTHONPATH": os.pathsep.join([code, checkout, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
         async with anyio.create_task_group() as tg:

@@ -1,4 +1,4 @@
-"""Run a Python module as another user: ``python -m tests.integration.as_user UID HOME PYTHON -m MODULE ARG...``.
+"""Run a Python module as another user: ``python -m tests.system.as_user UID HOME PYTHON -m MODULE ARG...``.
 
 Started as root, it imports what the module will need while the interpreter's own
 files are readable (they need not be for that user), drops to ``UID`` (group

@@ -14,7 +14,7 @@ import pytest
 from kvservice import FailureReason, TensorParallel, TransferService
 from kvservice.memory.synthetic import EngineSpec, SyntheticKV
 from tests.helpers import config, eventually
-from tests.integration.test_engines import children, engine_config, untouched, verified
+from tests.system.test_engines import children, engine_config, untouched, verified
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
