@@ -20,7 +20,7 @@ fi
 if ! command -v etcd >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq etcd-server >/dev/null
 fi
-# The Mooncake baseline of `kvservice bench` (tests/integration/test_bench_mooncake.py): its
+# The Mooncake baseline of `kvservice bench` (tests/system/test_bench_mooncake.py): its
 # package, and the libibverbs it loads even over TCP.
 if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ] \
         && command -v apt-get >/dev/null 2>&1; then

@@ -29,7 +29,7 @@ for _name, _value in host_ucx_defaults().items():
 #: a test's hang guard before scaling (its ``timeout`` mark, else the run's default)
 GUARD_KEY = pytest.StashKey[float]()
 
-BOTH_LOOPS = {"tests/integration/test_two_process.py", "tests/faults/test_bad_input.py"}
+BOTH_LOOPS = {"tests/system/test_two_process.py", "tests/faults/test_bad_input.py"}
 
 
 def pytest_asyncio_loop_factories(

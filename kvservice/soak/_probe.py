@@ -6,7 +6,7 @@ pages, handles, linked peers); this adds the tables behind it that a long run co
 kept results, per-agent ledgers, the NIXL door's loaded remote agents.  It reads private
 state by name, so it lives beside the soak and nowhere else: a table renamed or removed
 under it reads as ``None`` (shown as "gone" in the leak table) rather than failing a soak,
-and ``tests/integration/test_soak.py`` fails on any ``None`` so a rename is seen.
+and ``tests/system/test_soak.py`` fails on any ``None`` so a rename is seen.
 
 Each table is a ``Table``: its size now and, where the code bounds it, its capacity.  A
 table with a capacity cannot grow without bound; the leak verdict checks it stays within

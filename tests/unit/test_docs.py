@@ -234,7 +234,7 @@ def check_python(cmd: Command, args: tuple[str, ...]) -> None:
         if module == "pip":
             check_pip(cmd, rest)
         elif module == "build":
-            packaging = (REPO / "tests" / "integration" / "test_packaging.py").read_text()
+            packaging = (REPO / "tests" / "system" / "test_packaging.py").read_text()
             assert '"-m", "build", "--wheel"' in packaging, "test_packaging.py no longer builds the wheel this way"
             assert set(rest) <= {"--wheel"}, f"{cmd}: test_packaging.py builds with --wheel only"
         elif module == "pytest":

@@ -2,7 +2,7 @@
 in the same order, for every pair (whole pages, tensor-parallel slices, MLA), so they
 agree after a real move and disagree after one changed byte.  The moves are a
 ``memmove`` per descriptor of the pair's own tables (``test_memory.move``); the
-transfers themselves are in tests/integration/test_landing.py."""
+transfers themselves are in tests/system/test_landing.py."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def test_an_older_peer_ignores_the_landing_ask_and_sum() -> None:
 
 def test_a_newer_peer_reads_an_older_ones_expect_and_notif() -> None:
     """And the other way: no ``verify`` is False, no sum is None (which a receiver that
-    asked for checks fails ``INCOMPATIBLE``: tests/integration/test_landing.py)."""
+    asked for checks fails ``INCOMPATIBLE``: tests/system/test_landing.py)."""
     old = msgspec.msgpack.encode(_ExpectV5("r1", [3], -1))
     assert decode_body(old) == Expect("r1", [3], -1, verify=False)
     raw = NOTIF_MAGIC + msgspec.msgpack.encode(_ChunkNotifV5("r1", 0, 1))

@@ -2,7 +2,7 @@
 
 A flat series passes and a growing one fails the soak naming its process and resource;
 the shapes between (a cache filling up, restarts' saw teeth, one step up, noise) pass;
-a table with a capacity fails only past it.  The real run is tests/integration/test_soak.py.
+a table with a capacity fails only past it.  The real run is tests/system/test_soak.py.
 """
 
 from __future__ import annotations
