@@ -7,7 +7,8 @@ run up front (as a decode engine does once it has allocated the pages) and
 then ``await_arrival``s each.  Both use kvservice's default configuration.
 
 A ticker task on the sender's loop sleeps ``TICK_S`` again and again and
-records how late it wakes: the loop lag reported per run.
+records how late it wakes: the loop lag reported per run (``CONFIG["ticker"]``
+false leaves it out, for a measurement of what the idle process costs).
 
 The same two processes drive any object with this API: ``kvservice.bench.sidecar_side``
 runs them with a ``SidecarClient`` in place of the ``TransferService``.
@@ -200,7 +201,8 @@ async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_servic
     ticker = Ticker()
     async with open_svc(cfg) as svc, anyio.create_task_group() as tg:
         svc.kv.tensor.fill_(1.0)  # touch every page once
-        tg.start_soon(ticker.run)
+        if cfg.get("ticker", True):  # off where the process's idle cost is measured (benchmarks/idle.py)
+            tg.start_soon(ticker.run)
         freeze_startup_heap(cfg.get("gc", "freeze"))
         emit({"event": "ready", "address": svc.address, "pid": os.getpid()})
 
