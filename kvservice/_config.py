@@ -8,12 +8,13 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from ._control.addresses import is_loopback_host, is_unspecified_host
 from ._peertimes import PEER_LABELS
 from ._results import ConfigError
-from ._settings import check_fields, declare, quote
+from ._settings import check_fields, declare, quote, refuse_unknown
+from ._trust.identity import Identity, load_identity
 from ._trust.keys import ServiceKey, load_key, resolve_key
 from .discovery.settings import DiscoverySettings, check_discovery
 from .memory._layout import KVLayout
@@ -126,6 +127,18 @@ class ServiceConfig(DiscoverySettings):
     allow_unauthenticated: bool = field(default=False, metadata=declare(
         "without auth_key_file: run with no key at all (any local user, or anyone who reaches the port, can peer); "
         "logged as a warning"))
+    #: (``_trust.identity``) with these three, this service proves its own member identity on
+    #: every link and checks each peer's; without them, the cluster key is its only proof
+    identity_cert_file: str | None = field(default=None, metadata=declare(
+        "this member's X.509 certificate, PEM, from the cluster's authority (kvservice keygen issue); "
+        "needs identity_key_file and identity_ca_file"))
+    identity_key_file: str | None = field(default=None, metadata=declare(
+        "this member's private key, PEM, unencrypted, mode 0600"))
+    identity_ca_file: str | None = field(default=None, metadata=declare(
+        "the cluster's CA certificate, PEM: peers' certificates must be issued by it"))
+    allow_peers_without_identity: bool = field(default=False, metadata=declare(
+        "with an identity: still link with peers that prove none (while a fleet moves to identities); "
+        "such links carry no member"))
 
     # -- bounds: each one refuses or drops, and counts (status()["refused"]) ----------
     #: (``_control.preauth``) a source past its share is refused; when all are held, a source
@@ -193,6 +206,7 @@ class ServiceConfig(DiscoverySettings):
             if not isinstance(self.auth_key_file, str) or not self.auth_key_file:
                 raise ConfigError(f"auth_key_file: must be a path, got {self.auth_key_file!r}")
             load_key(self.auth_key_file)  # raises naming the problem (missing, readable by others, short)
+        self.identity()  # raises naming the problem (a file missing, not issued by the CA, expired)
         if is_unspecified_host(self.host) and not self.advertise_host:
             raise ConfigError(
                 f"advertise_host: required when host is {self.host!r} (peers cannot dial it); "
@@ -223,6 +237,27 @@ class ServiceConfig(DiscoverySettings):
         return resolve_key(self.auth_key_file, allow_unauthenticated=self.allow_unauthenticated,
                            loopback=self.loopback_only)
 
+    def identity(self) -> Identity | None:
+        """This service's member identity, loaded and checked (file I/O); ``None`` without one."""
+        files = (self.identity_cert_file, self.identity_key_file, self.identity_ca_file)
+        if all(f is None for f in files):
+            return None
+        if any(f is None for f in files):
+            raise ConfigError("identity_cert_file, identity_key_file and identity_ca_file: set all three or none")
+        if self.allow_unauthenticated and self.auth_key_file is None:
+            raise ConfigError("identity_cert_file: a member identity is proven on keyed links; it needs a key "
+                              "(auth_key_file, or this user's key on loopback), not allow_unauthenticated")
+        return load_identity(*cast(tuple[str, str, str], files))
+
+    @property
+    def agent_base(self) -> str:
+        """What this service's agent names start with: its member name with an identity
+        (peers check that: ``_trust.identity.agent_of``), else ``agent_prefix``."""
+        if self.identity_cert_file is None:
+            return self.agent_prefix
+        identity = self.identity()
+        return identity.member.name if identity is not None else self.agent_prefix
+
     @property
     def loopback_only(self) -> bool:
         """Whether only this host can reach the control listener."""
@@ -230,3 +265,21 @@ class ServiceConfig(DiscoverySettings):
 
     def replace(self, **changes: Any) -> ServiceConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _refusing_unknown_keywords(cls: type[Any]) -> None:
+    """Make ``cls(misspelt=...)`` (and so ``replace``) the refusal every other source gives,
+    a ``ConfigError`` naming the key and the nearest known one, not the bare ``TypeError``
+    a dataclass's ``__init__`` raises."""
+    init = cls.__init__
+    keys = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        refuse_unknown(kwargs, keys, where=cls.__name__)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+_refusing_unknown_keywords(ServiceConfig)

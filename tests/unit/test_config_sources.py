@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvservice import ConfigError
+from kvservice import ConfigError, ServiceConfig
 from kvservice.integrations.sglang.settings import SGLANG_TIMEOUTS, service_config
 from kvservice.integrations.vllm.settings import settings_from
 from kvservice.sidecar.settings import load
@@ -95,6 +95,28 @@ def test_check_config_exits_non_zero_on_a_typo_naming_it(tmp_path: Path) -> None
     assert out.stderr.strip().splitlines() == [
         f"kvservice check-config: service.transfer_timout_s (in {path}): unknown key; "
         "did you mean transfer_timeout_s?"]
+
+
+# -- ServiceConfig(...) in code -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"transfer_timout_s": 1}, "ServiceConfig.transfer_timout_s: unknown key; did you mean transfer_timeout_s?"),
+    ({"port": 1, "etcd_endpoint": ["e:1"]},  # discovery's keys, inherited
+     "ServiceConfig.etcd_endpoint: unknown key; did you mean etcd_endpoints?"),
+    ({"zzzzzz": 1}, "ServiceConfig.zzzzzz: unknown key; none of its "),
+    ({"a\nb": 1}, "ServiceConfig.'a\\nb': unknown key; "),  # one line: the newline is quoted
+])
+def test_a_misspelt_keyword_of_the_config_object_is_refused_with_the_nearest(kwargs: dict[str, Any],
+                                                                             message: str) -> None:
+    """What a file, a variable or vLLM's JSON gets, not a dataclass's bare ``TypeError``."""
+    assert refused(ServiceConfig, **kwargs).startswith(message)
+    assert refused(ServiceConfig().replace, **kwargs).startswith(message)
+
+
+def test_the_config_object_takes_every_key_it_declares() -> None:
+    held = ServiceConfig(transfer_timeout_s=1, etcd_endpoints=["127.0.0.1:2379"])
+    assert held.transfer_timeout_s == 1 and held.replace(port=5).port == 5
 
 
 # -- KVSERVICE_* -----------------------------------------------------------------------------
