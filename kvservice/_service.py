@@ -82,7 +82,7 @@ class TransferService:
         self._memory = memory
         self._pool_tensor = pool
         self._kv: KVPool | None = None
-        self.agent_name = f"{self.config.agent_prefix}-{uuid.uuid4().hex[:12]}"
+        self.agent_name = f"{self.config.agent_base}-{uuid.uuid4().hex[:12]}"
         self._door_factory = door_factory or _nixl_door
         self._thread_factory = thread_factory  # the simulation (tests/sim) runs door calls inline
         self._transport = transport  # None: TCP; the simulation's is in memory
