@@ -1,4 +1,7 @@
 """``kvservice keygen PATH [--force]``: write a new cluster key (mode 0600).
+``kvservice keygen ca DIR --cluster NAME`` and ``kvservice keygen issue DIR --role ROLE
+--name NAME [--out OUT]``: a small authority for member identities (``_trust.authority``);
+rotating a member's certificate is issuing it again (``--force``).
 
 Every sidecar and service of one cluster reads the same key file
 (``[service] auth_key_file`` or ``KVSERVICE_AUTH_KEY_FILE``); peers without it
@@ -16,10 +19,13 @@ from collections.abc import Sequence
 
 from ._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ._results import ConfigError
+from ._trust.authority import create_authority, issue
 from ._trust.keys import generate_key, load_key
 
 
 def main(argv: Sequence[str]) -> int:
+    if argv and argv[0] in ("ca", "issue"):  # a key file of that name: ./ca
+        return _authority(argv)
     parser = argparse.ArgumentParser(
         prog="kvservice keygen",
         description="Write a new shared key for a cluster of kvservice peers (32 random bytes, hex, mode 0600).")
@@ -50,6 +56,43 @@ def main(argv: Sequence[str]) -> int:
           f"use it: [service] auth_key_file = \"{full}\" in the sidecar's TOML, or "
           f"KVSERVICE_AUTH_KEY_FILE={full}\n"
           "copy the same file (mode 0600, owned by the user each service runs as) to every host of the cluster")
+    return EXIT_OK
+
+
+def _authority(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvservice keygen", description=(
+        "A small certificate authority for member identities (identity_cert_file, identity_key_file, "
+        "identity_ca_file)."))
+    sub = parser.add_subparsers(dest="command", required=True)
+    ca = sub.add_parser("ca", help="create the cluster's authority: DIR/ca.crt and DIR/ca.key (0600)")
+    ca.add_argument("dir", metavar="DIR")
+    ca.add_argument("--cluster", required=True, help="the cluster's name: letters, digits and '-'")
+    ca.add_argument("--days", type=int, default=3650)
+    ca.add_argument("--force", action="store_true", help="replace an existing authority")
+    member = sub.add_parser("issue", help="issue a member's DIR/<name>.crt and <name>.key (0600) from the "
+                                          "authority in DIR (again, with --force, to rotate)")
+    member.add_argument("dir", metavar="DIR", help="the authority's directory")
+    member.add_argument("--role", required=True, help="e.g. prefill, decode")
+    member.add_argument("--name", required=True, help="the member's name; its agents are named <name>-<hex>")
+    member.add_argument("--out", help="where to write the two files (default: DIR)")
+    member.add_argument("--days", type=int, default=90)
+    member.add_argument("--force", action="store_true", help="replace the member's files (rotation)")
+    args = parser.parse_args(argv)
+    if args.days < 1:
+        return _fail(EXIT_USAGE, f"--days must be at least 1, got {args.days}")
+    try:
+        if args.command == "ca":
+            path = create_authority(args.dir, args.cluster, days=args.days, force=args.force)
+            print(f"wrote the authority of cluster {args.cluster} to {os.path.abspath(args.dir)}\n"
+                  f"every member: identity_ca_file = \"{os.path.abspath(path)}\"; keep ca.key off the members")
+            return EXIT_OK
+        cert, key = issue(args.dir, args.role, args.name, args.out or args.dir, days=args.days, force=args.force)
+    except FileExistsError as exc:
+        return _fail(EXIT_USAGE, f"{exc.filename} exists; pass --force to replace it")
+    except (OSError, ValueError, ConfigError) as exc:
+        return _fail(EXIT_FAILED, str(exc))
+    print(f"issued member {args.name} ({args.role}) for {args.days} days\n"
+          f"identity_cert_file = \"{os.path.abspath(cert)}\"\nidentity_key_file = \"{os.path.abspath(key)}\"")
     return EXIT_OK
 
 
