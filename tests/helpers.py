@@ -29,6 +29,7 @@ from kvservice import KVLayout, ServiceConfig, testing
 from kvservice.memory import KVPool
 from kvservice.memory._regions import regions_table
 from kvservice.memory.engines import pool_regions
+from kvservice.testing.inspect import inside
 
 #: the environment variable carrying this run's ``slowdown()`` to its workers and children
 SLOWDOWN_ENV = "KVSERVICE_TEST_SLOWDOWN"
@@ -226,14 +227,4 @@ def unclosed_resources() -> Iterator[list[str]]:
 def heard_by(svc: Any) -> list[Any]:
     """Every control message ``svc``'s request plane hears from now on (each still handled
     as before): what a test's own service was told by the peer under test."""
-    heard: list[Any] = []
-    assert svc._plane is not None
-    inbound = svc._plane.inbound
-    on_message = inbound.on_message
-
-    def recording(agent: str, msg: Any) -> None:
-        heard.append(msg)
-        on_message(agent, msg)
-
-    inbound.on_message = recording
-    return heard
+    return inside(svc).heard()

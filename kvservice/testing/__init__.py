@@ -20,6 +20,11 @@ so a receiver verifies every byte without a checksum from the sender.
 ``engine_process`` holds both ends of the JSON-line pipe to an engine in a child process
 (the vLLM tests and ``benchmarks.vllm_pd`` run theirs so); it imports no engine.
 
+``kvservice.testing.inspect.inside(svc)`` is what a test sees of a running service beyond
+its API (its request and control planes, its links, its early expects, its door and
+vetter), and the pushes a failure-path test makes (drop a link, hear what it is told):
+tests read a service's private state there, never through its attributes.
+
 What is stable: the names in ``__all__``, the peer's commands and events
 (``kvservice.testing.peer``) and ``FakeDoor``'s scripting calls.  The rest of the
 modules here (``Mode``, ``PostRecord``, the fake's counters) serve kvservice's own

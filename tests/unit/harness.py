@@ -16,6 +16,7 @@ import torch
 from kvservice import ServiceConfig, TransferService
 from kvservice._control.protocol import ChunkNotif, encode_notif
 from kvservice.testing import FakeDoor, FakeFabric, pattern
+from kvservice.testing.inspect import inside
 from tests.helpers import SMALL, config, scaled
 
 #: generous bound on any single wait: a hang guard, never a timed assertion
@@ -58,7 +59,6 @@ def untouched(svc: TransferService, but: Sequence[int]) -> bool:
 
 def notif_from(sender: TransferService, receiver: TransferService, n: ChunkNotif) -> bytes:
     """``n`` as ``sender``'s link to ``receiver`` seals it (what its watchdog posts)."""
-    assert sender._plane is not None
-    key = sender._plane.control.notif_key_to(receiver.agent_name)
+    key = inside(sender).notif_key_to(receiver.agent_name)
     assert key is not None, "not linked"
     return encode_notif(n, key)

@@ -10,6 +10,7 @@ from kvservice import FailureReason, Overloaded
 from kvservice._transfer.early import SOURCE_LIMIT, EarlyExpects, ExpectRefused
 from kvservice.memory._layout import KVLayout
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
 from .harness import GUARD_S, fill, two_services, unit_config
@@ -78,7 +79,7 @@ async def test_expects_for_unknown_ids_are_bounded_and_counted() -> None:
             for i in (3, 4):  # refused at once, not left to time out
                 result = await rx.await_arrival(f"u{i}", timeout=GUARD_S)
                 assert result.reason is FailureReason.REFUSED and "max_unknown_expects" in result.message
-            assert len(tx._plane.early) == 3
+            assert len(inside(tx).early) == 3
             assert tx.status()["refused"]["unknown_expect_limit"] == 2
             fill(tx, "u0", [9])
             sent = await tx.await_completion(await tx.send("u0", [9], last=True), timeout=GUARD_S)
@@ -92,7 +93,7 @@ async def test_expects_for_unknown_ids_expire_and_the_receiver_is_told() -> None
             await rx.expect("old", [1], sender=tx.address)
             result = await rx.await_arrival("old", timeout=GUARD_S)
             assert result.reason is FailureReason.TIMEOUT and "no send()" in result.message
-            assert len(tx._plane.early) == 0 and tx.status()["refused"]["unknown_expect_expired"] == 1
+            assert len(inside(tx).early) == 0 and tx.status()["refused"]["unknown_expect_expired"] == 1
 
 
 async def test_live_requests_are_bounded() -> None:
@@ -120,7 +121,7 @@ async def test_a_request_pinned_to_a_receiver_refuses_any_other() -> None:
             data = fill(tx, "pin", [5, 6])
             # the thief's Expect arrives first (before the send) and again after it
             await thief.expect("pin", [1, 2], sender=tx.address)
-            await eventually(lambda: "pin" in tx._plane.early, GUARD_S)
+            await eventually(lambda: "pin" in inside(tx).early, GUARD_S)
             handle = await tx.send("pin", [5, 6], last=True, receiver=meant.address)
             refused = await thief.await_arrival("pin", timeout=GUARD_S)
             assert refused.reason is FailureReason.REFUSED and "pinned" in refused.message

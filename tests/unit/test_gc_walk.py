@@ -19,6 +19,7 @@ import anyio
 from kvservice import FailureReason, TransferResult, TransferStatus
 from kvservice._transfer.history import Results
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 
 from .harness import GUARD_S, two_services
 
@@ -96,8 +97,7 @@ async def test_kept_results_are_nothing_the_collector_walks() -> None:
                 assert (await rx.await_arrival(f"r{i}")).ok
             gc.collect()
             for svc in (tx, rx):
-                plane = svc._plane
-                assert plane is not None
+                plane = inside(svc).plane
                 for done in (plane.sends_done, plane.recvs_done):
                     assert not any(gc.is_tracked(p) for p in done._kept.values())
             # (the last request's result may still be in the event loop's hands for a turn)

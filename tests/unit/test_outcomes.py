@@ -12,6 +12,7 @@ import pytest
 from kvservice import FailureReason, TransferStatus
 from kvservice._control.protocol import ChunkNotif
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
 from .harness import GUARD_S, door_of, fill, notif_from, two_services
@@ -43,7 +44,7 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
             if outcome_first:
                 await anyio.to_thread.run_sync(txd.arrived["release"].wait, GUARD_S)
                 # the Outcome is in
-                await eventually(lambda: tx._plane is not None and "race" not in tx._plane.ends.outcomes, GUARD_S)
+                await eventually(lambda: "race" not in inside(tx).plane.ends.outcomes, GUARD_S)
                 gate.set()
             # The sender's result: once its (hung) handle is released and the Outcome is in.
             # Only then let the fake finish what still hangs, the settle fence: finishing the
@@ -75,8 +76,7 @@ async def test_without_an_outcome_the_failure_stands_after_the_peer_timeout() ->
             await rx.expect("mute", [9], sender=tx.address)
             handle = await tx.send("mute", [1], last=True)
             await eventually(lambda: txd.live_xfers() == 1, GUARD_S)
-            assert rx._plane is not None
-            rx._plane.control.drop_peer(tx.agent_name, ConnectionResetError("test: the receiver goes away"))
+            inside(rx).drop_link(tx.agent_name, ConnectionResetError("test: the receiver goes away"))
             await tx.abort("mute")
             sent = await tx.await_completion(handle)
             assert sent.status is TransferStatus.FAILED and sent.settled, sent

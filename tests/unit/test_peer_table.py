@@ -17,6 +17,7 @@ import torch
 from kvservice import FailureReason, TransferService
 from kvservice._control.links import PeerLink
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
 from .harness import GUARD_S, door_of, fill, two_services, unit_config
@@ -33,9 +34,7 @@ async def transfer(tx: TransferService, rx: TransferService, rid: str, src: list
 
 
 def linked(svc: TransferService, agent: str) -> PeerLink | None:
-    assert svc._plane is not None
-    peer = svc._plane.control._peers.get(agent)
-    return peer.link if peer is not None else None
+    return inside(svc).link(agent)
 
 
 async def test_drop_in_progress_then_the_same_agent_reconnects() -> None:
@@ -50,8 +49,7 @@ async def test_drop_in_progress_then_the_same_agent_reconnects() -> None:
             assert old is not None
 
             txd.gates["remove_peer"] = gate = threading.Event()
-            assert tx._plane is not None
-            tx._plane.control.drop_peer(rx.agent_name, ConnectionResetError("test drops the link"))
+            inside(tx).drop_link(rx.agent_name, ConnectionResetError("test drops the link"))
             await anyio.to_thread.run_sync(txd.arrived["remove_peer"].wait, GUARD_S)
             await eventually(lambda: linked(rx, tx.agent_name) is None, GUARD_S)  # rx saw the EOF
 
@@ -63,7 +61,7 @@ async def test_drop_in_progress_then_the_same_agent_reconnects() -> None:
             new = linked(tx, rx.agent_name)
             assert new is not None and new is not old and new.generation > old.generation
             assert txd.loaded_peers() == [rx.agent_name]  # the fresh agent, not removed
-            kv = tx._plane.control.peer_kv(rx.agent_name)
+            kv = inside(tx).control.peer_kv(rx.agent_name)
             assert kv is not None and kv.memory.regions == rx.memory.regions
             await transfer(tx, rx, "again", [3], [30])
     fabric.assert_clean()
@@ -77,8 +75,7 @@ async def test_reconnect_overtakes_the_old_links_loss_report() -> None:
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric, receiver=unit_config(heartbeat_interval_s=0.05),
                                 sender=unit_config(heartbeat_interval_s=0.05)) as (tx, rx):
-            assert tx._plane is not None
-            control = tx._plane.control
+            control = inside(tx).control
             held = anyio.Event()
             reports: list[PeerLink] = []
             original: Callable[[PeerLink, BaseException | None, bool], Awaitable[None]] = control._on_lost
@@ -94,8 +91,7 @@ async def test_reconnect_overtakes_the_old_links_loss_report() -> None:
             old = linked(tx, rx.agent_name)
             assert old is not None
 
-            assert rx._plane is not None
-            rx._plane.control.drop_peer(tx.agent_name, ConnectionResetError("receiver drops the link"))
+            inside(rx).drop_link(tx.agent_name, ConnectionResetError("receiver drops the link"))
             await eventually(lambda: old in reports, GUARD_S)  # ended on tx, report held
             await transfer(tx, rx, "after", [2], [20])  # reconnects meanwhile
             new = linked(tx, rx.agent_name)

@@ -10,6 +10,7 @@ import torch
 
 from kvservice import FailureReason, KVPoll, TransferService, TransferStatus
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import SMALL, eventually
 
 from .harness import GUARD_S, door_of, fill, two_services, unit_config, untouched
@@ -17,9 +18,8 @@ from .harness import GUARD_S, door_of, fill, two_services, unit_config, untouche
 
 async def _early(tx: TransferService, rid: str) -> None:
     """Wait until the receiver's Expect for ``rid`` is held on ``tx`` (before any send)."""
-    assert tx._plane is not None
-    plane = tx._plane
-    await eventually(lambda: rid in plane.early, GUARD_S)
+    early = inside(tx).early
+    await eventually(lambda: rid in early, GUARD_S)
 
 
 @pytest.mark.parametrize("expect_first", [False, True], ids=["send-first", "expect-first"])
@@ -90,7 +90,7 @@ async def test_fit_goes_only_with_a_requests_only_chunk() -> None:
                 await tx.send("bad", [1, 2], fit="tail")  # not its last
             with pytest.raises(ValueError, match="fit= goes with a request's only chunk"):
                 await tx.send("bad", [1, 2], last=True, fit="tail", layers=range(0, 1))  # not whole pages
-            assert not tx._plane.sent_before("bad")  # type: ignore[union-attr]  # refused: nothing made
+            assert not inside(tx).plane.sent_before("bad")  # refused: nothing made
             h = await tx.send("two", [1])
             with pytest.raises(ValueError, match="fit= goes with a request's only chunk"):
                 await tx.send("two", [2], last=True, fit="tail")  # its second chunk
@@ -113,8 +113,7 @@ async def test_a_fitted_send_whose_receiver_already_left_fails_at_once() -> None
             await rx.expect("gone", [9], sender=tx.address)
             await _early(tx, "gone")
             await rx.abort("gone")
-            assert tx._plane is not None
-            plane = tx._plane
+            plane = inside(tx).plane
             await eventually(lambda: "gone" in plane.dropped, GUARD_S)
             h = await tx.send("gone", [1, 2], last=True, fit="tail")
             sent = await tx.await_completion(h)

@@ -20,6 +20,7 @@ from kvservice import (
     TransferStatus,
 )
 from kvservice.testing import FakeDoor, FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
 from .harness import GUARD_S, door_of, fill, two_services, unit_config
@@ -325,7 +326,7 @@ async def test_sender_abort_of_an_expect_not_yet_sent() -> None:
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
             await rx.expect("ae", [2], sender=tx.address)
-            await eventually(lambda: "ae" in tx._plane.early, GUARD_S)
+            await eventually(lambda: "ae" in inside(tx).early, GUARD_S)
             assert await tx.abort("ae") is None
             assert (await rx.await_arrival("ae")).reason is FailureReason.ABORTED
             # nothing of it was ever posted: the receiver's pages are settled (found by the soak)
@@ -341,10 +342,10 @@ async def test_receiver_abort_before_the_send() -> None:
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
             await rx.expect("ar", [2], sender=tx.address)
-            await eventually(lambda: "ar" in tx._plane.early, GUARD_S)
+            await eventually(lambda: "ar" in inside(tx).early, GUARD_S)
             aborted = await rx.abort("ar")
             assert aborted is not None and aborted.reason is FailureReason.ABORTED
-            await eventually(lambda: "ar" not in tx._plane.early, GUARD_S)
+            await eventually(lambda: "ar" not in inside(tx).early, GUARD_S)
             h = await tx.send("ar", [1], last=True)
             assert h.result is not None and h.result.reason is FailureReason.ABORTED
     assert door_of(fabric, tx).post_count() == 0

@@ -13,6 +13,7 @@ import torch
 from kvservice import KVPoll, TransferService, TransferStatus, UnknownRequestError
 from kvservice._control.protocol import ChunkNotif, decode_notif, encode_notif
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import SMALL, eventually, plane_indices
 
 from .harness import GUARD_S, door_of, fill, notif_from, two_services, unit_config, untouched
@@ -87,7 +88,7 @@ async def test_chunked_send_posts_paired_descriptors_per_chunk() -> None:
         offset += len(chunk)
         assert post.local_idx.tolist() == plane_indices(SMALL, np.array(chunk, dtype=np.int32)).tolist()
         assert post.remote_idx.tolist() == plane_indices(SMALL, dest).tolist()
-        assert decode_notif(post.notif, rx._plane.control.notif_keys_from(tx.agent_name)) == ChunkNotif(
+        assert decode_notif(post.notif, inside(rx).notif_keys_from(tx.agent_name)) == ChunkNotif(
             "c", i, 4 if i == 3 else 0)
         assert post.xid is not None and txd.check_counts[post.xid] == 3
     fabric.assert_clean()
@@ -116,7 +117,7 @@ async def test_expect_before_send() -> None:
         async with two_services(fabric) as (tx, rx):
             data = fill(tx, "early-expect", [1, 2, 3])
             await rx.expect("early-expect", [4, 5, 6], sender=tx.address)
-            await eventually(lambda: "early-expect" in tx._plane.early, GUARD_S)
+            await eventually(lambda: "early-expect" in inside(tx).early, GUARD_S)
             h = await tx.send("early-expect", [1, 2, 3], last=True)
             assert h.poll() is not KVPoll.Bootstrapping  # the destination was known at send()
             assert (await tx.await_completion(h)).ok
@@ -134,7 +135,7 @@ async def test_many_requests_respect_max_posts_per_tick() -> None:
             payloads = {i: fill(tx, f"m{i}", [i]) for i in range(n)}
             for i in range(n):
                 await rx.expect(f"m{i}", [63 - i], sender=tx.address)
-            await eventually(lambda: len(tx._plane.early) == n, GUARD_S)
+            await eventually(lambda: len(inside(tx).early) == n, GUARD_S)
             # send() never yields, so all n requests are ready for the same watchdog tick
             handles = [await tx.send(f"m{i}", [i], last=True) for i in range(n)]
             for h in handles:
@@ -212,7 +213,7 @@ async def test_a_second_connection_from_the_same_peer_keeps_its_transfers() -> N
             await eventually(lambda: h1.poll() is KVPoll.Transferring and txd.live_xfers() == 1, GUARD_S)
             port = tx.address.rpartition(":")[2]
             await rx.expect("second", [12], sender=f"127.1:{port}")  # 127.0.0.1, spelled short
-            await eventually(lambda: "second" in tx._plane.early, GUARD_S)
+            await eventually(lambda: "second" in inside(tx).early, GUARD_S)
             assert txd.peers_added == [rx.agent_name] and txd.peers_removed == []
             assert txd.finish_hung() == 1
             txd.complete_immediately()
