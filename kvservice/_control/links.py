@@ -185,6 +185,7 @@ class PeerLink:
         self.last_rx = time.monotonic()
         self.closed = False
         self._closing = False
+        self._telling = False  # tell_and_close: the outbox drains, then a half-close
         self.graceful = False  # the peer said Bye
         self._cause: BaseException | None = None
         self._running = False  # run() has begun: it closes the outbox when the link ends
@@ -266,6 +267,22 @@ class PeerLink:
             await self._drained.wait()
         self.close()
 
+    async def tell_and_close(self, cause: BaseException, timeout: float) -> None:
+        """The link is lost for ``cause`` (not left: no Bye), but the peer can still read
+        it: send what is queued first (the ``Failed`` of the requests ``cause`` ended, so
+        the peer learns why), then our end of the stream, and let the peer close its end
+        once it has read everything; at most ``timeout`` seconds, then close.  (Closing
+        at once could reset the connection under the peer's unread frames: a socket
+        closed with the peer's replies unread sends a RST.)"""
+        if self._cause is None:
+            self._cause = cause
+        self._closing = True  # nothing queued after this
+        self._telling = True
+        self._send.close()  # the writer drains the outbox, then half-closes
+        with anyio.move_on_after(timeout):
+            await self.ended.wait()
+        self.close(cause)
+
     async def _reader(self) -> None:
         while True:
             msg = await self._framed.recv()
@@ -287,6 +304,9 @@ class PeerLink:
                 self._on_refused("outbox_overflow")
                 raise OutboxOverflow(f"peer {self.address} read nothing for {self._peer_timeout}s")
         self._drained.set()
+        if self._telling:  # our end of the stream: the peer's EOF after it read all ends the link
+            await self._framed.stream.send_eof()
+            await anyio.sleep_forever()
 
     async def _liveness(self) -> None:
         """Ping every heartbeat; end the link once the peer has been silent past

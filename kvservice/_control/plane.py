@@ -489,10 +489,18 @@ class ControlPlane:
         peer = self._peers.get(agent)
         return peer.kv if peer is not None else None
 
-    def drop_peer(self, agent: str, cause: BaseException) -> None:
-        """Close the link to ``agent``; its loss is then handled as any other."""
+    def drop_peer(self, agent: str, cause: BaseException, *, tell: bool = False) -> None:
+        """Close the link to ``agent``; its loss is then handled as any other.  ``tell``:
+        the peer is alive and reading (its NIXL endpoint broke, not its link), so what is
+        queued for it goes out first, within ``peer_timeout_s``: the ``Failed`` of the
+        requests the break ended tell it why.  The next request to it links afresh (a handshake,
+        its metadata loaded again, a new endpoint)."""
         peer = self._peers.get(agent)
-        if peer is not None:
+        if peer is None:
+            return
+        if tell and not peer.link.closed:
+            self._tg.start_soon(peer.link.tell_and_close, cause, self._cfg.peer_timeout_s)
+        else:
             peer.link.close(cause)
 
     def send_to(self, agent: str, msg: Message) -> None:

@@ -418,8 +418,8 @@ class RequestPlane:
         if err.reason is FailureReason.REMOTE_DISCONNECT and peer is not None:
             # NIXL keeps a disconnected agent loaded and fails every later post to
             # it; drop the peer now so its other requests fail at once (PEER_LOST)
-            # and a reconnect loads it afresh.
-            self.control.drop_peer(peer, err.original)
+            # and a reconnect loads it afresh; the peer is told why first (``tell``).
+            self.control.drop_peer(peer, err.original, tell=True)
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:
         self.inbound.on_notifs(notifs)
