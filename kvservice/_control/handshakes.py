@@ -6,10 +6,18 @@ proof, having learnt who answers at an address (``addressbook``).
 The order, which the proofs depend on: the dialler sends Hello; the acceptor answers
 Hello with its proof over the transcript; the dialler sends its Proof, then its sealed
 Join; the acceptor checks the proof, opens the Join, admits the dialler and only then
-seals its own Join back (so a Join received means "you are loaded here")."""
+seals its own Join back (so a Join received means "you are loaded here").
+
+Member identities (``_trust.identity``), when this service has one: the acceptor's Hello
+carries its certificate and its signature over the transcript, the dialler's Proof its
+own; each side checks the other's once the cluster key's proof checked out (a stranger
+never makes it parse a certificate).  A peer that proves none is refused
+(``identity_missing``) unless ``allow_peers_without_identity``; an agent name once proven
+by a member is never again accepted from a link that proves another or none."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +26,7 @@ import anyio
 import msgspec
 
 from .._config import ServiceConfig
+from .._log import get_logger
 from .._results import AuthenticationError, ProtocolError
 from .._trust.handshake import (
     ACCEPTOR,
@@ -29,6 +38,16 @@ from .._trust.handshake import (
     new_nonce,
     prove,
     verify,
+    with_identities,
+)
+from .._trust.identity import (
+    IDENTITY,
+    IDENTITY_FRAME_BYTES,
+    NO_IDENTITY,
+    Identity,
+    IdentityRefused,
+    Member,
+    signed_part,
 )
 from .addresses import split_address
 from .links import CONNECTION_ERRORS, ControlStream, try_send
@@ -49,6 +68,14 @@ from .protocol import (
 )
 from .transport import Transport
 
+log = get_logger("kvservice")
+
+#: ``Hello.ident``: this release knows member identities; and has one
+KNOWS_IDENTITIES = 1
+HAS_IDENTITY = 2
+#: agents remembered with the member that proved them (an agent name is one incarnation's)
+MEMBERS_KEPT = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class Met:
@@ -58,6 +85,7 @@ class Met:
     join: Join  # its Join, opened (pool, NIXL metadata)
     secrets: LinkSecrets
     version: int  # the protocol version the link speaks
+    member: Member | None = None  # the member it proved (None: no identity here, or none there)
 
 
 class Handshakes:
@@ -67,6 +95,9 @@ class Handshakes:
         self._cfg = config
         self._local = local
         self._my_address = my_address  # known once the plane listens
+        self._identity: Identity | None = config.identity()
+        #: agent -> the member it proved (None: it linked proving none), most recent last
+        self.members: OrderedDict[str, Member | None] = OrderedDict()
 
     @contextmanager
     def deadline(self, address: str) -> Iterator[None]:
@@ -92,40 +123,58 @@ class Handshakes:
             raise cls(f"cannot connect to {address}: {exc.__cause__ or exc}") from exc
         return ControlStream(stream, self._cfg.max_frame_bytes)
 
-    async def hello(self, framed: ControlStream, address: str, *, probe: bool) -> tuple[Hello, Agreement]:
-        """Our Hello, the acceptor's, its proof checked: (its Hello, what they settled)."""
+    async def hello(self, framed: ControlStream, address: str, *, probe: bool
+                    ) -> tuple[Hello, Agreement, Member | None]:
+        """Our Hello, the acceptor's, its proof (and identity) checked: (its Hello, what
+        they settled, the member it proved)."""
         local = self._local
         exchange = Exchange()
-        mine = hello(local.agent, self._my_address(), new_nonce(PROTOCOL_VERSION), probe=probe, share=exchange.share)
+        mine = msgspec.structs.replace(
+            hello(local.agent, self._my_address(), new_nonce(PROTOCOL_VERSION), probe=probe, share=exchange.share),
+            ident=self._ident)
         with broken_off(address, "before its hello"):
             await framed.send(mine)
-            reply = await framed.recv(PREAUTH_FRAME_BYTES)
+            reply = await framed.recv(IDENTITY_FRAME_BYTES if self._identity else PREAUTH_FRAME_BYTES)
         if isinstance(reply, Reject):
             raise rejected_by(address, reply)
         if not isinstance(reply, Hello):
             raise ProtocolError(f"{address} answered {type(reply).__name__}, not hello")
-        agreed = agree(check_hello(reply, local.agent), mine, reply, exchange, DIALER)
+        agreed = with_identities(agree(check_hello(reply, local.agent), mine, reply, exchange, DIALER),
+                                 mine.ident, reply.ident)
         why = verify(local.key, ACCEPTOR, agreed.script, reply.proof) or check_versions(
             reply.nonce, PROTOCOL_VERSION, agreed.version)
         if why is not None:
             if not probe:
                 await try_send(framed, Reject(why, "auth"))
             raise AuthenticationError(f"{address}: {why}")
-        return reply, agreed
+        try:
+            member = self._member(reply.agent, reply.ident, reply.cert, reply.signature,
+                                  signed_part(ACCEPTOR, agreed.script, reply.cert))
+        except IdentityRefused as exc:
+            if not probe:
+                await try_send(framed, Reject(str(exc), exc.kind))
+            raise IdentityRefused(f"{address}: {exc}", exc.kind) from exc
+        return reply, agreed, member
 
     async def dial(self, framed: ControlStream, address: str) -> Met:
         """The dialler's whole handshake on ``framed``: Hellos, our Proof, the Joins."""
         local = self._local
-        reply, agreed = await self.hello(framed, address, probe=False)
+        reply, agreed, member = await self.hello(framed, address, probe=False)
         secrets = agreed.secrets(local.key, DIALER)
+        proof = Proof(prove(local.key, DIALER, agreed.script))
+        if self._identity is not None and reply.ident == HAS_IDENTITY:
+            own = self._identity.der
+            proof = Proof(proof.proof, own, self._identity.sign(signed_part(DIALER, agreed.script, own, reply.cert)))
         with broken_off(address, "before its join"):
-            await framed.send(Proof(prove(local.key, DIALER, agreed.script)))
+            await framed.send(proof)
             framed.mac = secrets.frame_mac
             await send_join(framed, local.join, secrets)
             answer = await recv_join_or_reject(framed)
         if isinstance(answer, Reject):
             raise rejected_by(address, answer)
-        return Met(reply, open_join(answer, secrets), secrets, agreed.version)
+        met = Met(reply, open_join(answer, secrets), secrets, agreed.version, member)
+        self._proven(reply.agent, member)
+        return met
 
     async def probe(self, address: str) -> str:
         """The agent that answers at ``address`` now, proven by its proof over our fresh
@@ -134,7 +183,7 @@ class Handshakes:
         with self.deadline(address):
             framed = await self.connect(address)
             try:
-                reply, _ = await self.hello(framed, address, probe=True)
+                reply, _, _ = await self.hello(framed, address, probe=True)
             finally:
                 await framed.aclose()
         return reply.agent
@@ -149,12 +198,22 @@ class Handshakes:
             raise ProtocolError(f"expected hello, got {type(theirs).__name__}", "hello_invalid")
         version = check_hello(theirs, local.agent)
         exchange = Exchange()
-        mine = hello(local.agent, self._my_address(), new_nonce(PROTOCOL_VERSION), share=exchange.share)
-        agreed = agree(version, mine, theirs, exchange, ACCEPTOR)
-        await framed.send(msgspec.structs.replace(mine, proof=prove(local.key, ACCEPTOR, agreed.script)))
+        mine = msgspec.structs.replace(
+            hello(local.agent, self._my_address(), new_nonce(PROTOCOL_VERSION), share=exchange.share),
+            ident=self._ident)
+        agreed = with_identities(agree(version, mine, theirs, exchange, ACCEPTOR), theirs.ident, mine.ident)
+        mine = msgspec.structs.replace(mine, proof=prove(local.key, ACCEPTOR, agreed.script))
+        # our certificate only to a dialler that checks it: an older one reads a short Hello only
+        both = self._identity is not None and theirs.ident == HAS_IDENTITY
+        if both:
+            assert self._identity is not None
+            own = self._identity.der
+            mine = msgspec.structs.replace(mine, cert=own,
+                                           signature=self._identity.sign(signed_part(ACCEPTOR, agreed.script, own)))
+        await framed.send(mine)
         if theirs.probe:  # "who answers here?": our proof says it; nothing else follows
             return None
-        answer = await framed.recv(PREAUTH_FRAME_BYTES)
+        answer = await framed.recv(IDENTITY_FRAME_BYTES if both else PREAUTH_FRAME_BYTES)
         if isinstance(answer, Reject):
             raise rejected_by(theirs.address, answer)
         if not isinstance(answer, Proof):
@@ -163,9 +222,52 @@ class Handshakes:
             theirs.nonce, PROTOCOL_VERSION, version)
         if why is not None:
             raise AuthenticationError(why)
+        member = self._member(theirs.agent, theirs.ident, answer.cert, answer.signature,
+                              signed_part(DIALER, agreed.script, answer.cert, mine.cert))
         secrets = agreed.secrets(local.key, ACCEPTOR)
         framed.mac = secrets.frame_mac
-        return Met(theirs, open_join(await framed.recv(), secrets), secrets, version)
+        met = Met(theirs, open_join(await framed.recv(), secrets), secrets, version, member)
+        self._proven(theirs.agent, member)
+        return met
+
+    # -- member identities ----------------------------------------------------------------
+    @property
+    def _ident(self) -> int:
+        return HAS_IDENTITY if self._identity is not None else KNOWS_IDENTITIES
+
+    def _member(self, agent: str, ident: int, cert: bytes, signature: bytes, signed: bytes) -> Member | None:
+        """The member a peer speaking as ``agent`` proved (``None``: this service has no
+        identity, or, when allowed, the peer proves none); ``IdentityRefused`` otherwise."""
+        identity = self._identity
+        if identity is None:
+            return None
+        if ident == HAS_IDENTITY and cert:
+            member: Member | None = identity.check(cert, agent, signature, signed)
+        elif not self._cfg.allow_peers_without_identity:
+            why = "it has no certificate" if ident else "it has no certificate, or runs a release without identities"
+            raise IdentityRefused(
+                f"agent {agent!r} proves no member identity ({why}), and this service requires one "
+                "(identity_cert_file; allow_peers_without_identity lets such peers link while a fleet moves "
+                "to identities)", NO_IDENTITY)
+        else:
+            member = None
+        before = self.members.get(agent, member)
+        if (before and before.uri) != (member and member.uri):
+            raise IdentityRefused(f"agent {agent!r} was proven by member "
+                                  f"{before.uri if before else 'none'} on an earlier link; this link proves "
+                                  f"{member.uri if member else 'none'}", IDENTITY)
+        return member
+
+    def _proven(self, agent: str, member: Member | None) -> None:
+        """Remember which member ``agent`` proved (bounded: agent names are per incarnation)."""
+        if self._identity is None:
+            return
+        self.members[agent] = member
+        self.members.move_to_end(agent)
+        while len(self.members) > MEMBERS_KEPT:
+            self.members.popitem(last=False)
+        if member is not None:
+            log.info("peer.member_proven", agent=agent, member=member.uri, expires=member.not_after.isoformat())
 
 
 @contextmanager

@@ -38,8 +38,8 @@ from .protocol import Hello, Join, Message, Reject, negotiate
 #: a handshake past its source's share of ``max_peers``
 PEER_SOURCE_LIMIT = "peer_source_limit"
 #: refusals that mean "not allowed" rather than "cannot work together"
-REFUSED_KINDS = frozenset({"auth", "agent_live", "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED,
-                           VETTING_BACKOFF})
+REFUSED_KINDS = frozenset({"auth", "identity", "identity_missing", "agent_live", "peer_limit", PEER_SOURCE_LIMIT,
+                           LIMIT, SOURCE_LIMIT, EVICTED, VETTING_BACKOFF})
 
 
 class PeerEvents(Protocol):
@@ -54,6 +54,8 @@ class PeerEvents(Protocol):
     def released_by_door(self, xids: list[int]) -> None: ...
     def draining(self, agent: str) -> anyio.Event | None:
         """Set once the handles of a lost ``agent`` ended (None: none left): unload it then."""
+    def on_peer_gone(self, agent: str) -> None:
+        """Lost ``agent`` is unloaded and gone for good (``departures``): it never links again."""
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ _Agent = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 _Address = Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
 _Nonce = Annotated[bytes, msgspec.Meta(max_length=32)]  # exactly 32: checked with the version
 _Proof = Annotated[bytes, msgspec.Meta(max_length=32)]
+_Cert = Annotated[bytes, msgspec.Meta(max_length=6144)]  # _trust.identity.MAX_CERT_BYTES
+_Signature = Annotated[bytes, msgspec.Meta(max_length=1024)]  # _trust.identity.MAX_SIGNATURE_BYTES
 #: longest free text in a frame (messages of Reject / Abort / Failed / Bye); ``text()`` cuts to it
 MAX_TEXT = 4096
 _Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
@@ -97,6 +99,11 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     top: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     #: the sender's ephemeral X25519 public key (from version 6; ``_trust.handshake.Exchange``)
     share: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+    #: member identities (``_trust.identity``): 0 from a release without them, 1 "I know them, have
+    #: none", 2 "I have one"; the acceptor's certificate and its signature over the transcript
+    ident: Annotated[int, msgspec.Meta(ge=0, le=2)] = 0
+    cert: _Cert = b""
+    signature: _Signature = b""
 
     @property
     def newest(self) -> int:
@@ -122,9 +129,12 @@ def negotiate(theirs: Hello) -> int:
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
-    """The dialer's answer to the acceptor's Hello."""
+    """The dialer's answer to the acceptor's Hello (with its certificate and signature
+    when both sides have a member identity)."""
 
     proof: _Proof
+    cert: _Cert = b""
+    signature: _Signature = b""
 
 
 class RegionWire(msgspec.Struct, array_like=True, frozen=True):

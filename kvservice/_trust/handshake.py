@@ -151,6 +151,17 @@ class Agreement:
         return LinkSecrets(key, self.script, role, shared=self.shared)
 
 
+def with_identities(agreed: Agreement, dialer: int, acceptor: int) -> Agreement:
+    """``agreed`` with both Hellos' ``ident`` in its transcript when both sides know member
+    identities (each > 0; an older release sends 0 and its transcript is as before): whoever
+    lowers either on the path, to talk a link out of proving its members, is caught by the
+    proofs."""
+    if dialer == 0 or acceptor == 0:
+        return agreed
+    script = agreed.script + msgspec.msgpack.encode(["ident", dialer, acceptor])
+    return Agreement(agreed.version, script, agreed.shared)
+
+
 def _derive(key: bytes, purpose: bytes, role: str, script: bytes) -> bytes:
     return hmac.digest(key, _LABEL + purpose + role.encode() + b"\0" + script, "sha256")
 

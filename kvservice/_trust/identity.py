@@ -116,11 +116,12 @@ def _ec_hash(curve: ec.EllipticCurve) -> hashes.HashAlgorithm:
     return {384: hashes.SHA384(), 521: hashes.SHA512()}.get(curve.key_size, hashes.SHA256())
 
 
-def signed_part(role: str, script: bytes, dialer_cert: bytes, acceptor_cert: bytes) -> bytes:
+def signed_part(role: str, script: bytes, own_cert: bytes, peer_cert: bytes = b"") -> bytes:
     """What ``role``'s signature covers: the link's transcript (both nonces, both X25519
-    shares, both agent names, the version) and both certificates."""
-    return (_LABEL + role.encode() + b"\0" + hashlib.sha256(dialer_cert).digest()
-            + hashlib.sha256(acceptor_cert).digest() + script)
+    shares, both agent names, the version), its own certificate and (the dialer's) the
+    peer's, which the acceptor sends before it sees the dialer's."""
+    return (_LABEL + role.encode() + b"\0" + hashlib.sha256(own_cert).digest()
+            + hashlib.sha256(peer_cert).digest() + script)
 
 
 @dataclass(frozen=True)
