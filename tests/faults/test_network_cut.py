@@ -20,33 +20,36 @@ the same two processes.  See docs/testing-faults.md.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.abc
 import pytest
 
-from kvservice import KVLayout
 from kvservice._trust.keys import generate_key
 from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import Host, NetnsError, Wire
-from tests.helpers import READY_S, eventually, peer_config
+from tests.faults.two_hosts import (
+    LAYOUT,
+    PEER_TIMEOUT_S,
+    handshakes,
+    move,
+    services,
+    start_requests,
+    status,
+    until,
+)
+from tests.faults.two_hosts import counters as _counters
+from tests.helpers import eventually
 
 REAL = [pytest.mark.nixl, pytest.mark.slow]
 
-# 128 KiB pages, 512 of them (64 MiB) per service.
-LAYOUT = KVLayout(layers=2, page_tokens=16, kv_heads=8, head_dim=128, dtype="bfloat16", num_pages=512)
-PEER_TIMEOUT_S = 2.0
-HEARTBEAT_S = 0.5
 #: hang guard after a cut: the loss is seen after PEER_TIMEOUT_S; the rest is slack for a
 #: loaded 2-core machine, not a performance claim
 CUT_GUARD_S = PEER_TIMEOUT_S + 13.0
@@ -81,96 +84,9 @@ def key_file(tmp_path: Path) -> str:
     return str(path)
 
 
-# -- two services, one per namespace ----------------------------------------------------
-
-
-def _service(host: Host, key_file: str) -> dict[str, Any]:
-    return peer_config(
-        LAYOUT, host=host.ip, auth_key_file=key_file, ucx_env=host.ucx_env,
-        peer_timeout_s=PEER_TIMEOUT_S, heartbeat_interval_s=HEARTBEAT_S,
-        transfer_timeout_s=60.0, arrival_timeout_s=60.0, drain_grace_s=0.5,
-    )
-
-
-@contextlib.asynccontextmanager
-async def services(w: Wire, key_file: str) -> AsyncIterator[tuple[PeerProcess, PeerProcess]]:
-    """A decode service in ``w.a`` and a prefill service in ``w.b``.  Both must exit
-    cleanly (status 0) when the block ends normally; they are killed if it fails."""
-    async with anyio.create_task_group() as tg:
-        started: dict[str, PeerProcess] = {}
-
-        async def start(host: Host) -> None:
-            started[host.netns] = await PeerProcess.start(
-                tg, _service(host, key_file), env=host.ucx_env, prefix=host.prefix, ready_timeout=READY_S)
-
-        try:
-            async with anyio.create_task_group() as starting:  # the two start-ups overlap
-                for host in (w.a, w.b):
-                    starting.start_soon(start, host)
-            yield started[w.a.netns], started[w.b.netns]
-            codes = [await p.stop(timeout=10) for p in started.values()]
-            assert codes == [0, 0], f"exit statuses {codes}"
-        finally:
-            with anyio.CancelScope(shield=True):
-                for p in started.values():
-                    await p.stop(timeout=5)
-            tg.cancel_scope.cancel()
-
-
-_ids = itertools.count(1)
-
-
-async def status(peer: PeerProcess, timeout: float = 10.0) -> dict[str, Any]:
-    """The child's ``svc.status()``; a child that is gone or does not answer fails the test."""
-    assert peer.proc.returncode is None, f"peer {peer.pid} exited ({peer.proc.returncode})"
-    i = next(_ids)
-    await peer.command(op="status", id=i)
-    return await peer.wait_for(lambda e: e["event"] == "status" and e.get("id") == i, timeout=timeout)
-
-
-async def until(peer: PeerProcess, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
-    """Poll ``status`` every 50 ms until ``pred`` holds, for at most ``timeout``."""
-    last: dict[str, Any] = {}
-
-    async def reached() -> bool:
-        nonlocal last
-        last = await status(peer)
-        return pred(last)
-
-    await eventually(reached, timeout, 0.05, what=lambda: f"peer {peer.pid}: condition (last status {last})")
-    return last
-
-
-async def move(decode: PeerProcess, prefill: PeerProcess, rids: list[str], src: list[list[int]],
-               dst: list[list[int]], timeout: float = 30.0) -> None:
-    """Fill, expect and send each request; every one succeeds on both sides and arrives byte-exact."""
-    await start_requests(decode, prefill, rids, src, dst)
-    for rid in rids:
-        completed = await prefill.event("completed", rid, timeout=timeout)
-        assert completed["status"] == "SUCCESS", completed
-        arrived = await decode.event("arrived", rid, timeout=timeout)
-        assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
-
-
-async def start_requests(decode: PeerProcess, prefill: PeerProcess, rids: list[str], src: list[list[int]],
-                         dst: list[list[int]]) -> None:
-    for rid, s in zip(rids, src, strict=True):
-        await prefill.command(op="fill", rid=rid, pages=s)
-        await prefill.event("filled", rid)
-    for rid, d in zip(rids, dst, strict=True):
-        await decode.command(op="expect", rid=rid, pages=d, sender=prefill.address)
-        await decode.event("expecting", rid)
-    for rid, s in zip(rids, src, strict=True):
-        await prefill.command(op="send", rid=rid, pages=s, last=True)
-
-
 def _tx_bytes(host: Host) -> int:
     info = json.loads(host.ip_cmd("-j", "-s", "link", "show", "dev", host.dev))
     return int(info[0]["stats64"]["tx"]["bytes"])
-
-
-def _counters(st: dict[str, Any]) -> dict[str, Any]:
-    return {k: st[k] for k in ("outcomes", "stale_notifs", "refused", "forced_releases", "peers")}
 
 
 # -- the happy path -----------------------------------------------------------------------
@@ -254,6 +170,8 @@ async def cut_in_flight(w: Wire, method: str, decode: PeerProcess, prefill: Peer
     for side, ev in ended.items():
         assert ev["status"] == "FAILED", (side, ev)
         assert ev["reason"] in CUT_REASONS, (side, ev)
+        # It says why: the control link's silence (or the transport's error), kept.
+        assert ev["message"] and ev["error_type"] in ("TimeoutError", "nixlRemoteDisconnectError"), (side, ev)
     resolved_after = {side: round(ev["_t"] - cut_at, 2) for side, ev in ended.items()}
     print(f"\n{what}: resolved after (s) {resolved_after}")
 
@@ -271,9 +189,11 @@ async def cut_in_flight(w: Wire, method: str, decode: PeerProcess, prefill: Peer
 @pytest.mark.nixl
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-async def test_cut_mid_transfer_fails_both_sides_then_heals(link: Wire, key_file: str, method: str) -> None:
-    async with services(link, key_file) as (decode, prefill):
+async def test_cut_mid_transfer_fails_both_sides_then_heals(link: Wire, key_file: str, method: str,
+                                                          tmp_path: Path) -> None:
+    async with services(link, key_file, logs=tmp_path) as (decode, prefill):
         cut = await cut_in_flight(link, method, decode, prefill)
+        assert handshakes(tmp_path, link.b, decode.agent) == handshakes(tmp_path, link.a, prefill.agent) == [1]
 
         _heal(link, method, link.b)
         # The same processes: the peer is dialled afresh and new bytes land exactly.  Into other
@@ -296,6 +216,10 @@ async def test_cut_mid_transfer_fails_both_sides_then_heals(link: Wire, key_file
         for p in (decode, prefill):
             again = [e for e in p.backlog if e.get("rid") in cut.rids and e["event"] in ("completed", "arrived")]
             assert again == [], again
+        # The link was made again (a second handshake each side, the metadata loaded afresh)
+        # between the same two processes.
+        assert len(handshakes(tmp_path, link.b, decode.agent)) == 2
+        assert len(handshakes(tmp_path, link.a, prefill.agent)) == 2
 
 
 @pytest.mark.nixl

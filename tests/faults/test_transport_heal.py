@@ -10,9 +10,10 @@ TCP transport.  The faults land on the data path while both processes stay alive
   at once with its prefill healthy.  The sender fails them ``REMOTE_DISCONNECT`` with
   NIXL's error kept, drops the link, and the next request makes a new one (a second
   handshake, the peer's metadata loaded afresh, a new UCX endpoint).
-* **a short cut** (the veth down for less than ``peer_timeout_s``) and **packet loss**
-  (``netem loss 30%`` for seconds): no link is lost; each request ends either byte-exact
-  or failed with a reason; traffic flows afterwards.
+* **a short cut** (the veth down for less than ``peer_timeout_s``), **a flapping link**
+  (down 150 ms of every 500 ms for 3 s: loss in bursts) and **packet loss** (``netem loss
+  30%`` for 3 s, where the kernel has ``sch_netem``): no link need be lost; each request
+  ends either byte-exact or failed with a reason; traffic flows afterwards.
 
 A cut longer than ``peer_timeout_s`` is ``test_network_cut``'s.  Every wait is bounded;
 every namespace is removed (the ``link`` fixture checks it).
@@ -184,6 +185,14 @@ def _short_cut(w: Wire, seconds: float) -> None:
         h.ip_cmd("neigh", "flush", "dev", h.dev)
 
 
+def _flapping(w: Wire, seconds: float, down: float, period: float) -> None:
+    """Bursts of loss where the kernel has no ``sch_netem``: the veth down ``down`` s of
+    every ``period`` s, for ``seconds``."""
+    for _ in range(round(seconds / period)):
+        _short_cut(w, down)
+        time.sleep(period - down)
+
+
 def _lossy(w: Wire, seconds: float, loss: str) -> None:
     try:
         w.b.tc("qdisc", "replace", "dev", w.b.dev, "root", "netem", "loss", loss)
@@ -199,7 +208,7 @@ PATIENT_TIMEOUT_S = 8.0
 
 @pytest.mark.nixl
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["short_cut", "loss_30"])
+@pytest.mark.parametrize("fault", ["short_cut", "flapping", "loss_30"])
 async def test_brief_fault_ends_every_request_then_traffic_flows(
         link: Wire, key_file: str, tmp_path: Path, fault: str) -> None:
     async with services(link, key_file, logs=tmp_path, peer_timeout_s=PATIENT_TIMEOUT_S) as (decode, prefill):
@@ -207,6 +216,8 @@ async def test_brief_fault_ends_every_request_then_traffic_flows(
         link.unshape(link.b)  # the fault alone slows them now
         if fault == "short_cut":
             await anyio.to_thread.run_sync(_short_cut, link, 1.0)
+        elif fault == "flapping":
+            await anyio.to_thread.run_sync(_flapping, link, 3.0, 0.15, 0.5)
         else:
             await anyio.to_thread.run_sync(_lossy, link, 3.0, "30%")
         # The loops kept ticking through it: both answer at once.
@@ -221,6 +232,8 @@ async def test_brief_fault_ends_every_request_then_traffic_flows(
         outcome = {side: ev["reason"] or "SUCCESS" for side, ev in ended.items()}
         print(f"\n{fault}: {outcome}")
         await _after(decode, prefill, "brief-after")
+        # Shorter than peer_timeout_s: the link held through it, nothing was made again.
+        assert handshakes(tmp_path, link.b, decode.agent) == handshakes(tmp_path, link.a, prefill.agent) == [1]
         for p, side in ((decode, "recv"), (prefill, "send")):
             st = await _clean(p)
             assert st["outcomes"].get(f"{side}.SUCCESS", 0) >= 1 + AFTER, st
