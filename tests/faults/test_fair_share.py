@@ -22,6 +22,7 @@ from kvservice import TransferService
 from kvservice._control.protocol import Expect, Join, Message, Reject
 from kvservice._trust.strikes import Strikes
 from kvservice.testing import PeerProcess
+from kvservice.testing.inspect import inside
 from tests.faults.test_hostile_peers import legit_transfer
 from tests.faults.test_metadata_fuzz import MEMORY, donor, donor_name, renamed, version_altered
 from tests.helpers import config, eventually, peer_config, peers
@@ -57,9 +58,8 @@ async def join_once(address: str, agent: str, metadata: bytes) -> Message | None
 async def vetting_ready(svc: TransferService) -> None:
     """The service's vetting child serves (a handshake waits for it before its own deadline,
     which a raw client's waits do not allow for)."""
-    assert svc._vetter is not None
     with anyio.fail_after(60):
-        await svc._vetter.ready()
+        await inside(svc).vetter.ready()
 
 
 def refused(svc: TransferService, kind: str) -> int:
@@ -88,7 +88,7 @@ async def test_one_source_under_many_names_holds_only_its_share_of_early_expects
                     await raw.send(Expect(f"hog-{i}-{j}", [4 * j + k for k in range(4)]))
             await eventually(lambda: refused(svc, "unknown_expect_source_limit") == 6, 20, 0.02,
                              what="six of the source's eight Expects refused")
-            assert len(svc._plane.early) == 2 and svc._plane.early.pages == 8
+            assert len(inside(svc).early) == 2 and inside(svc).early.pages == 8
             assert refused(svc, "unknown_expect_limit") == 0
             await legit_transfer(svc, decode)  # its early Expect fits beside the attacker's share
             assert refused(svc, "unknown_expect_source_limit") == 6
@@ -115,8 +115,7 @@ async def test_a_source_whose_metadata_killed_vetting_children_twice_is_refused_
     decode's first link is vetted on the child that replaced the first."""
     async with (donor() as md, peers(peer_config(connect_timeout_s=JOIN_WAIT_S)) as (decode,),
                 TransferService(config(connect_timeout_s=JOIN_WAIT_S)) as svc):
-        vetter = svc._vetter
-        assert vetter is not None
+        vetter = inside(svc).vetter
         await vetting_ready(svc)
         vetter.strikes = Strikes(base_s=600.0, max_s=600.0)  # no wall clock in the assertions below
         for i in (1, 2):
@@ -138,8 +137,7 @@ async def test_past_its_backoff_a_source_is_vetted_on_a_child_of_its_own() -> No
     (Each of those Joins waits for its child's start inside its own handshake deadline.)"""
     async with (donor() as md, peers(peer_config(connect_timeout_s=JOIN_WAIT_S)) as (decode,),
                 TransferService(config(connect_timeout_s=JOIN_WAIT_S)) as svc):
-        vetter = svc._vetter
-        assert vetter is not None
+        vetter = inside(svc).vetter
         await vetting_ready(svc)
         vetter.strikes = Strikes(base_s=0.0, max_s=600.0)  # refused for no time: always vetted apart
         answer = await join_once(svc.address, donor_name(1), version_altered(renamed(md, 1)))

@@ -34,6 +34,7 @@ from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
 from kvservice.memory._pool import KVPool
 from kvservice.testing import pattern
+from kvservice.testing.inspect import inside
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually_sync, register_pool, scaled
 from tests.hostile import REGION_FIELDS, wire_memory
 
@@ -310,8 +311,7 @@ def forger(target: Target) -> Iterator[Forger]:
     door = thread.call_sync(functools.partial(NixlDoor, target.svc.agent_name, progress_thread=False,
                                               ucx_env=LOOPBACK_UCX))
     try:
-        assert target.decode._plane is not None
-        thread.call_sync(door._agent.add_remote_agent, target.decode._plane.control._local.join.metadata)
+        thread.call_sync(door._agent.add_remote_agent, inside(target.decode).metadata)
         target.portal.call(functools.partial(_expect_victim, target))
         yield Forger(thread, door)
     finally:

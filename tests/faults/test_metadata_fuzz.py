@@ -19,7 +19,6 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -31,6 +30,7 @@ from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorThread
 from kvservice.memory._pool import KVPool
 from kvservice.testing import PeerProcess
+from kvservice.testing.inspect import inside
 from tests.faults.test_hostile_peers import legit_transfer
 from tests.helpers import LOOPBACK_UCX, SMALL, config, eventually, peer_config, peers, register_pool
 from tests.hostile import authenticate, join_for, own_key, wire_memory
@@ -177,8 +177,7 @@ async def test_a_section_type_nixl_reads_out_of_bounds_never_reaches_the_vetting
     started with the service is the only one, and the legitimate peer links beside it."""
     async with (donor() as md, peers(peer_config()) as (decode,),
                 TransferService(config()) as svc):
-        vetter = svc._vetter
-        assert vetter is not None
+        vetter = inside(svc).vetter
         await vetter.ready()
         first = vetter.pid
         for i in range(1, 8):
@@ -271,8 +270,8 @@ async def test_metadata_that_kills_the_vetting_child_is_refused_and_the_service_
     async with (donor() as md, peers(peer_config()) as (decode,),
                 TransferService(config(connect_timeout_s=10.0)) as svc):
         await legit_transfer(svc, decode)
-        vetter = svc._vetter
-        assert vetter is not None and vetter.pid is not None
+        vetter = inside(svc).vetter
+        assert vetter.pid is not None
         first = vetter.pid
         answer = await present(svc.address, donor_name(1), version_altered(renamed(md, 1)))
         assert isinstance(answer, Reject) and answer.kind == "metadata_unsafe", answer
@@ -293,11 +292,8 @@ async def test_a_dialer_refuses_an_acceptors_unsafe_metadata_and_tells_it() -> N
     """The decode dials a prefill whose Join carries unsafe metadata: its expect() ends
     INCOMPATIBLE with the reason, the refusal is counted there, and the prefill hears why."""
     async with TransferService(config()) as tx, TransferService(config()) as rx:
-        control = tx._plane.control
-        assert control is not None
-        local = control._local  # the prefill lies: its own metadata, with a worker address UCX cannot unpack
-        control._local = replace(local, join=Join(metadata=version_altered(local.join.metadata),
-                                                  memory=local.join.memory))
+        # the prefill lies: its own metadata, with a worker address UCX cannot unpack
+        inside(tx).join_with(metadata=version_altered(inside(tx).metadata))
         await rx.expect("r1", [1, 2], sender=tx.address)
         result = await rx.await_arrival("r1", timeout=15)
         assert result.reason is FailureReason.INCOMPATIBLE, result
@@ -321,24 +317,21 @@ def gone(pid: int) -> bool:
 async def test_the_vetting_child_is_reaped_with_the_service_however_it_ends() -> None:
     # left with no peer ever linked
     async with TransferService(config()) as idle:
-        assert idle._vetter is not None
-        await eventually(lambda: idle._vetter is not None and idle._vetter.pid is not None)
-        pid = idle._vetter.pid
+        await eventually(lambda: inside(idle).vetter.pid is not None)
+        pid = inside(idle).vetter.pid
     assert pid is not None and gone(pid)
     async with peers(peer_config()) as (decode,):
         # left after serving a peer
         async with TransferService(config()) as svc:
             await legit_transfer(svc, decode)
-            assert svc._vetter is not None
-            pid = svc._vetter.pid
+            pid = inside(svc).vetter.pid
             assert pid is not None and not gone(pid)
         assert gone(pid)
         # cancelled, not left
         with anyio.CancelScope() as scope:
             async with TransferService(config()) as svc:
                 await legit_transfer(svc, decode)
-                assert svc._vetter is not None
-                pid = svc._vetter.pid
+                pid = inside(svc).vetter.pid
                 assert pid is not None
                 scope.cancel()
                 await anyio.sleep(5)
@@ -371,8 +364,8 @@ async def test_a_services_vetting_child_boots_as_it_starts() -> None:
     connect_timeout_s); one child, serving without a peer ever asking, reaped at the end."""
     before = vetting_children()
     async with TransferService(config()) as svc:
-        vetter = svc._vetter
-        assert vetter is not None and vetter.pid is not None, "up without a vetting child started"
+        vetter = inside(svc).vetter
+        assert vetter.pid is not None, "up without a vetting child started"
         assert vetting_children() - before == {vetter.pid}
         with anyio.fail_after(60):
             await vetter.ready()
