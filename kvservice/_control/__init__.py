@@ -16,6 +16,8 @@ travels here; what the requests *mean* lives in the request plane (``_transfer``
   proven (never merely claimed) to answer at which address.
 - ``plane``: ``ControlPlane``, the peer table: admission of a met peer and loading into
   NIXL (``_trust`` holds the keys, proofs and checks), dialling, drops.
+- ``departures``: a lost agent unloaded from NIXL once its drain ended, and forgotten
+  once it is known gone for good.
 - ``refusals``: what a handshake is refused for (room in all and per source, metadata
   vetting) and how a refusal is told, counted and logged.
 - **source**: the IP address a connection comes from (``preauth.source_of``).  Agent

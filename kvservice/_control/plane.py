@@ -60,6 +60,7 @@ from ..memory._staging import area_from_wire
 from .accept import accept_loop
 from .addressbook import AddressBook
 from .addresses import join_address
+from .departures import Departures
 from .handshakes import Handshakes, Met, send_join
 from .links import CONNECTION_ERRORS, ControlStream, PeerLink, try_send
 from .peers import (
@@ -125,6 +126,10 @@ class ControlPlane:
         self._closing = False
         self._listeners: list[ByteListener] = []
         self.address = ""
+        self._departures = Departures(
+            config, thread, door, events, tg, self._table_lock,
+            linked=lambda agent: agent in self._peers or agent in self._losing,
+            closing=lambda: self._closing, probe=self._handshakes.probe, gone=self._gone)
 
     # -- listening ---------------------------------------------------------------
     async def listen(self) -> str:
@@ -344,7 +349,7 @@ class ControlPlane:
                 await self._drop_locked(agent, current.link, ConnectionResetError("reconnected"), graceful=False)
             # Under the lock: its old link's drop may have started the drain just now (bounded;
             # a peer linking again is alive, so its WRITEs end soon).
-            await self._let_drain_end(agent)
+            await self._departures.let_drain_end(agent)
             check_room(self._peers, self._cfg, source)
             old = self._book.agent_at(dialled) if dialled is not None else None
             if old is not None and old != agent:
@@ -353,7 +358,7 @@ class ControlPlane:
                 # after its NIXL agent (``TransferService.__aexit__``).
                 log.info("peer.restarted", address=dialled, old_agent=old, agent=agent)
                 await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
-                                        gone=True)
+                                        gone=True, restarted=True)
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
                 await self._thread.call(load_peer, self._door, agent, join, kv)  # DoorError: refused
             link = PeerLink(
@@ -381,14 +386,6 @@ class ControlPlane:
         """The IP address linked ``agent``'s link comes from (``NO_ADDRESS`` when not linked)."""
         peer = self._peers.get(agent)
         return peer.source if peer is not None else NO_ADDRESS
-
-    async def _let_drain_end(self, agent: str) -> None:
-        """A lost peer linking again: let the handles still draining to it end first, as
-        loading it afresh would release them unproven (``_transfer.proofs``)."""
-        drained = self._events.draining(agent)
-        if drained is not None:
-            with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
-                await drained.wait()
 
     async def _let_dying_link_end(self, agent: str) -> None:
         """A peer reconnecting may reach us before we noticed its old link end: give
@@ -418,7 +415,7 @@ class ControlPlane:
             await self._drop_locked(agent, link, cause, graceful)
 
     async def _drop_locked(self, agent: str, link: PeerLink | None, cause: BaseException | None,
-                           graceful: bool, gone: bool = False) -> None:
+                           graceful: bool, gone: bool = False, restarted: bool = False) -> None:
         """Forget ``agent`` (only if ``link`` is still its current link, when given).
 
         Before unloading it, NIXL is asked whether its process is gone (a notification
@@ -443,24 +440,18 @@ class ControlPlane:
         self._events.on_peer_lost(agent, peer.address, cause, graceful, gone, proven)
         self._stats.peers.lost(agent)  # after its requests' ends were recorded under it
         peer.link.close(cause)
-        drained = self._events.draining(agent)
-        if drained is not None and not self._closing:  # its WRITEs in flight may still end DONE
-            self._tg.start_soon(self._unload_when_drained, agent, drained)
-            return
-        released = await self._thread.call(self._door.remove_peer, agent)
-        self._events.released_by_door(released)
+        # Gone for good (``departures``): NIXL's word that its endpoint is disconnected is not
+        # enough (a broken transport between live processes says the same): probed instead.
+        why = "a new agent proved itself at its address" if restarted else "it said Bye" if graceful else None
+        await self._departures.left(agent, why, proven)
 
-    async def _unload_when_drained(self, agent: str, drained: anyio.Event) -> None:
-        """Unload a lost ``agent`` from NIXL once its handles in flight ended (the
-        watchdog bounds that wait), unless it linked again meanwhile: its new link's
-        loading replaced the old agent (releasing what still drained, unproven)."""
-        with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
-            await drained.wait()
-        async with self._table_lock:
-            if agent in self._peers or self._closing:
-                return
-            released = await self._thread.call(self._door.remove_peer, agent)
-        self._events.released_by_door(released)
+    def _gone(self, agent: str, why: str) -> None:
+        """``agent`` is unloaded and gone for good (``departures``): forget it."""
+        if agent in self._peers or agent in self._losing:
+            return
+        self._notif_in.pop(agent)
+        log.info("peer.gone", agent=agent, why=why)
+        self._events.on_peer_gone(agent)
 
     # -- used by the service ------------------------------------------------------------
     def generation_of(self, agent: str) -> int | None:

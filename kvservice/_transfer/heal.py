@@ -62,6 +62,11 @@ class Heal:
         if proven:
             self._lost_at.put(agent, proven)
 
+    def forget(self, agent: str) -> None:
+        """``agent`` is gone for good (``_transfer.proofs``): it never links or asks again."""
+        self._lost_at.pop(agent)
+        self._answered.pop(agent)
+
     # -- receiver side -------------------------------------------------------------------
     def linked(self, agent: str) -> None:
         """A new link with ``agent``: ask about what this side holds for it."""

@@ -312,6 +312,10 @@ class Inbound:
     def draining(self, agent: str) -> anyio.Event | None:
         return self._plane.watchdog.draining(agent)
 
+    def on_peer_gone(self, agent: str) -> None:
+        self._plane.watchdog.proofs.forget(agent)
+        self._heal.forget(agent)
+
     async def _settle_by_probing(self, agent: str, addresses: frozenset[str]) -> None:
         """``agent``'s link was lost but not proven gone (hung, or cut off): probe the
         addresses it was proven at until that settles what it held (see ``settle``):

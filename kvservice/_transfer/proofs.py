@@ -29,6 +29,11 @@ So that a lost receiver's WRITEs in flight can still end ``DONE``, a lost link's
 handles are not released at once: the watchdog keeps checking them (it *drains*
 them) for up to ``peer_timeout_s`` before it gives up on them (``Watchdog.drain``),
 and the control plane unloads that agent from NIXL only then.
+
+An agent's entries are forgotten (``forget``) once it is gone for good: unloaded, and
+its process proven gone, replaced at its address, or shut down (its ``Bye``).  Agent
+names are unique per service incarnation, so such an agent never links again and
+never asks: nothing it could be answered about needs proof any more.
 """
 
 from __future__ import annotations
@@ -69,6 +74,11 @@ class Proofs:
         if len(ids) > self._per_agent:
             del ids[next(iter(ids))]
             self._incomplete.add(agent)
+
+    def forget(self, agent: str) -> None:
+        """``agent`` is gone for good (see the module docstring): drop its entries."""
+        self._unproven.pop(agent, None)
+        self._incomplete.discard(agent)
 
     def may_prove(self, agent: str, request_id: str) -> bool:
         """Whether nothing recorded here stands against proving ``request_id`` to ``agent``

@@ -49,3 +49,16 @@ def test_a_recent_agent_is_kept_over_an_older_one() -> None:
     assert not proofs.may_prove("decode-a", "r1") and not proofs.may_prove("decode-a", "r2")
     assert proofs.may_prove("decode-a", "r3")
     assert not proofs.may_prove("decode-b", "r2")
+
+
+def test_an_agent_gone_for_good_is_forgotten_and_only_it() -> None:
+    proofs = Proofs(per_agent=2, agents=8)
+    for i in range(3):  # decode-a overflows: incomplete
+        proofs.unproven("decode-a", f"r{i}", "test")
+    proofs.unproven("decode-b", "r1", "test")
+    proofs.forget("decode-a")
+    assert len(proofs) == 1 and "decode-a" not in proofs._incomplete
+    assert not proofs.may_prove("decode-b", "r1")  # the live one keeps its entries
+    proofs.forget("decode-b")
+    proofs.forget("never-seen")  # nothing to forget: nothing happens
+    assert len(proofs) == 0

@@ -1,0 +1,131 @@
+"""What becomes of a lost agent after its requests failed: unloading it from NIXL (once
+its drain ended) and, once it is known gone for good, forgetting it.
+
+Unloading.  A lost receiver's WRITEs in flight are drained (``_transfer.proofs``): its
+agent stays loaded until the watchdog says nothing of it drains any more (bounded by
+the watchdog, and here by twice ``peer_timeout_s``), unless it linked again meanwhile
+(its new link's loading replaced the old agent).  A peer linking again waits for the
+drain first (``let_drain_end``).
+
+Gone for good.  An agent name is unique per service incarnation, so an agent whose
+process is gone, whose address another agent now answers at, or that said ``Bye``
+never links again.  The tables kept per agent after its link ended (the inbound
+notification keys here; the proofs ledger and the heal's records in ``_transfer``)
+serve only an agent that may come back: once it is unloaded and known gone for good,
+its entries are dropped (``PeerEvents.on_peer_gone``).  What proves it: NIXL reports
+its endpoint disconnected when it is lost, a dial found a new agent at its address,
+its ``Bye``, or, for a lost agent that was proven at an address, probes there (a few,
+backing off): the address refuses connections (a service closes its port only after
+its NIXL agent) or another agent proves itself there.  An agent that answers there
+itself is alive: kept.  One that answers nothing (stopped, cut off) is kept too; the
+tables' own bounds hold what stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.abc
+
+from .._config import ServiceConfig
+from .._log import get_logger
+from .._nixl.door import Door, DoorThread
+from .peers import PeerEvents
+
+log = get_logger("kvservice.control")
+
+#: probes of a lost agent's addresses to find out whether it is gone for good
+GONE_PROBES = 8
+#: longest wait between two of them
+GONE_PROBE_MAX_S = 5.0
+
+
+class Departures:
+    """Unloading and forgetting lost agents; see the module docstring."""
+
+    def __init__(
+        self, config: ServiceConfig, thread: DoorThread, door: Door, events: PeerEvents, tg: anyio.abc.TaskGroup,
+        lock: anyio.Lock, *, linked: Callable[[str], bool], closing: Callable[[], bool],
+        probe: Callable[[str], Awaitable[str]], gone: Callable[[str, str], None],
+    ) -> None:
+        self._cfg = config
+        self._thread = thread
+        self._door = door
+        self._events = events
+        self._tg = tg
+        self._lock = lock  # the control plane's table lock: loading and dropping peers
+        self._linked = linked  # whether an agent is linked (in the peer table) now
+        self._closing = closing
+        self._probe = probe  # the agent answering at an address now
+        self._gone = gone  # forget an agent gone for good (why)
+
+    async def left(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
+        """Called under the table lock once lost ``agent``'s requests failed: unload it now,
+        or once its drain ended.  ``gone``: why it is known gone for good, if it is;
+        ``proven``: the addresses it was proven at."""
+        drained = self._events.draining(agent)
+        if drained is not None and not self._closing():  # its WRITEs in flight may still end DONE
+            self._tg.start_soon(self._unload_when_drained, agent, drained, gone, proven)
+            return
+        await self._unload(agent)
+        self._after_unload(agent, gone, proven)
+
+    async def _unload(self, agent: str) -> None:
+        released = await self._thread.call(self._door.remove_peer, agent)
+        self._events.released_by_door(released)
+
+    async def _unload_when_drained(self, agent: str, drained: anyio.Event, gone: str | None,
+                                   proven: frozenset[str]) -> None:
+        """Unload a lost ``agent`` from NIXL once its handles in flight ended (the
+        watchdog bounds that wait), unless it linked again meanwhile: its new link's
+        loading replaced the old agent (releasing what still drained, unproven)."""
+        with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
+            await drained.wait()
+        async with self._lock:
+            if self._linked(agent) or self._closing():
+                return
+            await self._unload(agent)
+            self._after_unload(agent, gone, proven)
+
+    def _after_unload(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
+        if self._closing():
+            return
+        if gone is not None:
+            self._gone(agent, gone)
+        elif proven:
+            self._tg.start_soon(self._find_out_gone, agent, proven)
+
+    async def _find_out_gone(self, agent: str, addresses: frozenset[str]) -> None:
+        """Probe where unloaded ``agent`` was proven, a bounded number of times, until it is
+        known gone for good (then forget it), alive, or linked again."""
+        wait = self._cfg.heartbeat_interval_s
+        for _ in range(GONE_PROBES):
+            await anyio.sleep(wait)
+            wait = min(2 * wait, GONE_PROBE_MAX_S)
+            for address in sorted(addresses):
+                if self._linked(agent) or self._closing():
+                    return
+                try:
+                    answered = await self._probe(address)
+                except ConnectionRefusedError:
+                    why = "its address refuses connections"
+                except Exception as exc:  # noqa: BLE001 - not known yet (stopped, cut off): later
+                    log.debug("peer.gone_probe_failed", agent=agent, address=address, error=repr(exc))
+                    continue
+                else:
+                    if answered == agent:  # alive: it may link again
+                        return
+                    why = f"another agent ({answered}) proved itself at its address"
+                async with self._lock:
+                    if not self._linked(agent) and self._events.draining(agent) is None:
+                        self._gone(agent, why)
+                return
+
+    async def let_drain_end(self, agent: str) -> None:
+        """A lost peer linking again: let the handles still draining to it end first, as
+        loading it afresh would release them unproven (``_transfer.proofs``)."""
+        drained = self._events.draining(agent)
+        if drained is not None:
+            with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
+                await drained.wait()

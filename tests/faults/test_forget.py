@@ -1,0 +1,67 @@
+"""Days of uptime: a decode that ends (SIGKILLed, or shut down) and comes back as a new
+agent, again and again, leaves no entry of its old agents in the prefill's per-agent
+tables (the proofs ledger, the heal's records, the inbound notification keys) nor in
+its NIXL agent: each is forgotten once that agent is known gone for good.
+
+Real NIXL (UCX over TCP on loopback) in real processes; the prefill is this process,
+read through the soak's table probe."""
+
+from __future__ import annotations
+
+import signal
+
+import anyio
+import pytest
+
+from kvservice import TransferService
+from kvservice.soak._probe import service_tables
+from kvservice.testing import pattern
+from tests.faults.test_heal import LOST, PREFILL, SETTLE_GUARD_S, new_request_arrives_at
+from tests.faults.test_settle import LAYOUT, PAGES, TCP
+from tests.helpers import config, eventually, peer_config, peers
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+FAST = {"heartbeat_interval_s": 0.2, "peer_timeout_s": 1.0}
+#: per-agent tables that used to keep a dead agent until capacity evicted it
+PER_AGENT = ("proofs_unproven", "heal_lost", "heal_answered", "notif_in")
+#: decodes started, one after the other: SIGKILLed but the last, which shuts down
+ROUNDS = 3
+
+
+def agents_held(prefill: TransferService) -> set[str]:
+    """Every agent some per-agent table of ``prefill``, or its NIXL agent, holds."""
+    p = prefill._plane
+    assert p is not None
+    heal = p.inbound._heal
+    return (set(p.control._notif_in) | set(p.watchdog.proofs._unproven) | set(heal._lost_at)
+            | set(heal._answered) | set(prefill._door._peers))
+
+
+async def test_a_decode_restarted_again_and_again_leaves_nothing_of_its_old_agents() -> None:
+    async with TransferService(config(LAYOUT, ucx_env=TCP, **PREFILL)) as prefill:
+        ended: list[str] = []
+        for i in range(ROUNDS):
+            kill = i < ROUNDS - 1
+            async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,):
+                await new_request_arrives_at(prefill, decode, f"warm-{i}", [0], [1])
+                assert decode.agent in agents_held(prefill)
+                rid = f"cut-{i}"
+                prefill.kv.write(PAGES, pattern(LAYOUT, rid, len(PAGES)))
+                await decode.command(op="expect", rid=rid, pages=PAGES, sender=prefill.address)
+                await decode.event("expecting", rid)
+                handle = await prefill.send(rid, PAGES, last=True)
+                if kill:  # mid-copy: its WRITEs in flight are drained, then it is unloaded
+                    decode.signal(signal.SIGKILL)
+                with anyio.fail_after(SETTLE_GUARD_S):
+                    sent = await prefill.await_completion(handle)
+                assert sent.ok or sent.reason in LOST, sent
+                ended.append(decode.agent)
+            # (the last one leaves with a Bye)
+            with anyio.fail_after(3 * SETTLE_GUARD_S):
+                await eventually(lambda: not agents_held(prefill) & set(ended), timeout=2 * SETTLE_GUARD_S,
+                                 what=lambda: f"held {agents_held(prefill) & set(ended)} of ended {ended}")
+        tables = service_tables(prefill)
+        assert all(tables[name]["size"] == 0 for name in PER_AGENT), tables
+        assert tables["nixl_remote_agents"]["size"] == 0 and tables["nixl_live_handles"]["size"] == 0, tables
+        assert prefill.status()["peers"] == []
