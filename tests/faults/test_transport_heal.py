@@ -174,6 +174,38 @@ async def test_killed_ucx_endpoint_fails_in_flight_then_relinks(link: Wire, key_
             print(f"{side} side after the heal: {counters(st)}")
 
 
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_endpoint_killed_while_idle_costs_at_most_one_request(
+        link: Wire, key_file: str, tmp_path: Path) -> None:
+    """Nothing in flight when UCX's connections die: the next request meets the broken
+    endpoint (NIXL keeps it) and fails saying so, or UCX reconnects under it; either way
+    the requests after it pass byte-exact over a link made again if one was lost."""
+    async with services(link, key_file, logs=tmp_path) as (decode, prefill):
+        await move(decode, prefill, ["idle-warm"], [[0]], [[1]])
+        assert _kill_ucx_endpoints(link, decode, prefill), "no UCX connection between the hosts to kill"
+        for p in (decode, prefill):  # both loops tick on, neither process noticed anything
+            await status(p, timeout=5)
+        ended = []
+        with anyio.fail_after(GUARD_S):
+            for i in range(3):
+                rid = f"idle{i}"
+                await start_requests(decode, prefill, [rid], [[8 + i]], [[100 + i]])
+                ended.append((await prefill.event("completed", rid), await decode.event("arrived", rid)))
+        print(f"\nafter an idle kill: {[(s['reason'] or 'SUCCESS', r['reason'] or 'SUCCESS') for s, r in ended]}")
+        failed = [pair for pair in ended if pair[0]["status"] != "SUCCESS" or pair[1]["status"] != "SUCCESS"]
+        assert len(failed) <= 1, failed
+        for sent, arrived in failed:
+            assert sent["reason"] == "REMOTE_DISCONNECT" and sent["error_type"] == "nixlRemoteDisconnectError", sent
+            assert arrived["reason"] == "REMOTE_DISCONNECT" and arrived["message"], arrived
+        assert ended[-1][1]["verified"] is True
+        await _after(decode, prefill, "idle-after")
+        made = len(handshakes(tmp_path, link.b, decode.agent))
+        assert made == 1 + len(failed), made  # a new link for the one that failed, if any
+        for p in (decode, prefill):
+            await _clean(p)
+
+
 # -- a short cut, packet loss ----------------------------------------------------------------
 
 
