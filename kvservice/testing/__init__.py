@@ -30,6 +30,12 @@ What is stable: the names in ``__all__``, the peer's commands and events
 modules here (``Mode``, ``PostRecord``, the fake's counters) serve kvservice's own
 tests and may change with them.
 
+What belongs here: what a user of the package needs to test an integration with kvservice.
+The suite's own harness (configurations with its defaults, shared ports, hostile peers built
+from kvservice's private protocol, the unit tests' service pairs) lives under ``tests/``
+(docs/testing.md, "Where a double lives"); a double moves here when a user's test needs it,
+and nothing lives in both.
+
 The service never depends on its doubles: ``import kvservice`` does not import this
 package, and nothing under ``kvservice`` does but the ``demo`` and ``soak`` commands,
 which run their peers as child processes through it.
