@@ -97,7 +97,10 @@ class ServiceConfig(DiscoverySettings):
         "a peer silent this long (no frame, no heartbeat) is lost; must exceed heartbeat_interval_s", above=0))
     poll_interval_s: float = field(default=0.0005, metadata=declare(
         "watchdog cadence while anything is in flight", above=0))
-    idle_poll_interval_s: float = field(default=0.05, metadata=declare("watchdog cadence while idle", above=0))
+    #: idle, nothing needs NIXL driven (a peer writes only after this service's Expect, which wakes
+    #: the watchdog); its waits double from 50 ms after the last work up to this (``_transfer.cadence``)
+    idle_poll_interval_s: float = field(default=1.0, metadata=declare(
+        "longest the watchdog sleeps while idle (its waits back off to this from 50 ms after work)", above=0))
     max_posts_per_tick: int = field(default=64, metadata=declare("transfers the watchdog posts per tick", above=0))
     #: a post may copy before it returns, so this bounds how long completions wait behind later
     #: posts; a larger budget lets more asynchronous WRITEs overlap

@@ -6,7 +6,7 @@ import bisect
 import collections
 import functools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Self, TypedDict
 
@@ -20,6 +20,8 @@ from ._results import TransferResult
 #: upper bounds (seconds) of the transfer-latency histogram buckets
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LAG_INTERVAL_S = 0.01
+#: the lag monitor's sleep while no request is live: an idle loop's lag delays nobody
+LAG_IDLE_INTERVAL_S = 1.0
 #: how landing checks end (``Stats.landings``, ``kvservice_landing_checks_total``)
 LANDING_RESULTS = ("checked", "mismatched", "unchecked")
 
@@ -161,13 +163,16 @@ class Stats:
         self.refused[what] += 1
         return self.log_throttle.allow(what)
 
-    async def monitor_loop_lag(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Sleep ``LAG_INTERVAL_S`` again and again; how late each wake-up is, is the lag."""
+    async def monitor_loop_lag(self, busy: Callable[[], bool] = lambda: True, *,
+                               task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Sleep ``LAG_INTERVAL_S`` again and again (``LAG_IDLE_INTERVAL_S`` while ``busy()``
+        says no request is live); how late each wake-up is, is the lag."""
         task_status.started()
         while True:
+            interval = LAG_INTERVAL_S if busy() else LAG_IDLE_INTERVAL_S
             t0 = time.perf_counter()
-            await anyio.sleep(LAG_INTERVAL_S)
-            lag = max(0.0, time.perf_counter() - t0 - LAG_INTERVAL_S)
+            await anyio.sleep(interval)
+            lag = max(0.0, time.perf_counter() - t0 - interval)
             self.lag_samples.append(lag)
             self.max_lag_s = max(self.max_lag_s, lag)
 

@@ -16,7 +16,8 @@ thread hop per event rather than per poll, and the cadence holds on loops
 whose timers cannot sleep under a millisecond (uvloop).  Notifications do not
 end it: it hands them to the loop as they come (``_deliver``) and lingers on, so
 a receiver's arrival costs the loop one wake-up and no new tick.  Idle, it sleeps
-``idle_interval`` or until woken.  Deadlines are scanned every ``DEADLINE_SCAN_S``.
+until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
+Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick).
 
 Proofs.  Every handle it lets go of before NIXL said ``DONE`` (a release while
 ``PROC``, an error, a failed post) makes its request unproven to its receiver
@@ -53,6 +54,7 @@ from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
 from . import landing
+from .cadence import IdleBackoff
 from .proofs import Proofs
 from .requests import SendRequest
 from .staging import Stager
@@ -90,7 +92,7 @@ class Watchdog:
         self._layer_page_bytes = memory.page_bytes // memory.layers  # read once, not per post
         self._owner = owner
         self._poll = poll_interval
-        self._idle = idle_interval
+        self._idle = IdleBackoff(idle_interval)
         self._max_posts = max_posts
         self._max_post_bytes = max_post_bytes
         self._max_checks = max_checks
@@ -303,16 +305,19 @@ class Watchdog:
     async def _run(self) -> None:
         next_scan = 0.0
         while not self._stopping:
+            if self._ahead is None and not (self._ready or self._releases or self._late or self._inflight
+                                            or self._draining or self._owner.busy()):
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self._idle.next()) as idle:
+                    await self._wake.wait()
+                if self._stopping:
+                    return
+                if not idle.cancelled_caught:  # woken: work came
+                    self._idle.reset()
+            else:
+                self._idle.reset()
             if self._ahead is None:
-                if not (self._ready or self._releases or self._late or self._inflight or self._draining
-                        or self._owner.busy()):
-                    self._wake = anyio.Event()
-                    with anyio.move_on_after(self._idle):
-                        await self._wake.wait()
-                    if self._stopping:
-                        return
-                if self._ahead is None:
-                    self._ahead = self._submit(linger=True)
+                self._ahead = self._submit(linger=True)
             ahead = self._ahead
             try:
                 outcome = await ahead
@@ -320,6 +325,8 @@ class Watchdog:
                 if self._ahead is ahead:
                     self._ahead = None
             self._digest(outcome)
+            if outcome.notifs:  # news while idle, maybe more behind it: look again soon
+                self._idle.reset()
             if self._stopping:
                 return
             now = self._clock()

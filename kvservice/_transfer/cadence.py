@@ -1,0 +1,40 @@
+"""The watchdog's cadence while nothing is in flight: a back-off, not a clock.
+
+While transfers are in flight or expected the watchdog polls NIXL every ``poll_interval_s``
+(its lingering ticks).  Idle, nothing needs NIXL driven: a peer writes into this process only
+once it holds an Expect of this service, and ``expect()`` wakes the watchdog at once; ``send()``
+and every other piece of new work wake it too.  What may still come unannounced is a
+notification just after work ends (a settle fence, a late WRITE of a request that failed), and
+the deadlines of what is held without being in flight (an Expect before its ``send()``).
+
+So each idle wait is twice the one before it, from ``IDLE_FIRST_S`` after the last work up to
+``idle_poll_interval_s``: a notification soon after the last request is taken as promptly as
+by a steady 50 ms poll, and a service idle for long wakes once per ``idle_poll_interval_s``.
+Any work, or a notification taken while idle, starts the back-off again.
+"""
+
+from __future__ import annotations
+
+#: the first idle wait after work (the back-off doubles it up to the configured ceiling)
+IDLE_FIRST_S = 0.05
+
+
+class IdleBackoff:
+    """The idle waits of one watchdog: ``next()`` doubles from ``IDLE_FIRST_S`` (or
+    ``ceiling``, if lower) up to ``ceiling``; ``reset()`` starts again."""
+
+    def __init__(self, ceiling: float) -> None:
+        if ceiling <= 0:
+            raise ValueError(f"ceiling must be positive, got {ceiling!r}")
+        self.ceiling = ceiling
+        self._first = min(IDLE_FIRST_S, ceiling)
+        self._wait = self._first
+
+    def next(self) -> float:
+        """The wait to use now; the one after it is twice as long (at most ``ceiling``)."""
+        wait = self._wait
+        self._wait = min(self.ceiling, wait * 2)
+        return wait
+
+    def reset(self) -> None:
+        self._wait = self._first
