@@ -17,34 +17,45 @@ What is here, and what is not, on purpose:
   ``poll_arrival`` and ``status`` never block, and through the sidecar answer from what
   the client holds (the daemon's latest word: its replies, its ``Finished`` frames and
   the status it refreshes);
-* not the scheduler's reads of the sending side's early expects (``expected``,
-  ``expected_pages``, ``expect_dropped``) nor ``live_peers``: they read tables that no
-  worker's request owns (an expect arrives from a peer before any worker sends its id;
-  the cluster's membership), so in process they are plain reads, safe from a scheduler
-  thread, and through the sidecar each needs a call to the daemon (a coroutine there).
-  Code that uses them is written for one face.
+* the scheduler's reads, on purpose: ``expected``, ``expected_pages`` and
+  ``expect_dropped`` (a receiver's expect held before the first ``send()``) and
+  ``live_peers`` (the cluster's members).  What they read no worker's request owns (an
+  expect arrives from a peer before any worker sends its id; membership), so through the
+  sidecar each is a call to the daemon, and what waits is a coroutine: on both faces.
+  In process they return at once; a scheduler's thread reads them through the engine
+  facade (``kvservice.engine``), whose calls are all plain, never-blocking reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, Self, TypeVar
 
 import numpy.typing as npt
 
-from ._results import KVPoll, TransferResult
+from ._results import FailureReason, KVPoll, TransferResult
 from ._stats import ServiceStatus
 from ._transfer.requests import HandleBase
+from .discovery.member import Member
 from .memory._layout import KVLayout
 from .memory._pool import KVPool
 
-__all__ = ["KVTransfer", "Pages"]
+__all__ = ["EarlyExpect", "KVTransfer", "Pages"]
 
 #: pages of the KV pool: indices, as a sequence or a NumPy array
 Pages = Sequence[int] | npt.NDArray[Any]
 
 H = TypeVar("H", bound=HandleBase)
+
+
+class EarlyExpect(NamedTuple):
+    """What a sender knows of a receiver's expect for one request before its first ``send()``
+    (``expected``, ``expected_pages``, ``expect_dropped``, read at once)."""
+
+    expected: bool  #: an expect is here, held for the first send()
+    pages: int | None  #: the pages that receiver reserved (None: no expect held)
+    dropped: tuple[FailureReason, str] | None  #: it came and was dropped: (why, whose)
 
 
 class KVTransfer(Protocol[H]):
@@ -85,6 +96,15 @@ class KVTransfer(Protocol[H]):
     async def await_settled(self, request_id: str, timeout: float | None = None) -> TransferResult: ...
 
     def poll_arrival(self, request_id: str) -> KVPoll: ...
+
+    # -- the scheduler's reads: a receiver's expect before the first send(); membership ---
+    async def expected(self, request_id: str) -> bool: ...
+
+    async def expected_pages(self, request_id: str) -> int | None: ...
+
+    async def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None: ...
+
+    async def live_peers(self, role: str | None = None) -> list[Member]: ...
 
     # -- either side -------------------------------------------------------------------------
     async def abort(self, request_id: str) -> TransferResult | None: ...

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 
-from ._api import Pages
+from ._api import EarlyExpect, Pages
 from ._config import ServiceConfig
 from ._control.addresses import split_address
 from ._control.peers import LocalPeer
@@ -427,26 +427,25 @@ class TransferService:
         found = waits.arrival(self._started(request_id), request_id)
         return found.poll() if isinstance(found, RecvRequest) else found.poll
 
-    def expected(self, request_id: str) -> bool:
+    # -- the scheduler's reads: in KVTransfer, coroutines on both faces (docs/api.md) ---
+    async def expected(self, request_id: str) -> bool:
         """Whether a receiver's expect for ``request_id`` is here, held for the first
         ``send()``: a scheduler that computes a request only once its receiver is ready
-        (SGLang's prefill) polls this.  Never blocks; safe from another thread."""
-        return self._plane is not None and bool(self._plane.early.agents(request_id))
+        (SGLang's prefill) polls this.  Returns at once (a thread: ``early_expect``)."""
+        return early_expect(self, request_id).expected
 
-    def expected_pages(self, request_id: str) -> int | None:
+    async def expected_pages(self, request_id: str) -> int | None:
         """How many pages the receiver that will bind ``request_id`` reserved, while its
         expect waits here for the first ``send()``; None before any expect.  A sender that
         may send fewer pages than it holds (the receiver had the rest cached: vLLM's prefix
-        cache) reads it before sending.  Never blocks; safe from another thread."""
-        pages = self._plane.matching.early_pages(request_id) if self._plane is not None else None
-        return None if pages is None else int(pages.size)
+        cache) reads it before sending.  Returns at once."""
+        return early_expect(self, request_id).pages
 
-    def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
+    async def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
         """Whether a receiver's expect for ``request_id`` came and was dropped before any
         ``send()`` (its peer was lost, it timed out or aborted): then (the reason a ``send()``
-        now fails with at once, whose expect it was); else None.  Never blocks; safe from
-        another thread."""
-        return self._plane.matching.dropped_expect(request_id) if self._plane is not None else None
+        now fails with at once, whose expect it was); else None.  Returns at once."""
+        return early_expect(self, request_id).dropped
 
     # -- either side ---------------------------------------------------------------
     def remembers(self, request_id: str) -> bool:
@@ -490,7 +489,19 @@ class TransferService:
         ), plane.control.peer_addresses(), plane.control.peer_versions(), discovery)
 
     # -- discovery (discovery = "etcd"; kvservice.discovery) ---------------------------
-    def live_peers(self, role: str | None = None) -> list[Member]:
+    async def live_peers(self, role: str | None = None) -> list[Member]:
         """The cluster's live members (not this service), by name; ``role`` filters.
-        Empty with static discovery."""
+        Empty with static discovery.  Returns at once."""
         return self._discovery.registry.live(role) if self._discovery is not None else []
+
+
+def early_expect(svc: TransferService, request_id: str) -> EarlyExpect:
+    """``expected``, ``expected_pages`` and ``expect_dropped`` of ``svc`` at once, as plain
+    reads: never blocking, safe from another thread.  For the engine facade (a scheduler's
+    thread) and the sidecar daemon; off the public object on purpose (docs/api.md)."""
+    plane = svc._plane
+    if plane is None:
+        return EarlyExpect(False, None, None)
+    pages = plane.matching.early_pages(request_id)
+    return EarlyExpect(bool(plane.early.agents(request_id)), None if pages is None else int(pages.size),
+                       plane.matching.dropped_expect(request_id))

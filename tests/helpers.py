@@ -199,6 +199,15 @@ async def eventually(pred: Callable[[], bool | Awaitable[bool]], timeout: float 
     raise TimeoutError(f"{_named(what)}: not within {timeout}s")
 
 
+def members(svc: Any, check: Callable[[list[Any]], bool], role: str | None = None) -> Callable[[], Awaitable[bool]]:
+    """A condition for ``eventually`` on ``svc``'s live members (``live_peers(role)``, a
+    coroutine on either face): ``check`` of the list it answers."""
+    async def held() -> bool:
+        return check(await svc.live_peers(role))
+
+    return held
+
+
 def eventually_sync(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.005,
                     what: str | Callable[[], str] = "the condition") -> None:
     """``eventually`` for code that runs without an event loop (a scheduler's thread, a

@@ -41,6 +41,7 @@ from ._transfers import KVReceiver, KVSender, _Transfer
 
 if TYPE_CHECKING:
     from .. import KVPool
+    from .._api import EarlyExpect
     from .._service import TransferService
     from ..memory import KVMemory
 
@@ -315,20 +316,28 @@ class KVTransferEngine:
     def expected(self, request_id: str) -> bool:
         """Whether a receiver's expect for ``request_id`` has reached this engine and waits
         for the first ``send()`` (``TransferService.expected``); never waits on the loop."""
-        svc = self._svc
-        return svc is not None and svc.expected(request_id)
+        early = self._early(request_id)
+        return early is not None and early.expected
 
     def expected_pages(self, request_id: str) -> int | None:
         """``TransferService.expected_pages``: the pages a receiver's expect for
         ``request_id`` reserved, while it waits here for the first ``send()``; never waits."""
-        svc = self._svc
-        return None if svc is None else svc.expected_pages(request_id)
+        early = self._early(request_id)
+        return None if early is None else early.pages
 
     def expect_dropped(self, request_id: str) -> tuple[FailureReason, str] | None:
         """``TransferService.expect_dropped``: (why, whose) when an expect for ``request_id``
         came and was dropped before any ``send()``, which now fails at once; never waits."""
+        early = self._early(request_id)
+        return None if early is None else early.dropped
+
+    def _early(self, request_id: str) -> EarlyExpect | None:
         svc = self._svc
-        return None if svc is None else svc.expect_dropped(request_id)
+        if svc is None:
+            return None
+        from .._service import early_expect  # loaded with the service (imported lazily here)
+
+        return early_expect(svc, request_id)
 
     @property
     def running(self) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._log import get_logger
 from .._results import KVPoll, KVServiceError, ProtocolError, TransferResult, UnknownRequestError
-from .._service import TransferService
+from .._service import TransferService, early_expect
 from .connection import Connection
 from .owners import RECV, SEND, Key, Owners
 from .wire import (
@@ -107,10 +107,9 @@ class WorkerCalls:
             return Declined(msg.call, await svc.decline(msg.request_id, sender=msg.sender, message=msg.message))
         if isinstance(msg, Expected):
             owners.check(me, msg.request_id)
-            rid = msg.request_id
-            dropped = svc.expect_dropped(rid)
-            return ExpectedReply(msg.call, svc.expected(rid), svc.expected_pages(rid),
-                                 (dropped[0].value, dropped[1]) if dropped is not None else None)
+            early = early_expect(svc, msg.request_id)
+            return ExpectedReply(msg.call, early.expected, early.pages,
+                                 (early.dropped[0].value, early.dropped[1]) if early.dropped is not None else None)
         if isinstance(msg, AwaitArrival):
             owners.check(me, msg.request_id)
             return ResultReply(msg.call, result_to_wire(await svc.await_arrival(msg.request_id, msg.timeout)))
@@ -132,7 +131,7 @@ class WorkerCalls:
         if isinstance(msg, Status):
             return StatusReply(msg.call, self.status())
         if isinstance(msg, LivePeers):
-            return PeersReply(msg.call, svc.live_peers(msg.role))
+            return PeersReply(msg.call, await svc.live_peers(msg.role))
         raise ProtocolError(f"unexpected {type(msg).__name__}")  # pragma: no cover - schema forbids
 
     def _check_open(self, role: str) -> None:

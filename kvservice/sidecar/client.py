@@ -9,7 +9,8 @@ Both satisfy ``kvservice.KVTransfer`` (mypy checks it: ``kvservice/_api_check.py
 context managers with ``kv`` (the KV pool: here a tensor over the daemon's shared segment,
 so ``kv.write`` puts bytes where the daemon sends them from), ``layout``, ``address``,
 ``agent_name``, ``send``, ``await_completion``, ``expect``, ``decline``, ``await_arrival``,
-``await_settled``, ``poll_arrival``, ``abort`` and ``status``, with the same arguments,
+``await_settled``, ``poll_arrival``, ``abort``, ``status`` and the scheduler's reads
+(``expected``, ``expected_pages``, ``expect_dropped``, ``live_peers``), with the same arguments,
 errors and ``TransferResult`` values.  Differences, all forced by the process boundary:
 
 * ``TransferResult.error`` is a ``SidecarRemoteError`` naming the original
@@ -21,9 +22,9 @@ errors and ``TransferResult`` values.  Differences, all forced by the process bo
 * ``status()`` (a ``SidecarStatus``: the service's ``ServiceStatus`` and the daemon's
   own) is the snapshot as of the last refresh (``status_interval`` seconds);
   ``await fetch_status()`` asks for a fresh one.
-* ``live_peers(role)``, ``expected``, ``expected_pages`` and ``expect_dropped`` (not in
-  ``KVTransfer``: see ``kvservice/_api.py``) are coroutines: what they read lives in the
-  daemon.  ``decline`` and the last three need a daemon of sidecar protocol 3, ``send``'s
+* ``live_peers(role)``, ``expected``, ``expected_pages`` and ``expect_dropped`` each ask the
+  daemon (coroutines on both faces: ``kvservice/_api.py``).  ``decline`` and the last three
+  need a daemon of sidecar protocol 3, ``send``'s
   ``receiver=`` and ``expect``'s ``verify=`` one of 4: on an older one they raise
   ``KVServiceError`` without sending a frame.
 * If the daemon goes away, every unfinished request ends ``Failed`` with
@@ -360,8 +361,8 @@ class SidecarClient:
         key = ("recv", request_id)
         return self._link.live.get(key) or self._link.done.get(key)
 
-    # ``TransferService.expected``, ``expected_pages`` and ``expect_dropped``, as coroutines:
-    # the early expects live in the daemon (one ``Expected`` call answers all three)
+    # ``TransferService.expected``, ``expected_pages`` and ``expect_dropped``: the early
+    # expects live in the daemon (one ``Expected`` call answers all three)
     async def expected(self, request_id: str) -> bool:
         return (await self._expected(request_id)).expected
 
@@ -390,7 +391,7 @@ class SidecarClient:
         return self._status
 
     async def live_peers(self, role: str | None = None) -> list[Member]:
-        """Like ``TransferService.live_peers``, but a coroutine: the daemon's discovery
+        """``TransferService.live_peers``: the daemon's discovery
         knows the cluster's live members (not the daemon itself); ``role`` filters.
         Empty with static discovery."""
         if role is not None and len(role) > MAX_ROLE_CHARS:

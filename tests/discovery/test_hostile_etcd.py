@@ -31,7 +31,7 @@ from kvservice import FailureReason, KVPoll, TransferService
 from kvservice.discovery.member import IGNORED, Member, encode, read
 from kvservice.sidecar.metrics import render
 from kvservice.testing import pattern
-from tests.helpers import SMALL, config, eventually, scaled
+from tests.helpers import SMALL, config, eventually, members, scaled
 
 from .etcd_server import EtcdServer
 
@@ -96,7 +96,8 @@ async def linked(etcd: EtcdServer) -> AsyncIterator[tuple[TransferService, Trans
     the prefill over that link, and traffic flowing between them while the block runs."""
     async with TransferService(config(**etcd_opts(etcd, "prefill-0", "prefill"))) as prefill, \
             TransferService(config(**etcd_opts(etcd, "decode-0", "decode"))) as decode:
-        await eventually(lambda: len(decode.live_peers()) == 1 and len(prefill.live_peers()) == 1, timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: len(ms) == 1), timeout=GUARD_S)
+        await eventually(members(prefill, lambda ms: len(ms) == 1), timeout=GUARD_S)
         await transfer(prefill, decode, "first", [3], [30])
         await decode.expect("held", [40, 41], sender="prefill-0")
         traffic = Traffic(prefill, decode)
@@ -154,13 +155,13 @@ async def test_a_hostile_entry_is_ignored_and_counted(etcd: EtcdServer, why: str
         # a service that starts now lists the entry, ignores it, and sees the good members
         async with TransferService(config(**etcd_opts(etcd, "decode-1", "decode"))) as late:
             assert late.status()["discovery"]["ignored"].get(why, 0) >= 1
-            await eventually(lambda: [m.name for m in late.live_peers()] == ["decode-0", "prefill-0"],
+            await eventually(members(late, lambda ms: [m.name for m in ms] == ["decode-0", "prefill-0"]),
                              timeout=GUARD_S)
             await transfer(prefill, late, "late", [6], [50])
             names, said = await cluster_cli(etcd)
             assert names == ["decode-0", "decode-1", "prefill-0"]
             assert f"skipped 1 ({why}=1)" in said, said
-        assert [m.name for m in decode.live_peers()] == ["prefill-0"]
+        assert [m.name for m in await decode.live_peers()] == ["prefill-0"]
         assert decode.stats.refused["discovery_member"] >= len(entries)
         await eventually(lambda: traffic.ok >= 3, timeout=GUARD_S)
 
@@ -184,9 +185,9 @@ async def test_an_overwritten_own_key_is_written_again(etcd: EtcdServer, how: st
         names, _ = await cluster_cli(etcd)
         assert names == ["decode-0", "prefill-0"]
         async with TransferService(config(**etcd_opts(etcd, "decode-1", "decode"))) as late:
-            assert "prefill-0" in [m.name for m in late.live_peers()]
+            assert "prefill-0" in [m.name for m in await late.live_peers()]
             await transfer(prefill, late, "late", [6], [50])
-        assert [m.agent for m in decode.live_peers()] == [prefill.agent_name]
+        assert [m.agent for m in await decode.live_peers()] == [prefill.agent_name]
         await eventually(lambda: traffic.ok >= 3, timeout=GUARD_S)
 
 
@@ -209,13 +210,13 @@ async def test_a_forged_registration_does_not_drop_a_peer_linked_by_address(etcd
                   for n in (1, 2)]
         async with raw_client(etcd) as client:
             await client.put(PREFIX + b"forged", forged[0])
-            await eventually(lambda: [m.incarnation for m in decode.live_peers()] == [1], timeout=GUARD_S)
+            await eventually(members(decode, lambda ms: [m.incarnation for m in ms] == [1]), timeout=GUARD_S)
             if named:
                 await decode.expect("lured", [32], sender="forged")
                 lured = await decode.await_arrival("lured", timeout=GUARD_S)
                 assert not lured.ok, lured
             await client.put(PREFIX + b"forged", forged[1])
-        await eventually(lambda: [m.incarnation for m in decode.live_peers()] == [2], timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: [m.incarnation for m in ms] == [2]), timeout=GUARD_S)
         # a whole transfer after the claim was taken in: a drop it caused has failed "held" by now
         await decode.expect("probe", [31], sender=static.address)
         static.kv.write([5], pattern(SMALL, "probe", 1))

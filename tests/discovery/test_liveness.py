@@ -20,7 +20,7 @@ import torch
 
 from kvservice import FailureReason, TransferService
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import READY_S, SMALL, config, eventually, peer_config, scaled
+from tests.helpers import READY_S, SMALL, config, eventually, members, peer_config, scaled
 
 from .etcd_server import EtcdServer
 
@@ -73,7 +73,7 @@ async def holding(etcd: EtcdServer, **fast: float) -> AsyncIterator[tuple[Transf
         try:
             async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode", **fast),
                                               **SLOW_LINK)) as decode:
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await eventually(members(decode, lambda ms: len(ms) == 1, "prefill"), timeout=GUARD_S)
                 await decode.expect("held", [1, 2], sender="prefill-0")
                 await expects_held(prefill, 1)
                 yield decode, prefill
@@ -89,7 +89,7 @@ async def test_restart_under_the_same_name_drops_the_old_incarnation(etcd: EtcdS
         new: PeerProcess | None = None
         try:
             async with TransferService(config(**etcd_opts(etcd, "decode-0", "decode"), **SLOW_LINK)) as decode:
-                await eventually(lambda: [m.agent for m in decode.live_peers("prefill")] == [old.agent],
+                await eventually(members(decode, lambda ms: [m.agent for m in ms] == [old.agent], "prefill"),
                                  timeout=GUARD_S)
                 await decode.expect("held", [1, 2], sender="prefill-0")
                 await expects_held(old, 1)
@@ -123,13 +123,13 @@ async def test_lapsed_lease_fails_requests_and_settles_once_the_link_heals(etcd:
         lost = await decode.await_arrival("held", timeout=GUARD_S)
         assert lost.reason is FailureReason.PEER_LOST, lost
         assert "lease lapsed" in lost.message
-        assert decode.live_peers() == []
+        assert (await decode.live_peers()) == []
         with anyio.move_on_after(1.0):  # nothing settles it while the process could still write
             await decode.await_settled("held")
         assert decode.status()["unsettled_pages"] == 2
         # resumed, it registers again on a new lease under its name, and is usable again
         prefill.signal(signal.SIGCONT)
-        await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: len(ms) == 1, "prefill"), timeout=GUARD_S)
         await verified_transfer(decode, prefill, "again", "prefill-0")
         # linked again, the same process answers for what the decode holds: it never posted a
         # WRITE of "held" (only its Expect was held), so the pages settle while it lives
@@ -149,11 +149,11 @@ async def test_a_lease_revoked_and_renewed_within_the_grace_drops_nothing(etcd: 
         async with aetcd.Client(host=host, port=int(port)) as client:
             kv = await client.get(b"/kvservice/live/services/prefill-0")
             await client.revoke_lease(kv.lease)
-        await eventually(lambda: "prefill-0" not in [m.name for m in decode.live_peers()], timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: "prefill-0" not in [m.name for m in ms]), timeout=GUARD_S)
         # lapsed, not judged yet: its name still resolves (a request now is not refused)
         await decode.expect("during", [3, 4], sender="prefill-0")
         assert decode.poll_arrival("during").name != "Failed"
-        await eventually(lambda: [m.agent for m in decode.live_peers()] == [prefill.agent], timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: [m.agent for m in ms] == [prefill.agent]), timeout=GUARD_S)
         await anyio.sleep(decode.config.etcd_rejoin_grace_s + 0.5)  # past the grace: judged by now
         assert decode.status()["peers"] == [prefill.address]
         assert decode.status()["discovery"]["lapsed"] == []
@@ -173,10 +173,10 @@ async def test_a_send_pinned_inside_the_grace_fails_when_the_lapse_is_judged(etc
         try:
             async with TransferService(config(**etcd_opts(etcd, "prefill-0", "prefill", **fast),
                                               bootstrap_timeout_s=120, **SLOW_LINK)) as prefill:
-                await eventually(lambda: len(prefill.live_peers("decode")) == 2, timeout=GUARD_S)
+                await eventually(members(prefill, lambda ms: len(ms) == 2, "decode"), timeout=GUARD_S)
                 gone, other = started
                 gone.signal(signal.SIGSTOP)  # its keep-alives stop: its lease lapses
-                await eventually(lambda: "decode-0" not in [m.name for m in prefill.live_peers()], timeout=GUARD_S)
+                await eventually(members(prefill, lambda ms: "decode-0" not in [m.name for m in ms]), timeout=GUARD_S)
                 doomed = await prefill.send("to-gone", [1, 2], last=True, receiver="decode-0")
                 kept = await prefill.send("to-other", [3, 4], last=True, receiver="decode-1")
                 with anyio.fail_after(GUARD_S):  # a hang guard: judged after the grace

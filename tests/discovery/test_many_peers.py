@@ -18,7 +18,8 @@ import torch
 
 from kvservice import KVLayout, TransferService
 from kvservice.testing import pattern
-from tests.helpers import LOOPBACK_UCX, config, eventually, peer_config, scaled
+from kvservice.testing.inspect import inside
+from tests.helpers import LOOPBACK_UCX, config, eventually, members, peer_config, scaled
 
 from .etcd_server import EtcdServer
 
@@ -58,9 +59,9 @@ async def test_one_service_holds_64_linked_peers(etcd: EtcdServer) -> None:
         assert (await line()) == {"event": "ready", "n": PEERS}
         async with TransferService(config(HUB, **disc, discovery_name="hub", discovery_role="decode",
                                           ucx_env=LOOPBACK_UCX)) as hub:
-            await eventually(lambda: len(hub.live_peers("prefill")) >= PEERS, GUARD_S, 0.1,
+            await eventually(members(hub, lambda ms: len(ms) >= PEERS, "prefill"), GUARD_S, 0.1,
                              what=f"the watch listing all {PEERS} prefills")
-            await hub._vetter.ready()  # type: ignore[union-attr]  # time the links, not its start
+            await inside(hub).vetter.ready()  # time the links, not its start
             before = rss_kib()
             link_s = []
             for i in range(PEERS):

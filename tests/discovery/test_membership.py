@@ -18,7 +18,7 @@ from kvservice.discovery._etcd import Etcd, EtcdOptions
 from kvservice.discovery.member import Member, services_prefix
 from kvservice.discovery.member import read as read_member
 from kvservice.testing import pattern
-from tests.helpers import SMALL, config, eventually, scaled
+from tests.helpers import SMALL, config, eventually, members, scaled
 
 from .etcd_server import EtcdServer
 
@@ -35,10 +35,11 @@ def etcd_config(server: EtcdServer, name: str, role: str, **kw: object) -> dict[
 async def test_register_resolve_by_name_and_transfer(etcd: EtcdServer) -> None:
     async with TransferService(config(**etcd_config(etcd, "prefill-0", "prefill"))) as prefill, \
             TransferService(config(**etcd_config(etcd, "decode-0", "decode"))) as decode:
-        await eventually(lambda: len(decode.live_peers()) == 1 and len(prefill.live_peers()) == 1, timeout=GUARD_S)
-        assert [m.name for m in decode.live_peers(role="prefill")] == ["prefill-0"]
-        assert decode.live_peers(role="decode") == []
-        seen = decode.live_peers()[0]
+        await eventually(members(decode, lambda ms: len(ms) == 1), timeout=GUARD_S)
+        await eventually(members(prefill, lambda ms: len(ms) == 1), timeout=GUARD_S)
+        assert [m.name for m in await decode.live_peers(role="prefill")] == ["prefill-0"]
+        assert (await decode.live_peers(role="decode")) == []
+        seen = (await decode.live_peers())[0]
         assert (seen.address, seen.agent, seen.role) == (prefill.address, prefill.agent_name, "prefill")
         assert seen.memory["pages"] == SMALL.num_pages
 
@@ -92,11 +93,11 @@ async def test_register_resolve_by_name_and_transfer(etcd: EtcdServer) -> None:
         # leaving deregisters at once (the lease is revoked, not left to lapse)
     async with TransferService(config(**etcd_config(etcd, "decode-1", "decode"))) as last:
         await eventually(lambda: last.status()["discovery"]["registered"], timeout=GUARD_S)
-        assert last.live_peers() == []
+        assert (await last.live_peers()) == []
 
 
 async def test_static_discovery_needs_no_etcd() -> None:
     async with TransferService(config()) as svc:
-        assert svc.live_peers() == [] and "discovery" not in svc.status()
+        assert (await svc.live_peers()) == [] and "discovery" not in svc.status()
         with pytest.raises(ValueError, match="address must be 'host:port'"):
             await svc.expect("r", [1], sender="prefill-0")

@@ -20,7 +20,7 @@ import torch
 from kvservice import TransferService
 from kvservice.discovery.registry import DiscoveryUnavailable
 from kvservice.testing import PeerProcess, pattern
-from tests.helpers import READY_S, SMALL, config, eventually, peer_config, scaled
+from tests.helpers import READY_S, SMALL, config, eventually, members, peer_config, scaled
 
 from .etcd_server import EtcdServer, require_etcd
 
@@ -90,7 +90,7 @@ async def flowing(etcd: EtcdServer) -> AsyncIterator[tuple[TransferService, Peer
                                           ready_timeout=READY_S)
         try:
             async with TransferService(config(**etcd_opts(etcd.endpoint, "decode-0", "decode"))) as decode:
-                await eventually(lambda: len(decode.live_peers("prefill")) == 1, timeout=GUARD_S)
+                await eventually(members(decode, lambda ms: len(ms) == 1, "prefill"), timeout=GUARD_S)
                 traffic = Traffic(decode, prefill)
                 tg.start_soon(traffic.run)
                 try:
@@ -116,9 +116,8 @@ async def test_etcd_stopped_30s_drops_nothing_and_registrations_return(etcd: Etc
         print(f"etcd stopped {time.monotonic() - paused:.1f} s: {during} requests completed meanwhile")
         # every lease lapses when a stopped etcd resumes; each service registers again
         await eventually(lambda: decode.status()["discovery"]["outages"] >= 1
-                         and decode.status()["discovery"]["registered"]
-                         and [m.agent for m in decode.live_peers()] == [prefill.agent],
-                         timeout=GUARD_S)
+                         and decode.status()["discovery"]["registered"], timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: [m.agent for m in ms] == [prefill.agent]), timeout=GUARD_S)
         await anyio.sleep(decode.config.etcd_rejoin_grace_s + 1)  # past any lapse's grace
         await eventually(lambda: traffic.ok >= before + during + 5, timeout=GUARD_S)
         await traffic.stop()
@@ -129,7 +128,7 @@ async def test_etcd_stopped_30s_drops_nothing_and_registrations_return(etcd: Etc
         outcomes = decode.status()["outcomes"]
         assert not [k for k in outcomes if k != "recv.SUCCESS"], outcomes
         assert decode.status()["peers"] == [prefill.address]  # the same link all along
-        assert [m.agent for m in decode.live_peers()] == [prefill.agent]
+        assert [m.agent for m in await decode.live_peers()] == [prefill.agent]
 
 
 async def test_etcd_replaced_by_an_empty_one_registrations_return(etcd: EtcdServer) -> None:
@@ -139,9 +138,8 @@ async def test_etcd_replaced_by_an_empty_one_registrations_return(etcd: EtcdServ
         before = traffic.ok
         await eventually(lambda: traffic.ok >= before + 5, timeout=GUARD_S)  # without etcd
         etcd.start()  # the same ports, empty
-        await eventually(lambda: decode.status()["discovery"]["registrations"] == 2
-                         and [m.agent for m in decode.live_peers()] == [prefill.agent],
-                         timeout=GUARD_S)
+        await eventually(lambda: decode.status()["discovery"]["registrations"] == 2, timeout=GUARD_S)
+        await eventually(members(decode, lambda ms: [m.agent for m in ms] == [prefill.agent]), timeout=GUARD_S)
         await traffic.stop()
         assert traffic.failed == []
         assert decode.status()["peers"] == [prefill.address]

@@ -77,7 +77,8 @@ async def one_round(svc: TransferService, child: PeerProcess, n: int, kill_at: i
     rids = [f"r{n}-{i}" for i in range(REQUESTS)]
     for i, rid in enumerate(rids):
         await child.command(op="expect", rid=rid, pages=list(range(CHUNKS * i, CHUNKS * (i + 1))), sender=svc.address)
-    await eventually(lambda: all(svc.expected(rid) for rid in rids), GUARD_S, what="every expect")
+    for rid in rids:
+        await eventually(lambda: svc.expected(rid), GUARD_S, what=f"{rid}'s expect")  # noqa: B023  # awaited here
     if kill_at == LOST_FIRST:  # the sends meet their Expects while the loss is handled, or after
         child.signal(signal.SIGKILL)
         with anyio.fail_after(GUARD_S):

@@ -324,8 +324,9 @@ def test_every_failure_reason_is_in_the_tables(page: str, section: str) -> None:
 
 def test_the_api_page_names_every_member_of_kvtransfer() -> None:
     """docs/api.md's "One API" section names each member of ``KVTransfer`` (kvservice/_api.py),
-    and the calls it says are outside the protocol are not in it but are on ``SidecarClient``."""
-    from kvservice import KVTransfer, SidecarClient
+    the scheduler's reads among them, and the calls it says are outside the protocol are not in
+    it: the in-process service's own."""
+    from kvservice import KVTransfer, SidecarClient, TransferService
 
     text = (REPO / "docs" / "api.md").read_text()
     section = text.split("## One API, two faces: `KVTransfer`")[1].split("\n## ")[0]
@@ -334,8 +335,10 @@ def test_the_api_page_names_every_member_of_kvtransfer() -> None:
     missing = sorted(m for m in members if not re.search(rf"`{m}[`(]", inside))
     assert not missing, f"docs/api.md's KVTransfer members lack {missing}"
     named = set(re.findall(r"`(\w+)`", outside.split(".")[0]))
-    assert named == {"expected", "expected_pages", "expect_dropped", "live_peers"}, named
-    assert not named & members and all(hasattr(SidecarClient, n) for n in named), named
+    assert {"expected", "expected_pages", "expect_dropped", "live_peers"} <= members
+    assert named == {"remembers", "completion_future", "arrival_future", "metrics"}, named
+    assert not named & members and all(hasattr(TransferService, n) for n in named), named
+    assert not any(hasattr(SidecarClient, n) for n in named), named
 
 
 # -- examples -----------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ async def test_decline_checks_its_arguments_and_refuses_a_request_expected_here(
                 await rx.decline("", sender=tx.address)
             # declined before any send: the send of it fails ABORTED at once, nothing posted
             assert await rx.decline("other", sender=tx.address) is True
-            await eventually(lambda: tx.expect_dropped("other") is not None, GUARD_S)
+            await eventually(lambda: tx.expect_dropped("other"), GUARD_S)  # (why, whose) once dropped
             result = await tx.await_completion(await tx.send("other", [1], last=True), timeout=GUARD_S)
             assert (result.reason, result.settled) == (FailureReason.ABORTED, True), result
             await rx.abort("mine")
