@@ -3,7 +3,7 @@
 Two services in two network namespaces joined by a veth (``two_hosts``), KV over UCX's
 TCP transport.  The faults land on the data path while both processes stay alive:
 
-* **an endpoint killed under UCX**: every TCP connection UCX holds between the two
+* **an endpoint killed under UCX** (at either end): every TCP connection UCX holds between the two
   hosts is destroyed in the kernel (``ss -K``: the socket is aborted and the peer gets a
   RST), the control link's connection spared.  NIXL then fails the WRITEs in flight
   with ``nixlRemoteDisconnectError``, the error one vLLM deployment saw on every decode
@@ -123,11 +123,14 @@ async def _clean(p: PeerProcess) -> dict[str, Any]:
     return st
 
 
-def _kill_ucx_endpoints(w: Wire, decode: PeerProcess, prefill: PeerProcess) -> list[str]:
-    """Abort every TCP connection between the hosts in the prefill's namespace but the control
-    link's (one end of it is a service's listening port); returns the connections killed."""
-    spare = f"dport != :{_port(decode.address)} and sport != :{_port(prefill.address)}"
-    out = netns._run("ip", "netns", "exec", w.b.netns, "ss", "-K", "-tnH", "dst", w.a.ip, "and", *spare.split())
+def _kill_ucx_endpoints(w: Wire, decode: PeerProcess, prefill: PeerProcess, at: str = "prefill") -> list[str]:
+    """Abort every TCP connection between the hosts, in the namespace of the service ``at``,
+    but the control link's (one end of it is a service's listening port); the other end gets
+    a RST.  Returns the connections killed."""
+    here, there = (w.b, w.a) if at == "prefill" else (w.a, w.b)
+    mine, theirs = (prefill, decode) if at == "prefill" else (decode, prefill)
+    spare = f"dport != :{_port(theirs.address)} and sport != :{_port(mine.address)}"
+    out = netns._run("ip", "netns", "exec", here.netns, "ss", "-K", "-tnH", "dst", there.ip, "and", *spare.split())
     return [line for line in out.splitlines() if line.strip()]
 
 
@@ -136,11 +139,13 @@ def _kill_ucx_endpoints(w: Wire, decode: PeerProcess, prefill: PeerProcess) -> l
 
 @pytest.mark.nixl
 @pytest.mark.slow
-async def test_killed_ucx_endpoint_fails_in_flight_then_relinks(link: Wire, key_file: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("at", ["prefill", "decode"])
+async def test_killed_ucx_endpoint_fails_in_flight_then_relinks(
+        link: Wire, key_file: str, tmp_path: Path, at: str) -> None:
     async with services(link, key_file, logs=tmp_path) as (decode, prefill):
         rids = await _in_flight(link, decode, prefill, "ep")
         assert handshakes(tmp_path, link.b, decode.agent) == handshakes(tmp_path, link.a, prefill.agent) == [1]
-        killed = _kill_ucx_endpoints(link, decode, prefill)
+        killed = _kill_ucx_endpoints(link, decode, prefill, at)
         assert killed, "no UCX connection between the hosts to kill"
         print(f"\nkilled {len(killed)} UCX connection(s): {killed}")
         killed_at = time.monotonic()
