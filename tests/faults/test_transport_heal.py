@@ -211,6 +211,34 @@ async def test_endpoint_killed_while_idle_costs_at_most_one_request(
             await _clean(p)
 
 
+@pytest.mark.nixl
+@pytest.mark.slow
+async def test_killed_control_connection_with_ucx_intact_relinks(link: Wire, key_file: str, tmp_path: Path) -> None:
+    """The converse: the control link's TCP connection aborted (``ss -K``), UCX's left alone.
+    The link is the authority on its requests: those in flight fail ``PEER_LOST`` on both
+    sides with the connection's error, though their WRITEs may still complete (the sender
+    drains them before the peer is loaded again); the next requests link again and pass."""
+    async with services(link, key_file, logs=tmp_path) as (decode, prefill):
+        rids = await _in_flight(link, decode, prefill, "ctl")
+        control = f"( dport = :{_port(decode.address)} or sport = :{_port(prefill.address)} )"
+        out = netns._run("ip", "netns", "exec", link.b.netns, "ss", "-K", "-tnH", "dst", link.a.ip, "and",
+                         *control.split())
+        killed = [line for line in out.splitlines() if line.strip()]
+        assert len(killed) == 1, killed
+        ended = await _ends(decode, prefill, rids)
+        for side, ev in ended.items():
+            assert ev["status"] == "FAILED" and ev["reason"] == "PEER_LOST", (side, ev)
+            assert ev["message"] and ev["error_type"], (side, ev)
+        link.unshape(link.b)
+        await _after(decode, prefill, "ctl-after")
+        assert len(handshakes(tmp_path, link.b, decode.agent)) == 2
+        assert len(handshakes(tmp_path, link.a, prefill.agent)) == 2
+        for p, side in ((decode, "recv"), (prefill, "send")):
+            st = await _clean(p)
+            assert st["outcomes"] == {f"{side}.SUCCESS": 1 + AFTER, f"{side}.PEER_LOST": REQUESTS}, st
+            assert st["refused"] == {}, st
+
+
 # -- a short cut, packet loss ----------------------------------------------------------------
 
 
