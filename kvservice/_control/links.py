@@ -204,8 +204,10 @@ class PeerLink:
         self._send.send_nowait(body)
 
     def alive(self, within: float) -> bool:
-        """Open, and heard from (any frame, pings included) within ``within`` seconds."""
-        return not self.closed and time.monotonic() - self.last_rx <= within
+        """Open and not closing (``flush_and_close``, ``tell_and_close``), and heard from (any
+        frame, pings included) within ``within`` seconds: a peer linking again meanwhile
+        waits for this link to end (``ControlPlane``) instead of being refused."""
+        return not self.closed and not self._closing and time.monotonic() - self.last_rx <= within
 
     def close(self, cause: BaseException | None = None) -> None:
         if self._cause is None:
