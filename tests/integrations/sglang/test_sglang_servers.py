@@ -5,7 +5,8 @@ SGLang's ``mini_lb`` router sends them, a random Llama with 8 KV heads (and one 
 The pair's greedy tokens are a single server's; a prefill or decode SIGKILLed mid-request
 ends the request with an error naming the reason, and the pair serves again once the killed
 server is back (for the prefill: the first request after the restarted one is ready); a
-hostile ``bootstrap_room`` over HTTP is an error answer and both servers stay up.
+prefill restarted while idle serves the first request after it is ready; a hostile
+``bootstrap_room`` over HTTP is an error answer and both servers stay up.
 
 One pair per model, shared by the module's tests (``served``, module-scoped, parametrized by
 the model's KV heads: pytest runs every test of one model before it starts the other's, so no
@@ -152,3 +153,16 @@ def test_a_prefill_killed_mid_request_fails_the_decodes_and_the_pair_serves_agai
     pair.prefill.start()
     pair.prefill.wait_ready()
     assert pair.tokens(PROMPTS[0]) == served.baseline[0]
+
+
+@pytest.mark.parametrize("served", [8], indirect=True, ids=["8-kv-heads"])
+def test_a_prefill_restarted_while_idle_serves_the_first_request_after_it_is_ready(served: Served) -> None:
+    """No request fails in between to tell the decode that its prefill is gone: it must not
+    dial the address it knew."""
+    pair = served.pair
+    assert pair.tokens(PROMPTS[3]) == served.baseline[3]  # the decode knows this incarnation
+    pair.prefill.stop()
+    pair.prefill.start()
+    pair.prefill.wait_ready()
+    assert pair.tokens(PROMPTS[3]) == served.baseline[3]
+    assert pair.decode.up()
