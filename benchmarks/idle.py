@@ -6,10 +6,13 @@ Starts, side by side in one run, a pair of processes per method: bare NIXL agent
 (``kvservice.bench.raw_nixl``: an agent each, the other's metadata loaded, nothing
 running), kvservice in process (``kvservice.bench.kv_side``, its loop-lag ticker off),
 the sidecar (a ``kvservice serve`` daemon per side and a ``SidecarClient`` worker on
-each), and the engine facade (``KVTransferEngine`` on its loop thread, in this module's
-``engine`` child).  Each pair moves one request (so links, agents and connections are
-up), then every process of every method sits idle for the same ``--seconds``, and
-``/proc`` says what each spent meanwhile (``kvservice.bench.procfs``: every thread's
+each), the engine facade (``KVTransferEngine`` on its loop thread, in this module's
+``engine`` child), and ``expecting``: kvservice in process again, its receiver holding one
+Expect whose ``send()`` never comes (a decode that reserved pages for a prefill still
+computing: not idle for the service, whose receiver polls NIXL while it expects).
+Each pair moves one request (so links, agents and connections are up), then every
+process of every method sits idle for the same ``--seconds``, and ``/proc`` says what
+each spent meanwhile (``kvservice.bench.procfs``: every thread's
 run time, and how many times its threads were put on a CPU: ``wakes``).
 
 Printed: per process, % of a core and wakes per second; per method and side, the sum
@@ -124,8 +127,8 @@ def report(spans: list[dict[str, dict[str, tuple[float, float]]]]) -> None:
         median[name] = {}
         for role in spans[0][name]:
             cpus = sorted(s[name][role][0] for s in spans)
-            wakes = sorted(s[name][role][1] for s in spans)
-            median[name][role] = (cpus[len(cpus) // 2], wakes[len(wakes) // 2])
+            runs = sorted(s[name][role][1] for s in spans)
+            median[name][role] = (cpus[len(cpus) // 2], runs[len(runs) // 2])
     print(f"{'method':10} {'process':15} {'% of a core':>12} {'wakes/s':>9}")
     for name in names:
         for role, (cpu, wakes) in median[name].items():
@@ -142,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.idle", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="each idle span (default 30)")
     ap.add_argument("--repeats", type=int, default=1, help="idle spans, one after another (median printed)")
-    ap.add_argument("--methods", default="raw_nixl,kvservice,sidecar,engine",
-                    help="comma-separated: raw_nixl (always), kvservice, sidecar, engine")
+    ap.add_argument("--methods", default="raw_nixl,kvservice,sidecar,engine,expecting",
+                    help="comma-separated: raw_nixl (always), kvservice, sidecar, engine, expecting")
     args = ap.parse_args(argv)
     layout = dict(LLAMA3_8B)
     wanted = set(args.methods.split(",")) | {"raw_nixl"}
@@ -158,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         methods.append(sidecar)
     if "engine" in wanted:
         methods.append(Engine(layout, POOL_PAGES))
+    if "expecting" in wanted:
+        held = KvService(layout, POOL_PAGES, name="expecting")
+        held.cfg["ticker"] = False
+        methods.append(held)
     started: list[Method] = []
     try:
         for m in methods:
@@ -165,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             m.start()
             if not isinstance(m, Engine):
                 m.measure(LINK, "link")
+            if m.name == "expecting":  # one Expect held, never sent (it outlives the spans)
+                assert isinstance(m, KvService) and m.recv is not None
+                m.recv.call("expect", "expecting", requests=[{"rid": "held", "dst": [POOL_PAGES - 1]}],
+                            sender=m.address, wait=False)
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {len(methods)} pairs linked and idle; "
               f"{args.repeats} x {args.seconds:.0f} s", flush=True)
         report([idle_span(methods, args.seconds) for _ in range(args.repeats)])
