@@ -16,8 +16,9 @@ What is here, all of it on a started service (``async with``):
 * a peer: ``link(agent)``, ``drop_link(agent, cause)`` (as a reset of the connection
   ends it), ``notif_key_to``/``notif_keys_from`` (the keys its notifications are
   sealed with);
-* the service itself: ``door`` (its NIXL door, or the fake's), ``vetter`` (the child
-  that vets peers' NIXL metadata), ``metadata`` (its own, as every peer holds it);
+* the service itself: ``started``, ``door`` (its NIXL door, or the fake's), ``vetter``
+  (the child that vets peers' NIXL metadata), ``metadata`` (its own, as every peer holds
+  it), ``task_group`` (to crash it: cancel and exit the group);
 * pushes: ``heard()`` records every control message the service hears from then on;
   ``advertise(address)`` and ``join_with(metadata=...)`` make it claim what a
   misconfigured or hostile service claims.
@@ -32,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio.abc
 import msgspec
 
 from .._results import KVServiceError
@@ -58,6 +60,21 @@ class Inside:
     """A started ``TransferService``'s private state, for tests: see the module's doc."""
 
     svc: TransferService
+
+    @property
+    def started(self) -> bool:
+        """Whether the service has started (its planes, door and task group exist); they stay
+        readable after it ends."""
+        return self.svc._plane is not None
+
+    @property
+    def task_group(self) -> anyio.abc.TaskGroup:
+        """The group every task of the service runs in: a test that crashes the service
+        cancels it and exits it, without the service's own shutdown."""
+        tg = self.svc._tg
+        if tg is None:
+            raise KVServiceError("the service has no task group until it has started ('async with')")
+        return tg
 
     # -- tables ------------------------------------------------------------------------------
     @property

@@ -26,9 +26,11 @@ from kvservice._control.protocol import FENCE, ChunkNotif, Settled, encode_notif
 from kvservice._nixl.door import DoorError, LocalTable
 from kvservice._results import FailureReason, KVServiceError, TransferResult, UnknownRequestError
 from kvservice._transfer.ends import FENCE_TRIES
+from kvservice._transfer.plane import RequestPlane
 from kvservice._transfer.requests import RecvRequest, SendRequest
 from kvservice.testing import pattern
 from kvservice.testing.fake_door import FakeDoor, FakeFabric, Mode, copy
+from kvservice.testing.inspect import inside
 from tests.helpers import SMALL
 
 from .inline import InlineDoorThread
@@ -55,7 +57,8 @@ def _stalled(door: FakeDoor) -> bool:
     return door._mode is Mode.HANG or any(x.checks_left is None for x in door._live.values())
 
 
-async def _no_lag_monitor(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def _no_lag_monitor(busy: Callable[[], bool] | None = None, *,
+                          task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     task_status.started()
 
 
@@ -71,6 +74,11 @@ def sim_config(host: str) -> ServiceConfig:
         idle_poll_interval_s=0.05, drain_grace_s=0.2, unknown_expect_ttl_s=1.0,
     )
 
+
+
+def plane_of(svc: TransferService) -> RequestPlane | None:
+    """``svc``'s request plane, or None before it ever started."""
+    return inside(svc).plane if inside(svc).started else None
 
 @dataclass(eq=False)
 class _Zombie:
@@ -196,7 +204,7 @@ class Proc:
 
     @property
     def door(self) -> FakeDoor | None:
-        door = self.svc._door
+        door = inside(self.svc).door if inside(self.svc).started else None
         assert door is None or isinstance(door, FakeDoor)
         return door
 
@@ -279,8 +287,7 @@ class World:
 
     # -- instrumentation ---------------------------------------------------------------
     def _instrument(self, proc: Proc) -> None:
-        plane = proc.svc._plane
-        assert plane is not None  # instrumented once started: the plane exists from then on
+        plane = inside(proc.svc).plane  # instrumented once started: the plane exists from then on
         finish = plane.finish
         settlement = plane.settlement
         settle_recv = settlement.settle_recv
@@ -414,14 +421,14 @@ class World:
                 await proc.stop.wait()
             except BaseException as exc:  # noqa: BLE001 - the service's own group cancelled (a crash)
                 cancelled = exc
-            assert svc._tg is not None
+            group = inside(svc).task_group
             if proc.crashed or cancelled is not None:
                 if not proc.crashed and not (self._tg and self._tg.cancel_scope.cancel_called):
                     self.violation(f"{proc.agent}'s task group ended by itself: {cancelled!r}")
-                svc._tg.cancel_scope.cancel()
+                group.cancel_scope.cancel()
                 info = (type(cancelled), cancelled, cancelled.__traceback__) if cancelled else (None, None, None)
                 try:
-                    swallowed = await svc._tg.__aexit__(*info)
+                    swallowed = await group.__aexit__(*info)
                 except BaseException as exc:  # noqa: BLE001
                     if not isinstance(exc, anyio.get_cancelled_exc_class()):
                         self.violation(f"{proc.agent} crashed with {exc!r}")
@@ -531,7 +538,8 @@ class World:
             await svc.expect(r.rid, r.dst, sender=f"{ROLES[PREFILL]}:{PORT}")
         except KVServiceError as exc:
             self.log(f"expect {r.rid} refused: {exc}")
-            if svc._plane is None or (r.rid not in svc._plane.recvs and r.rid not in svc._plane.recvs_done):
+            plane = plane_of(svc)
+            if plane is None or (r.rid not in plane.recvs and r.rid not in plane.recvs_done):
                 proc.free.extend(r.dst)
                 return
         await svc.await_arrival(r.rid)
@@ -657,7 +665,7 @@ class World:
         for proc in self.procs.values():
             if not proc.running:
                 continue
-            plane = proc.svc._plane
+            plane = plane_of(proc.svc)
             if plane is None:
                 continue
             for req in [*plane.sends.values(), *plane.recvs.values()]:
@@ -702,7 +710,7 @@ class World:
         for r in self.reqs.values():
             if r.disturbed or r.receiver is None or not r.receiver.running or self._fence_excused(r):
                 continue
-            plane = r.receiver.svc._plane
+            plane = plane_of(r.receiver.svc)
             result = plane.recvs_done.get(r.rid) if plane is not None else None
             if result is not None and not result.settled:
                 self.violation(f"{r.rid} failed on {r.receiver.agent} ({result.reason}) and never settled, "
@@ -715,7 +723,7 @@ class World:
         for proc in self.all_procs:
             if proc.crashed:
                 continue
-            plane = proc.svc._plane
+            plane = plane_of(proc.svc)
             if plane is None:  # never started
                 continue
             if plane.sends or plane.recvs:
@@ -734,7 +742,7 @@ class World:
         for r in self.reqs.values():
             if r.sender is None or r.receiver is None or r.disturbed:
                 continue
-            sp, rp = r.sender.svc._plane, r.receiver.svc._plane
+            sp, rp = plane_of(r.sender.svc), plane_of(r.receiver.svc)
             s = sp.sends_done.get(r.rid) if sp is not None else None
             d = rp.recvs_done.get(r.rid) if rp is not None else None
             if s is None or d is None:
