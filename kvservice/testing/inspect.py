@@ -23,13 +23,18 @@ What is here, all of it on a started service (``async with``):
   ``advertise(address)`` and ``join_with(metadata=...)`` make it claim what a
   misconfigured or hostile service claims.
 
+``inside_engine(engine)`` is the same for the engine facade (``kvservice.engine``): its
+loop, its thread, the service it runs, and where each of its transfers stands.
+
 The names and what they return may change with the service (``kvservice.testing``'s
 stable part is its ``__all__``); the point is that they change here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +51,9 @@ if TYPE_CHECKING:
     from .._transfer.early import EarlyExpects
     from .._transfer.plane import RequestPlane
     from .._trust.vetting import MetadataVetter
+    from ..engine import KVReceiver, KVSender, KVTransferEngine
 
-__all__ = ["Inside", "inside"]
+__all__ = ["EngineInside", "Inside", "inside", "inside_engine"]
 
 
 def inside(svc: TransferService) -> Inside:
@@ -161,3 +167,49 @@ class Inside:
         own: a peer that lies about its agent."""
         local = self.control._local
         self.control._local = dataclasses.replace(local, join=msgspec.structs.replace(local.join, metadata=metadata))
+
+
+def inside_engine(engine: KVTransferEngine) -> EngineInside:
+    """The view of a ``KVTransferEngine``'s insides a test may read (its loop thread, the
+    service on it, and where each of its transfers stands)."""
+    return EngineInside(engine)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInside:
+    """A ``KVTransferEngine``'s private state, for tests: the engine facade's counterpart of
+    ``Inside``."""
+
+    engine: KVTransferEngine
+
+    @property
+    def service(self) -> TransferService:
+        """The service the engine runs (``inside(...)`` reads on into it)."""
+        svc = self.engine._svc
+        if svc is None:
+            raise KVServiceError("the engine runs no service until it has started")
+        return svc
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of the engine's own thread."""
+        loop = self.engine._loop
+        if loop is None:
+            raise KVServiceError("the engine has no loop until it has started")
+        return loop
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The engine's loop thread (None before ``start``); it has ended once ``start`` failed
+        or the engine closed."""
+        return self.engine._thread
+
+    @staticmethod
+    def sent(transfer: KVSender) -> bool:
+        """Whether the sender's first ``send`` has reached the service (it holds a handle)."""
+        return transfer._handle is not None
+
+    @staticmethod
+    def handed_over(transfer: KVSender | KVReceiver) -> bool:
+        """Whether the service holds the request and no operation of it waits on the loop."""
+        return transfer._owned and not transfer._running

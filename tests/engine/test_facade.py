@@ -20,6 +20,7 @@ import torch
 from kvservice import FailureReason, KVPoll, ServiceConfig, TransferFailed, TransferService
 from kvservice.engine import KVReceiver, KVSender, KVTransferEngine
 from kvservice.testing import FakeFabric, pattern
+from kvservice.testing.inspect import EngineInside, inside_engine
 from tests.helpers import SMALL, eventually_sync
 from tests.unit.harness import GUARD_S, unit_config
 
@@ -235,9 +236,8 @@ def test_poll_never_waits_for_the_loop() -> None:
     with engines(fabric) as (prefill, _):
         sender = prefill.sender("busy")
         sender.send([1], last=False)
-        until(lambda: sender.poll() is KVPoll.Bootstrapping and sender._handle is not None)
-        loop = prefill._loop
-        assert loop is not None
+        until(lambda: sender.poll() is KVPoll.Bootstrapping and EngineInside.sent(sender))
+        loop = inside_engine(prefill).loop
         blocked, release = threading.Event(), threading.Event()
 
         def block() -> None:  # the loop thread is stuck (a long synchronous call)
@@ -324,8 +324,8 @@ def test_forwarded_keywords_are_the_services_own() -> None:
 def test_the_engine_loop_is_its_own_thread() -> None:
     fabric = FakeFabric()
     with engines(fabric) as (prefill, _):
-        loop = prefill._loop
-        assert loop is not None and loop.is_running()
+        loop = inside_engine(prefill).loop
+        assert loop.is_running()
         async def ident() -> int:
             return threading.get_ident()
 
@@ -345,14 +345,14 @@ def test_a_service_that_cannot_start_raises_from_start() -> None:
     with pytest.raises(RuntimeError, match="no NIXL here"):
         engine.start()
     assert not engine.running
-    assert engine._thread is not None and not engine._thread.is_alive()
+    thread = inside_engine(engine).thread
+    assert thread is not None and not thread.is_alive()
 
 
 def test_an_error_inside_a_watcher_ends_that_request_only() -> None:
     fabric = FakeFabric()
     with engines(fabric) as (prefill, decode):
-        svc = prefill._svc
-        assert svc is not None
+        svc = inside_engine(prefill).service
         original = svc.completion_future
 
         def broken(handle: Any) -> Any:
@@ -399,7 +399,7 @@ def test_a_waiting_transfer_holds_a_done_callback_not_a_task() -> None:
             receiver.init([i])  # no sender will come: waits for its arrival
             sender.send([i], last=True)  # no receiver will come: waits for its expect
         # every one handed to its service and watched (its op runner gone)
-        until(lambda: all(t._owned and not t._running for t in (*receivers, *senders)))
+        until(lambda: all(EngineInside.handed_over(t) for t in (*receivers, *senders)))
         waiting = tasks() - idle
         assert waiting < n // 4, f"{waiting} more tasks with {2 * n} transfers waiting"
         assert all(t.poll() is not KVPoll.Failed for t in (*receivers, *senders))
