@@ -3,9 +3,15 @@ its drain ended) and, once it is known gone for good, forgetting it.
 
 Unloading.  A lost receiver's WRITEs in flight are drained (``_transfer.proofs``): its
 agent stays loaded until the watchdog says nothing of it drains any more (bounded by
-the watchdog, and here by twice ``peer_timeout_s``), unless it linked again meanwhile
-(its new link's loading replaced the old agent).  A peer linking again waits for the
-drain first (``let_drain_end``).
+the watchdog's ``drain_limit``, and here by that and ``peer_timeout_s`` more), unless
+it linked again meanwhile (its new link's loading replaced the old agent).  A peer
+linking again waits for the drain first (``let_drain_end``, up to twice
+``peer_timeout_s``: it is alive, so its WRITEs end soon).  The mirror: a lost sender
+not known gone, for which this side holds pages, stays loaded until nothing is held
+for it, it links again, or ``drain_limit`` passes (``_unload_when_settled``).  If this
+side was the one stopped past the loss, the sender's WRITEs still in flight end only
+while this side's endpoint stays open; unloading it would fail them, and the sender
+could never prove them over: the pages would stay held until it exits.
 
 Gone for good.  An agent name is unique per service incarnation, so an agent whose
 process is gone, whose address another agent now answers at, or that said ``Bye``
@@ -31,6 +37,7 @@ import anyio.abc
 from .._config import ServiceConfig
 from .._log import get_logger
 from .._nixl.door import Door, DoorThread
+from .._transfer.proofs import drain_limit
 from .peers import PeerEvents
 
 log = get_logger("kvservice.control")
@@ -68,6 +75,9 @@ class Departures:
         if drained is not None and not self._closing():  # its WRITEs in flight may still end DONE
             self._tg.start_soon(self._unload_when_drained, agent, drained, gone, proven)
             return
+        if gone is None and not self._closing() and self._events.holds(agent):
+            self._tg.start_soon(self._unload_when_settled, agent, proven)  # a live sender's WRITEs may end DONE
+            return
         await self._unload(agent)
         self._after_unload(agent, gone, proven)
 
@@ -80,13 +90,28 @@ class Departures:
         """Unload a lost ``agent`` from NIXL once its handles in flight ended (the
         watchdog bounds that wait), unless it linked again meanwhile: its new link's
         loading replaced the old agent (releasing what still drained, unproven)."""
-        with anyio.move_on_after(2 * self._cfg.peer_timeout_s):  # the watchdog's own bound is one
+        limit = drain_limit(self._cfg.peer_timeout_s)
+        with anyio.move_on_after(limit + self._cfg.peer_timeout_s):  # the watchdog's own bound is the limit
             await drained.wait()
         async with self._lock:
             if self._linked(agent) or self._closing():
                 return
             await self._unload(agent)
             self._after_unload(agent, gone, proven)
+
+    async def _unload_when_settled(self, agent: str, proven: frozenset[str]) -> None:
+        """Unload a lost sender, not known gone, once nothing is held for it here (see the
+        module docstring), unless it linked again meanwhile; at most ``drain_limit``."""
+        wait = self._cfg.heartbeat_interval_s
+        for _ in range(int(drain_limit(self._cfg.peer_timeout_s) / wait) + 1):
+            if not self._events.holds(agent) or self._linked(agent) or self._closing():
+                break
+            await anyio.sleep(wait)
+        async with self._lock:
+            if self._linked(agent) or self._closing():
+                return
+            await self._unload(agent)
+            self._after_unload(agent, None, proven)
 
     def _after_unload(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
         if self._closing():

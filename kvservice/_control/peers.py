@@ -54,6 +54,9 @@ class PeerEvents(Protocol):
     def released_by_door(self, xids: list[int]) -> None: ...
     def draining(self, agent: str) -> anyio.Event | None:
         """Set once the handles of a lost ``agent`` ended (None: none left): unload it then."""
+    def holds(self, agent: str) -> bool:
+        """Whether this side holds pages that lost ``agent`` may still write into: its endpoint
+        stays loaded meanwhile, so that those WRITEs can end on its side."""
     def on_peer_gone(self, agent: str) -> None:
         """Lost ``agent`` is unloaded and gone for good (``departures``): it never links again."""
 

@@ -34,6 +34,7 @@ from . import landing
 from .heal import Heal
 from .landing import Landing
 from .plane import RequestPlane
+from .proofs import drain_limit
 from .requests import RecvRequest, make_result
 
 log = get_logger("kvservice")
@@ -284,7 +285,7 @@ class Inbound:
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
         if not gone and not p.closing:  # its WRITEs in flight may still end DONE: checked, not let go (proofs)
-            p.watchdog.drain(agent, time.monotonic() + p.config.peer_timeout_s)
+            p.watchdog.drain(agent, time.monotonic() + drain_limit(p.config.peer_timeout_s))
         self._heal.lost(agent, proven)
         for sreq in [r for r in p.sends.values() if r.peer == agent]:
             p.fail(sreq, reason, what, error=cause, from_peer=True)
@@ -311,6 +312,9 @@ class Inbound:
 
     def draining(self, agent: str) -> anyio.Event | None:
         return self._plane.watchdog.draining(agent)
+
+    def holds(self, agent: str) -> bool:
+        return self._plane.settlement.held_by(agent)
 
     def on_peer_gone(self, agent: str) -> None:
         self._plane.watchdog.proofs.forget(agent)

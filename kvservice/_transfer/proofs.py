@@ -27,8 +27,13 @@ nothing for) any more: such pages stay held until this process exits, as before.
 
 So that a lost receiver's WRITEs in flight can still end ``DONE``, a lost link's
 handles are not released at once: the watchdog keeps checking them (it *drains*
-them) for up to ``peer_timeout_s`` before it gives up on them (``Watchdog.drain``),
-and the control plane unloads that agent from NIXL only then.
+them) until each ends, ``DONE`` or an error, or ``drain_limit`` passes
+(``Watchdog.drain``), and the control plane unloads that agent from NIXL only then.
+The limit is far longer than ``peer_timeout_s``: a receiver stopped (SIGSTOP, a host
+swapping) past its loss still progresses those WRITEs once it resumes (it keeps this
+sender's endpoint while it holds pages for it: ``_control.departures``), and its
+pages settle on its next ``Ask`` then, not at this process's exit.  What it costs
+meanwhile: the lost agent stays loaded and its handles in flight stay live.
 
 An agent's entries are forgotten (``forget``) once it is gone for good: unloaded, and
 its process proven gone, replaced at its address, or shut down (its ``Bye``).  Agent
@@ -43,6 +48,15 @@ import collections
 from .._log import get_logger
 
 log = get_logger("kvservice")
+
+#: the longest a lost receiver's WRITEs in flight are drained (``drain_limit``): a receiver
+#: stopped for longer holds the pages they reach until this process exits
+DRAIN_S = 120.0
+
+
+def drain_limit(peer_timeout_s: float) -> float:
+    """How long a lost receiver's handles in flight are checked before they are let go."""
+    return max(DRAIN_S, peer_timeout_s)
 
 
 class Proofs:

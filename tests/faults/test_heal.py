@@ -14,6 +14,7 @@ And a hostile or garbage ``Ask`` gets nothing but a count.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 import anyio
@@ -119,6 +120,59 @@ async def test_a_stalled_receiver_that_resumes_settles_what_the_sender_proves() 
         assert (await decode.event("verified", "canary"))["ok"], "a late WRITE landed in settled pages"
         await new_request_arrives_at(prefill, decode, "after", [1, 2], [5, 6])
         print(f"\nreceiver stalled: {len(held)} of {len(rids)} requests held, then settled")
+
+
+async def test_a_receiver_stalled_past_the_senders_peer_timeout_settles_once_it_resumes() -> None:
+    """The decode is SIGSTOPped with 6 requests (192 pages) in flight and stays stopped
+    past the prefill's loss of it and ``peer_timeout_s`` more (where the prefill's drain
+    used to give up and release the WRITEs unproven: the pages were held until the
+    prefill exited).  The prefill keeps checking the lost link's WRITEs, the decode keeps
+    the prefill's endpoint while it holds pages for it; SIGCONT: the WRITEs end, the
+    decode links again, asks, and every request settles while the prefill lives; no
+    handle is left, a canary survives and a new request arrives byte-exact."""
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,), \
+            TransferService(config(LAYOUT, ucx_env=TCP, **PREFILL)) as prefill:
+        await new_request_arrives_at(prefill, decode, "warm", [0], [1])
+        rids = [f"long-stall-{i}" for i in range(6)]
+        parts = [PAGES[32 * i : 32 * (i + 1)] for i in range(6)]
+        for rid, pages in zip(rids, parts, strict=True):
+            prefill.kv.write(pages, pattern(LAYOUT, rid, len(pages)))
+            await decode.command(op="expect", rid=rid, pages=pages, sender=prefill.address)
+            await decode.event("expecting", rid)
+        handles = [await prefill.send(rid, pages, last=True) for rid, pages in zip(rids, parts, strict=True)]
+        decode.signal(signal.SIGSTOP)
+        try:
+            with anyio.fail_after(SETTLE_GUARD_S):
+                await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S)
+            await anyio.sleep(1.5 * PREFILL["peer_timeout_s"])  # the stall outlasts peer_timeout_s
+        finally:
+            decode.signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        with anyio.fail_after(SETTLE_GUARD_S):  # a send ends once its WRITEs in flight did (its source pages)
+            sent = [await prefill.await_completion(h) for h in handles]
+        assert all(r.ok or r.reason in LOST for r in sent), sent
+        for rid in rids:
+            arrived = await decode.event("arrived", rid, timeout=SETTLE_GUARD_S)
+            assert arrived["status"] == "SUCCESS" or FailureReason(arrived["reason"]) in LOST, arrived
+        for rid in rids:  # a generous wait (a hang guard): settled while the prefill lives
+            await decode.command(op="await_settled", rid=rid, timeout=SETTLE_GUARD_S)
+            got = await decode.event("settled", rid, timeout=SETTLE_GUARD_S + 5)
+            assert got["settled"], got
+        took = time.monotonic() - resumed
+        st = await status_of(decode)
+        assert st["unsettled_pages"] == 0, st
+        assert decode.proc.returncode is None
+        await eventually(lambda: prefill.status()["inflight_handles"] == 0 and prefill._door.live_xfers() == 0,
+                         timeout=SETTLE_GUARD_S, what="the prefill's handles released")
+        await decode.command(op="fill", rid="canary", pages=PAGES)
+        await decode.event("filled", "canary")
+        await anyio.sleep(LATE_WRITE_WAIT_S)
+        await decode.command(op="verify", rid="canary", pages=PAGES)
+        assert (await decode.event("verified", "canary"))["ok"], "a late WRITE landed in settled pages"
+        await new_request_arrives_at(prefill, decode, "after-long-stall", [1, 2], [5, 6])
+        failed = sum(not r.ok for r in sent)
+        print(f"\nreceiver stalled past peer_timeout_s: {failed} of 6 sends failed, "
+              f"all settled {took:.1f} s after SIGCONT")
 
 
 async def test_a_write_released_in_flight_is_never_proven_to_a_receiver_that_asks() -> None:
