@@ -41,9 +41,10 @@ fi
 # must-be-zero counters decide its exit code (docs/soak.md).
 echo "== soak"
 .venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
-# The SGLang transfer backend under SGLang's own classes (tests/integrations/sglang): in SGLang's
-# environment, built once and cached outside the checkout (scripts/engine-env.sh sglang); the run
-# above skips those tests (no SGLang in .venv).
+# The SGLang transfer backend under SGLang's own classes and as served (tests/integrations/sglang:
+# real sglang.launch_server pairs, one at a time, each test module's timeout marker bounding it):
+# in SGLang's environment, built once and cached outside the checkout (scripts/engine-env.sh
+# sglang); the run above skips those tests (no SGLang in .venv).
 if [ "${KVSERVICE_SKIP_SGLANG:-0}" != 1 ]; then
     echo "== sglang"
     if sglang_env=$(bash scripts/engine-env.sh sglang); then
