@@ -59,8 +59,8 @@ Glossary:
 - **fence**: one more page WRITE a sender posts, after its door released every handle
   of a failed request, on the same link; its notification arrives only after every
   earlier WRITE of that endpoint has landed.
-- **drain**: a lost receiver's handles in flight, checked until they end (or for
-  ``peer_timeout_s``) rather than released at once, so that they may end ``DONE``.
+- **drain**: a lost receiver's handles in flight, checked until they end (bounded by
+  ``proofs.drain_limit``) rather than released at once, so that they may end ``DONE``.
 - **proven over**: (a request, to its receiver) every WRITE of it the sender posted reached
   ``DONE`` before it was let go, or it posted none.
 - **landing sum**: the CRC32C of the bytes one chunk's WRITE moves, in the pair's descriptor

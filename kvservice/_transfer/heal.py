@@ -6,8 +6,8 @@ agent comes up (it resumed from a stall, or the network healed), the receiver as
 (``Ask``) about what it holds for that agent, and the sender answers ``Settled`` for
 each request it can prove no WRITE of can land any more (``proofs``).  The rest
 stays held: asked again a few times (a lost link's WRITEs may still be draining on
-the sender, for up to its ``peer_timeout_s``), then until the next link or the
-sender's exit.
+the sender until each ends, bounded by ``proofs.drain_limit``), then until the next
+link or the sender's exit.
 
 Receiver side: ``linked`` starts one asking task per agent; it asks at most
 ``MAX_ASK`` ids per ``Ask``, rotating through what is held, ``ASK_ROUNDS`` times with
