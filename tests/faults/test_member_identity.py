@@ -24,7 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from kvservice import FailureReason, KVLayout, TransferService
+from kvservice import FailureReason, KVLayout, KVPoll, TransferService
 from kvservice._control.handshakes import Handshakes
 from kvservice._control.protocol import Settled
 from kvservice._trust.authority import CA_CERT, CA_KEY, create_authority, issue
@@ -203,16 +203,19 @@ async def test_a_member_cannot_settle_another_members_pages(cluster: Authority, 
             mallory = TransferService(config(LAYOUT, **mallory_cfg))
             mallory.agent_name = stalled.agent
             async with mallory:
-                result = await mallory_dials(mallory, decode, "m-1")
-                assert result.reason is FailureReason.REFUSED, result
-                said = "certificate names member 'mallory'" if not allow else "was proven by member"
-                assert said in result.message, result
+                await mallory.expect("m-1", [1], sender=decode.address)  # mallory dials decode
+                await eventually(lambda: mallory.address in decode.status()["peers"]  # linked (as before)
+                                 or mallory.poll_arrival("m-1") is KVPoll.Failed, WAIT_S)  # or refused
                 assert mallory._plane is not None
-                mallory._plane.send_to(decode.agent_name, Settled("held"))  # were it linked
-                assert refused(decode, "identity") == 1
+                mallory._plane.send_to(decode.agent_name, Settled("held"))  # heard, were it linked
                 still = await decode.await_settled("held", timeout=3.0)
                 assert not still.settled, still
                 assert decode.status()["unsettled_pages"] == len(PAGES)
+                result = await mallory.await_arrival("m-1", timeout=WAIT_S)
+                assert result.reason is FailureReason.REFUSED, result
+                said = "certificate names member 'mallory'" if not allow else "was proven by member"
+                assert said in result.message, result
+                assert refused(decode, "identity") == 1
             await legit(prefill, decode, "during", LAYOUT)
         finally:
             stalled.signal(signal.SIGKILL)
