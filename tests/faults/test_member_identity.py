@@ -10,15 +10,19 @@ NIXL agents, a real prefill process, real SIGSTOP/SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import secrets
 import signal
-from collections.abc import Callable
+import struct
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
+import msgspec
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -317,3 +321,74 @@ async def test_a_peer_without_identity_is_refused_unless_allowed(cluster: Author
         async with TransferService(cfg) as decode:
             await legit(prefill, decode, "allowed")
             assert handshakes(decode).members[prefill.agent] is None
+
+
+# -- nobody on the path talks two members out of proving themselves --------------------------------
+
+
+@contextlib.asynccontextmanager
+async def lowering_relay(target: str, way: str) -> AsyncIterator[str]:
+    """A TCP relay to ``target`` that sets ``ident`` to 0 in the first frame going ``way``
+    ("up": the dialer's Hello; "down": the acceptor's), as a party on the path would to make
+    a member look like a release without identities; everything else it carries as is."""
+    host, port = target.rsplit(":", 1)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+
+    async def pipe(src: anyio.abc.SocketStream, dst: anyio.abc.SocketStream, lower: bool) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            buf = b""
+            while lower:  # the first frame, whole, rewritten
+                buf += await src.receive()
+                if len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                    n = struct.unpack(">I", buf[:4])[0]
+                    hello = msgspec.msgpack.decode(buf[4:4 + n])
+                    hello["ident"] = 0
+                    body = msgspec.msgpack.encode(hello)
+                    await dst.send(struct.pack(">I", len(body)) + body + buf[4 + n:])
+                    break
+            async for data in src:
+                await dst.send(data)
+        with contextlib.suppress(Exception):
+            await dst.aclose()
+
+    async def serve(client: anyio.abc.SocketStream) -> None:
+        server = await anyio.connect_tcp(host, int(port))
+        async with client, server, anyio.create_task_group() as tg:
+            tg.start_soon(pipe, client, server, way == "up")
+            tg.start_soon(pipe, server, client, way == "down")
+
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        try:
+            yield f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        finally:
+            tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("way", ["up", "down"])
+async def test_a_party_on_the_path_cannot_lower_a_members_ident(cluster: Authority, way: str) -> None:
+    """Two members that both let peers without an identity link (a fleet on its way to
+    identities), linked through a relay that lowers one Hello's ``ident`` to 0 ("a release
+    without identities"): the proofs cover both, so the link is refused (before, it came up
+    with neither member proven).  Directly, they link proven."""
+    allow = {"allow_peers_without_identity": True}
+    async with (TransferService(config(**cluster.member("prefill-0"), **allow)) as prefill,
+                TransferService(config(**cluster.member("decode-0", "decode"), **allow)) as decode,
+                lowering_relay(prefill.address, way) as via):
+        prefill.kv.write([1, 2], pattern(SMALL, "relayed", 2))
+        await prefill.send("relayed", [1, 2], last=True)
+        await decode.expect("relayed", [7, 8], sender=via)
+        result = await decode.await_arrival("relayed", timeout=WAIT_S)
+        assert result.reason is FailureReason.REFUSED, result
+        assert "authentication failed" in result.message, result
+        assert prefill.agent_name not in handshakes(decode).members
+        assert decode.status()["peers"] == [] and prefill.status()["peers"] == []
+        await prefill.abort("relayed")
+        prefill.kv.write([3, 4], pattern(SMALL, "direct", 2))
+        sent = await prefill.send("direct", [3, 4], last=True)
+        await decode.expect("direct", [9, 10], sender=prefill.address)
+        assert (await prefill.await_completion(sent, timeout=WAIT_S)).ok
+        assert (await decode.await_arrival("direct", timeout=WAIT_S)).ok
+        assert bool((decode.kv.pages([9, 10]) == pattern(SMALL, "direct", 2)).all())
+        proven = handshakes(decode).members[prefill.agent_name]
+        assert proven is not None and proven.name == "prefill-0"
