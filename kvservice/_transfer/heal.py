@@ -118,7 +118,10 @@ class Heal:
         self._answered.put(agent, now)
         proofs = p.watchdog.proofs
         proven = 0
+        draining = p.watchdog.draining_requests(agent)
         for rid in dict.fromkeys(request_ids):
+            if rid in draining:
+                continue  # a WRITE of it is still in flight (its link was lost): later
             # bound and live, or still being released (an unbound one never posted anything)
             bound = [r.peer for r in (p.sends.get(rid), p.ends.unsettled.get(rid)) if r is not None and r.peer]
             if bound:

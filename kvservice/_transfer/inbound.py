@@ -285,7 +285,8 @@ class Inbound:
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
         if not gone and not p.closing:  # its WRITEs in flight may still end DONE: checked, not let go (proofs)
-            p.watchdog.drain(agent, time.monotonic() + drain_limit(p.config.peer_timeout_s))
+            now = time.monotonic()
+            p.watchdog.drain(agent, now + p.config.peer_timeout_s, now + drain_limit(p.config.peer_timeout_s))
         self._heal.lost(agent, proven)
         for sreq in [r for r in p.sends.values() if r.peer == agent]:
             p.fail(sreq, reason, what, error=cause, from_peer=True)

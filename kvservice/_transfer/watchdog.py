@@ -104,7 +104,10 @@ class Watchdog:
         self._releasing: dict[XferId, SendRequest] = {}  # queued or in a tick, not yet confirmed
         #: handles of lost receivers checked until they end (``drain``): id -> (request, fence?)
         self._draining: dict[XferId, tuple[SendRequest, bool]] = {}
-        self._drain_until: dict[str, float] = {}  # receiver agent -> when its drain gives up
+        self._drain_until: dict[str, float] = {}  # receiver agent -> when its requests are let go
+        self._keep_until: dict[str, float] = {}  # receiver agent -> when its drained handles are released
+        #: draining chunk handles whose request was let go already (``drain``)
+        self._let_go: set[XferId] = set()
         self._drained: dict[str, anyio.Event] = {}  # receiver agent -> set once nothing of it drains
         #: which requests this sender could not prove over to their receivers
         self.proofs = Proofs()
@@ -198,12 +201,14 @@ class Watchdog:
         if self._ahead is not None:
             self._fences_forgotten.add(peer)
 
-    def drain(self, peer: str, until: float) -> anyio.Event | None:
+    def drain(self, peer: str, until: float, keep_until: float) -> anyio.Event | None:
         """The link to receiver ``peer`` is lost: keep checking its handles in flight
-        (chunks and fences) rather than letting them go, until each ends or ``until``
-        (then they are released, unproven).  A request of theirs counts as released only
-        once all of it has ended so.  Returns an event set when nothing of ``peer``
-        drains any more (the door may unload it then), or None if nothing does."""
+        (chunks and fences) rather than letting them go, until each ends or ``keep_until``
+        (then they are released, unproven).  A request of theirs counts as released once
+        all of it has ended so, or at ``until``, whichever comes first: from then on its
+        handles still draining are checked only for the proof (``draining_requests``), as a
+        handle released in flight would go on too.  Returns an event set when nothing of
+        ``peer`` drains any more (the door may unload it then), or None if nothing does."""
         for xid, (req, n) in [(x, e) for x, e in self._inflight.items() if e[0].peer == peer]:
             del self._inflight[xid]
             self._draining[xid] = (req, n == FENCE)
@@ -216,6 +221,7 @@ class Watchdog:
                 and not any(req.peer == peer for req, _ in self._draining.values())):
             return None
         self._drain_until[peer] = until
+        self._keep_until[peer] = max(until, keep_until)
         event = self._drained.setdefault(peer, anyio.Event())
         self.wake()
         return event
@@ -223,6 +229,10 @@ class Watchdog:
     def draining(self, peer: str) -> anyio.Event | None:
         """Set once nothing of ``peer`` drains any more; None if nothing does now."""
         return self._drained.get(peer)
+
+    def draining_requests(self, peer: str) -> set[str]:
+        """The requests with a handle to ``peer`` still draining: none of them is proven yet."""
+        return {req.request_id for req, _ in self._draining.values() if req.peer == peer}
 
     def forced(self, xids: list[XferId]) -> None:
         """The door released these handles itself (their peer was unloaded or replaced)."""
@@ -235,7 +245,9 @@ class Watchdog:
         req, fence = self._draining.pop(xid)
         if not proven:
             self.proofs.unproven(req.peer, req.request_id, "drain ended unfinished")
-        if not fence:
+        if xid in self._let_go:
+            self._let_go.discard(xid)
+        elif not fence:
             req.releasing -= 1
             self._settle_if_released(req)
         if req.peer is not None:
@@ -245,14 +257,24 @@ class Watchdog:
         # Posts handed over and not yet digested may be to ``peer``: they drain too.
         if not self._late and not any(r.peer == peer for r, _ in self._draining.values()):
             self._drain_until.pop(peer, None)
+            self._keep_until.pop(peer, None)
             event = self._drained.pop(peer, None)
             if event is not None:
                 event.set()
 
     def _drain_expired(self, now: float) -> None:
-        """Give up on the handles of drains past their deadline: released, unproven."""
+        """Let go of the requests of drains past ``until`` (their handles still checked), and
+        give up on the handles of drains past ``keep_until``: released, unproven."""
         late = {peer for peer, until in self._drain_until.items() if now >= until}
-        for xid in [x for x, (req, _) in self._draining.items() if req.peer in late]:
+        if not late:
+            return
+        for xid, (req, fence) in list(self._draining.items()):
+            if req.peer in late and not fence and xid not in self._let_go:
+                self._let_go.add(xid)
+                req.releasing -= 1
+                self._settle_if_released(req)
+        over = {peer for peer in late if now >= self._keep_until.get(peer, now)}
+        for xid in [x for x, (req, _) in self._draining.items() if req.peer in over]:
             self._releases.append(xid)
             self._drained_one(xid, proven=False)
 
