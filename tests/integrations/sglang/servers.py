@@ -137,6 +137,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.starts = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        #: the group was SIGKILLed and its leader reaped: its id is not ours to signal again
+        self.ended = True
         self.start()
 
     @property
@@ -147,6 +149,7 @@ class Server:
         """Start (again, on the same ports): returns at once; ``wait_ready()`` waits."""
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is running"
         self.starts += 1
+        self.ended = False
         args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
                 "--port", str(self.port), *SERVE_FLAGS, *ROLE_FLAGS[self.role]]
         if self.bootstrap_port:
@@ -189,6 +192,8 @@ class Server:
     def signal(self, sig: signal.Signals) -> None:
         """``sig`` to the server's process group (the server and its scheduler and detokenizer)."""
         assert self.proc is not None
+        if self.ended:
+            return
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
@@ -199,6 +204,7 @@ class Server:
         self.signal(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(timeout=60)
+        self.ended = True
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL for what is left after 30 s."""
@@ -211,6 +217,7 @@ class Server:
             pass
         self.signal(signal.SIGKILL)  # the scheduler and detokenizer, if they outlived the server
         self.proc.wait(timeout=60)
+        self.ended = True
 
 
 class Pair:
