@@ -8,11 +8,20 @@ import anyio
 import pytest
 import torch
 
-from kvservice import FailureReason, KVPoll, TransferHandle, TransferService
+from kvservice import FailureReason, KVPoll, ServiceConfig, TransferHandle, TransferService
 from kvservice.testing import FakeDoor, FakeFabric
 from tests.helpers import SMALL, Ticker, eventually
 
 from .harness import GUARD_S, door_of, fill, unit_config
+
+
+def shut_down_first() -> ServiceConfig:
+    """A service whose requests' own deadlines (bootstrap, transfer, arrival) outlast each test's
+    hang guard, so that only the shutdown under test ends them: on a loaded machine a test
+    here has run past the 30 s bootstrap deadline, and the request still bootstrapping ended
+    TIMEOUT instead of SHUTDOWN."""
+    outlast = 2 * GUARD_S
+    return unit_config(bootstrap_timeout_s=outlast, transfer_timeout_s=outlast, arrival_timeout_s=outlast)
 
 
 async def start_work(tx: TransferService, rx: TransferService, txd: FakeDoor) -> list[TransferHandle]:
@@ -36,8 +45,8 @@ async def start_work(tx: TransferService, rx: TransferService, txd: FakeDoor) ->
 async def test_shutdown_of_the_sender_fails_everything_shutdown() -> None:
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
-        async with TransferService(unit_config(), door_factory=fabric.factory) as rx:
-            async with TransferService(unit_config(), door_factory=fabric.factory) as tx:
+        async with TransferService(shut_down_first(), door_factory=fabric.factory) as rx:
+            async with TransferService(shut_down_first(), door_factory=fabric.factory) as tx:
                 txd = door_of(fabric, tx)
                 handles = await start_work(tx, rx, txd)
                 xids = txd.live_ids()
@@ -55,9 +64,9 @@ async def test_shutdown_of_the_sender_fails_everything_shutdown() -> None:
 async def test_shutdown_of_the_receiver_fails_everything_shutdown() -> None:
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
-        async with TransferService(unit_config(), door_factory=fabric.factory) as tx:
+        async with TransferService(shut_down_first(), door_factory=fabric.factory) as tx:
             txd = door_of(fabric, tx)
-            async with TransferService(unit_config(), door_factory=fabric.factory) as rx:
+            async with TransferService(shut_down_first(), door_factory=fabric.factory) as rx:
                 handles = await start_work(tx, rx, txd)
                 xids = txd.live_ids()
             for rid in ("chunked", "single", "unsent"):
@@ -93,8 +102,8 @@ async def test_no_live_handles_and_nothing_pending_after_shutdown(exit_first: st
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
         async with (
-            TransferService(unit_config(), door_factory=fabric.factory) as outer,
-            TransferService(unit_config(), door_factory=fabric.factory) as inner,
+            TransferService(shut_down_first(), door_factory=fabric.factory) as outer,
+            TransferService(shut_down_first(), door_factory=fabric.factory) as inner,
         ):
             tx, rx = (inner, outer) if exit_first == "sender" else (outer, inner)
             await start_work(tx, rx, door_of(fabric, tx))
