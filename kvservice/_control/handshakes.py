@@ -90,11 +90,12 @@ class Met:
 
 class Handshakes:
     def __init__(self, transport: Transport, config: ServiceConfig, local: LocalPeer,
-                 my_address: Callable[[], str]) -> None:
+                 my_address: Callable[[], str], refuse: Callable[[str], int | None]) -> None:
         self._transport = transport
         self._cfg = config
         self._local = local
         self._my_address = my_address  # known once the plane listens
+        self._refuse = refuse  # counts a refusal of ours as a dialler (an acceptor's: handshake_failed)
         self._identity: Identity | None = config.identity()
         #: agent -> the member it proved (None: it linked proving none), most recent last
         self.members: OrderedDict[str, Member | None] = OrderedDict()
@@ -151,6 +152,7 @@ class Handshakes:
             member = self._member(reply.agent, reply.ident, reply.cert, reply.signature,
                                   signed_part(ACCEPTOR, agreed.script, reply.cert))
         except IdentityRefused as exc:
+            self._refuse(exc.kind)
             if not probe:
                 await try_send(framed, Reject(str(exc), exc.kind))
             raise IdentityRefused(f"{address}: {exc}", exc.kind) from exc

@@ -115,7 +115,7 @@ class ControlPlane:
         self._peers: dict[str, Peer] = {}  # agent -> peer
         #: agent -> (where it was, why) while its loss is being handled (``losing``)
         self._losing: dict[str, tuple[str, BaseException | None]] = {}
-        self._handshakes = Handshakes(self._transport, config, local, lambda: self.address)
+        self._handshakes = Handshakes(self._transport, config, local, lambda: self.address, stats.refuse)
         self._book = AddressBook(self._handshakes.probe)  # which agent is proven at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
         # agent -> inbound notification keys of its latest links, newest first

@@ -177,6 +177,7 @@ async def test_a_member_cannot_speak_under_another_members_agent_name(cluster: A
                 result = await decode.await_arrival("claim", timeout=WAIT_S)
                 assert result.reason is FailureReason.REFUSED, result
                 assert "certificate names member 'mallory'" in result.message, result
+                assert refused(decode, "identity") == 1  # counted by the dialler that refused
             assert decode.status()["peers"] == [prefill.address]
         await legit(prefill, decode, "after")
 
@@ -302,7 +303,7 @@ async def test_a_certificate_that_does_not_check_out_is_refused(cluster: Authori
 
 async def test_a_peer_without_identity_is_refused_unless_allowed(cluster: Authority) -> None:
     """Decode has an identity, prefill (a process) and mallory hold only the cluster's
-    key: refused both ways (``identity_missing``, counted where decode accepts), with a
+    key: refused both ways (``identity_missing``, counted each time), with a
     reason that names the setting; with ``allow_peers_without_identity`` they link and
     prefill's requests pass byte-exact."""
     plain: dict[str, Any] = {"auth_key_file": cluster.key}
@@ -316,7 +317,7 @@ async def test_a_peer_without_identity_is_refused_unless_allowed(cluster: Author
                 result = await mallory_dials(mallory, decode, "m-1")
                 assert result.reason is FailureReason.REFUSED, result
                 assert "allow_peers_without_identity" in result.message, result
-            assert refused(decode, "identity_missing") == 1
+            assert refused(decode, "identity_missing") == 2  # once dialling, once accepting
         cfg = config(**cluster.member("decode-1", "decode"), allow_peers_without_identity=True)
         async with TransferService(cfg) as decode:
             await legit(prefill, decode, "allowed")
