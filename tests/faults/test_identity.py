@@ -38,6 +38,7 @@ from kvservice._control.protocol import (
 from kvservice._trust.handshake import ACCEPTOR, DIALER, EXCHANGE_SINCE, MAC_BYTES, LinkSecrets, transcript
 from kvservice._trust.keys import generate_key, load_key
 from kvservice.testing import PeerProcess, pattern
+from kvservice.testing.inspect import inside
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
 from tests.helpers import SMALL, config, eventually, heard_by, peer_config, peers, scaled
 
@@ -60,14 +61,12 @@ def refused(svc: TransferService, kind: str) -> int:
 def claiming(svc: TransferService, address: str) -> None:
     """Make ``svc`` advertise ``address`` in its Hellos: a claim, as a misconfigured or
     hostile service makes it (its own port stays where it is)."""
-    assert svc._plane is not None
-    svc._plane.control.address = address
+    inside(svc).advertise(address)
 
 
 def metadata_of(svc: TransferService) -> bytes:
     """``svc``'s NIXL metadata, as any peer it ever linked with holds it."""
-    assert svc._plane is not None
-    return svc._plane.control._local.join.metadata
+    return inside(svc).metadata
 
 
 async def forge(name: str, metadata: bytes, peer: str, notifs: list[bytes]) -> None:
@@ -297,9 +296,8 @@ async def test_a_key_holder_who_recorded_the_handshake_opens_nothing(key_file: s
         # its forged completion of a request the decode expects from the prefill
         await decode.expect("forged", [9], sender=via)
         forger = LinkSecrets(key, scripts[1], ACCEPTOR)
-        assert decode._plane is not None
         refused_before = refused(decode, "notif_forged")
-        decode._plane.inbound.on_notifs({prefill.agent_name: [
+        inside(decode).plane.inbound.on_notifs({prefill.agent_name: [
             encode_notif(ChunkNotif("forged", 0, 1, b"forged payload"), forger.notif_out)]})
         assert refused(decode, "notif_forged") == refused_before + 1
         assert decode.status()["receiving"] == 1  # "forged" still waits for the real sender
@@ -338,10 +336,9 @@ async def test_only_the_requests_peer_can_end_it_or_learn_its_outcome(key_file: 
 
         # M links with R (any request will do) and asks about "early"
         heard = heard_by(mallory)
-        assert mallory._plane is not None
         await decode.command(op="fill", rid="m-probe", pages=[1])
         await mallory.expect("m-probe", [2], sender=decode.address)
-        mallory._plane.control.send_to(decode.agent, Failed("early", FailureReason.TIMEOUT.value, "did it arrive?"))
+        inside(mallory).control.send_to(decode.agent, Failed("early", FailureReason.TIMEOUT.value, "did it arrive?"))
 
         async def refused_foreign() -> bool:
             await decode.command(op="status", rid="s")
