@@ -15,6 +15,7 @@ import torch
 from kvservice import TransferService, TransferStatus
 from kvservice._transfer import cadence
 from kvservice.testing import pattern
+from kvservice.testing.inspect import inside
 from tests.helpers import SMALL, config, eventually, peer_config, peers
 
 pytestmark = pytest.mark.nixl
@@ -26,14 +27,12 @@ BOUND_S = 60.0
 
 
 def watchdog_ticks(svc: TransferService) -> int:
-    assert svc._plane is not None
-    return svc._plane.watchdog.ticks
+    return inside(svc).plane.watchdog.ticks
 
 
 async def idle(svc: TransferService) -> None:
     """Until ``svc``'s watchdog has gone idle and sleeps (its ticks stop moving)."""
-    assert svc._plane is not None
-    plane = svc._plane
+    plane = inside(svc).plane
     await eventually(lambda: not plane.busy() and plane.watchdog.inflight == 0, timeout=BOUND_S,
                      what="the receiver going idle")
     seen = -1
@@ -76,13 +75,12 @@ async def test_fence_after_abort_settles_while_idle() -> None:
     work.  The pages are then settled, and nothing leaked on either side."""
     async with peers(peer_config()) as (prefill,), \
             TransferService(config(idle_poll_interval_s=IDLE_S)) as svc:
-        assert svc._plane is not None
         src, dst = [6, 7, 8, 9], [50, 51, 52, 53]
         await prefill.command(op="fill", rid="fenced", pages=src)
         await prefill.event("filled", "fenced")
         await svc.expect("fenced", dst, sender=prefill.address)
         await prefill.command(op="send", rid="fenced", pages=src[:2], last=False)
-        recvs = svc._plane.recvs
+        recvs = inside(svc).plane.recvs
         await eventually(lambda: recvs["fenced"].chunks_seen >= 1, timeout=BOUND_S,
                          what="the first chunk's arrival")
         aborted = await svc.abort("fenced")
