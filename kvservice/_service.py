@@ -172,7 +172,9 @@ class TransferService:
         await self._tg.start(self.stats.monitor_loop_lag, plane.busy)
         if cfg.discovery == "etcd":
             self._discovery = Discovery(cfg.discovery_settings, self.stats, agent=self.agent_name, address=self.address,
-                                        memory=memory, load=self._load, drop=plane.drop_agent)
+                                        memory=memory, load=self._load, drop=plane.drop_agent,
+                                        identity=await self._thread.call(cfg.identity),
+                                        allow_unsigned=cfg.allow_peers_without_identity)
             await self._discovery.start(self._tg)
         log.info("service.started", address=self.address, agent=self.agent_name,
                  kv_bytes=memory.nbytes, regions=len(memory.regions), authenticated=key is not None)

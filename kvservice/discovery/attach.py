@@ -26,6 +26,7 @@ from .._control.addresses import split_address
 from .._log import get_logger
 from .._results import KVServiceError
 from .._stats import Stats
+from .._trust.identity import Identity
 from ..memory._regions import KVMemory
 from .member import Member
 from .registry import Registry, incarnation
@@ -58,7 +59,8 @@ class Discovery:
 
     def __init__(self, config: DiscoverySettings, stats: Stats, *, agent: str, address: str, memory: KVMemory,
                  load: Callable[[], tuple[int, int]],
-                 drop: Callable[[str, BaseException, str, str], None]) -> None:
+                 drop: Callable[[str, BaseException, str, str], None], identity: Identity | None = None,
+                 allow_unsigned: bool = False) -> None:
         self._config = config
         self._agent = agent
         self._address = address
@@ -70,7 +72,7 @@ class Discovery:
         self._named: dict[str, str] = {}
         self.incarnation = incarnation()
         self.started_at = time.time()
-        self.registry = Registry(config, self.member, self._lost, stats)
+        self.registry = Registry(config, self.member, self._lost, stats, identity, allow_unsigned)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Registered once this returns (or raises, ``etcd_unreachable = "fail"``)."""

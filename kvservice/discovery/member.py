@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -33,7 +33,7 @@ _Name = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN)]
 
 #: why an entry read from etcd is ignored (each counted, in ``Registry.status()["ignored"]``)
 IGNORED = ("key_outside_prefix", "key_too_long", "key_not_utf8", "name_invalid", "value_too_long", "value_invalid",
-           "agent_taken")
+           "agent_taken", "unsigned", "signature", "replay")
 _Text = Annotated[str, msgspec.Meta(max_length=255)]
 
 
@@ -51,6 +51,11 @@ class Member(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     started_at: float = 0.0
     linked: Annotated[int, msgspec.Meta(ge=0)] = 0
     inflight: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: with a member identity (``signing``): when it was signed, its certificate (base64
+    #: DER) and its member key's signature; empty without one
+    signed_at: float = 0.0
+    cert: Annotated[str, msgspec.Meta(max_length=MAX_VALUE_BYTES)] = ""
+    sig: Annotated[str, msgspec.Meta(max_length=2048)] = ""
 
     def age_s(self, now: float | None = None) -> float:
         return max(0.0, (time.time() if now is None else now) - self.started_at)
@@ -127,15 +132,19 @@ def claimed_elsewhere(member: Member, claims: Mapping[str, str]) -> bool:
 
 
 def read_listing(entries: Iterable[Entry], prefix: str, claims: Mapping[str, str] | None = None,
+                 check: Callable[[bytes, Member], Member | Ignored] | None = None,
                  ) -> tuple[list[Member], list[tuple[bytes, Ignored]]]:
     """The members a listing holds, and the entries ignored (key, why).  Entries are read
     in the order they were created, so of two claims of one agent the earlier stands
-    (``claimed_elsewhere``), after the caller's own ``claims`` (agent -> name)."""
+    (``claimed_elsewhere``), after the caller's own ``claims`` (agent -> name); each is
+    first passed through ``check`` (a signature's: ``signing.Verifier.check``)."""
     found: list[Member] = []
     ignored: list[tuple[bytes, Ignored]] = []
     taken = dict(claims or {})
     for entry in sorted(entries, key=lambda e: e.created):
         got = read(entry.key, entry.value, prefix)
+        if isinstance(got, Member) and check is not None:
+            got = check(entry.key, got)
         if isinstance(got, Member) and claimed_elsewhere(got, taken):
             got = Ignored("agent_taken", f"agent {got.agent!r} is {taken[got.agent]!r}'s")
         if isinstance(got, Ignored):

@@ -35,10 +35,12 @@ import anyio.abc
 
 from .._log import get_logger
 from .._stats import DiscoveryStatus, Stats
+from .._trust.identity import Identity
 from . import member as members
 from ._etcd import Etcd, EtcdOptions, EtcdUnavailable, Event
 from .member import Ignored, Member
 from .settings import DiscoverySettings
+from .signing import Verifier, sign
 
 log = get_logger("kvservice.discovery")
 
@@ -72,8 +74,10 @@ def options(cfg: DiscoverySettings) -> EtcdOptions:
 
 class Registry:
     def __init__(self, cfg: DiscoverySettings, me: Callable[[], Member], on_lost: Callable[[Member, str], None],
-                 stats: Stats) -> None:
+                 stats: Stats, identity: Identity | None = None, allow_unsigned: bool = False) -> None:
         self._cfg = cfg
+        self._identity = identity
+        self._verifier = Verifier(identity, cfg.cluster, allow_unsigned)
         self._me = me
         self._on_lost = on_lost
         self._stats = stats
@@ -86,6 +90,7 @@ class Registry:
         self._lease: int | None = None
         self._leaving = False  # leave() began: nothing is registered or written from then on
         self._written: bytes | None = None  # the value last written to our key (set before the write)
+        self._written_member: Member | None = None  # what that value said, before it was signed
         self._written_at = 0  # the store's revision after that write
         self._overwritten = anyio.Event()  # our key changed under us: the keep-alive writes it again
         self._etcd: Etcd | None = None
@@ -184,9 +189,11 @@ class Registry:
         assert self._etcd is not None
         if self._lease is None:  # leaving (leave() dropped it while we awaited etcd): nothing to write
             return
-        value = members.encode(self._me())
-        if force or value != self._written:
-            self._written = value  # before the write: its watch event may come before the reply
+        me = self._me()
+        if force or me != self._written_member:
+            signed = me if self._identity is None else sign(self._identity, self._cfg.cluster, self._key.encode(), me)
+            value = members.encode(signed)
+            self._written, self._written_member = value, me  # before the write: its watch event may come first
             self._written_at = await self._etcd.put(self._key, value, self._lease)
 
     async def _keepalive(self) -> None:
@@ -219,7 +226,8 @@ class Registry:
         revision, entries = await self._etcd.list(self._prefix)
         mine = self._key.encode()
         self._mine(next((e.value for e in entries if e.key == mine), None), revision=0)
-        found, ignored = members.read_listing((e for e in entries if e.key != mine), self._prefix, self._claims())
+        found, ignored = members.read_listing((e for e in entries if e.key != mine), self._prefix, self._claims(),
+                                              self._verifier.check)
         for key, why in ignored:
             self._ignore(key, why)
         seen = {m.name: m for m in found}
@@ -249,6 +257,8 @@ class Registry:
             self._lapse(name)
             return
         m = members.read(ev.key, ev.value, self._prefix)
+        if isinstance(m, Member):
+            m = self._verifier.check(ev.key, m)
         if isinstance(m, Member) and members.claimed_elsewhere(m, self._claims()):
             m = Ignored("agent_taken", f"agent {m.agent!r} is another member's")
         if isinstance(m, Ignored):
