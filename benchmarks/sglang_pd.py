@@ -12,7 +12,7 @@ decode, as ``tests/integrations/sglang/servers.py`` starts them: the CPU engine,
 * ``nixl``: SGLang's own NIXL backend, with ``benchmarks/sglang_nixl_dram`` first on the
   servers' ``PYTHONPATH`` (its pool labelled ``DRAM``, not ``VRAM``: see that file);
 * ``mooncake``: SGLang's Mooncake backend over Mooncake's TCP transport
-  (``MOONCAKE_PROTOCOL=tcp``), with the Mooncake Transfer Engine that the project's own
+  (``MOONCAKE_PROTOCOL=tcp``, ``MC_FORCE_TCP=1``), with the Mooncake Transfer Engine that the project's own
   environment holds (``kvservice bench``'s Mooncake baseline) on the servers' path.
 
 This process is the router (SGLang's ``mini_lb``: the same body, with the bootstrap fields, to
@@ -74,9 +74,11 @@ PROMPT_TOKENS = 128
 NEW_TOKENS = 16
 #: SGLang's bootstrap and waiting timeouts in ``--faults`` (300 s each by default)
 FAULT_TIMEOUT_S = 30
-#: how long after a request is sent before a server is killed or stopped: the decode has taken
-#: it and the prefill is running it (a request takes about a second here idle)
-SETTLE_S = 1.0
+#: in ``--faults``, the decode's head start (it takes the request, reserves pages, bootstraps),
+#: then the prefill's (it runs the forward and starts the transfer) before the fault: a request
+#: takes about a second here idle, 5-15 s at a load average of 18
+SETTLE_S = 3.0
+PREFILL_HEAD_S = 1.5
 #: the slowest a request may be before the router gives up on it
 REQUEST_S = 300.0
 
@@ -122,6 +124,7 @@ def arm_env(arm: str, out: Path, timeout_s: int | None) -> dict[str, str]:
             raise SystemExit("mooncake: no Mooncake Transfer Engine in the project's .venv")
         front.append(str(found))
         env["MOONCAKE_PROTOCOL"] = "tcp"
+        env["MC_FORCE_TCP"] = "1"  # Mooncake's TCP transport, no RDMA device looked for
     env["PYTHONPATH"] = ":".join([*front, env["PYTHONPATH"]])
     if timeout_s is not None:
         env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(timeout_s)
@@ -252,7 +255,11 @@ def run_arm(arm: str, model: Path, out: Path, phases: Sequence[Phase], prompts: 
     started = time.monotonic()
     pair = ArmPair(arm, model, logs)
     try:
-        pair.wait_ready()
+        try:
+            pair.wait_ready()
+        except (RuntimeError, AssertionError) as exc:  # a server exited, or never said it serves
+            say(f"{arm}: broken: {exc}")
+            return {"broken": f"start: {str(exc)[-300:]}"}
         say(f"{arm}: pair ready in {time.monotonic() - started:.0f} s")
         warm = request(pair, prompts[phases[0].name][0])
         if warm.status != 200:
@@ -353,7 +360,7 @@ def fault(pair: ArmPair, kind: str, prompt: list[int]) -> dict[str, Any]:
     decoding = in_background(timed_answer(lambda: pair.decode.generate(body)))
     time.sleep(SETTLE_S)
     prefilling = in_background(timed_answer(lambda: pair.prefill.generate(body)))
-    time.sleep(SETTLE_S)
+    time.sleep(PREFILL_HEAD_S)
     if kind == "decode SIGKILL":
         pair.decode.kill()
     elif kind == "prefill SIGKILL":
@@ -379,7 +386,10 @@ def run_faults(arm: str, model: Path, out: Path, say: Callable[[str], None]) -> 
     prompts = make_prompts([Phase(1, 4)])["1 in flight"]
     pair = ArmPair(arm, model, logs, timeout_s=FAULT_TIMEOUT_S)
     try:
-        pair.wait_ready()
+        try:
+            pair.wait_ready()
+        except (RuntimeError, AssertionError) as exc:
+            return [{"fault": "start", "broken": str(exc)[-300:]}]
         if not serves(pair, prompts[0]):
             return [{"fault": "warm-up", "broken": pair.decode.tail(600)}]
         results = []
@@ -416,7 +426,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--arms", default="kvservice,nixl", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--faults", action="store_true", help="the seed's faults per arm instead of timings")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", type=Path, default=None, help="print the tables of a results.json and exit")
     args = parser.parse_args(argv)
+    if args.report is not None:
+        saved = json.loads(args.report.read_text())
+        phases_saved = [Phase(**p) for p in saved["phases"]]
+        arms_saved = list(dict.fromkeys(arm for r in saved["rounds"] for arm in r))
+        report(saved["rounds"], arms_saved, phases_saved, args.report.parent)
+        return 0
     arms = [a for a in args.arms.split(",") if a]
     if unknown := set(arms) - set(ARMS):
         parser.error(f"unknown arms {sorted(unknown)}: choose from {', '.join(ARMS)}")
@@ -430,8 +447,10 @@ def main(argv: Sequence[str]) -> int:
     if not (model / "config.json").exists():
         write_model(model, 8)
     if args.faults:
-        results = {arm: run_faults(arm, model, out / arm, say) for arm in arms}
-        (out / "faults.json").write_text(json.dumps(results, indent=1))
+        results: dict[str, list[dict[str, Any]]] = {}
+        for arm in arms:
+            results[arm] = run_faults(arm, model, out / arm, say)
+            (out / "faults.json").write_text(json.dumps(results, indent=1))
         print(faults_table(results))
         return 0
     phases = QUICK if args.quick else FULL
@@ -439,12 +458,18 @@ def main(argv: Sequence[str]) -> int:
     rounds: list[dict[str, dict[str, Any]]] = []
     for n in range(args.rounds):
         order = arms[n % len(arms):] + arms[:n % len(arms)]
-        rounds.append({arm: run_arm(arm, model, out / f"round{n}" / arm, phases, prompts, say) for arm in order})
-        (out / "results.json").write_text(json.dumps(rounds, indent=1))
+        rounds.append({})
+        for arm in order:
+            rounds[-1][arm] = run_arm(arm, model, out / f"round{n}" / arm, phases, prompts, say)
+            (out / "results.json").write_text(json.dumps({"phases": [asdict(p) for p in phases], "rounds": rounds}))
+    report(rounds, arms, phases, out)
+    return 0
+
+
+def report(rounds: list[dict[str, dict[str, Any]]], arms: Sequence[str], phases: Sequence[Phase], out: Path) -> None:
     print(summarize(rounds, arms, phases))
     print(f"tokens: {tokens_agree(rounds, arms, phases)}")
     print(f"out: {out}")
-    return 0
 
 
 if __name__ == "__main__":
