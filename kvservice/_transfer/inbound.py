@@ -286,7 +286,9 @@ class Inbound:
         what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
         if not gone and not p.closing:  # its WRITEs in flight may still end DONE: checked, not let go (proofs)
             now = time.monotonic()
-            p.watchdog.drain(agent, now + p.config.peer_timeout_s, now + drain_limit(p.config.peer_timeout_s))
+            # (a peer that said Bye never asks: no proof is worth keeping its WRITEs for)
+            keep = p.config.peer_timeout_s if graceful else drain_limit(p.config.peer_timeout_s)
+            p.watchdog.drain(agent, now + p.config.peer_timeout_s, now + keep)
         self._heal.lost(agent, proven)
         for sreq in [r for r in p.sends.values() if r.peer == agent]:
             p.fail(sreq, reason, what, error=cause, from_peer=True)

@@ -108,6 +108,9 @@ class Watchdog:
         self._keep_until: dict[str, float] = {}  # receiver agent -> when its drained handles are released
         #: draining chunk handles whose request was let go already (``drain``)
         self._let_go: set[XferId] = set()
+        #: receivers NIXL reported disconnected (a post or check failed so) since their last loss:
+        #: their WRITEs cannot end DONE any more, so a drain of theirs is not kept past ``until``
+        self._disconnected: set[str] = set()
         self._drained: dict[str, anyio.Event] = {}  # receiver agent -> set once nothing of it drains
         #: which requests this sender could not prove over to their receivers
         self.proofs = Proofs()
@@ -198,6 +201,7 @@ class Watchdog:
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
             self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id, "fence forgotten with its peer")
         self._fences = [op for op in self._fences if op.peer != peer]
+        self._disconnected.discard(peer)  # its loss is handled (``drain`` has read it)
         if self._ahead is not None:
             self._fences_forgotten.add(peer)
 
@@ -221,7 +225,7 @@ class Watchdog:
                 and not any(req.peer == peer for req, _ in self._draining.values())):
             return None
         self._drain_until[peer] = until
-        self._keep_until[peer] = max(until, keep_until)
+        self._keep_until[peer] = until if peer in self._disconnected else max(until, keep_until)
         event = self._drained.setdefault(peer, anyio.Event())
         self.wake()
         return event
@@ -277,6 +281,10 @@ class Watchdog:
         for xid in [x for x, (req, _) in self._draining.items() if req.peer in over]:
             self._releases.append(xid)
             self._drained_one(xid, proven=False)
+
+    def _note_disconnect(self, req: SendRequest, err: DoorError) -> None:
+        if err.reason is FailureReason.REMOTE_DISCONNECT and req.peer is not None:
+            self._disconnected.add(req.peer)
 
     def _release(self, req: SendRequest, xid: XferId) -> None:
         self.proofs.unproven(req.peer, req.request_id, "released in flight")  # released before NIXL said DONE
@@ -445,6 +453,7 @@ class Watchdog:
             if not isinstance(got, DoorError):
                 req.posted = True
             if isinstance(got, DoorError):
+                self._note_disconnect(req, got)
                 self.proofs.unproven(req.peer, req.request_id, "post failed")
                 self._owner.chunk_failed(req, got)
             elif req.finished:
@@ -485,6 +494,7 @@ class Watchdog:
             if req.inflight is not None:
                 req.inflight.discard(xid)
             if isinstance(state_or_err, DoorError):
+                self._note_disconnect(req, state_or_err)
                 self._owner.chunk_failed(req, state_or_err)
             elif state_or_err is XferState.DONE:
                 self._owner.chunk_done(req, nbytes)
