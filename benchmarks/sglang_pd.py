@@ -208,7 +208,10 @@ def stream(server: Server, body: dict[str, Any], started: float) -> Timed:
             ids = list(chunk.get("output_ids") or [])
             if ids and not out.ttft_s:
                 out.ttft_s = time.monotonic() - started
-            done = int(chunk.get("meta_info", {}).get("completion_tokens", 0))
+            meta = chunk.get("meta_info", {})
+            if (meta.get("finish_reason") or {}).get("type") == "abort":  # SGLang's error inside a stream
+                out.error = json.dumps(meta["finish_reason"])[:300]
+            done = int(meta.get("completion_tokens", 0))
             out.tokens = ids if len(ids) == done else out.tokens + ids  # cumulative or incremental
         out.e2e_s = time.monotonic() - started
     except OSError as exc:
@@ -223,7 +226,13 @@ def request(pair: ArmPair, prompt: list[int]) -> Timed:
     body["sampling_params"]["max_new_tokens"] = NEW_TOKENS
     prefilled: dict[str, Answer] = {}
     started = time.monotonic()
-    sent = threading.Thread(target=lambda: prefilled.setdefault("a", pair.prefill.generate(body)), daemon=True)
+    def prefill() -> None:
+        try:
+            prefilled["a"] = pair.prefill.generate(body)
+        except OSError:  # the prefill is gone: the decode's answer says what the client got
+            prefilled["a"] = Answer(0, {})
+
+    sent = threading.Thread(target=prefill, daemon=True)
     sent.start()
     timed = stream(pair.decode, body, started)
     sent.join(timeout=REQUEST_S)
@@ -262,7 +271,7 @@ def run_arm(arm: str, model: Path, out: Path, phases: Sequence[Phase], prompts: 
             return {"broken": f"start: {str(exc)[-300:]}"}
         say(f"{arm}: pair ready in {time.monotonic() - started:.0f} s")
         warm = request(pair, prompts[phases[0].name][0])
-        if warm.status != 200:
+        if warm.status != 200 or len(warm.tokens) != NEW_TOKENS:
             return {"broken": f"warm-up: {warm.status} {warm.error}"}
         result = {}
         for phase in phases:
