@@ -22,7 +22,7 @@ from tests.integrations.sglang.servers import REPO
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 PROBE = ("import json; from sglang.srt.disaggregation.nixl import conn; "
          "print(json.dumps([conn._normalize_kv_mem_kinds(None, 2), conn._normalize_kv_mem_kinds(['VRAM', 'DRAM'], 2),"
-         " conn._unpack_kv_mem_kinds(b'', 1)]))")
+         " conn._unpack_kv_mem_kinds(b'VRAM', 1)]))")
 
 
 @pytest.mark.slow
