@@ -150,6 +150,7 @@ class ArmServer(Server):
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          cwd=self.log_dir, start_new_session=True)
+        self.ended = False  # as ``Server.start``: this group is ours to signal until reaped
 
 
 class ArmPair(Pair):
