@@ -42,8 +42,10 @@ import anyio.abc
 import msgspec
 
 from .._results import KVServiceError
+from .._transfer.inbound import Inbound
 
 if TYPE_CHECKING:
+    from .._control.handshakes import Handshakes
     from .._control.links import PeerLink
     from .._control.plane import ControlPlane
     from .._nixl.door import Door
@@ -101,6 +103,21 @@ class Inside:
         """Expects a receiver sent before this side's ``send()``: ``rid in early``, ``len(early)``,
         ``early.pages``."""
         return self.plane.early
+
+    @property
+    def handshakes(self) -> Handshakes:
+        """The handshakes: what each linked agent was proven to be (its member, with identities)."""
+        return self.control._handshakes
+
+    def agents_remembered(self) -> set[str]:
+        """Every agent a per-agent table of this service still holds: the notification keys
+        kept for agents not linked, the proofs ledger, the heal's records, the door's loaded
+        agents (what must shrink back once an agent is gone for good)."""
+        inbound = self.plane.inbound
+        assert isinstance(inbound, Inbound)
+        heal = inbound._heal
+        return (set(self.control._notif_in) | set(self.plane.watchdog.proofs._unproven)
+                | set(heal._lost_at) | set(heal._answered) | set(getattr(self.door, "_peers", {})))
 
     # -- a peer ------------------------------------------------------------------------------
     def link(self, agent: str) -> PeerLink | None:

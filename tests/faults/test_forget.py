@@ -16,6 +16,7 @@ import pytest
 from kvservice import TransferService
 from kvservice.soak._probe import service_tables
 from kvservice.testing import pattern
+from kvservice.testing.inspect import inside
 from tests.faults.test_heal import LOST, PREFILL, SETTLE_GUARD_S, new_request_arrives_at
 from tests.faults.test_settle import LAYOUT, PAGES, TCP
 from tests.helpers import config, eventually, peer_config, peers
@@ -31,11 +32,7 @@ ROUNDS = 3
 
 def agents_held(prefill: TransferService) -> set[str]:
     """Every agent some per-agent table of ``prefill``, or its NIXL agent, holds."""
-    p = prefill._plane
-    assert p is not None
-    heal = p.inbound._heal
-    return (set(p.control._notif_in) | set(p.watchdog.proofs._unproven) | set(heal._lost_at)
-            | set(heal._answered) | set(prefill._door._peers))
+    return inside(prefill).agents_remembered()
 
 
 async def test_a_decode_restarted_again_and_again_leaves_nothing_of_its_old_agents() -> None:

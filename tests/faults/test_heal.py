@@ -25,6 +25,7 @@ import torch
 from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._control.protocol import MAX_ASK, Ask, Settled
 from kvservice.testing import PeerProcess, pattern
+from kvservice.testing.inspect import inside
 from tests.faults.test_settle import LATE_WRITE_WAIT_S, LAYOUT, PAGES, TCP, canary, send_then_stop
 from tests.helpers import config, eventually, heard_by, peer_config, peers, scaled
 
@@ -162,7 +163,7 @@ async def test_a_receiver_stalled_past_the_senders_peer_timeout_settles_once_it_
         st = await status_of(decode)
         assert st["unsettled_pages"] == 0, st
         assert decode.proc.returncode is None
-        await eventually(lambda: prefill.status()["inflight_handles"] == 0 and prefill._door.live_xfers() == 0,
+        await eventually(lambda: prefill.status()["inflight_handles"] == 0 and inside(prefill).door.live_xfers() == 0,
                          timeout=SETTLE_GUARD_S, what="the prefill's handles released")
         await decode.command(op="fill", rid="canary", pages=PAGES)
         await decode.event("filled", "canary")
@@ -187,8 +188,7 @@ async def test_a_write_released_in_flight_is_never_proven_to_a_receiver_that_ask
         prefill.kv.write(PAGES, pattern(LAYOUT, "let-go", len(PAGES)))
         await decode.command(op="expect", rid="let-go", pages=PAGES, sender=prefill.address)
         await decode.event("expecting", "let-go")
-        assert prefill._plane is not None
-        plane = prefill._plane
+        plane = inside(prefill).plane
         handle = await prefill.send("let-go", PAGES, last=True)
         decode.signal(signal.SIGSTOP)
         try:
@@ -231,10 +231,9 @@ async def test_a_hostile_ask_gets_nothing_and_a_legit_transfer_follows() -> None
         await new_request_arrives(prefill, decode, "legit-1")
         await new_request_arrives(prefill, mallory, "m-warm")
         heard = heard_by(mallory)
-        assert mallory._plane is not None
         agent = prefill.agent
-        mallory._plane.control.send_to(agent, Ask(["legit-1", "never-sent", "never-sent"]))
-        mallory._plane.control.send_to(agent, Ask(["legit-1"]))  # at once: a flood
+        inside(mallory).control.send_to(agent, Ask(["legit-1", "never-sent", "never-sent"]))
+        inside(mallory).control.send_to(agent, Ask(["legit-1"]))  # at once: a flood
         await eventually(lambda: any(isinstance(m, Settled) for m in heard), timeout=10)
         await eventually(lambda: refused_at(prefill, "ask_flood"), timeout=10)
         st = await status_of(prefill)
@@ -243,7 +242,7 @@ async def test_a_hostile_ask_gets_nothing_and_a_legit_transfer_follows() -> None
         # oversized: refused by the decoder, the link closed: it was mallory's alone
         frames = st["refused"].get("frame", 0)
         too_many = [f"x{i}" for i in range(MAX_ASK + 1)]
-        mallory._plane.control.send_to(agent, _unchecked_ask(too_many))
+        inside(mallory).control.send_to(agent, _unchecked_ask(too_many))
         await eventually(lambda: refused_at(prefill, "frame", frames + 1), timeout=10)
         await eventually(lambda: mallory.status()["peers"] == [], timeout=10)
         await new_request_arrives(prefill, decode, "legit-2")

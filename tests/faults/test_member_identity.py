@@ -35,6 +35,7 @@ from kvservice._trust.authority import CA_CERT, CA_KEY, create_authority, issue
 from kvservice._trust.identity import Identity, member_of
 from kvservice._trust.keys import generate_key
 from kvservice.testing import PeerProcess, pattern
+from kvservice.testing.inspect import inside
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
 from tests.helpers import SMALL, config, eventually, peer_config, peers, scaled
 
@@ -91,8 +92,7 @@ def refused(svc: TransferService, kind: str) -> int:
 
 
 def handshakes(svc: TransferService) -> Handshakes:
-    assert svc._plane is not None
-    return svc._plane.control._handshakes
+    return inside(svc).handshakes
 
 
 def presenting(svc: TransferService, der: bytes, key: Any) -> None:
@@ -211,8 +211,7 @@ async def test_a_member_cannot_settle_another_members_pages(cluster: Authority, 
                 await mallory.expect("m-1", [1], sender=decode.address)  # mallory dials decode
                 await eventually(lambda: mallory.address in decode.status()["peers"]  # linked (as before)
                                  or mallory.poll_arrival("m-1") is KVPoll.Failed, WAIT_S)  # or refused
-                assert mallory._plane is not None
-                mallory._plane.send_to(decode.agent_name, Settled("held"))  # heard, were it linked
+                inside(mallory).plane.send_to(decode.agent_name, Settled("held"))  # heard, were it linked
                 still = await decode.await_settled("held", timeout=3.0)
                 assert not still.settled, still
                 assert decode.status()["unsettled_pages"] == len(PAGES)
