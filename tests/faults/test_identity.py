@@ -15,7 +15,6 @@ import signal
 import struct
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -36,7 +35,7 @@ from kvservice._control.protocol import (
     negotiate,
 )
 from kvservice._trust.handshake import ACCEPTOR, DIALER, EXCHANGE_SINCE, MAC_BYTES, LinkSecrets, transcript
-from kvservice._trust.keys import generate_key, load_key
+from kvservice._trust.keys import load_key
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.faults.test_settle import LAYOUT, PAGES, TCP, send_then_stop
@@ -46,12 +45,6 @@ pytestmark = [pytest.mark.nixl]
 
 WAIT_S = 60.0  # a hang guard for each wait, never a timed assertion
 
-
-@pytest.fixture
-def key_file(tmp_path: Path) -> str:
-    path = str(tmp_path / "cluster.key")
-    generate_key(path)
-    return path
 
 
 def refused(svc: TransferService, kind: str) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from typing import Any
 import anyio
 import pytest
 
-from kvservice._trust.keys import generate_key
 from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import Host, NetnsError, Wire
@@ -62,26 +60,7 @@ CUT_REASONS = {"PEER_LOST", "REMOTE_DISCONNECT", "TIMEOUT"}
 METHODS = ["link_down", "loss"]
 
 
-# -- fixtures -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def namespaces_usable() -> None:
-    netns.require()
-
-
-@pytest.fixture
-def link(namespaces_usable: None) -> Iterator[Wire]:
-    with netns.wire() as w:
-        yield w
-    assert not netns.existing(w.a.netns) and not netns.existing(w.b.netns)
-
-
-@pytest.fixture
-def key_file(tmp_path: Path) -> str:
-    path = tmp_path / "cluster.key"
-    generate_key(path)  # 32 random bytes as hex, mode 0600: what `kvservice keygen` writes
-    return str(path)
+# (fixtures: tests/faults/conftest.py)
 
 
 def _tx_bytes(host: Host) -> int:

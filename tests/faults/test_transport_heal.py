@@ -22,14 +22,12 @@ every namespace is removed (the ``link`` fixture checks it).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from kvservice._trust.keys import generate_key
 from kvservice.testing import PeerProcess
 from tests.faults import netns
 from tests.faults.netns import NetnsError, Wire
@@ -52,25 +50,6 @@ SHAPED_RATE = "64mbit"
 GUARD_S = 30.0
 #: requests moved after each fault, byte-exact
 AFTER = 4
-
-
-@pytest.fixture(scope="module")
-def namespaces_usable() -> None:
-    netns.require()
-
-
-@pytest.fixture
-def link(namespaces_usable: None) -> Iterator[Wire]:
-    with netns.wire() as w:
-        yield w
-    assert not netns.existing(w.a.netns) and not netns.existing(w.b.netns)
-
-
-@pytest.fixture
-def key_file(tmp_path: Path) -> str:
-    path = tmp_path / "cluster.key"
-    generate_key(path)
-    return str(path)
 
 
 def _port(address: str) -> int:
