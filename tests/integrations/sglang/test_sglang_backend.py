@@ -12,7 +12,6 @@ the way its schedulers do, over CPU tensors, two real NIXL agents on 127.0.0.1.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -31,9 +30,10 @@ import pytest
 
 from tests.helpers import free_port
 
+from .needs import require_sglang
+
 REPO = Path(__file__).resolve().parents[3]
 ROLES = Path(__file__).with_name("roles.py")
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 PAGE_BYTES = 2 * 2 * 4 * 2 * 8 * 4  # roles.py: 2 layers x K,V x 4 tokens x 2 heads x 8 dims x float32
 #: a hang guard for a process that imports SGLang: ~10 s here when idle; the first one of a run,
 #: its files not cached yet, took over 120 s on a machine loaded 10-15 times over
@@ -45,12 +45,7 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(420)]
 
 @pytest.fixture(autouse=True)
 def _sglang() -> None:
-    if HAVE_SGLANG:
-        return
-    why = "SGLang is not installed here: run with the python of scripts/engine-env.sh sglang"
-    if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
-        pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
-    pytest.skip(why)
+    require_sglang()
 
 
 def child_env(tmp_path: Path, name: str, **extra: str) -> dict[str, str]:

@@ -7,7 +7,6 @@ elsewhere the patch's test skips, saying why.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +18,8 @@ import pytest
 from benchmarks.sglang_pd import DRAM_PATCH, FULL, Phase, arm_env, summarize, tokens_agree
 from tests.integrations.sglang.servers import REPO
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+from .needs import require_sglang
+
 PROBE = ("import json; from sglang.srt.disaggregation.nixl import conn; "
          "print(json.dumps([conn._normalize_kv_mem_kinds(None, 2), conn._normalize_kv_mem_kinds(['VRAM', 'DRAM'], 2),"
          " conn._unpack_kv_mem_kinds(b'VRAM', 1)]))")
@@ -28,11 +28,7 @@ PROBE = ("import json; from sglang.srt.disaggregation.nixl import conn; "
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_nixl_arms_patch_labels_sglangs_pool_dram(tmp_path: Path) -> None:
-    if not HAVE_SGLANG:
-        why = "SGLang is not installed here: run with the python of scripts/engine-env.sh sglang"
-        if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
-            pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
-        pytest.skip(why)
+    require_sglang()
     env = arm_env("nixl", tmp_path, None)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(DRAM_PATCH)
     done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO, capture_output=True, timeout=240)

@@ -12,7 +12,6 @@ them.  Runs in SGLang's environment, like ``test_sglang_backend.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 from collections.abc import Iterator
@@ -21,21 +20,22 @@ from typing import Any
 
 import pytest
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+from .needs import HAVE_SGLANG
+
 if not HAVE_SGLANG:
     if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
         raise RuntimeError("KVSERVICE_REQUIRE_SGLANG is set, but SGLang is not installed here")
     pytest.skip("SGLang is not installed here: run with the python of scripts/engine-env.sh sglang",
                 allow_module_level=True)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import numpy as np
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from kvservice import FailureReason, TransferFailed  # noqa: E402
-from kvservice._control.addresses import split_address  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from kvservice import FailureReason, TransferFailed
+from kvservice._control.addresses import split_address
+from tests.helpers import free_port
 
 #: importing SGLang's scheduler modules on a CPU machine warns (CUDA-only kernels): theirs, not ours
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600),

@@ -18,8 +18,8 @@ import pytest
 from tests.helpers import free_port
 from tests.unit.test_docs import quickstart_blocks
 
+from .needs import require_sglang
 from .servers import MAX_NEW_TOKENS, REPO, write_model
-from .test_sglang_servers import HAVE_SGLANG
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(900)]
 #: the block's own wait is 600 s; this bounds the whole run
@@ -35,11 +35,7 @@ def kill_session(pid: int) -> None:
 
 
 def test_the_docs_quick_start_serves_a_request_through_a_pair(tmp_path: Path) -> None:
-    if not HAVE_SGLANG:
-        why = "SGLang is not installed here: run with the python of scripts/engine-env.sh sglang"
-        if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
-            pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
-        pytest.skip(why)
+    require_sglang()
     (block,) = quickstart_blocks("docs/sglang.md")
     model = write_model(tmp_path / "model", 8)
     env = {**os.environ, "MODEL": str(model), "PREFILL_PORT": str(free_port()), "DECODE_PORT": str(free_port()),

@@ -16,8 +16,6 @@ more than one pair and one reference server are ever alive).  Runs in SGLang's e
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,9 +24,9 @@ from typing import Any
 
 import pytest
 
+from .needs import HAVE_SGLANG, require_sglang
 from .servers import Answer, Pair, Server, greedy, write_model
 
-HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 #: several prompts of the model's words (token ids 3..252), of different lengths
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 60, 61, 62, 63, 64, 10, 11], [120, 33], list(range(3, 40))]
 #: long enough for the decode's request to reach the prefill (its expect sent) before a kill;
@@ -40,12 +38,7 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 @pytest.fixture(autouse=True)
 def _sglang() -> None:
-    if HAVE_SGLANG:
-        return
-    why = "SGLang is not installed here: run with the python of scripts/engine-env.sh sglang"
-    if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
-        pytest.fail(f"KVSERVICE_REQUIRE_SGLANG is set, but {why}")
-    pytest.skip(why)
+    require_sglang()
 
 
 @dataclass(frozen=True)
