@@ -12,9 +12,16 @@ naming nobody, but nothing here keeps the request alive, so refcounting frees it
 (and what it holds) as soon as its caller lets go, instead of the cyclic GC walking
 it, thousands of ended requests at a time, until its entry pops.  A popped entry is
 checked against its request: a deadline that moved later is filed again.  So the
-heap may hold a few pairs per live request plus those of ended ones; ``compact``
-rebuilds it from the live set once the ended outnumber the live, which bounds its
-size by O(live).
+heap may hold a few pairs per live request plus those of ended ones.
+
+Its size is bounded at every step, not only when someone tidies it: the requests
+filed (``_filed``) are live ones (a request that ends is discarded at once), and
+whenever a ``push``, ``discard`` or ``pop_due`` leaves more than
+``SLACK * filed + FLOOR`` pairs, the heap is rebuilt from them at once.  A rebuild
+costs O(filed) and leaves one pair per filed request, and at least
+``(filed + FLOOR) / SLACK`` more calls must pass before the next, so each call stays
+O(1) amortised (plus the heap's log).  The bound is an invariant that anyone may
+check between any two calls (the soak's probe does).
 
 The heap holds ``(deadline, number)`` pairs and the requests sit in a dict by that
 number: a pair of a float and an int is a tuple the cyclic GC stops tracking after
@@ -26,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -64,12 +70,14 @@ class Deadlines(Generic[R]):
         self._newest[id(req)] = n
         self._filed[n] = req
         heapq.heappush(self._heap, (req.due_at(), n))
+        self._fit()
 
     def discard(self, req: R) -> None:
         """``req`` has ended: hold it no longer (its pair in the heap names nobody now)."""
         n = self._newest.pop(id(req), None)
         if n is not None:
             del self._filed[n]
+            self._fit()
 
     def pop_due(self, now: float) -> list[R]:
         """Live requests whose deadline is before ``now``, each once, earliest first."""
@@ -86,15 +94,17 @@ class Deadlines(Generic[R]):
                 due.append(req)
             else:  # its deadline moved later since this entry was filed
                 self.push(req)
+        self._fit()
         return due
 
-    def compact(self, live: Iterable[R], nlive: int) -> None:
-        """Rebuild from ``live`` (``nlive`` of them) if ended entries dominate."""
-        if len(self._heap) > self.SLACK * nlive + self.FLOOR:
-            self._heap, self._filed, self._newest = [], {}, {}
-            for req in live:
-                n = next(self._seq)
-                self._filed[n] = req
-                self._newest[id(req)] = n
-                self._heap.append((req.due_at(), n))
+    @property
+    def bound(self) -> int:
+        """The most pairs the heap holds between any two calls: ``SLACK * filed + FLOOR``."""
+        return self.SLACK * len(self._filed) + self.FLOOR
+
+    def _fit(self) -> None:
+        """Rebuild the heap from the filed requests once it is past ``bound``."""
+        if len(self._heap) > self.bound:
+            # in place: ``pop_due`` may be walking this list while it re-files a request
+            self._heap[:] = [(req.due_at(), n) for n, req in self._filed.items()]
             heapq.heapify(self._heap)

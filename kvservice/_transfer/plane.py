@@ -11,7 +11,6 @@ Everything here runs on the event loop.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Mapping
 
@@ -438,8 +437,6 @@ class RequestPlane:
             self.matching.refuse_expect(agent, rid, FailureReason.TIMEOUT,
                                f"no send() for this request within {self.config.unknown_expect_ttl_s}s")
         self.ends.outcomes_lost(None, now)
-        live = len(self.sends) + len(self.recvs)
-        self.deadlines.compact(itertools.chain(self.sends.values(), self.recvs.values()), live)
 
     def busy(self) -> bool:
         # Receivers keep the watchdog polling: with NIXL's progress thread off, a

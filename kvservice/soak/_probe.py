@@ -77,7 +77,8 @@ def service_tables(service: Any) -> dict[str, Table]:
     disc = service._discovery
     out = {
         "requests": _read(lambda: len(p.sends) + len(p.recvs)),
-        # a heap rebuilt once it passes SLACK x live + FLOOR entries (``_transfer.deadlines``)
+        # a heap that keeps itself within SLACK x filed + FLOOR entries at every call, and the
+        # requests filed are live ones (``_transfer.deadlines``): a bound true at any sample
         "deadlines": _read(lambda: len(p.deadlines),
                            lambda: p.deadlines.SLACK * (len(p.sends) + len(p.recvs)) + p.deadlines.FLOOR),
         "results": _read(lambda: len(p.sends_done) + len(p.recvs_done),

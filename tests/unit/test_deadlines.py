@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import anyio
@@ -58,17 +59,53 @@ def test_a_request_filed_twice_pops_once() -> None:
     assert len(heap) == 0
 
 
-def test_compact_bounds_the_heap_by_the_live_set() -> None:
+def test_ended_requests_leave_nothing_behind_past_the_bound() -> None:
     heap: Deadlines[Req] = Deadlines()
     live = [Req(100.0 + i) for i in range(10)]
-    ended = [Req(50.0 + i, finished=True) for i in range(5000)]
-    for r in [*live, *ended]:
+    for r in live:
         heap.push(r)
-    heap.compact(live, len(live))
-    assert len(heap) == len(live)  # the ended are gone, and with them the references
-    heap.compact(live, len(live))  # below the bound: nothing to do
-    assert len(heap) == len(live)
+    for i in range(5000):
+        r = Req(50.0 + i)
+        heap.push(r)
+        r.finished = True
+        heap.discard(r)
+        assert len(heap) <= Deadlines.SLACK * len(live) + Deadlines.FLOOR
     assert heap.pop_due(1000.0) == live
+    assert len(heap) <= Deadlines.FLOOR  # only pairs naming nobody are left, within the bound
+
+
+def test_the_bound_holds_after_every_call() -> None:
+    """What the soak's probe checks at any moment: at most SLACK x live + FLOOR pairs,
+    through pushes, moved deadlines, discards and pops in any mix (no other call tidies)."""
+    rng = random.Random(7)
+    heap: Deadlines[Req] = Deadlines()
+    live: list[Req] = []
+    now = 0.0
+    biggest = 0
+    for step in range(40_000):
+        op = rng.random()
+        if op < 0.38 or not live:  # a new request
+            r = Req(now + rng.uniform(0.0, 60.0))
+            live.append(r)
+            heap.push(r)
+        elif op < 0.6:  # a deadline moved (later or earlier) and filed again
+            r = rng.choice(live)
+            r.at = now + rng.uniform(0.0, 60.0)
+            heap.push(r)
+        elif op < 0.97:  # a request ended
+            r = live.pop(rng.randrange(len(live)))
+            r.finished = True
+            heap.discard(r)
+        else:  # the watchdog's scan: what is due ends
+            now += rng.uniform(0.0, 0.5)
+            for r in heap.pop_due(now):
+                r.finished = True
+                live.remove(r)
+        biggest = max(biggest, len(heap))
+        assert len(heap) <= Deadlines.SLACK * len(live) + Deadlines.FLOOR, (step, len(heap), len(live))
+    assert biggest > Deadlines.FLOOR  # the bound was reached, so rebuilds happened
+    # nothing was lost on the way: every live request still pops, each once
+    assert sorted(heap.pop_due(now + 100.0), key=id) == sorted(live, key=id)
 
 
 async def test_arrival_deadline_fails_the_receiver() -> None:
