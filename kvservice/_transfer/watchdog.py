@@ -22,7 +22,8 @@ Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick).
 Proofs.  Every handle it lets go of before NIXL said ``DONE`` (a release while
 ``PROC``, an error, a failed post) makes its request unproven to its receiver
 (``proofs``).  A lost receiver's handles are *drained* rather than released at
-once (``drain``): checked until they end, or until the drain's deadline.
+once (``drain``, the rule in ``_transfer.drain``): checked until they end, or until
+the drain's deadline.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .._stats import Stats
 from ..memory._regions import KVMemory
 from . import landing
 from .cadence import IdleBackoff
+from .drain import Drains
 from .proofs import Proofs
 from .requests import SendRequest
 from .staging import Stager
@@ -102,18 +104,12 @@ class Watchdog:
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []
         self._releasing: dict[XferId, SendRequest] = {}  # queued or in a tick, not yet confirmed
-        #: handles of lost receivers checked until they end (``drain``): id -> (request, fence?)
-        self._draining: dict[XferId, tuple[SendRequest, bool]] = {}
-        self._drain_until: dict[str, float] = {}  # receiver agent -> when its requests are let go
-        self._keep_until: dict[str, float] = {}  # receiver agent -> when its drained handles are released
-        #: draining chunk handles whose request was let go already (``drain``)
-        self._let_go: set[XferId] = set()
-        #: receivers NIXL reported disconnected (a post or check failed so) since their last loss:
-        #: their WRITEs cannot end DONE any more, so a drain of theirs is not kept past ``until``
-        self._disconnected: set[str] = set()
-        self._drained: dict[str, anyio.Event] = {}  # receiver agent -> set once nothing of it drains
         #: which requests this sender could not prove over to their receivers
         self.proofs = Proofs()
+        #: handles of lost receivers checked until they end (``drain``)
+        self._drains = Drains(self.proofs, settle_if_released=self._settle_if_released,
+                              release=lambda xid: self._releases.append(xid),
+                              posts_pending=lambda: bool(self._late))
         self._fences: list[PostOp] = []  # settle fences to post next tick
         #: peers whose fences were forgotten while a tick was on the door thread: a fence of
         #: theirs that tick posted is released by the peer's unloading, never checked
@@ -201,90 +197,39 @@ class Watchdog:
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
             self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id, "fence forgotten with its peer")
         self._fences = [op for op in self._fences if op.peer != peer]
-        self._disconnected.discard(peer)  # its loss is handled (``drain`` has read it)
+        self._drains.lost_handled(peer)
         if self._ahead is not None:
             self._fences_forgotten.add(peer)
 
     def drain(self, peer: str, until: float, keep_until: float) -> anyio.Event | None:
-        """The link to receiver ``peer`` is lost: keep checking its handles in flight
-        (chunks and fences) rather than letting them go, until each ends or ``keep_until``
-        (then they are released, unproven).  A request of theirs counts as released once
-        all of it has ended so, or at ``until``, whichever comes first: from then on its
-        handles still draining are checked only for the proof (``draining_requests``), as a
-        handle released in flight would go on too.  Returns an event set when nothing of
+        """The link to receiver ``peer`` is lost: drain its handles in flight (chunks and
+        fences) until each ends or ``keep_until``, its requests let go by ``until`` at the
+        latest (the rule: ``_transfer.drain``).  Returns an event set when nothing of
         ``peer`` drains any more (the door may unload it then), or None if nothing does."""
-        for xid, (req, n) in [(x, e) for x, e in self._inflight.items() if e[0].peer == peer]:
+        moved = [(xid, req, n == FENCE) for xid, (req, n) in self._inflight.items() if req.peer == peer]
+        for xid, _, _ in moved:
             del self._inflight[xid]
-            self._draining[xid] = (req, n == FENCE)
-            if n != FENCE:
-                req.releasing += 1  # released, as far as its request knows, once it ends
-                if req.inflight is not None:
-                    req.inflight.discard(xid)
         # A tick on the door thread may be posting to it: what it posts drains too (_digest).
-        if (self._ahead is None and not self._late
-                and not any(req.peer == peer for req, _ in self._draining.values())):
-            return None
-        self._drain_until[peer] = until
-        self._keep_until[peer] = until if peer in self._disconnected else max(until, keep_until)
-        event = self._drained.setdefault(peer, anyio.Event())
-        self.wake()
+        event = self._drains.start(peer, moved, until, keep_until,
+                                   posting=self._ahead is not None or bool(self._late))
+        if event is not None:
+            self.wake()
         return event
 
     def draining(self, peer: str) -> anyio.Event | None:
         """Set once nothing of ``peer`` drains any more; None if nothing does now."""
-        return self._drained.get(peer)
+        return self._drains.event(peer)
 
     def draining_requests(self, peer: str) -> set[str]:
         """The requests with a handle to ``peer`` still draining: none of them is proven yet."""
-        return {req.request_id for req, _ in self._draining.values() if req.peer == peer}
+        return self._drains.requests(peer)
 
     def forced(self, xids: list[XferId]) -> None:
         """The door released these handles itself (their peer was unloaded or replaced)."""
         for xid in xids:
-            entry = self._inflight.get(xid) or self._draining.get(xid)
+            entry = self._inflight.get(xid) or self._drains.handles.get(xid)
             if entry is not None:
                 self.proofs.unproven(entry[0].peer, entry[0].request_id, "released by the door")
-
-    def _drained_one(self, xid: XferId, proven: bool) -> None:
-        req, fence = self._draining.pop(xid)
-        if not proven:
-            self.proofs.unproven(req.peer, req.request_id, "drain ended unfinished")
-        if xid in self._let_go:
-            self._let_go.discard(xid)
-        elif not fence:
-            req.releasing -= 1
-            self._settle_if_released(req)
-        if req.peer is not None:
-            self._check_drained(req.peer)
-
-    def _check_drained(self, peer: str) -> None:
-        # Posts handed over and not yet digested may be to ``peer``: they drain too.
-        if not self._late and not any(r.peer == peer for r, _ in self._draining.values()):
-            self._drain_until.pop(peer, None)
-            self._keep_until.pop(peer, None)
-            event = self._drained.pop(peer, None)
-            if event is not None:
-                event.set()
-
-    def _drain_expired(self, now: float) -> None:
-        """Let go of the requests of drains past ``until`` (their handles still checked), and
-        give up on the handles of drains past ``keep_until``: released, unproven."""
-        late = {peer for peer, until in self._drain_until.items() if now >= until}
-        if not late:
-            return
-        for xid, (req, fence) in list(self._draining.items()):
-            if req.peer in late and not fence and xid not in self._let_go:
-                self._let_go.add(xid)
-                req.releasing -= 1
-                self._settle_if_released(req)
-        over = {peer for peer in late if now >= self._keep_until.get(peer, now)}
-        for xid in [x for x, (req, _) in self._draining.items() if req.peer in over]:
-            self._releases.append(xid)
-            self._drained_one(xid, proven=False)
-
-    def _note_disconnect(self, req: SendRequest, err: DoorError) -> None:
-        if err.reason is FailureReason.REMOTE_DISCONNECT and req.peer is not None:
-            self._disconnected.add(req.peer)
 
     def _release(self, req: SendRequest, xid: XferId) -> None:
         self.proofs.unproven(req.peer, req.request_id, "released in flight")  # released before NIXL said DONE
@@ -330,13 +275,13 @@ class Watchdog:
         self._stopping = True
         self.wake()
         await self._stopped.wait()
-        self._drain_expired(float("inf"))  # what still drains is released (unproven) by the last tick
+        self._drains.expire(float("inf"))  # what still drains is released (unproven) by the last tick
 
     async def _run(self) -> None:
         next_scan = 0.0
         while not self._stopping:
             if self._ahead is None and not (self._ready or self._releases or self._late or self._inflight
-                                            or self._draining or self._owner.busy()):
+                                            or self._drains or self._owner.busy()):
                 self._wake = anyio.Event()
                 with anyio.move_on_after(self._idle.next()) as idle:
                     await self._wake.wait()
@@ -387,7 +332,7 @@ class Watchdog:
             plan.posts[:0] = take_late(self._late)
         plan.late = self._late  # what is handed over from now on goes after this plan's posts
         self._lingering = (linger and not plan.posts and not plan.releases
-                           and bool(self._inflight or self._draining or self._owner.busy()))
+                           and bool(self._inflight or self._drains or self._owner.busy()))
         if self._lingering:
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
             if self._loop is not None:
@@ -453,14 +398,12 @@ class Watchdog:
             if not isinstance(got, DoorError):
                 req.posted = True
             if isinstance(got, DoorError):
-                self._note_disconnect(req, got)
+                self._drains.note_disconnect(req, got)
                 self.proofs.unproven(req.peer, req.request_id, "post failed")
                 self._owner.chunk_failed(req, got)
             elif req.finished:
-                if state is XferState.PROC and req.peer in self._drain_until:  # its link was lost meanwhile
-                    self._draining[got] = (req, False)
-                    req.releasing += 1
-                elif state is XferState.PROC:  # failed or aborted while posting
+                # failed or aborted while posting; if its link was lost meanwhile, it drains instead
+                if state is XferState.PROC and not self._drains.add_posted(got, req):
                     self._release(req, got)
             elif state is XferState.DONE:
                 self._owner.chunk_done(req, nbytes)
@@ -473,13 +416,12 @@ class Watchdog:
             if req.finished:
                 self._settle_if_released(req)
         self._fences_forgotten.clear()
-        for peer in list(self._drained):  # drains that waited only for this tick's posts
-            self._check_drained(peer)
+        self._drains.check_all()  # drains that waited only for this tick's posts
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
                 continue
-            if xid in self._draining:
-                self._drained_one(xid, proven=state_or_err is XferState.DONE)
+            if xid in self._drains.handles:
+                self._drains.ended(xid, proven=state_or_err is XferState.DONE)
                 continue
             entry = self._inflight.pop(xid, None)
             if entry is None:  # released in the meantime
@@ -494,7 +436,7 @@ class Watchdog:
             if req.inflight is not None:
                 req.inflight.discard(xid)
             if isinstance(state_or_err, DoorError):
-                self._note_disconnect(req, state_or_err)
+                self._drains.note_disconnect(req, state_or_err)
                 self._owner.chunk_failed(req, state_or_err)
             elif state_or_err is XferState.DONE:
                 self._owner.chunk_done(req, nbytes)
@@ -506,13 +448,13 @@ class Watchdog:
             self._owner.on_notifs(outcome.notifs)
 
     def _plan(self) -> TickPlan:
-        if self._drain_until:
-            self._drain_expired(self._clock())
+        if self._drains.until:
+            self._drains.expire(self._clock())
         plan = TickPlan(releases=self._releases, posts=self._fences)
         self._releases = []
         self._fences = []
         self._take_posts(plan.posts, self._max_posts, self._max_post_bytes)
-        xids = list(self._inflight) + list(self._draining)
+        xids = list(self._inflight) + list(self._drains.handles)
         if len(xids) <= self._max_checks:
             plan.checks = xids
         else:

@@ -94,7 +94,7 @@ def service_tables(service: Any) -> dict[str, Table]:
         "proofs_incomplete": _read(lambda: len(wd.proofs._incomplete)),
         "heal_answered": _read(lambda: len(heal._answered), lambda: heal._answered._cap),
         "heal_lost": _read(lambda: len(heal._lost_at), lambda: heal._lost_at._cap),
-        "drain_agents": _read(lambda: len(wd._drain_until.keys() | wd._drained.keys())),
+        "drain_agents": _read(lambda: len(wd._drains.until.keys() | wd._drains.drained.keys())),
         "fences_forgotten": _read(lambda: len(wd._fences_forgotten)),
         "peers": _read(lambda: len(ctl._peers)),
         "address_book": _read(lambda: len(ctl._book._entries) + len(ctl._book._by_addr)),
