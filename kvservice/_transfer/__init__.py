@@ -26,7 +26,8 @@ Reading path:
   chunks' notifications, a link lost or made) turned into the plane's transitions.
 - ``watchdog``: the one task that posts chunks, checks handles, releases them and
   polls notifications, one bounded door call per tick; ``cadence``: its idle waits, a
-  back-off from the last work rather than a clock.
+  back-off from the last work rather than a clock; ``drain``: ``Drains``, a lost
+  receiver's handles it checks until each ends.
 - ``settle``: ``Settlement``: which failed receiver requests are unsettled, and why
   each piece of evidence may settle them.
 - ``proofs``: ``Proofs``: which requests a sender could not prove over to their receiver
