@@ -14,8 +14,9 @@ and its service's tables (requests, results, ledgers, early expects, peers, NIXL
 agents and handles) are sampled; the summary reports each after warm-up as start, end
 and slope, and a resource that keeps growing fails the soak. See docs/soak.md.
 
-Exit status 0 when false_success, hung, leaked_handles, writes_after_settle and crashes
-are all 0 and nothing grows without bound; 1 otherwise; 2 on bad arguments.
+Exit status 0 when false_success, unexplained_disagreements, hung, leaked_handles,
+writes_after_settle and crashes are all 0 and nothing grows without bound; 1 otherwise;
+2 on bad arguments.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from ..testing.peer_process import stray_output
 from ._leaks import Ledger
 from ._nodes import Node
 from ._sampling import sample
-from ._summary import Summary
+from ._summary import Summary, disagreement_cause
 
 # 16 KiB pages (2 layers x K/V x 4 KiB planes), 512 per process: small enough that
 # 2 shared cores move ~1000 requests in a couple of minutes, faults included.
@@ -246,11 +246,12 @@ class Soak:
             return
         if arrived["status"] == "SUCCESS":
             if sent is not None and sent["status"] != "SUCCESS":
-                side = f"recv SUCCESS, send {sent['reason']} ({fault})"
+                cause = disagreement_cause(fault, faulted, sent)
+                side = f"recv SUCCESS, send {sent['reason']} ({cause})"
                 s.disagreements[side] += 1
-                if not faulted:
-                    s.false_success += 1
-                    s.note(f"{rid}: {side}, and no abort, deadline or fault touched it")
+                if cause == "none":
+                    s.unexplained_disagreements += 1
+                    s.note(f"{rid}: {side}, and no abort, deadline, fault or stall explains it: {sent['message']}")
             if arrived["verified"]:
                 s.succeeded_verified += 1
                 decode.free.extend(dst)

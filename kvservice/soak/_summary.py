@@ -4,13 +4,42 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._leaks import FAILING, Trend, leak_table
 
 #: counters that must stay 0; any other value fails the soak (exit status 1)
-MUST_BE_ZERO = ("false_success", "hung", "leaked_handles", "writes_after_settle", "crashes")
+MUST_BE_ZERO = ("false_success", "unexplained_disagreements", "hung", "leaked_handles", "writes_after_settle",
+                "crashes")
+
+#: in a sender's failure message: its link ended because the peer sent nothing, not even a
+#: heartbeat, for longer than ``peer_timeout_s`` (``_control.links``, "peer silent for 2.10s")
+SILENCE = "peer silent for"
+
+
+def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any]) -> str:
+    """Why a request's receiver verified every byte (``SUCCESS``) while its sender reported
+    the failure ``sent``: the request's own fault (an abort or a deadline: the race
+    settle.md documents), ``"stop/kill"`` when the soak stopped or killed its decode
+    meanwhile (``touched``), ``"loop stall"`` when the sender lost the link to silence
+    that the soak did not cause (a process of the soak, on a loaded machine, ran no loop
+    for ``peer_timeout_s``: from the sender's side a stalled peer is a stopped one), and
+    ``"none"`` when nothing explains it.
+
+    None of these is a false success: the receiver's ``SUCCESS`` is proven byte for byte,
+    and a sender that had not seen its last WRITE end ``DONE`` when it lost the link cannot
+    know the data landed, so it must not say ``SUCCESS``.  Only ``"none"`` fails the soak
+    (``unexplained_disagreements``): a sender failing a request to a live, running peer
+    without a cause is a defect."""
+    if fault != "none":
+        return fault
+    if touched:
+        return "stop/kill"
+    if sent.get("reason") == "PEER_LOST" and SILENCE in str(sent.get("message") or ""):
+        return "loop stall"
+    return "none"
 
 
 @dataclass
@@ -18,7 +47,9 @@ class Summary:
     transfers: int = 0  # requests that ran (each ends in exactly one bucket below, or in hung)
     succeeded_verified: int = 0
     failed_by_reason: collections.Counter[str] = field(default_factory=collections.Counter)
-    false_success: int = 0
+    false_success: int = 0  # a SUCCESS whose bytes differ from what was sent
+    #: receiver SUCCESS (verified), sender failed, and no fault or stall explains it
+    unexplained_disagreements: int = 0
     hung: int = 0
     leaked_handles: int = 0
     writes_after_settle: int = 0
@@ -42,7 +73,8 @@ class Summary:
         return {
             "transfers": self.transfers, "succeeded_verified": self.succeeded_verified,
             "failed_by_reason": dict(sorted(self.failed_by_reason.items())),
-            "false_success": self.false_success, "hung": self.hung, "leaked_handles": self.leaked_handles,
+            "false_success": self.false_success, "unexplained_disagreements": self.unexplained_disagreements,
+            "hung": self.hung, "leaked_handles": self.leaked_handles,
             "writes_after_settle": self.writes_after_settle, "crashes": self.crashes,
             "max_loop_lag_ms": round(self.max_loop_lag_ms, 3), "unsettled_pages_max": self.unsettled_pages_max,
             "faults": dict(sorted(self.faults.items())),

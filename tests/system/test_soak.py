@@ -47,8 +47,9 @@ def run_soak(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.Com
 def test_soak_150_transfers_keeps_every_counter_at_zero(tmp_path: Path) -> None:
     summary, proc = run_soak(tmp_path, "--transfers", "150", "--seed", "1")
     assert set(summary) == {
-        "transfers", "succeeded_verified", "failed_by_reason", "false_success", "hung", "leaked_handles",
-        "writes_after_settle", "crashes", "max_loop_lag_ms", "unsettled_pages_max", "faults", "seconds", "leaks",
+        "transfers", "succeeded_verified", "failed_by_reason", "false_success", "unexplained_disagreements",
+        "hung", "leaked_handles", "writes_after_settle", "crashes", "max_loop_lag_ms", "unsettled_pages_max",
+        "faults", "seconds", "leaks",
     }
     assert summary["transfers"] == 150
     for key in MUST_BE_ZERO:
