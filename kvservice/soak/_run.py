@@ -426,7 +426,8 @@ class Soak:
                 print(f"soak {self.done}{total} t={time.monotonic() - self.t0:.0f}s ok={s.succeeded_verified} "
                       f"failed={sum(s.failed_by_reason.values())} settling={self.settling} "
                       f"unsettled_pages={self.unsettled_pages} faults={sum(s.faults.values())} "
-                      f"hung={s.hung} false_success={s.false_success} late_writes={s.writes_after_settle}",
+                      f"hung={s.hung} false_success={s.false_success} unexplained={s.unexplained_disagreements} "
+                      f"late_writes={s.writes_after_settle}",
                       file=sys.stderr, flush=True)
 
     async def _finish(self) -> None:
