@@ -250,7 +250,7 @@ class ServiceConfig(DiscoverySettings):
         if self.allow_unauthenticated and self.auth_key_file is None:
             raise ConfigError("identity_cert_file: a member identity is proven on keyed links; it needs a key "
                               "(auth_key_file, or this user's key on loopback), not allow_unauthenticated")
-        return load_identity(*cast(tuple[str, str, str], files))
+        return load_identity(*cast(tuple[str, str, str], files), role=self.discovery_role)
 
     @property
     def agent_base(self) -> str:

@@ -9,7 +9,10 @@ one every claim of its agent name is checked against (``Identity.check``).
 
 In the handshake each side signs the link's transcript, with a role label and both
 certificates' digests, under its member key (``Identity.sign``); the other side checks
-the chain, the cluster, the dates, the agent name and the signature.  Ed25519, ECDSA
+the chain, the cluster, the dates, the agent name and the signature.  A role is what the
+certificate says, wherever a member claims one: a claim of another (a service configured
+with another ``discovery_role``, an etcd registration, an SGLang rank's) is refused
+(``role_claim``), so a member certified "decode" cannot act as a "prefill".  Ed25519, ECDSA
 (P-256/384/521, SHA-256/384/512) and RSA (PSS, SHA-256) member keys are understood;
 ``kvservice keygen ca`` and ``issue`` make Ed25519 ones (``_trust.authority``).
 """
@@ -44,6 +47,8 @@ MAX_SIGNATURE_BYTES = 1024
 #: not check out; a peer that proves no identity to a service that requires one
 IDENTITY = "identity"
 NO_IDENTITY = "identity_missing"
+#: a claim of a role the member's certificate does not name
+ROLE = "identity_role"
 _LABEL = b"kvservice-member-v1 "
 
 
@@ -71,6 +76,14 @@ def member_uri(cluster: str, role: str, name: str) -> str:
             raise ValueError(f"member {what} {value[:80]!r} is not 1-63 of [A-Za-z0-9-] (starting with one "
                              "of [A-Za-z0-9])")
     return f"{SCHEME}://{cluster}/{role}/{name}"
+
+
+def role_claim(member: Member, role: str) -> str | None:
+    """Why ``member`` may not claim ``role`` (``None``: it may).  An empty role claims none."""
+    if not role or role == member.role:
+        return None
+    return (f"it claims role {role[:64]!r}, but its certificate for {member.uri} names role {member.role!r} "
+            "(a member acts only in the role its certificate names)")
 
 
 def agent_of(member: str, agent: str) -> bool:
@@ -177,9 +190,11 @@ class Identity:
         return member
 
 
-def load_identity(cert_file: str, key_file: str, ca_file: str) -> Identity:
+def load_identity(cert_file: str, key_file: str, ca_file: str, *, role: str = "") -> Identity:
     """This service's identity from its files; ``ConfigError`` naming the key and the
-    problem otherwise (the key file is checked as ``auth_key_file`` is: private)."""
+    problem otherwise (the key file is checked as ``auth_key_file`` is: private).  ``role``:
+    the role this service is configured to claim (``discovery_role``; empty: none), which
+    must be its certificate's."""
     ca = _load_cert(ca_file, "identity_ca_file")
     cert = _load_cert(cert_file, "identity_cert_file")
     pem = load_key(key_file, what="identity_key_file")
@@ -205,6 +220,9 @@ def load_identity(cert_file: str, key_file: str, ca_file: str) -> Identity:
         raise ConfigError(f"identity_cert_file: {cert_file!r} is valid {cert.not_valid_before_utc:%Y-%m-%d %H:%M} "
                           f"to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now (issue a new one: "
                           "kvservice keygen issue)")
+    if (why := role_claim(member, role)) is not None:
+        raise ConfigError(f"discovery_role: {why}; set discovery_role = {member.role!r} or issue a certificate "
+                          f"for role {role[:64]!r}")
     der = cert.public_bytes(serialization.Encoding.DER)
     if len(der) > MAX_CERT_BYTES:
         raise ConfigError(f"identity_cert_file: {len(der)} bytes in DER; a member certificate has at most "

@@ -33,7 +33,7 @@ _Name = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN)]
 
 #: why an entry read from etcd is ignored (each counted, in ``Registry.status()["ignored"]``)
 IGNORED = ("key_outside_prefix", "key_too_long", "key_not_utf8", "name_invalid", "value_too_long", "value_invalid",
-           "agent_taken", "unsigned", "signature", "replay")
+           "agent_taken", "unsigned", "signature", "role", "replay")
 _Text = Annotated[str, msgspec.Meta(max_length=255)]
 
 

@@ -24,7 +24,7 @@ import time
 
 import msgspec
 
-from .._trust.identity import Identity, IdentityRefused
+from .._trust.identity import Identity, IdentityRefused, role_claim
 from .member import Ignored, Member
 
 _LABEL = b"kvservice-registration-v1\0"
@@ -56,7 +56,7 @@ class Verifier:
 
     def check(self, key: bytes, member: Member) -> Member | Ignored:
         """``member`` read at ``key``, or why it is ignored (``unsigned``, ``signature``,
-        ``replay``).  An accepted entry is remembered against replays of older ones."""
+        ``role``, ``replay``).  An accepted entry is remembered against replays of older ones."""
         if self._identity is None:
             return member
         last = self._last.get(member.name)
@@ -68,27 +68,29 @@ class Verifier:
                 return Ignored("unsigned", "an unsigned entry in place of its member's signed one")
             self._last[member.name] = (member.incarnation, member.signed_at, False)
             return member
-        why = self._verify(key, member)
-        if why is not None:
-            return Ignored("signature", why)
+        refused = self._verify(key, member)
+        if refused is not None:
+            return refused
         if last is not None and last[2] and (member.incarnation, member.signed_at) < last[:2]:
             return Ignored("replay", f"an entry of incarnation {member.incarnation} signed at {member.signed_at:.3f}, "
                                      f"older than the one accepted (incarnation {last[0]}, signed at {last[1]:.3f})")
         self._last[member.name] = (member.incarnation, member.signed_at, True)
         return member
 
-    def _verify(self, key: bytes, member: Member) -> str | None:
+    def _verify(self, key: bytes, member: Member) -> Ignored | None:
         assert self._identity is not None
         try:
             der = base64.b64decode(member.cert, validate=True)
             signature = base64.b64decode(member.sig, validate=True)
         except (binascii.Error, ValueError):
-            return "its certificate or signature is not base64"
+            return Ignored("signature", "its certificate or signature is not base64")
         try:
             proven = self._identity.check(der, member.agent, signature, signed_part(self._cluster, key, member))
         except IdentityRefused as exc:
-            return str(exc)[:300]
+            return Ignored("signature", str(exc)[:300])
         if member.name not in (proven.name, member.agent):
-            return (f"the entry names member {member.name!r}, its certificate {proven.uri} (a member registers "
-                    "under its own name or agent)")
+            return Ignored("signature", f"the entry names member {member.name!r}, its certificate {proven.uri} "
+                                        "(a member registers under its own name or agent)")
+        if (why := role_claim(proven, member.role)) is not None:
+            return Ignored("role", f"the entry for {member.name!r}: {why}")
         return None
