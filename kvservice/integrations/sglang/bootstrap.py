@@ -18,6 +18,14 @@ its own (``Registry``):
   by the first registration and changes only with an existing rank's new incarnation,
   which then starts the table afresh (the old pool's ranks register again when they
   restart).  Without a key, registrations are believed as before: the newest wins.
+  With a member identity (the prefill's configuration has one, and so has each of its
+  ranks: they read the same file) a registration must also be signed by this prefill's
+  own member (``registration.signature_headers``): one without a signature is refused
+  (``identity_missing``), one whose certificate or signature does not check out, or
+  whose incarnation is not an agent of the certificate's member (``identity``), one by
+  another member (``member``), or by this member's name certified for another role
+  (``identity_role``): so a member of the cluster, holding the cluster's key and a
+  certificate of its own, cannot take this prefill's ranks.
 * ``GET /kvservice/ranks``: ``{"info": {...}, "ranks": {"<dp>/<tp>": "host:port"}}``;
   503 while no rank has registered.  Unauthenticated: what it says can only point a
   decode at an address whose service must still pass the handshake.
@@ -39,6 +47,8 @@ off (``_control.accept``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections
 import json
 import threading
@@ -59,12 +69,15 @@ from ..._control.accept import accept_loop
 from ..._log import Throttle, get_logger
 from ..._metrics import refused_family
 from ..._results import KVServiceError
+from ..._trust.identity import IDENTITY, NO_IDENTITY, ROLE, Identity, IdentityRefused, Member, role_claim
 from .registration import (
+    CERT_HEADER,
     INFO_KEYS,
     MAC_HEADER,
     MAX_BODY,
     MAX_RANKS,
     PATH,
+    SIGNATURE_HEADER,
     WINDOW_S,
     BootstrapError,
     check_registration,
@@ -72,6 +85,7 @@ from .registration import (
     mac_ok,
     register,
     registry_key,
+    signed_part,
 )
 
 __all__ = ["INFO_KEYS", "MAX_BODY", "PATH", "BootstrapError", "Registry", "lookup", "register"]
@@ -79,7 +93,8 @@ __all__ = ["INFO_KEYS", "MAX_BODY", "PATH", "BootstrapError", "Registry", "looku
 log = get_logger("kvservice.sglang")
 
 METRICS_PATH = "/metrics"
-MAX_HEAD = 8 * 1024
+#: a head with a member certificate (at most ``MAX_CERT_BYTES``, base64) and its signature fits
+MAX_HEAD = 16 * 1024
 MAX_CONNECTIONS = 128
 MAX_PER_PEER = 32
 READ_DEADLINE_S = 5.0
@@ -89,7 +104,7 @@ REFUSE_WRITE_S = 1.0
 #: nonces remembered for ``WINDOW_S``; a full book refuses new registrations (only
 #: authenticated ones are remembered, so only a member could fill it)
 MAX_NONCES = 65536
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 409: "Conflict",
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 409: "Conflict",
             413: "Payload Too Large", 503: "Service Unavailable"}
 
 
@@ -111,6 +126,13 @@ class _Entry:
     address: str
     incarnation: str
     info: dict[str, Any]
+
+
+def _b64(value: str | None) -> bytes:
+    try:
+        return base64.b64decode(value or "", validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise Refusal(IDENTITY, 401, "the registration's certificate or signature is not base64") from exc
 
 
 def _http(code: int, data: bytes, content_type: str = "application/json") -> bytes:
@@ -162,12 +184,19 @@ async def _read_request(stream: anyio.abc.ByteStream) -> tuple[str, str, dict[st
 
 class Registry:
     """The registry's state and server.  ``port=0`` picks a free port (``port``);
-    ``key`` is the cluster's key (None: registrations are believed unauthenticated)."""
+    ``key`` is the cluster's key (None: registrations are believed unauthenticated);
+    ``identity`` the prefill's member identity (its ranks' registrations must be signed
+    by that member)."""
 
-    def __init__(self, host: str, port: int, *, key: bytes | None, max_connections: int = MAX_CONNECTIONS,
+    def __init__(self, host: str, port: int, *, key: bytes | None, identity: Identity | None = None,
+                 max_connections: int = MAX_CONNECTIONS,
                  max_per_peer: int = MAX_PER_PEER, read_deadline_s: float = READ_DEADLINE_S,
                  window_s: float = WINDOW_S, clock: Callable[[], float] = time.time) -> None:
         self._key = registry_key(key)
+        if identity is not None and self._key is None:
+            raise ValueError("a registry with a member identity needs the cluster's key (registrations are MAC'd "
+                             "before a certificate is parsed)")
+        self._identity = identity
         self._max_connections, self._max_per_peer = max_connections, max_per_peer
         self._read_deadline, self._window, self._clock = read_deadline_s, window_s, clock
         self._lock = threading.Lock()  # the loop writes, ``snapshot`` may be called from anywhere
@@ -194,8 +223,11 @@ class Registry:
             raise
 
     # -- state ---------------------------------------------------------------------------------
-    def register(self, body: bytes, claimed_mac: str | None, peer: str) -> None:
-        """Check and apply one registration's raw body; ``Refusal`` naming what is wrong."""
+    def register(self, body: bytes, claimed_mac: str | None, peer: str, cert: str | None = None,
+                 signature: str | None = None) -> None:
+        """Check and apply one registration's raw body (with its MAC and, where this
+        registry has an identity, its member certificate and signature, base64 as sent);
+        ``Refusal`` naming what is wrong."""
         keyed = self._key is not None
         if self._key is not None and claimed_mac is None:
             raise Refusal("unauthenticated", 401, "registrations must carry a MAC under the cluster's key")
@@ -206,6 +238,7 @@ class Registry:
         except ValueError as exc:  # json.JSONDecodeError is one
             raise Refusal("registration", 400, str(exc)) from exc
         rank, new = f"{reg['dp_rank']}/{reg['tp_rank']}", _Entry(reg["address"], reg["incarnation"], reg["info"])
+        member = self._prove(body, reg["incarnation"], rank, cert, signature)
         now = self._clock()
         with self._lock:
             if keyed:
@@ -230,7 +263,29 @@ class Registry:
         if restart:
             log.warning("sglang.bootstrap.pool_changed", rank=rank, incarnation=new.incarnation, info=new.info)
         log.info("sglang.bootstrap.registered", rank=rank, address=new.address, incarnation=new.incarnation,
-                 peer=peer, authenticated=keyed)
+                 peer=peer, authenticated=keyed, member=member.uri if member is not None else None)
+
+    def _prove(self, body: bytes, incarnation: str, rank: str, cert: str | None,
+               signature: str | None) -> Member | None:
+        """The member that signed a registration of ``rank`` (``None`` without an identity
+        here); ``Refusal`` unless it is this prefill's own member, in its own role."""
+        own = self._identity
+        if own is None:
+            return None
+        if not cert or not signature:
+            raise Refusal(NO_IDENTITY, 401, f"a registration of rank {rank} without its member's certificate and "
+                                            f"signature ({CERT_HEADER}, {SIGNATURE_HEADER}): this registry takes "
+                                            f"ranks only from member {own.member.uri}")
+        try:
+            member = own.check(_b64(cert), incarnation, _b64(signature), signed_part(body))
+        except IdentityRefused as exc:
+            raise Refusal(IDENTITY, 401, f"rank {rank}: {exc}") from exc
+        if member.name != own.member.name:
+            raise Refusal("member", 403, f"rank {rank} registered by member {member.uri}: this registry takes ranks "
+                                         f"only from the prefill it runs in, member {own.member.uri}")
+        if (why := role_claim(member, own.member.role)) is not None:
+            raise Refusal(ROLE, 403, f"rank {rank} registered as this prefill's member {own.member.uri}: {why}")
+        return member
 
     def _fresh(self, ts: float, nonce: str, now: float) -> None:
         if abs(now - ts) > self._window:
@@ -333,7 +388,8 @@ class Registry:
                 answer = self.snapshot()
                 data = _http(200 if answer["ranks"] else 503, json.dumps(answer).encode())
             else:
-                self.register(body, headers.get(MAC_HEADER.lower()), peer)
+                self.register(body, headers.get(MAC_HEADER.lower()), peer, headers.get(CERT_HEADER.lower()),
+                              headers.get(SIGNATURE_HEADER.lower()))
                 data = _http(200, json.dumps({"ok": True}).encode())
         except TimeoutError:
             self.refuse("slow", f"no whole request within {self._read_deadline}s", peer)

@@ -148,7 +148,8 @@ class KVManager(BaseKVManager):
 
     def _register(self) -> None:
         bootstrap.register(self.bootstrap_addr, self.dp_rank, self.tp_rank, self.engine.address, self.info,
-                           key=self.engine.config.resolve_key().key, incarnation=self.engine.agent_name)
+                           key=self.engine.config.resolve_key().key, incarnation=self.engine.agent_name,
+                           identity=self.engine.config.identity())
 
     def _register_until(self) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
@@ -488,10 +489,13 @@ class KVReceiver(_Side, BaseKVReceiver):
 class KVBootstrapServer(BaseKVBootstrapServer):
     """The prefill's bootstrap registry (``bootstrap.Registry``), started by SGLang's
     ``start_disagg_service`` in the prefill's main process.  It checks registrations under
-    the key the prefill's ranks use: the same configuration's (``service_config``)."""
+    the key the prefill's ranks use: the same configuration's (``service_config``), and with
+    its member identity takes ranks only from that member (the ranks')."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.registry = bootstrap.Registry(host or "0.0.0.0", port, key=service_config(0).resolve_key().key)
+        config = service_config(0)
+        self.registry = bootstrap.Registry(host or "0.0.0.0", port, key=config.resolve_key().key,
+                                           identity=config.identity())
         self.port = self.registry.port
 
     def close(self) -> None:

@@ -11,6 +11,13 @@ is refused.  ``incarnation`` names the registering service (its agent name, new 
 start): the registry lets a rank's entry move only to a new incarnation, and only an
 incarnation's own registration may change the pool it describes.
 
+With a member identity (``identity_cert_file``; docs/security.md "Member identities") a
+registration also carries the rank's member certificate (``X-KVService-Cert``, base64 DER)
+and its member key's signature (``X-KVService-Signature``, base64) over what the MAC covers
+(``signed_part``): the registry, which runs in the prefill's main process with the same
+configuration, takes a rank only from its own member (``bootstrap``), so one member cannot
+register as another's rank.
+
 Without a key (``allow_unauthenticated``) registrations carry no MAC and the registry,
 which has none either, believes them as before; it says so in its log when it starts.
 
@@ -21,6 +28,7 @@ a caller past it, and read at most ``MAX_ANSWER`` bytes.
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import re
@@ -31,9 +39,12 @@ from typing import Any
 
 from ..._control.addresses import split_address
 from ..._results import KVServiceError
+from ..._trust.identity import Identity
 
 PATH = "/kvservice/ranks"
 MAC_HEADER = "X-KVService-MAC"
+CERT_HEADER = "X-KVService-Cert"
+SIGNATURE_HEADER = "X-KVService-Signature"
 MAX_BODY = 64 * 1024
 MAX_RANKS = 4096
 #: the most a client reads of an answer (a full registry's table fits many times over)
@@ -48,6 +59,7 @@ NONCE = re.compile(r"[0-9a-f]{32}")
 #: service agent names (``ServiceConfig.agent_prefix`` plus a uuid), with room to spare
 INCARNATION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _KEY_LABEL = b"kvservice-sglang-bootstrap-registration-v1"
+_SIGNED_LABEL = b"kvservice-sglang-rank-v1\0"
 
 
 class BootstrapError(KVServiceError):
@@ -73,6 +85,17 @@ def mac(key: bytes, body: bytes) -> str:
 
 def mac_ok(key: bytes, body: bytes, claimed: str | None) -> bool:
     return claimed is not None and hmac.compare_digest(mac(key, body), claimed)
+
+
+def signed_part(body: bytes) -> bytes:
+    """What a rank's member signature covers: method, path and the body's exact bytes."""
+    return _SIGNED_LABEL + b"PUT " + PATH.encode() + b"\n" + body
+
+
+def signature_headers(identity: Identity, body: bytes) -> dict[str, str]:
+    """The headers that prove ``body`` was registered by ``identity``'s member."""
+    return {CERT_HEADER: base64.b64encode(identity.der).decode(),
+            SIGNATURE_HEADER: base64.b64encode(identity.sign(signed_part(body))).decode()}
 
 
 def check_registration(body: Any) -> dict[str, Any]:
@@ -149,15 +172,17 @@ def _call(method: str, bootstrap_addr: str, body: bytes | None, timeout: float,
 
 
 def register(bootstrap_addr: str, dp_rank: int, tp_rank: int, address: str, info: dict[str, Any], *,
-             key: bytes | None, incarnation: str, timeout: float = 5.0) -> None:
+             key: bytes | None, incarnation: str, identity: Identity | None = None, timeout: float = 5.0) -> None:
     """Register one prefill rank with the registry at ``bootstrap_addr`` ("host:port").
     ``key``: the cluster's key (None: unauthenticated); ``incarnation``: the registering
-    service's agent name."""
+    service's agent name; ``identity``: its member identity, which signs the registration."""
     split_address(bootstrap_addr)  # ValueError for a malformed address
     body = json.dumps({"dp_rank": dp_rank, "tp_rank": tp_rank, "address": address, "info": info,
                        "incarnation": incarnation, "ts": time.time(), "nonce": secrets.token_hex(16)}).encode()
     derived = registry_key(key)
     headers = {MAC_HEADER: mac(derived, body)} if derived is not None else {}
+    if identity is not None:
+        headers |= signature_headers(identity, body)
     code, answer = _call("PUT", bootstrap_addr, body, timeout, headers)
     if code != 200:
         raise BootstrapError(f"bootstrap server {bootstrap_addr} refused the registration ({code}): {answer}")
