@@ -10,6 +10,8 @@ prefill process, a real etcd, the registry's real HTTP server."""
 
 from __future__ import annotations
 
+import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from kvservice._trust.identity import Identity, load_identity, member_of
 from kvservice._trust.keys import load_key
 from kvservice.discovery.member import Member, encode
 from kvservice.discovery.signing import sign
-from kvservice.integrations.sglang import bootstrap
+from kvservice.integrations.sglang import bootstrap, registration
 from kvservice.testing import PeerProcess
 from tests.discovery.conftest import etcd  # noqa: F401  (the fixture: a real etcd)
 from tests.discovery.etcd_server import EtcdServer
@@ -164,3 +166,30 @@ def test_a_registry_with_an_identity_needs_the_cluster_key(cluster: Authority) -
     with an identity and no key would parse a stranger's."""
     with pytest.raises(ValueError, match="needs the cluster's key"):
         bootstrap.Registry("127.0.0.1", 0, key=None, identity=identity_of(cluster.member("prefill-0")))
+
+
+def test_a_certificate_or_signature_that_is_not_base64_is_refused(cluster: Authority) -> None:
+    """A registration whose MAC checks out but whose certificate or signature header is
+    not base64: refused ``identity`` with the reason; the registry goes on."""
+    owner = identity_of(cluster.member("prefill-0"))
+    key = load_key(cluster.key)
+    reg = bootstrap.Registry("127.0.0.1", 0, key=key, identity=owner)
+    try:
+        agent = named("prefill-0")
+        raw = json.dumps({"dp_rank": 0, "tp_rank": 0, "address": "127.0.0.1:7000", "info": INFO,
+                          "incarnation": agent, "ts": time.time(), "nonce": secrets.token_hex(16)}).encode()
+        headers = {registration.MAC_HEADER: registration.mac(registration.registry_key(key) or b"", raw),
+                   **registration.signature_headers(owner, raw)}
+        for bad in (registration.CERT_HEADER, registration.SIGNATURE_HEADER):
+            sent = {**headers, bad: "not base64!"}
+            head = "".join(f"{k}: {v}\r\n" for k, v in sent.items())
+            request = (f"PUT {bootstrap.PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(raw)}\r\n{head}\r\n"
+                       ).encode() + raw
+            code, answer = registration._exchange(f"127.0.0.1:{reg.port}", request, 10)
+            assert code == 401 and "not base64" in answer["error"], answer
+        assert reg.refused == {"identity": 2}, reg.refused
+        bootstrap.register(f"127.0.0.1:{reg.port}", 0, 0, "127.0.0.1:7000", INFO, key=key, incarnation=agent,
+                           identity=owner, timeout=10)
+        assert bootstrap.lookup(f"127.0.0.1:{reg.port}", timeout=10)[1] == {"0/0": "127.0.0.1:7000"}
+    finally:
+        reg.close()
