@@ -10,6 +10,7 @@ loop; NIXL is reached only through the door, on the ``DoorThread``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import uuid
 from collections.abc import Callable
@@ -294,6 +295,8 @@ class TransferService:
                     unknown = exc
             if unknown is None:
                 pinned = await plane.control.canonical(receiver)  # ValueError when malformed
+                if member is not None:  # the name is bound to the member that proves it (_control.named)
+                    plane.control.name_member(pinned, member)
             self._running()
         return TransferHandle(plane.send(request_id, src, lo, hi, last=last, timeout=timeout, pinned=pinned,
                                          unknown=unknown, payload=payload, fit_tail=fit == "tail",
@@ -326,13 +329,18 @@ class TransferService:
 
     # -- receiving side -------------------------------------------------------------
     async def expect(self, request_id: str, pages: Pages, *, sender: str,
-                     timeout: float | None = None, verify: bool | None = None) -> None:
+                     timeout: float | None = None, verify: bool | None = None,
+                     member: str | None = None) -> None:
         """Announce that ``request_id`` goes into ``pages``, and tell ``sender``.
 
         ``verify``: check the landing (None: the service's ``verify_landing``): the
         sender sends a CRC32C of each chunk's bytes, and the request succeeds only if
         its pages match them (else ``CORRUPTED``; ``INCOMPATIBLE`` if the sender sends
         none).  Host memory only: ``ValueError`` when this service's KV is in VRAM.
+
+        ``member`` (with a member identity): the member a registry vouched for at
+        ``sender`` (an SGLang rank's); as for a member's name given as ``sender``, the
+        request fails ``REFUSED`` unless the service answering there proves that member.
 
         Returns once the request is registered here and its Expect is queued on
         the link to the sender (dialled first if needed), or once the request
@@ -360,11 +368,15 @@ class TransferService:
         unknown: PeerUnknown | None = None
         if self._discovery is not None:  # a member's name: where it registered
             try:
-                sender, _ = self._discovery.resolve(sender)
+                sender, named = self._discovery.resolve(sender)
+                member = member or named
             except PeerUnknown as exc:
                 unknown = exc
         if unknown is None:
             split_address(sender)  # ValueError naming the problem
+            if member is not None:  # the name is bound to the member that proves it (_control.named)
+                with contextlib.suppress(OSError):  # a name that does not resolve fails in the dial
+                    plane.control.name_member(await plane.control.canonical(sender), member)
         await plane.expect(request_id, sender, dst, timeout, unknown, verify)
 
     async def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:

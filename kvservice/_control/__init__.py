@@ -14,6 +14,8 @@ travels here; what the requests *mean* lives in the request plane (``_transfer``
   link's secrets, the sealed Joins), and probes.
 - ``addresses``, ``addressbook``: canonical "host:port" spellings, and which agent is
   proven (never merely claimed) to answer at which address.
+- ``named``: which member the engine named at which address, taken only from an agent
+  that proves that member.
 - ``plane``: ``ControlPlane``, the peer table: admission of a met peer and loading into
   NIXL (``_trust`` holds the keys, proofs and checks), dialling, drops.
 - ``departures``: a lost agent unloaded from NIXL once its drain ended, and forgotten

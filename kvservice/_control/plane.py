@@ -54,6 +54,7 @@ from .._results import FailureReason, KVServiceError, ProtocolError
 from .._stats import Stats
 from .._transfer.requests import Recent
 from .._trust import checks
+from .._trust.identity import MEMBER, IdentityRefused
 from .._trust.vetting import MetadataVetter
 from ..memory._pairing import PeerKV
 from ..memory._staging import area_from_wire
@@ -63,6 +64,7 @@ from .addresses import join_address
 from .departures import Departures
 from .handshakes import Handshakes, Met, send_join
 from .links import CONNECTION_ERRORS, ControlStream, PeerLink, try_send
+from .named import Names
 from .peers import (
     IncompatiblePeer,
     LocalPeer,
@@ -117,6 +119,7 @@ class ControlPlane:
         self._losing: dict[str, tuple[str, BaseException | None]] = {}
         self._handshakes = Handshakes(self._transport, config, local, lambda: self.address, stats.refuse)
         self._book = AddressBook(self._handshakes.probe)  # which agent is proven at which address
+        self._names = Names(config.identity() is not None)  # which member the engine named at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress
         # agent -> inbound notification keys of its latest links, newest first
         self._notif_in: Recent[str, list[bytes]] = Recent(2 * config.max_peers)
@@ -214,8 +217,22 @@ class ControlPlane:
         return await self._book.canonical(address)
 
     def at_address(self, agent: str, canon: str) -> bool | None:
-        """Whether linked ``agent`` is proven to answer at canonical ``canon`` (``AddressBook.at``)."""
-        return self._book.at(agent, canon)
+        """Whether linked ``agent`` is proven to answer at canonical ``canon`` (``AddressBook.at``),
+        and proves the member named there, if one was (``named``; the caller counts its refusal)."""
+        at = self._book.at(agent, canon)
+        if at and self._names.refusal(canon, agent, self._handshakes.members.get(agent)) is not None:
+            return False
+        return at
+
+    def name_member(self, canon: str, member: str) -> None:
+        """The engine names ``member`` as the one at canonical ``canon`` (``named``)."""
+        self._names.name(canon, member)
+
+    def _named_refusal(self, canon: str, agent: str) -> IdentityRefused | None:
+        refusal = self._names.refusal(canon, agent, self._handshakes.members.get(agent))
+        if refusal is not None and (unlogged := self._stats.refuse(MEMBER)) is not None:
+            log.warning("peer.member_refused", agent=agent, address=canon, error=str(refusal), unlogged=unlogged)
+        return refusal
 
     def address_of(self, agent: str) -> str | None:
         """Where ``agent`` is, to name it in a message: an address it is proven at, else the one
@@ -247,8 +264,15 @@ class ControlPlane:
         """The live link to ``address``, dialling once however many callers wait.
 
         Raises what the dial raised (classify with ``dial_failure``); raises
-        ``KVServiceError`` if the service shuts down first."""
+        ``KVServiceError`` if the service shuts down first, ``IdentityRefused`` when the
+        agent there does not prove the member named at ``address`` (``named``)."""
         canon = await self.canonical(address)
+        link = await self._link_to(address, canon)
+        if (refusal := self._named_refusal(canon, link.agent)) is not None:
+            raise refusal
+        return link
+
+    async def _link_to(self, address: str, canon: str) -> PeerLink:
         agent = self._book.agent_at(canon)
         if agent is None:
             # A peer that dialled us and claims this address: prove the claim

@@ -49,6 +49,8 @@ IDENTITY = "identity"
 NO_IDENTITY = "identity_missing"
 #: a claim of a role the member's certificate does not name
 ROLE = "identity_role"
+#: a peer proving another member than the one named at its address (``_control.named``)
+MEMBER = "identity_member"
 _LABEL = b"kvservice-member-v1 "
 
 

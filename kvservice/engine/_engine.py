@@ -291,10 +291,11 @@ class KVTransferEngine:
         self._register(("send", request_id), transfer)
         return transfer
 
-    def receiver(self, request_id: str, *, sender: str) -> KVReceiver:
+    def receiver(self, request_id: str, *, sender: str, member: str | None = None) -> KVReceiver:
         """The decode side of ``request_id``, fed by the prefill service at ``sender``
-        ("host:port").  Nothing is sent before ``init(pages)``."""
-        transfer = KVReceiver(self, request_id, sender=sender)
+        ("host:port"); ``member``: the member that must prove itself there
+        (``TransferService.expect(member=)``).  Nothing is sent before ``init(pages)``."""
+        transfer = KVReceiver(self, request_id, sender=sender, member=member)
         self._register(("recv", request_id), transfer)
         return transfer
 

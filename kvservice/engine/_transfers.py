@@ -388,9 +388,10 @@ class KVReceiver(_Transfer):
     """The decode side of one request (SGLang's ``BaseKVReceiver``).  Made by
     ``KVTransferEngine.receiver()``."""
 
-    def __init__(self, engine: Host, request_id: str, *, sender: str) -> None:
+    def __init__(self, engine: Host, request_id: str, *, sender: str, member: str | None = None) -> None:
         super().__init__(engine, request_id)
         self.sender = sender
+        self.member = member
         self._pages: Pages | None = None
 
     @property
@@ -421,6 +422,8 @@ class KVReceiver(_Transfer):
         """The keyword arguments for ``TransferService.expect`` (``None``: the default)."""
         kwargs = {k: v for k, v in given.items() if v is not None}
         kwargs["sender"] = self.sender
+        if self.member is not None:
+            kwargs["member"] = self.member
         return kwargs
 
     async def _expect_op(self, svc: TransferService, pages: Pages, kwargs: dict[str, Any]) -> None:
