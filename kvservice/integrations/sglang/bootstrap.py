@@ -28,7 +28,12 @@ its own (``Registry``):
   certificate of its own, cannot take this prefill's ranks.
 * ``GET /kvservice/ranks``: ``{"info": {...}, "ranks": {"<dp>/<tp>": "host:port"}}``;
   503 while no rank has registered.  Unauthenticated: what it says can only point a
-  decode at an address whose service must still pass the handshake.
+  decode at an address whose service must still pass the handshake.  With a member
+  identity it also carries each rank's registration as its member signed it
+  (``"proofs"``): a decode with an identity checks each itself
+  (``registration.rank_members``) and takes a rank's address only from the member that
+  proves itself there (``expect(member=)``), so neither whoever sits on the lookup's path
+  nor a member answering on the rank's address can point the decode at another member.
 * ``GET /metrics``: Prometheus text, the refusals below as
   ``kvservice_refused_total{where="sglang_bootstrap", kind}`` and the connections open.
 
@@ -54,7 +59,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -126,6 +131,9 @@ class _Entry:
     address: str
     incarnation: str
     info: dict[str, Any]
+    #: with a member identity: the registration as signed (its body, certificate and
+    #: signature, base64), which a lookup hands on so a decode can check it itself
+    proof: tuple[str, str, str] | None = field(default=None, compare=False)
 
 
 def _b64(value: str | None) -> bytes:
@@ -239,6 +247,8 @@ class Registry:
             raise Refusal("registration", 400, str(exc)) from exc
         rank, new = f"{reg['dp_rank']}/{reg['tp_rank']}", _Entry(reg["address"], reg["incarnation"], reg["info"])
         member = self._prove(body, reg["incarnation"], rank, cert, signature)
+        if member is not None and cert and signature:
+            new = _Entry(new.address, new.incarnation, new.info, (base64.b64encode(body).decode(), cert, signature))
         now = self._clock()
         with self._lock:
             if keyed:
@@ -311,8 +321,22 @@ class Registry:
                                            f"ranks as {self._info}: only a restarted rank may change it")
 
     def snapshot(self) -> dict[str, Any]:
+        """What ``GET`` answers; with a member identity also each rank's registration as its
+        member signed it (``proofs``: the certificates once, ``registration.rank_members``)."""
         with self._lock:
-            return {"info": self._info, "ranks": {k: e.address for k, e in self._ranks.items()}}
+            entries = dict(self._ranks)
+            answer: dict[str, Any] = {"info": self._info, "ranks": {k: e.address for k, e in entries.items()}}
+        if self._identity is not None:
+            certs: list[str] = []
+            proofs: dict[str, dict[str, Any]] = {}
+            for rank, entry in entries.items():
+                if entry.proof is not None:
+                    body, cert, signature = entry.proof
+                    if cert not in certs:
+                        certs.append(cert)
+                    proofs[rank] = {"registration": body, "signature": signature, "cert": certs.index(cert)}
+            answer["proofs"] = {"certs": certs, "ranks": proofs}
+        return answer
 
     def metrics(self) -> bytes:
         """``GET /metrics``: the refusals by kind and the connections open, Prometheus text."""

@@ -19,7 +19,9 @@ decode's in ``disaggregation/decode.py``):
   ``Transferring``, ``Success`` and ``Failed`` (anything else raises in its loop).
 * decode ``KVReceiver(mgr, bootstrap_addr, room)``: ``Bootstrapping``; ``init(dp_rank)``
   looks the prefill ranks up in the bootstrap registry (cached per prefill) and picks
-  the rank with this rank's heads: ``WaitingForInput``; ``send_metadata(kv_indices,
+  the rank with this rank's heads (with a member identity, the lookup's signed
+  registrations name the rank's member, which alone is taken at its address:
+  ``registration.lookup_ranks``, ``expect(member=)``): ``WaitingForInput``; ``send_metadata(kv_indices,
   aux_index)`` sends the expect; ``Success`` once every chunk's notification is in and
   the payload is in this rank's aux row.
 * A decode rank believes a prefill's ranks for ``PREFILL_CACHE_S`` (shorter than any
@@ -62,7 +64,7 @@ from ..._results import FailureReason, KVPoll, TransferFailed
 from ...engine import KVReceiver as FacadeReceiver
 from ...engine import KVSender as FacadeSender
 from ...engine import KVTransferEngine
-from . import bootstrap, checks
+from . import bootstrap, checks, registration
 from .memory import AuxRows, kv_memory
 from .registration import MAX_RANKS
 from .settings import service_config
@@ -126,9 +128,12 @@ class KVManager(BaseKVManager):
                      "page_size": int(args.page_size), "kv_cache_dtype": str(args.kv_cache_dtype_str),
                      "is_mla": self.is_mla_backend}
         self.engine = KVTransferEngine(service_config(self.aux.row_bytes), memory=self.memory).start()
+        #: this rank's member identity: a decode takes a prefill rank only from the member it proves
+        self.identity = self.engine.config.identity()
         #: bootstrap address -> the prefill's topology, as SGLang's decode scheduler reads it
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
-        self._prefill_ranks: dict[str, tuple[float, dict[str, Any], dict[str, str]]] = {}
+        #: bootstrap address -> (when looked up, pool, ranks' addresses, ranks' members or None)
+        self._prefill_ranks: dict[str, tuple[float, dict[str, Any], dict[str, str], dict[str, str] | None]] = {}
         self.bootstrap_addr = f"{_bootstrap_host(server_args)}:{int(server_args.disaggregation_bootstrap_port)}"
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
@@ -182,31 +187,25 @@ class KVManager(BaseKVManager):
         entry = self._prefill_ranks.get(bootstrap_addr)
         if entry is not None and now - entry[0] < PREFILL_CACHE_S:
             return entry[1], entry[2]
-        cached = bootstrap.lookup(bootstrap_addr)
+        cached = registration.lookup_ranks(bootstrap_addr, self.identity)
         info = cached[0]
         self._prefill_ranks[bootstrap_addr] = (now, *cached)
         if entry is None or entry[1] != info:
             self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
                 attn_tp_size=info["attn_tp_size"], attn_cp_size=1, dp_size=info["dp_size"], pp_size=1,
                 page_size=info["page_size"], kv_cache_dtype=info["kv_cache_dtype"], follow_bootstrap_room=True)
-        return cached
+        return cached[0], cached[1]
 
     def forget_prefill(self, bootstrap_addr: str) -> None:
         self._prefill_ranks.pop(bootstrap_addr, None)
         self.prefill_info_table.pop(bootstrap_addr, None)
 
-    def prefill_address(self, bootstrap_addr: str, prefill_dp_rank: int) -> str:
-        """The kvservice address of the prefill rank that holds this rank's heads."""
-        info, ranks = self.prefill_ranks(bootstrap_addr)
-        mine = {**self.info, "dp_size": info["dp_size"]}
-        if info != mine:
-            raise ValueError(f"the prefill at {bootstrap_addr} has {info}, this decode rank {mine}: the kvservice "
-                             "backend needs the same attention TP size, page size, KV dtype and attention kind")
-        address = ranks.get(f"{prefill_dp_rank}/{self.tp_rank}")
-        if address is None:
-            raise ValueError(f"the prefill at {bootstrap_addr} has no rank dp={prefill_dp_rank} tp={self.tp_rank} "
-                             f"registered (ranks: {sorted(ranks)})")
-        return address
+    def prefill_address(self, bootstrap_addr: str, prefill_dp_rank: int) -> tuple[str, str | None]:
+        """The kvservice address of the prefill rank that holds this rank's heads, and the
+        member that must prove itself there (``registration.pick_rank``)."""
+        self.prefill_ranks(bootstrap_addr)
+        _, info, ranks, members = self._prefill_ranks[bootstrap_addr]
+        return registration.pick_rank(bootstrap_addr, info, ranks, members, self.info, prefill_dp_rank, self.tp_rank)
 
     def close(self) -> None:
         self.engine.close()
@@ -410,20 +409,23 @@ class KVReceiver(_Side, BaseKVReceiver):
         failure: tuple[FailureReason, str] | None = None  # what failed, in the order tried
         error: BaseException | None = None
         address = ""
+        member: str | None = None
         try:
             self.kv_mgr.prefill_ranks(self.bootstrap_addr)
+        except registration.UnprovenRanks as exc:
+            failure, error = (FailureReason.REFUSED, "the prefill's registry does not prove its ranks' members"), exc
         except bootstrap.BootstrapError as exc:
             failure, error = (FailureReason.PEER_LOST, "the prefill's bootstrap registry cannot be reached"), exc
         except ValueError as exc:
             failure, error = (FailureReason.REFUSED, "not a bootstrap address"), exc
         else:
             try:
-                address = self.kv_mgr.prefill_address(self.bootstrap_addr, dp_rank)
+                address, member = self.kv_mgr.prefill_address(self.bootstrap_addr, dp_rank)
             except ValueError as exc:
                 failure, error = (FailureReason.INCOMPATIBLE, "no prefill rank this rank can pair with"), exc
             else:
-                try:
-                    self._t = self.kv_mgr.engine.receiver(self.request_id, sender=address)
+                try:  # with identities, only the rank's own member is taken at its address
+                    self._t = self.kv_mgr.engine.receiver(self.request_id, sender=address, member=member)
                 except ValueError as exc:
                     failure, error = (FailureReason.REFUSED, "the room is in use on this rank"), exc
         if failure is not None:

@@ -16,7 +16,8 @@ registration also carries the rank's member certificate (``X-KVService-Cert``, b
 and its member key's signature (``X-KVService-Signature``, base64) over what the MAC covers
 (``signed_part``): the registry, which runs in the prefill's main process with the same
 configuration, takes a rank only from its own member (``bootstrap``), so one member cannot
-register as another's rank.
+register as another's rank.  A lookup hands each registration on as signed, and a decode
+with an identity checks it itself (``lookup_members``, ``rank_members``).
 
 Without a key (``allow_unauthenticated``) registrations carry no MAC and the registry,
 which has none either, believes them as before; it says so in its log when it starts.
@@ -39,7 +40,7 @@ from typing import Any
 
 from ..._control.addresses import split_address
 from ..._results import KVServiceError
-from ..._trust.identity import Identity
+from ..._trust.identity import Identity, IdentityRefused
 
 PATH = "/kvservice/ranks"
 MAC_HEADER = "X-KVService-MAC"
@@ -192,7 +193,90 @@ def lookup(bootstrap_addr: str, timeout: float = 5.0) -> tuple[dict[str, Any], d
     """The prefill's pool description and its ranks' addresses (``"<dp>/<tp>"`` keys).
 
     A hint, not a proof: the decode dials the address and kvservice's handshake proves
-    that whoever answers there holds the cluster's key (docs/sglang.md)."""
+    that whoever answers there holds the cluster's key (docs/sglang.md); with a member
+    identity, ``lookup_members``."""
+    info, ranks, _ = _lookup(bootstrap_addr, timeout)
+    return info, ranks
+
+
+class UnprovenRanks(BootstrapError):
+    """A registry's answer does not prove its ranks' members (``rank_members``): the decode
+    refuses the prefill rather than dial an address nobody vouched for."""
+
+
+def lookup_ranks(bootstrap_addr: str, identity: Identity | None, timeout: float = 5.0
+                 ) -> tuple[dict[str, Any], dict[str, str], dict[str, str] | None]:
+    """What a decode rank looks up: ``lookup_members`` with a member identity, else
+    ``lookup`` (members ``None``: nothing here can prove them)."""
+    if identity is None:
+        return (*lookup(bootstrap_addr, timeout), None)
+    return lookup_members(bootstrap_addr, identity, timeout)
+
+
+def pick_rank(bootstrap_addr: str, info: dict[str, Any], ranks: dict[str, str], members: dict[str, str] | None,
+              mine: dict[str, Any], dp_rank: int, tp_rank: int) -> tuple[str, str | None]:
+    """The address of the prefill rank that holds a decode rank's heads (described by
+    ``mine``), and the member that must prove itself there (``None`` without identities);
+    ``ValueError`` when the pools do not pair or the rank is not registered."""
+    mine = {**mine, "dp_size": info["dp_size"]}
+    if info != mine:
+        raise ValueError(f"the prefill at {bootstrap_addr} has {info}, this decode rank {mine}: the kvservice "
+                         "backend needs the same attention TP size, page size, KV dtype and attention kind")
+    rank = f"{dp_rank}/{tp_rank}"
+    address = ranks.get(rank)
+    if address is None:
+        raise ValueError(f"the prefill at {bootstrap_addr} has no rank dp={dp_rank} tp={tp_rank} "
+                         f"registered (ranks: {sorted(ranks)})")
+    return address, None if members is None else members[rank]
+
+
+def lookup_members(bootstrap_addr: str, identity: Identity, timeout: float = 5.0
+                   ) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
+    """``lookup``, and each rank's member as its own signed registration proves it
+    (``rank_members``): the decode then takes the rank's address only from that member."""
+    info, ranks, body = _lookup(bootstrap_addr, timeout)
+    try:
+        return info, ranks, rank_members(identity, ranks, body.get("proofs"))
+    except ValueError as exc:
+        raise UnprovenRanks(f"bootstrap server {bootstrap_addr}: {exc}") from exc
+
+
+def rank_members(identity: Identity, ranks: dict[str, str], proofs: Any) -> dict[str, str]:
+    """Each rank's member name, from the registration the registry hands on as the rank's
+    member signed it: its certificate issued by this cluster's authority, its incarnation
+    an agent of that member, its signature good, and the rank and address it names those
+    the lookup says.  ``ValueError`` saying why for the first rank that does not check out
+    (a registry without an identity hands on none)."""
+    if not isinstance(proofs, dict) or not isinstance(proofs.get("certs"), list) or \
+            not isinstance(proofs.get("ranks"), dict):
+        raise ValueError("its answer carries no signed registrations (a prefill without a member identity, or "
+                         "altered on the way), and this decode takes ranks only from members that prove them")
+    certs, signed = proofs["certs"], proofs["ranks"]
+    members: dict[str, str] = {}
+    for rank, address in ranks.items():
+        proof = signed.get(rank)
+        try:
+            if not isinstance(proof, dict) or not isinstance(proof.get("cert"), int) or \
+                    not 0 <= proof["cert"] < len(certs):
+                raise ValueError("no signed registration")
+            body = base64.b64decode(str(proof.get("registration", "")), validate=True)
+            signature = base64.b64decode(str(proof.get("signature", "")), validate=True)
+            cert = base64.b64decode(str(certs[proof["cert"]]), validate=True)
+            reg = check_registration(json.loads(body))
+        except ValueError as exc:  # binascii.Error and json.JSONDecodeError are ones
+            raise ValueError(f"rank {rank}: its signed registration is unusable: {exc}") from exc
+        if f"{reg['dp_rank']}/{reg['tp_rank']}" != rank or reg["address"] != address:
+            raise ValueError(f"rank {rank} at {address}: its signed registration is rank "
+                             f"{reg['dp_rank']}/{reg['tp_rank']} at {reg['address']} (altered on the way?)")
+        try:
+            member = identity.check(cert, reg["incarnation"], signature, signed_part(body))
+        except IdentityRefused as exc:
+            raise ValueError(f"rank {rank}: its registration does not prove a member: {exc}") from exc
+        members[rank] = member.name
+    return members
+
+
+def _lookup(bootstrap_addr: str, timeout: float) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     split_address(bootstrap_addr)  # ValueError for a malformed address
     code, body = _call("GET", bootstrap_addr, None, timeout)
     if code != 200 or not isinstance(body, dict):
@@ -202,4 +286,4 @@ def lookup(bootstrap_addr: str, timeout: float = 5.0) -> tuple[dict[str, Any], d
             isinstance(k, str) and isinstance(v, str) for k, v in ranks.items()):
         raise BootstrapError(f"bootstrap server {bootstrap_addr} answered something that is not a kvservice "
                              f"registry: {str(body)[:500]}")
-    return info, ranks
+    return info, ranks, body
