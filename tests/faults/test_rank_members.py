@@ -185,3 +185,32 @@ def test_a_lookup_altered_on_its_path_is_refused(cluster: Authority) -> None:
         assert genuine["proofs"]["ranks"]["0/0"]["cert"] == 0
     finally:
         reg.close()
+
+
+def test_the_rank_a_decode_picks_and_the_member_it_names() -> None:
+    """``pick_rank`` (what ``conn.KVManager.prefill_address`` does): the rank with the
+    decode rank's heads and its member; a pool that does not pair, or a rank not
+    registered, is a ``ValueError`` saying which; without identities no member is named."""
+    ranks = {"0/0": "127.0.0.1:7000", "1/0": "127.0.0.1:7001"}
+    members = {"0/0": "prefill-0", "1/0": "prefill-0"}
+    assert registration.pick_rank("b:1", INFO, ranks, members, INFO, 1, 0) == ("127.0.0.1:7001", "prefill-0")
+    assert registration.pick_rank("b:1", INFO, ranks, None, INFO, 0, 0) == ("127.0.0.1:7000", None)
+    with pytest.raises(ValueError, match="no rank dp=0 tp=1 registered"):
+        registration.pick_rank("b:1", INFO, ranks, members, INFO, 0, 1)
+    with pytest.raises(ValueError, match="needs the same attention TP size, page size"):
+        registration.pick_rank("b:1", INFO, ranks, members, {**INFO, "page_size": 32}, 0, 0)
+
+
+def test_a_registry_without_an_identity_proves_no_member(cluster: Authority) -> None:
+    """A prefill whose registry has no identity hands on no signed registrations: a decode
+    with an identity refuses it (``UnprovenRanks``), one without reads it as before."""
+    key = load_key(cluster.key)
+    reg = bootstrap.Registry("127.0.0.1", 0, key=key)
+    target = f"127.0.0.1:{reg.port}"
+    try:
+        bootstrap.register(target, 0, 0, "127.0.0.1:7000", INFO, key=key, incarnation=named("prefill-0"), timeout=10)
+        with pytest.raises(registration.UnprovenRanks, match="carries no signed registrations"):
+            registration.lookup_ranks(target, identity_of(cluster.member("decode-0", "decode")), timeout=10)
+        assert registration.lookup_ranks(target, None, timeout=10) == (INFO, {"0/0": "127.0.0.1:7000"}, None)
+    finally:
+        reg.close()
