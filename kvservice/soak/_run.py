@@ -3,6 +3,7 @@ faults at random, and the accounting that says whether any promise broke."""
 
 from __future__ import annotations
 
+import collections
 import shutil
 import signal
 import sys
@@ -29,6 +30,10 @@ LAYOUT = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bflo
 UCX_ENV = {"UCX_NET_DEVICES": "lo"}
 BOOTSTRAP_S, TRANSFER_S, ARRIVAL_S = 3.0, 5.0, 8.0  # the services' own deadlines
 STOP_MAX_S = 2.5  # longest SIGSTOP; longer than peer_timeout_s, so some stops lose the link
+HEARTBEAT_S, PEER_TIMEOUT_S = 0.2, 1.5  # the services' liveness
+#: a loop held this long can end a link: its peer hears nothing for ``PEER_TIMEOUT_S`` once a
+#: heartbeat's gap is added, or its own pings stop (``_summary.disagreement_cause``)
+LINK_STALL_S = PEER_TIMEOUT_S - HEARTBEAT_S
 BOUND_S = 10.0  # past a request's own deadline (and any stop): no end by then is a hang
 CALL_S = BOUND_S + STOP_MAX_S  # an answer to a command
 SETTLE_S = 15.0  # a failed request with a live, running sender must settle within this
@@ -46,8 +51,8 @@ def daemon_settings() -> dict[str, str]:
     return {
         **UCX_ENV, "KVSERVICE_SERVICE_DRAIN_GRACE_S": "1.0", "KVSERVICE_SERVICE_BOOTSTRAP_TIMEOUT_S": str(BOOTSTRAP_S),
         "KVSERVICE_SERVICE_TRANSFER_TIMEOUT_S": str(TRANSFER_S), "KVSERVICE_SERVICE_ARRIVAL_TIMEOUT_S": str(ARRIVAL_S),
-        "KVSERVICE_SERVICE_CONNECT_TIMEOUT_S": "2.0", "KVSERVICE_SERVICE_HEARTBEAT_INTERVAL_S": "0.2",
-        "KVSERVICE_SERVICE_PEER_TIMEOUT_S": "1.5", "KVSERVICE_LOG_LEVEL": "warning",
+        "KVSERVICE_SERVICE_CONNECT_TIMEOUT_S": "2.0", "KVSERVICE_SERVICE_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+        "KVSERVICE_SERVICE_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S), "KVSERVICE_LOG_LEVEL": "warning",
     }
 
 
@@ -58,8 +63,15 @@ def child_config() -> dict[str, Any]:
                    "head_dim": lay.head_dim, "dtype": lay.dtype, "num_pages": lay.num_pages},
         "ucx_env": UCX_ENV, "drain_grace_s": 1.0, "bootstrap_timeout_s": BOOTSTRAP_S,
         "transfer_timeout_s": TRANSFER_S, "arrival_timeout_s": ARRIVAL_S, "connect_timeout_s": 2.0,
-        "heartbeat_interval_s": 0.2, "peer_timeout_s": 1.5,
+        "heartbeat_interval_s": HEARTBEAT_S, "peer_timeout_s": PEER_TIMEOUT_S,
     }
+
+
+def longest_stall(stalls: Sequence[Sequence[tuple[float, float]]], began: float, ended: float) -> float:
+    """The longest of ``stalls`` (each process's ``(ended, seconds)``) that overlaps the time
+    from ``began`` to ``ended``; 0 if none does."""
+    return max((secs for each in stalls for end, secs in each if end >= began and end - secs <= ended),
+               default=0.0)
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,12 @@ class Soak:
         self.ledger = Ledger()
         self.t0 = time.monotonic()
         self.deadline = float("inf")
+        #: each service's loop stalls as its process reported them (``testing.peer``'s status):
+        #: name -> [(ended, seconds)] on CLOCK_MONOTONIC, the clock of every process here
+        self.stalls: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        #: receiver SUCCESS, sender failed, nothing injected touched it: judged at the end,
+        #: once every stall is reported (rid, fault, sender's event, decode, from, to)
+        self.undecided: list[tuple[str, str, dict[str, Any], str, float, float]] = []
 
     async def _start(self, name: str) -> Node:
         daemon = None
@@ -154,6 +172,7 @@ class Soak:
         assert prefill is not None
         rng = np.random.default_rng([self.opts.seed, i])
         rid = f"soak-{self.opts.seed}-{i}"
+        began = time.monotonic()
         npages = int(rng.integers(1, self.opts.max_pages + 1))
         chunks = int(rng.integers(1, min(4, npages) + 1))
         fault = str(rng.choice(FAULT_KINDS, p=FAULT_P))
@@ -246,12 +265,11 @@ class Soak:
             return
         if arrived["status"] == "SUCCESS":
             if sent is not None and sent["status"] != "SUCCESS":
-                cause = disagreement_cause(fault, faulted, sent)
-                side = f"recv SUCCESS, send {sent['reason']} ({cause})"
-                s.disagreements[side] += 1
-                if cause == "none":
-                    s.unexplained_disagreements += 1
-                    s.note(f"{rid}: {side}, and no abort, deadline, fault or stall explains it: {sent['message']}")
+                if faulted:
+                    s.disagreements[f"recv SUCCESS, send {sent['reason']} "
+                                    f"({disagreement_cause(fault, faulted, sent, False)})"] += 1
+                else:  # a stall may explain it: its report may come after this
+                    self.undecided.append((rid, fault, sent, decode.name, began, time.monotonic()))
             if arrived["verified"]:
                 s.succeeded_verified += 1
                 decode.free.extend(dst)
@@ -402,6 +420,7 @@ class Soak:
             st = await node.call(1.0, op="status")
             if st is not None and st["event"] == "status":
                 got.append((node, st))
+                self.stalls[node.name].extend((float(end), float(secs)) for end, secs in st.get("stalls", ()))
 
         async with anyio.create_task_group() as tg:
             for node in self._running():
@@ -430,6 +449,22 @@ class Soak:
                       f"late_writes={s.writes_after_settle}",
                       file=sys.stderr, flush=True)
 
+    def _judge_undecided(self) -> None:
+        """Name the cause of each disagreement that nothing injected touched, now that every
+        stall has been reported: the longest stall of the prefill's or that decode's loop
+        during the request."""
+        s = self.s
+        for rid, fault, sent, decode, began, ended in self.undecided:
+            held = longest_stall([self.stalls[name] for name in ("prefill", decode)], began, ended)
+            cause = disagreement_cause(fault, False, sent, held >= LINK_STALL_S)
+            side = f"recv SUCCESS, send {sent['reason']} ({cause})"
+            s.disagreements[side] += 1
+            if cause == "none":
+                s.unexplained_disagreements += 1
+                s.note(f"{rid}: {side}, and no abort, deadline, fault or loop stall explains it "
+                       f"(longest stall {held:.2f}s): {sent['message']}")
+        self.undecided.clear()
+
     async def _finish(self) -> None:
         """Final canary check, handles and loop lag of the survivors, clean exits."""
         s = self.s
@@ -447,6 +482,7 @@ class Soak:
                 if all(st["live_nixl_handles"] == 0 for _, st in got):
                     break
                 await anyio.sleep(0.1)
+        self._judge_undecided()
         s.leaked_handles = sum(int(st["live_nixl_handles"]) for _, st in got)
         if s.leaked_handles:
             s.note(f"live NIXL handles at the end: {[(n.name, st['live_nixl_handles']) for n, st in got]}")

@@ -19,14 +19,19 @@ MUST_BE_ZERO = ("false_success", "unexplained_disagreements", "hung", "leaked_ha
 SILENCE = "peer silent for"
 
 
-def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any]) -> str:
+def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any], stalled: bool) -> str:
     """Why a request's receiver verified every byte (``SUCCESS``) while its sender reported
     the failure ``sent``: the request's own fault (an abort or a deadline: the race
     settle.md documents), ``"stop/kill"`` when the soak stopped or killed its decode
-    meanwhile (``touched``), ``"loop stall"`` when the sender lost the link to silence
-    that the soak did not cause (a process of the soak, on a loaded machine, ran no loop
-    for ``peer_timeout_s``: from the sender's side a stalled peer is a stopped one), and
-    ``"none"`` when nothing explains it.
+    meanwhile (``touched``), ``"loop stall"`` when the sender lost the link (``PEER_LOST``)
+    while the loop of one of the two services was held long enough to end a link
+    (``stalled``: the processes reported such a stall during the request) or to silence
+    the soak did not inject (the sender's message says so), and ``"none"`` when nothing
+    explains it.
+
+    A loop held that long ends the link as a stop would: its peer hears nothing for
+    ``peer_timeout_s``.  On a loaded machine that is the machine's fault, not the soak's:
+    the soak counts it, it does not inject it.
 
     None of these is a false success: the receiver's ``SUCCESS`` is proven byte for byte,
     and a sender that had not seen its last WRITE end ``DONE`` when it lost the link cannot
@@ -37,7 +42,7 @@ def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any]) -> st
         return fault
     if touched:
         return "stop/kill"
-    if sent.get("reason") == "PEER_LOST" and SILENCE in str(sent.get("message") or ""):
+    if sent.get("reason") == "PEER_LOST" and (stalled or SILENCE in str(sent.get("message") or "")):
         return "loop stall"
     return "none"
 

@@ -16,6 +16,8 @@ and reads one command per line on stdin, writes one event per line on stdout::
     -> {"op": "decline", "rid": "r1", "sender": "host:port"}  <- {"event": "declined", "ok": true, ...}
     -> {"op": "stall", "seconds": 2.5}                       <- {"event": "stalled", ...}
     -> {"op": "abort" | "status" | "untouched" | "exit", ...}
+                   (the status event adds "stalls": [[ended, seconds], ...], this loop's
+                    stalls of STALL_MIN_S or more since the last status, on CLOCK_MONOTONIC)
     -> {"op": "tables"}                                    <- {"event": "tables", "tables": {...}}
 
 The first event is ``{"event": "ready", "address", "agent", "pid"}``; the last,
@@ -50,6 +52,24 @@ from .._results import KVServiceError, TransferResult
 from ..memory._layout import KVLayout
 from ..memory.synthetic import EngineSpec, SyntheticKV
 from .pages import holds, pattern
+
+#: a loop held this long is recorded, with when it ended, for the next ``status`` (``watch_stalls``)
+STALL_MIN_S = 0.5
+STALL_EVERY_S = 0.1
+STALLS_KEPT = 100  # the newest, if nobody asks for a while
+
+
+async def watch_stalls(stalls: list[list[float]]) -> None:
+    """Append ``[ended, seconds]`` to ``stalls`` each time this loop wakes ``STALL_MIN_S`` or
+    more late.  ``time.monotonic`` is CLOCK_MONOTONIC, one clock for every process of the
+    machine, so the parent can place a stall among its own events (the soak does)."""
+    while True:
+        t0 = time.monotonic()
+        await anyio.sleep(STALL_EVERY_S)
+        now = time.monotonic()
+        if (late := now - t0 - STALL_EVERY_S) >= STALL_MIN_S:
+            stalls.append([now, late])
+            del stalls[:-STALLS_KEPT]
 
 
 def result_event(event: str, result: TransferResult, **extra: Any) -> dict[str, Any]:
@@ -90,8 +110,11 @@ async def _child(config_json: str) -> None:
     engine: TransferService | SidecarClient = (
         SidecarClient(sidecar) if sidecar
         else TransferService(config, memory=synthetic.memory if synthetic else None))
+    stalls: list[list[float]] = []  # this loop's, since the last status (a sidecar's loop is its daemon's)
     async with engine as svc, anyio.create_task_group() as tg:
         freeze_startup_objects()
+        if isinstance(svc, TransferService):
+            tg.start_soon(watch_stalls, stalls)
         await emit({"event": "ready", "address": svc.address, "agent": svc.agent_name, "pid": os.getpid()})
 
         async def wait_sent(handle: Any, timeout: float | None) -> None:
@@ -163,7 +186,8 @@ async def _child(config_json: str) -> None:
                     await emit({"event": "untouched", **base, "ok": ok})
                 elif op == "status":
                     st = await svc.fetch_status() if isinstance(svc, SidecarClient) else svc.status()
-                    await emit({"event": "status", **base, **st})
+                    await emit({"event": "status", **base, **st, "stalls": stalls[:]})
+                    stalls.clear()
                 elif op == "tables" and isinstance(svc, TransferService):  # the soak's leak accounting
                     # imported here: every other child (every test's peer) skips the soak's package
                     from ..soak._probe import service_tables
