@@ -3,8 +3,9 @@
 A receiver's verified SUCCESS beside its sender's failure is no false success: the bytes
 are proven, and a sender that lost the link before its WRITE was seen DONE cannot know
 they landed.  The soak names the cause (the request's fault, a stop or kill of its decode,
-a loop stall the service measured as silence) and fails only on a disagreement nothing
-explains.  The long run counted three stalls as false successes: that case is here.
+a loop stall: one its processes reported during the request, or silence the sender
+measured) and fails only on a disagreement nothing explains.  The long run counted three
+such disagreements as false successes; that case is here.
 """
 
 from __future__ import annotations
