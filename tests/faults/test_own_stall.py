@@ -56,7 +56,10 @@ async def test_a_stall_of_its_own_loop_loses_no_link_and_no_request() -> None:
         st = await prefill.event("status")
         assert "recv.PEER_LOST" not in st["outcomes"] and "send.PEER_LOST" not in st["outcomes"], st
         assert st["expects_before_send"] == 1, "the prefill dropped the decode's expect"
-        assert st["loop_lag_max_s"] >= STALL_S * 0.9, "the stall did not hold the prefill's loop"
+        # the peer's own stall watch (a 0.1 s tick), not the service's lag monitor: that one may be
+        # in an idle second-long sleep when the stall begins, and reads the stall short by up to 1 s
+        held = max((seconds for _, seconds in st["stalls"]), default=0.0)
+        assert held >= STALL_S * 0.9, ("the stall did not hold the prefill's loop", st["stalls"])
 
         await prefill.command(op="send", rid="across", pages=[2, 3])
         with anyio.fail_after(GUARD_S):
