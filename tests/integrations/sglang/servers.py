@@ -235,6 +235,16 @@ class Pair:
         self.prefill.wait_ready()
         self.decode.wait_ready()
 
+    def ensure_up(self) -> None:
+        """Both servers serving: one a test left down (a kill before its assertion failed) is
+        reaped and started again, so that one test's failure is not every later test's."""
+        down = [server for server in (self.prefill, self.decode) if not server.up()]
+        for server in down:
+            server.stop()
+            server.start()
+        for server in down:
+            server.wait_ready()
+
     def body(self, prompt: list[int], room: Any = None) -> dict[str, Any]:
         assert self.prefill.bootstrap_port is not None
         return greedy(prompt, bootstrap_host="127.0.0.1", bootstrap_port=self.prefill.bootstrap_port,

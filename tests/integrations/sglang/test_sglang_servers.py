@@ -1,6 +1,8 @@
 """SGLang as people run it: ``sglang.launch_server`` prefill and decode servers with
 ``--disaggregation-transfer-backend kvservice`` (``servers.py``), requests sent to both as
-SGLang's ``mini_lb`` router sends them, a random Llama with 8 KV heads (and one with 1).
+SGLang's ``mini_lb`` router sends them, a random Llama with 8 KV heads (Llama-3-8B's count;
+the single-head mapping is the SGLang-free tests' in tests/unit/test_sglang_mapping.py: a second
+pair here cost the suite about three minutes).
 
 The pair's greedy tokens are a single server's; a prefill or decode SIGKILLed mid-request
 ends the request with an error naming the reason, and the pair serves again once the killed
@@ -8,9 +10,9 @@ server is back (for the prefill: the first request after the restarted one is re
 prefill restarted while idle serves the first request after it is ready; a hostile
 ``bootstrap_room`` over HTTP is an error answer and both servers stay up.
 
-One pair per model, shared by the module's tests (``served``, module-scoped, parametrized by
-the model's KV heads: pytest runs every test of one model before it starts the other's, so no
-more than one pair and one reference server are ever alive).  Runs in SGLang's environment
+One pair, shared by the module's tests (``served``, module-scoped, parametrized by the model's
+KV heads, so that another model is one more id), and a test that finds a server down starts it
+again first (``Pair.ensure_up``): one test's failure is not every later test's.  Runs in SGLang's environment
 (``scripts/engine-env.sh sglang``); elsewhere it skips, saying why.
 """
 
@@ -86,8 +88,9 @@ def outcome(future: Future[Answer]) -> Any:
         return exc
 
 
-@pytest.mark.parametrize("served", [8, 1], indirect=True, ids=["8-kv-heads", "1-kv-head"])
+@pytest.mark.parametrize("served", [8], indirect=True, ids=["8-kv-heads"])
 def test_the_pairs_greedy_tokens_are_a_single_servers(served: Served) -> None:
+    served.pair.ensure_up()
     assert [served.pair.tokens(prompt) for prompt in PROMPTS] == served.baseline
 
 
@@ -95,6 +98,7 @@ def test_the_pairs_greedy_tokens_are_a_single_servers(served: Served) -> None:
 @pytest.mark.parametrize("room", [-1, 2**64, 2**70, "abc", 1.5, None, [1]],
                          ids=["negative", "2**64", "huge", "a-string", "a-float", "null", "a-list"])
 def test_a_hostile_room_is_an_error_answer_and_both_servers_serve_on(served: Served, room: Any) -> None:
+    served.pair.ensure_up()
     pair = served.pair
     body = pair.body(PROMPTS[2])
     body["bootstrap_room"] = room
@@ -112,6 +116,7 @@ def answers_of(pair: Pair, body: dict[str, Any]) -> tuple[Answer, Answer]:
 
 @pytest.mark.parametrize("served", [8], indirect=True, ids=["8-kv-heads"])
 def test_a_decode_killed_mid_request_fails_the_prefills_room_and_the_pair_serves_again(served: Served) -> None:
+    served.pair.ensure_up()
     pair = served.pair
     body = pair.body(PROMPTS[1])
     # the decode takes the request first: it reserves pages and sends its expect to the prefill
@@ -122,7 +127,9 @@ def test_a_decode_killed_mid_request_fails_the_prefills_room_and_the_pair_serves
     # the prefill's request for that room: its KV has nowhere to go
     prefilled = pair.prefill.generate(body)
     assert prefilled.status == 500, prefilled
-    assert "PEER_LOST" in prefilled.error, prefilled.error
+    # the link's loss (PEER_LOST) or NIXL's own word for the WRITE into the dead decode
+    # (REMOTE_DISCONNECT), whichever is seen first
+    assert "PEER_LOST" in prefilled.error or "REMOTE_DISCONNECT" in prefilled.error, prefilled.error
     assert pair.prefill.up()
     pair.decode.start()
     pair.decode.wait_ready()
@@ -131,6 +138,7 @@ def test_a_decode_killed_mid_request_fails_the_prefills_room_and_the_pair_serves
 
 @pytest.mark.parametrize("served", [8], indirect=True, ids=["8-kv-heads"])
 def test_a_prefill_killed_mid_request_fails_the_decodes_and_the_pair_serves_again(served: Served) -> None:
+    served.pair.ensure_up()
     pair = served.pair
     body = pair.body(PROMPTS[0])
     # the decode takes the request (bootstrapped, its expect sent) and waits for the KV
@@ -152,6 +160,7 @@ def test_a_prefill_killed_mid_request_fails_the_decodes_and_the_pair_serves_agai
 def test_a_prefill_restarted_while_idle_serves_the_first_request_after_it_is_ready(served: Served) -> None:
     """No request fails in between to tell the decode that its prefill is gone: it must not
     dial the address it knew."""
+    served.pair.ensure_up()
     pair = served.pair
     assert pair.tokens(PROMPTS[3]) == served.baseline[3]  # the decode knows this incarnation
     pair.prefill.stop()
