@@ -16,6 +16,7 @@ from ._results import ConfigError
 from ._settings import check_fields, declare, quote, refuse_unknown
 from ._trust.identity import Identity, load_identity
 from ._trust.keys import ServiceKey, load_key, resolve_key
+from ._trust.revocation import RevocationWatch
 from .discovery.settings import DiscoverySettings, check_discovery
 from .memory._layout import KVLayout
 
@@ -142,6 +143,10 @@ class ServiceConfig(DiscoverySettings):
     allow_peers_without_identity: bool = field(default=False, metadata=declare(
         "with an identity: still link with peers that prove none (while a fleet moves to identities); "
         "such links carry no member"))
+    #: (``_trust.revocation``) polled every few seconds: a member it revokes is refused, its links closed
+    revoked_file: str | None = field(default=None, metadata=declare(
+        "with an identity: the cluster's revocation list, a CRL signed by identity_ca_file (kvservice keygen "
+        "revoke); re-read when it changes"))
 
     # -- bounds: each one refuses or drops, and counts (status()["refused"]) ----------
     #: (``_control.preauth``) a source past its share is refused; when all are held, a source
@@ -209,7 +214,12 @@ class ServiceConfig(DiscoverySettings):
             if not isinstance(self.auth_key_file, str) or not self.auth_key_file:
                 raise ConfigError(f"auth_key_file: must be a path, got {self.auth_key_file!r}")
             load_key(self.auth_key_file)  # raises naming the problem (missing, readable by others, short)
-        self.identity()  # raises naming the problem (a file missing, not issued by the CA, expired)
+        identity = self.identity()  # raises naming the problem (a file missing, not issued by the CA, expired)
+        if self.revoked_file is not None:
+            if identity is None:
+                raise ConfigError("revoked_file: a revocation list is of member certificates; it needs this "
+                                  "service's identity (identity_cert_file, identity_key_file, identity_ca_file)")
+            RevocationWatch(self.revoked_file, identity.ca)  # raises: unreadable, garbage, not the CA's
         if is_unspecified_host(self.host) and not self.advertise_host:
             raise ConfigError(
                 f"advertise_host: required when host is {self.host!r} (peers cannot dial it); "

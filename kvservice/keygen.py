@@ -1,7 +1,9 @@
 """``kvservice keygen PATH [--force]``: write a new cluster key (mode 0600).
 ``kvservice keygen ca DIR --cluster NAME`` and ``kvservice keygen issue DIR --role ROLE
 --name NAME [--out OUT]``: a small authority for member identities (``_trust.authority``);
-rotating a member's certificate is issuing it again (``--force``).
+rotating a member's certificate is issuing it again (``--force``); ``kvservice keygen
+revoke DIR (--cert FILE | --serial N)... [--out LIST]`` adds certificates to the cluster's
+revocation list (``revoked_file``).
 
 Every sidecar and service of one cluster reads the same key file
 (``[service] auth_key_file`` or ``KVSERVICE_AUTH_KEY_FILE``); peers without it
@@ -19,12 +21,12 @@ from collections.abc import Sequence
 
 from ._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ._results import ConfigError
-from ._trust.authority import create_authority, issue
+from ._trust.authority import create_authority, issue, revoke, serial_of
 from ._trust.keys import generate_key, load_key
 
 
 def main(argv: Sequence[str]) -> int:
-    if argv and argv[0] in ("ca", "issue"):  # a key file of that name: ./ca
+    if argv and argv[0] in ("ca", "issue", "revoke"):  # a key file of that name: ./ca
         return _authority(argv)
     parser = argparse.ArgumentParser(
         prog="kvservice keygen",
@@ -77,7 +79,16 @@ def _authority(argv: Sequence[str]) -> int:
     member.add_argument("--out", help="where to write the two files (default: DIR)")
     member.add_argument("--days", type=int, default=90)
     member.add_argument("--force", action="store_true", help="replace the member's files (rotation)")
+    gone = sub.add_parser("revoke", help="add certificates to the cluster's revocation list, signed by the "
+                                         "authority in DIR (default DIR/revoked.crl; services re-read it)")
+    gone.add_argument("dir", metavar="DIR", help="the authority's directory")
+    gone.add_argument("--cert", action="append", default=[], help="a member certificate to revoke (repeatable)")
+    gone.add_argument("--serial", action="append", default=[], help="a serial number to revoke, hex (repeatable)")
+    gone.add_argument("--out", help="the revocation list to write or extend (default: DIR/revoked.crl)")
+    gone.add_argument("--days", type=int, default=365, help="the list's next update, in days")
     args = parser.parse_args(argv)
+    if args.command == "revoke":
+        return _revoke(args)
     if args.days < 1:
         return _fail(EXIT_USAGE, f"--days must be at least 1, got {args.days}")
     try:
@@ -93,6 +104,24 @@ def _authority(argv: Sequence[str]) -> int:
         return _fail(EXIT_FAILED, str(exc))
     print(f"issued member {args.name} ({args.role}) for {args.days} days\n"
           f"identity_cert_file = \"{os.path.abspath(cert)}\"\nidentity_key_file = \"{os.path.abspath(key)}\"")
+    return EXIT_OK
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    if not args.cert and not args.serial:
+        return _fail(EXIT_USAGE, "name what to revoke: --cert FILE or --serial N")
+    try:
+        serials = [int(s, 16) for s in args.serial]
+    except ValueError:
+        return _fail(EXIT_USAGE, f"--serial: {args.serial} are not all hexadecimal serial numbers")
+    try:
+        serials += [serial_of(cert) for cert in args.cert]
+        path, count = revoke(args.dir, serials, args.out, days=args.days)
+    except (OSError, ValueError, ConfigError) as exc:
+        return _fail(EXIT_FAILED, f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename
+                     else str(exc))
+    print(f"the revocation list {os.path.abspath(path)} now revokes {count} certificates\n"
+          f"every member: revoked_file = \"{os.path.abspath(path)}\" (services re-read it when it changes)")
     return EXIT_OK
 
 

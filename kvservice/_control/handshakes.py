@@ -49,6 +49,7 @@ from .._trust.identity import (
     Member,
     signed_part,
 )
+from .._trust.revocation import RevocationWatch, expiry_warning
 from .addresses import split_address
 from .links import CONNECTION_ERRORS, ControlStream, try_send
 from .peers import LocalPeer, agree, check_hello, rejected_by
@@ -97,6 +98,12 @@ class Handshakes:
         self._my_address = my_address  # known once the plane listens
         self._refuse = refuse  # counts a refusal of ours as a dialler (an acceptor's: handshake_failed)
         self._identity: Identity | None = config.identity()
+        #: the revocation list in force (``revoked_file``): a member on it is refused here, and
+        #: its links closed by the plane's watch
+        self.revocations = (RevocationWatch(config.revoked_file, self._identity.ca)
+                            if config.revoked_file is not None and self._identity is not None else None)
+        if self._identity is not None and (warning := expiry_warning(self._identity.member)) is not None:
+            log.warning("identity.expiring", member=self._identity.member.uri, why=warning)
         #: agent -> the member it proved (None: it linked proving none), most recent last
         self.members: OrderedDict[str, Member | None] = OrderedDict()
 
@@ -245,6 +252,9 @@ class Handshakes:
             return None
         if ident == HAS_IDENTITY and cert:
             member: Member | None = identity.check(cert, agent, signature, signed)
+            if self.revocations is not None and member is not None \
+                    and (revoked := self.revocations.current.refusal(member)) is not None:
+                raise revoked
         elif not self._cfg.allow_peers_without_identity:
             why = "it has no certificate" if ident else "it has no certificate, or runs a release without identities"
             raise IdentityRefused(

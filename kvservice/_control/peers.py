@@ -38,8 +38,8 @@ from .protocol import Hello, Join, Message, Reject, negotiate
 #: a handshake past its source's share of ``max_peers``
 PEER_SOURCE_LIMIT = "peer_source_limit"
 #: refusals that mean "not allowed" rather than "cannot work together"
-REFUSED_KINDS = frozenset({"auth", "identity", "identity_missing", "identity_member", "agent_live", "peer_limit",
-                           PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED, VETTING_BACKOFF})
+REFUSED_KINDS = frozenset({"auth", "identity", "identity_missing", "identity_member", "identity_revoked", "agent_live",
+                           "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED, VETTING_BACKOFF})
 
 
 class PeerEvents(Protocol):

@@ -55,6 +55,7 @@ from .._stats import Stats
 from .._transfer.requests import Recent
 from .._trust import checks
 from .._trust.identity import MEMBER, IdentityRefused
+from .._trust.revocation import LIST_REFUSED, POLL_S, REVOKED, RevocationWatch
 from .._trust.vetting import MetadataVetter
 from ..memory._pairing import PeerKV
 from ..memory._staging import area_from_wire
@@ -142,7 +143,27 @@ class ControlPlane:
         self.address = join_address(cfg.advertise_host or cfg.host, port)
         for listener in listeners:
             self._tg.start_soon(self._serve, listener)
+        if self._handshakes.revocations is not None:
+            self._tg.start_soon(self._watch_revocations, self._handshakes.revocations)
         return self.address
+
+    async def _watch_revocations(self, watch: RevocationWatch) -> None:
+        """Until the service's task group ends: every ``POLL_S``, the list's file looked
+        at; when a new list is in force, the links of members it revokes are closed (their
+        requests fail with its reason), no other's."""
+        while True:
+            await anyio.sleep(POLL_S)
+            loaded = await anyio.to_thread.run_sync(watch.read)
+            if isinstance(loaded, ValueError):
+                self._stats.refuse(LIST_REFUSED)
+            if not watch.apply(loaded):
+                continue
+            for agent in list(self._peers):
+                member = self._handshakes.members.get(agent)
+                if member is not None and (why := watch.current.refusal(member)) is not None:
+                    self._stats.refuse(REVOKED)
+                    log.warning("peer.revoked", agent=agent, member=member.uri, why=str(why))
+                    self.drop_peer(agent, why)
 
     async def _serve(self, listener: ByteListener) -> None:
         """Until the service's task group ends.  The port stays open after that, until

@@ -5,7 +5,9 @@
 CA's subject names the cluster.  ``issue(DIR, role, name, OUT)`` writes a member's
 ``OUT/<name>.crt`` and ``OUT/<name>.key`` (0600), the certificate naming
 ``kvservice://<cluster>/<role>/<name>`` (``identity.member_uri``).  Rotation is issuing
-again: a service reads its files when it starts.  Key files are created with
+again: a service reads its files when it starts.  ``revoke(DIR, serials)`` adds
+certificates to the cluster's revocation list ``DIR/revoked.crl`` (a CRL the CA signs;
+services with ``revoked_file`` read it again when it changes: ``_trust.revocation``).  Key files are created with
 ``O_EXCL`` (never overwritten unless ``force``) and never through a symbolic link.
 """
 
@@ -21,6 +23,7 @@ from cryptography.x509.oid import NameOID
 
 from .identity import member_uri
 from .keys import KEY_FILE_MODE, load_key
+from .revocation import parse_revocations
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
@@ -102,3 +105,52 @@ def issue(directory: str, role: str, name: str, out: str, *, days: int = 90, for
     _write(key_path, _pem_key(key), private=True, force=force)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False, force=force)
     return cert_path, key_path
+
+
+#: the revocation list ``revoke`` writes in the authority's directory unless told otherwise
+REVOKED_LIST = "revoked.crl"
+
+
+def revoke(directory: str, serials: list[int], out: str | None = None, *, days: int = 365) -> tuple[str, int]:
+    """Add ``serials`` to the cluster's revocation list (a CRL signed by the CA in
+    ``directory``, written to ``out``, default ``DIR/revoked.crl``; the entries of the
+    list already there are kept once it checks out): (its path, how many it revokes).
+    Written to a new file then renamed over the old, so a service never reads half."""
+    with open(os.path.join(directory, CA_CERT), "rb") as f:
+        ca = x509.load_pem_x509_certificate(f.read())
+    ca_key = serialization.load_pem_private_key(load_key(os.path.join(directory, CA_KEY), what="the CA's key"),
+                                                None)
+    if not isinstance(ca_key, ed25519.Ed25519PrivateKey):
+        raise ValueError("the CA's key is not an Ed25519 key (this authority makes only those)")
+    path = out or os.path.join(directory, REVOKED_LIST)
+    now = dt.datetime.now(dt.UTC)
+    entries: dict[int, dt.datetime] = {}
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        pass
+    else:
+        parse_revocations(data, ca)  # raises: a list not ours is not extended
+        old = x509.load_pem_x509_crl(data) if data.lstrip().startswith(b"-----") else x509.load_der_x509_crl(data)
+        entries = {e.serial_number: e.revocation_date_utc for e in old}
+    for serial in serials:
+        if serial <= 0:
+            raise ValueError(f"serial {serial} is not a certificate serial number (positive)")
+        entries.setdefault(serial, now)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject).last_update(now)
+               .next_update(now + dt.timedelta(days=days)))
+    for serial, when in sorted(entries.items()):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build())
+    crl = builder.sign(ca_key, None)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    _write(tmp, crl.public_bytes(serialization.Encoding.PEM), private=False, force=True)
+    os.replace(tmp, path)
+    return path, len(entries)
+
+
+def serial_of(cert_file: str) -> int:
+    """The serial number of the certificate in ``cert_file`` (PEM)."""
+    with open(cert_file, "rb") as f:
+        return x509.load_pem_x509_certificate(f.read()).serial_number

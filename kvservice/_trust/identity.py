@@ -66,6 +66,7 @@ class Member:
     role: str
     name: str
     not_after: dt.datetime
+    serial: int = 0  #: the certificate's serial number (what a revocation list names)
 
     @property
     def uri(self) -> str:
@@ -108,7 +109,7 @@ def member_of(cert: x509.Certificate) -> Member:
     if parts.netloc == "" or len(path) != 3 or path[0] != "" or parts.query or parts.fragment:
         raise ValueError(f"the certificate's member URI {uris[0][:120]!r} is not "
                          f"{SCHEME}://<cluster>/<role>/<name>")
-    member = Member(parts.netloc, path[1], path[2], cert.not_valid_after_utc)
+    member = Member(parts.netloc, path[1], path[2], cert.not_valid_after_utc, cert.serial_number)
     member_uri(member.cluster, member.role, member.name)  # each part's characters
     return member
 
