@@ -16,6 +16,8 @@ import anyio.abc
 from ._log import Throttle
 from ._peertimes import PEER_LABELS, PeerTimes
 from ._results import TransferResult
+from ._trust.identity import Member
+from ._trust.revocation import expiry_warning
 
 #: upper bounds (seconds) of the transfer-latency histogram buckets
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -92,6 +94,9 @@ class ServiceStatus(Mapping[str, Any]):
     peer_versions: dict[str, int] = field(default_factory=dict)
     #: with ``discovery = "etcd"``: the registry's own
     discovery: DiscoveryStatus | None = None
+    #: with an identity: set while this service's own certificate is within 14 days of its
+    #: end (``_trust.revocation.expiry_warning``), saying when and what to do; else empty
+    identity_warning: str = ""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Self:
@@ -142,6 +147,8 @@ class Stats:
     max_lag_s: float = 0.0
     #: time per transfer and time to post, by peer (``_peertimes``)
     peers: PeerTimes = field(default_factory=lambda: PeerTimes(PEER_LABELS))
+    #: this service's own member (its certificate's end: ``identity_warning``), if it has one
+    identity: Member | None = None
 
     def record(self, side: str, result: TransferResult, peer: str | None = None) -> None:
         """Count how ``result`` ended; ``peer``: the agent it went to or came from, if known."""
@@ -206,4 +213,5 @@ class Stats:
             live_nixl_handles=requests["live_nixl_handles"],
             staging_held_bytes=requests["staging_held_bytes"],
             discovery=discovery,
+            identity_warning=(expiry_warning(self.identity) or "") if self.identity is not None else "",
         )

@@ -241,6 +241,11 @@ class Handshakes:
 
     # -- member identities ----------------------------------------------------------------
     @property
+    def own_member(self) -> Member | None:
+        """The member this service proves (``None``: it has no identity)."""
+        return self._identity.member if self._identity is not None else None
+
+    @property
     def _ident(self) -> int:
         return HAS_IDENTITY if self._identity is not None else KNOWS_IDENTITIES
 

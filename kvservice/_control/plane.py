@@ -119,6 +119,7 @@ class ControlPlane:
         #: agent -> (where it was, why) while its loss is being handled (``losing``)
         self._losing: dict[str, tuple[str, BaseException | None]] = {}
         self._handshakes = Handshakes(self._transport, config, local, lambda: self.address, stats.refuse)
+        stats.identity = self._handshakes.own_member
         self._book = AddressBook(self._handshakes.probe)  # which agent is proven at which address
         self._names = Names(config.identity() is not None)  # which member the engine named at which address
         self._dials: dict[str, _Dial] = {}  # canonical address -> the dial in progress

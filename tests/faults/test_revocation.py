@@ -9,17 +9,28 @@ last good one stays in force.  Real NIXL agents, a real prefill process."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from kvservice import FailureReason, TransferService
 from kvservice._results import ConfigError
-from kvservice._trust.authority import REVOKED_LIST, revoke, serial_of
+from kvservice._trust.authority import REVOKED_LIST, issue, revoke, serial_of
 from kvservice.testing import PeerProcess
-from tests.faults.test_member_identity import WAIT_S, Authority, handshakes, legit, mallory_dials, refused
+from tests.faults.test_member_identity import (
+    WAIT_S,
+    Authority,
+    handshakes,
+    legit,
+    mallory_dials,
+    named,
+    presenting,
+    refused,
+)
 from tests.helpers import config, eventually, peer_config, peers
 
 pytestmark = [pytest.mark.nixl]
@@ -166,3 +177,44 @@ async def test_a_forged_list_is_ignored(cluster: Authority, tmp_path: Path, forg
     _put(path, forged)
     with pytest.raises(ConfigError, match=r"revoked_file: .*(not signed by the cluster's authority|not an X\.509)"):
         decode_config(cluster)
+
+
+# -- expiry -----------------------------------------------------------------------------------------
+
+
+async def test_a_certificate_near_its_end_is_warned_of(cluster: Authority) -> None:
+    """A decode whose own certificate ends in 10 days says so when it starts (a log event)
+    and in ``status()["identity_warning"]``; one with 90 days left says nothing."""
+    soon = cluster.member("decode-0", "decode")
+    soon["identity_cert_file"], soon["identity_key_file"] = issue(cluster.dir, "decode", "decode-1", cluster.dir,
+                                                                  days=10)
+    with capture_logs() as logs:
+        async with TransferService(config(**soon)) as decode:
+            warning = decode.status()["identity_warning"]
+    assert "kvservice://c1/decode/decode-1 expires" in warning and "keygen issue" in warning, warning
+    assert [e for e in logs if e["event"] == "identity.expiring"], logs
+    async with TransferService(config(**cluster.member("decode-2", "decode"))) as decode:
+        assert decode.status()["identity_warning"] == ""
+
+
+async def test_an_expired_certificate_is_refused_when_decode_dials(cluster: Authority) -> None:
+    """The hostile side answers: decode dials mallory, which presents a certificate the
+    cluster's authority issued but that ended yesterday: refused ("not now"), counted on
+    decode (the dialler that refused), nothing linked; prefill's requests pass byte-exact.
+    (When mallory dials with it, tests/faults/test_member_identity.py refuses it.)"""
+    async with (peers(peer_config(**cluster.member("prefill-0"))) as (prefill,),
+                TransferService(config(**cluster.member("decode-0", "decode"))) as decode):
+        await legit(prefill, decode, "before")
+        der, key = cluster.forged("kvservice://c1/prefill/mallory",
+                                  start=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
+        mallory = TransferService(config(**cluster.member("mallory")))
+        mallory.agent_name = named("mallory")
+        async with mallory:
+            presenting(mallory, der, key)
+            await decode.expect("claim", [1], sender=mallory.address)
+            result = await decode.await_arrival("claim", timeout=WAIT_S)
+            assert result.reason is FailureReason.REFUSED, result
+            assert "not now" in result.message, result
+            assert refused(decode, "identity") == 1
+            assert decode.status()["peers"] == [prefill.address]
+        await legit(prefill, decode, "after")
