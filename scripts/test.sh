@@ -43,7 +43,8 @@ fi
 if [ "${KVSERVICE_SKIP_VLLM:-0}" != 1 ]; then
     echo "== vllm"
     if vllm_env=$(bash scripts/engine-env.sh vllm); then
-        PYTHONPATH="$PWD" "$vllm_env/bin/python" -m pytest tests/integrations/vllm -p no:cacheprovider || fail=1
+        PYTHONPATH="$PWD" phase 30 "$vllm_env/bin/python" -m pytest tests/integrations/vllm -p no:cacheprovider \
+            --durations=10 || fail=1
     else
         echo "the vLLM environment could not be built (scripts/engine-env.sh vllm)" >&2
         fail=1
@@ -52,7 +53,7 @@ fi
 # The chaos soak with real processes: kills, stops, restarts, aborts, deadlines; its five
 # must-be-zero counters decide its exit code (docs/soak.md).
 echo "== soak"
-.venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
+phase 15 .venv/bin/kvservice soak --transfers 1000 --seed "${KVSERVICE_SOAK_SEED:-0}" || fail=1
 # The SGLang transfer backend under SGLang's own classes and as served (tests/integrations/sglang:
 # real sglang.launch_server pairs, one at a time, each test module's timeout marker bounding it):
 # in SGLang's environment, built once and cached outside the checkout (scripts/engine-env.sh
@@ -60,8 +61,8 @@ echo "== soak"
 if [ "${KVSERVICE_SKIP_SGLANG:-0}" != 1 ]; then
     echo "== sglang"
     if sglang_env=$(bash scripts/engine-env.sh sglang); then
-        KVSERVICE_REQUIRE_SGLANG=1 PYTHONPATH="$PWD" "$sglang_env/bin/python" -m pytest tests/integrations/sglang \
-            -p no:cacheprovider || fail=1
+        KVSERVICE_REQUIRE_SGLANG=1 PYTHONPATH="$PWD" phase 30 "$sglang_env/bin/python" -m pytest \
+            tests/integrations/sglang -p no:cacheprovider --durations=10 || fail=1
     else
         echo "the SGLang environment could not be built (scripts/engine-env.sh sglang)" >&2
         fail=1
