@@ -143,18 +143,22 @@ class TransferService:
             log.warning("service.unauthenticated", host=cfg.host,
                         detail="allow_unauthenticated: anyone who reaches this port "
                                f"({'any local user' if cfg.loopback_only else 'any host'}) can peer with it")
-        # The vetting child boots (~0.3 s of CPU) while the pool and the agent are made, so a
-        # peer's first handshake waits for less of it (_trust/vetting.py).  The port does not
-        # wait for it: every service start would then take the boot (seconds on a busy machine).
-        # Only NIXL's door loads peers' metadata into NIXL; the fake door's is not NIXL's.
-        if self._door_factory is _nixl_door:
-            self._vetter = MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
-            self._vetter.start()
         # Allocating (and touching) a multi-GB pool takes seconds: not on the loop, but on the
         # door thread, idle until the door exists (and inline, in virtual time, in the simulation).
         if self._memory is None:
             self._kv = await self._thread.call(KVPool, self.layout, self._pool_tensor)
             self._memory = self._kv.memory
+        # The vetting child boots (~0.3 s of CPU) while the agent is made and the pool registered,
+        # so a peer's first handshake waits for less of it (_trust/vetting.py).  Not while the pool
+        # is allocated: the one worker crash seen in a test run (SIGSEGV, once in thousands of
+        # service starts) had the door thread in the pool's torch.zeros and another thread in this
+        # child's spawn (vfork); not reproduced since, so that pairing is avoided, not proven.
+        # The port does not wait for the boot: every service start would then take it (seconds on
+        # a busy machine).  Only NIXL's door loads peers' metadata into NIXL; the fake door's is
+        # not NIXL's.
+        if self._door_factory is _nixl_door:
+            self._vetter = MetadataVetter(self._tg, cfg.ucx_environment, agent_prefix=cfg.agent_prefix)
+            self._vetter.start()
         memory = self._memory
         self._door = await self._thread.call(self._door_factory, self.agent_name, cfg)
         table = await self._thread.call(regions_table, memory.regions, memory.num_pages)
