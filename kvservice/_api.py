@@ -87,7 +87,8 @@ class KVTransfer(Protocol[H]):
 
     # -- receiving side ----------------------------------------------------------------------
     async def expect(self, request_id: str, pages: Pages, *, sender: str,
-                     timeout: float | None = None, verify: bool | None = None) -> None: ...
+                     timeout: float | None = None, verify: bool | None = None,
+                     member: str | None = None) -> None: ...
 
     async def decline(self, request_id: str, *, sender: str, message: str = "") -> bool: ...
 

@@ -94,7 +94,8 @@ class WorkerCalls:
             rid, key = msg.request_id, (RECV, msg.request_id)
             new = owners.claim(me, key)  # before the await: a disconnect during expect() aborts it
             try:
-                await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout, verify=msg.verify)
+                await svc.expect(rid, msg.pages, sender=msg.sender, timeout=msg.timeout, verify=msg.verify,
+                                 member=msg.member)
             except (ValueError, KVServiceError):
                 if new:
                     owners.unclaim(key)  # nothing was registered (e.g. a duplicate id, a bad sender)

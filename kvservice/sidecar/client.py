@@ -24,8 +24,8 @@ errors and ``TransferResult`` values.  Differences, all forced by the process bo
   ``await fetch_status()`` asks for a fresh one.
 * ``live_peers(role)``, ``expected``, ``expected_pages`` and ``expect_dropped`` each ask the
   daemon (coroutines on both faces: ``kvservice/_api.py``).  ``decline`` and the last three
-  need a daemon of sidecar protocol 3, ``send``'s
-  ``receiver=`` and ``expect``'s ``verify=`` one of 4: on an older one they raise
+  need a daemon of sidecar protocol 3, ``send``'s ``receiver=`` and ``expect``'s
+  ``verify=`` one of 4, ``expect``'s ``member=`` one of 5: on an older one they raise
   ``KVServiceError`` without sending a frame.
 * If the daemon goes away, every unfinished request ends ``Failed`` with
   ``SHUTDOWN`` (it said goodbye) or ``PEER_LOST`` (it vanished), and later calls
@@ -259,14 +259,15 @@ class SidecarClient:
 
     # -- receiving side ---------------------------------------------------------------------
     async def expect(self, request_id: str, pages: Pages, *, sender: str,
-                     timeout: float | None = None, verify: bool | None = None) -> None:
+                     timeout: float | None = None, verify: bool | None = None,
+                     member: str | None = None) -> None:
         """Announce that ``request_id`` goes into ``pages`` and tell ``sender`` (see ``TransferService.expect``)."""
         check_request_id(request_id)
         idx = self.layout.check_pages(pages).tolist()
         split_address(sender)  # the service's own check, here rather than a round trip later
         check = None if verify is None else bool(verify)
         req, reply = await self._request_call(
-            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check))
+            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check, member))
         assert isinstance(reply, Done)
         if reply.poll is not None and req.result is None:
             req.poll = KVPoll(reply.poll)

@@ -33,12 +33,13 @@ import msgspec
 from .._control.links import FramedStream
 from .._control.protocol import HEADER_BYTES, MAX_TEXT, decode_with, frame, frame_length
 from .._results import FailureReason, KVServiceError, TransferResult, TransferStatus
-from ..discovery.member import MAX_ROLE_CHARS, Member
+from ..discovery.member import MAX_NAME_CHARS, MAX_ROLE_CHARS, Member
 
-#: 2: ``Send.fit``; 3: ``Decline`` and ``Expected``; 4: ``Send.receiver`` and ``Expect.verify``
+#: 2: ``Send.fit``; 3: ``Decline`` and ``Expected``; 4: ``Send.receiver`` and ``Expect.verify``;
+#: 5: ``Expect.member``
 #: (a client checks the Welcome's version before it sends a call or a field that is newer
 #: than the daemon: an older one would take it for a malformed frame)
-SIDECAR_PROTOCOL_VERSION = 4
+SIDECAR_PROTOCOL_VERSION = 5
 #: the oldest version a daemon of this release serves: the previous release's clients keep
 #: working while the daemons are upgraded first (docs/operations.md "Upgrades")
 SIDECAR_OLDEST_VERSION = 2
@@ -105,6 +106,8 @@ class Expect(msgspec.Struct, tag="expect", frozen=True, forbid_unknown_fields=Tr
     sender: Sender
     timeout: Timeout = None
     verify: bool | None = None  # check the landing (None: the daemon's verify_landing)
+    #: the member a registry vouched for at ``sender``: it must prove it (checked by the service)
+    member: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
 
 
 class Decline(msgspec.Struct, tag="decline", frozen=True, forbid_unknown_fields=True):
@@ -175,7 +178,8 @@ ClientMessage = Hello | Call
 SINCE: dict[type[Call], int] = {Decline: 3, Expected: 3}
 #: the version that brought each optional field of a call in: a call that sets one (not at
 #: its default, so on the wire) goes only to a daemon that speaks it
-FIELDS_SINCE: dict[tuple[type[Call], str], int] = {(Send, "receiver"): 4, (Expect, "verify"): 4}
+FIELDS_SINCE: dict[tuple[type[Call], str], int] = {(Send, "receiver"): 4, (Expect, "verify"): 4,
+                                                   (Expect, "member"): 5}
 
 
 def call_refusal(msg: Call, version: int) -> str | None:

@@ -246,3 +246,28 @@ def test_a_field_newer_than_the_daemon_is_refused_before_it_is_sent_and_a_defaul
     with pytest.raises(FrameError):  # bounded as a sender is
         decode_client(msgspec.msgpack.encode({"type": "send", "call": 1, "request_id": "r", "pages": [1],
                                               "receiver": "h" * 513}))
+
+
+def test_expect_member_is_protocol_5_bounded_as_a_members_name_and_not_sent_at_its_default() -> None:
+    """``Expect.member`` (the member a registry vouched for at the sender) came with
+    protocol 5: it round-trips, is not on the wire when left at ``None`` (a daemon of 2 to 4
+    decodes the frame), and a call that sets it is refused on a connection of 2 to 4."""
+    import msgspec
+
+    from kvservice.discovery.member import MAX_NAME_CHARS
+    from kvservice.sidecar.wire import FIELDS_SINCE, Expect, call_refusal
+
+    assert SIDECAR_PROTOCOL_VERSION == 5 and FIELDS_SINCE[(Expect, "member")] == 5
+    named = Expect(5, "r", [0], "127.0.0.1:7100", member="prefill-1")
+    assert decode_client(encode(named)[4:]) == named
+    assert msgspec.msgpack.decode(encode(named)[4:])["member"] == "prefill-1"
+    assert "member" not in msgspec.msgpack.decode(encode(Expect(6, "r", [0], "127.0.0.1:7100", verify=True))[4:])
+    for old in (SIDECAR_OLDEST_VERSION, 3, 4):
+        assert call_refusal(named, old) == (f"the expect call's member= is protocol version 5, "
+                                            f"this connection speaks {old}")
+    assert call_refusal(Expect(7, "r", [0], "127.0.0.1:7100", verify=True), 4) is None
+    assert call_refusal(named, 5) is None
+    base = {"type": "expect", "call": 1, "request_id": "r", "pages": [1], "sender": "127.0.0.1:7100"}
+    for bad in ("", "m" * (MAX_NAME_CHARS + 1), 7):
+        with pytest.raises(FrameError):  # bounded as a member's name is
+            decode_client(msgspec.msgpack.encode({**base, "member": bad}))
