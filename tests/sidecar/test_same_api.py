@@ -228,3 +228,20 @@ async def test_the_daemons_status_names_every_field_of_a_sidecar_status(pair: tu
     sent = next(reply for reply in replies if isinstance(reply, StatusReply)).status
     assert sorted(sent) == sorted(SidecarStatus().keys())
     assert SidecarStatus.from_mapping(sent).workers == 1  # this connection
+
+
+def test_both_faces_take_the_protocols_arguments() -> None:
+    """Every call of ``KVTransfer`` takes the same arguments (names, kinds, defaults) on the
+    in-process service, the sidecar client and the protocol: a keyword one face gains and
+    the other lacks (``expect(member=)`` was one) is caught here, before an engine is."""
+    import inspect
+
+    def shape(fn: Any) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    names = [n for n, v in vars(KVTransfer).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert "expect" in names and "send" in names
+    for name in names:
+        want = shape(getattr(KVTransfer, name))
+        assert shape(getattr(TransferService, name)) == want, name
+        assert shape(getattr(SidecarClient, name)) == want, name
