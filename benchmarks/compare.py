@@ -9,6 +9,16 @@ with the same workloads, taking turns with raw NIXL case by case, so versions
 measured minutes apart on a busy machine are not compared.  Prints, per case,
 each method's median throughput, its median per-repeat ratio to raw NIXL, its
 latency and its sender's loop lag.
+
+Compare a worktree with a worktree, not with this checkout's own row: the checkout's
+``kvservice`` row reads lower than the very same commit run as an ``--against`` (2026-12-05,
+2 cores, load 1.6, ``--repeats 16``: w2/c1 x0.84 vs x0.87, w3/c256 x0.88 vs x0.91; the same
+order in every run that day).  Why is not established.  So for before/after, add a worktree of
+this commit too and read the two ``--against`` rows:
+
+    git worktree add ../kv-after HEAD
+    .venv/bin/python -m benchmarks.compare --against ../kv-after/kvservice \
+        --against ../kv-before/kvservice --repeats 16 --cases w2/c1,w3/c256
 """
 
 from __future__ import annotations
