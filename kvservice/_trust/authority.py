@@ -80,16 +80,22 @@ def cluster_of(ca: x509.Certificate) -> str:
     raise ValueError("the CA names no kvservice cluster")
 
 
-def issue(directory: str, role: str, name: str, out: str, *, days: int = 90, force: bool = False,
-          not_before: dt.datetime | None = None) -> tuple[str, str]:
-    """A member's key and certificate from the CA in ``directory``, written to ``out``:
-    (certificate path, key path).  ``not_before``: backdate or postdate (tests)."""
+def _load_ca(directory: str) -> tuple[x509.Certificate, ed25519.Ed25519PrivateKey]:
+    """The CA's certificate and key in ``directory``; ``ValueError`` if the key is not Ed25519."""
     with open(os.path.join(directory, CA_CERT), "rb") as f:
         ca = x509.load_pem_x509_certificate(f.read())
     ca_key = serialization.load_pem_private_key(load_key(os.path.join(directory, CA_KEY), what="the CA's key"),
                                                 None)
     if not isinstance(ca_key, ed25519.Ed25519PrivateKey):
         raise ValueError("the CA's key is not an Ed25519 key (this authority makes only those)")
+    return ca, ca_key
+
+
+def issue(directory: str, role: str, name: str, out: str, *, days: int = 90, force: bool = False,
+          not_before: dt.datetime | None = None) -> tuple[str, str]:
+    """A member's key and certificate from the CA in ``directory``, written to ``out``:
+    (certificate path, key path).  ``not_before``: backdate or postdate (tests)."""
+    ca, ca_key = _load_ca(directory)
     uri = member_uri(cluster_of(ca), role, name)
     key = ed25519.Ed25519PrivateKey.generate()
     start = not_before or dt.datetime.now(dt.UTC) - _BACKDATE
@@ -116,12 +122,7 @@ def revoke(directory: str, serials: list[int], out: str | None = None, *, days: 
     ``directory``, written to ``out``, default ``DIR/revoked.crl``; the entries of the
     list already there are kept once it checks out): (its path, how many it revokes).
     Written to a new file then renamed over the old, so a service never reads half."""
-    with open(os.path.join(directory, CA_CERT), "rb") as f:
-        ca = x509.load_pem_x509_certificate(f.read())
-    ca_key = serialization.load_pem_private_key(load_key(os.path.join(directory, CA_KEY), what="the CA's key"),
-                                                None)
-    if not isinstance(ca_key, ed25519.Ed25519PrivateKey):
-        raise ValueError("the CA's key is not an Ed25519 key (this authority makes only those)")
+    ca, ca_key = _load_ca(directory)
     path = out or os.path.join(directory, REVOKED_LIST)
     now = dt.datetime.now(dt.UTC)
     entries: dict[int, dt.datetime] = {}
