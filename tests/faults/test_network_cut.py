@@ -31,6 +31,7 @@ import anyio
 import pytest
 
 from kvservice.testing import PeerProcess
+from kvservice.testing import netns as package_netns
 from tests.faults import netns
 from tests.faults.netns import Host, NetnsError, Wire
 from tests.faults.two_hosts import (
@@ -262,7 +263,7 @@ def test_refused_namespaces_give_a_skip_reason(monkeypatch: pytest.MonkeyPatch) 
         raise NetnsError(f"{' '.join(argv)}: exit 1: mount --make-shared /run/netns failed: Operation not permitted")
 
     monkeypatch.setattr(shutil, "which", lambda tool: f"/usr/sbin/{tool}")
-    monkeypatch.setattr(netns, "_run", refuse)
+    monkeypatch.setattr(package_netns, "_run", refuse)
     why = netns.unavailable()
     assert why is not None and "'ip netns add' refused" in why and "not permitted" in why
 
@@ -286,7 +287,7 @@ def test_delete_tries_every_namespace_and_reports_each_failure(monkeypatch: pyte
             raise NetnsError(f"{' '.join(argv)}: exit 1: busy")
         return ""
 
-    monkeypatch.setattr(netns, "_run", run)
+    monkeypatch.setattr(package_netns, "_run", run)
     with pytest.raises(NetnsError, match=r"ns-a.*; .*ns-c"):
         netns.delete(["ns-a", "ns-b", "ns-c"])
     assert tried == ["ns-a", "ns-b", "ns-c"]
