@@ -159,10 +159,11 @@ class Identity:
         return key.sign(data, padding.PSS(padding.MGF1(hashes.SHA256()), padding.PSS.DIGEST_LENGTH),
                         hashes.SHA256())
 
-    def check(self, der: bytes, agent: str, signature: bytes, data: bytes,
+    def check(self, der: bytes, agent: str | None, signature: bytes, data: bytes,
               now: dt.datetime | None = None) -> Member:
         """The member a peer speaking as ``agent`` proved with certificate ``der`` and
-        ``signature`` over ``data``; ``IdentityRefused`` saying why not."""
+        ``signature`` over ``data``; ``IdentityRefused`` saying why not.  ``agent`` None: a
+        claim no agent name comes with (a vLLM hand-off, signed by its prefill's scheduler)."""
         try:
             cert = x509.load_der_x509_certificate(der)
         except ValueError as exc:
@@ -182,7 +183,7 @@ class Identity:
         if member.cluster != self.member.cluster:
             raise IdentityRefused(f"the peer's certificate is for cluster {member.cluster!r}, this service's "
                                   f"is {self.member.cluster!r}", IDENTITY)
-        if not agent_of(member.name, agent):
+        if agent is not None and not agent_of(member.name, agent):
             raise IdentityRefused(f"the peer speaks as agent {agent!r}, but its certificate names member "
                                   f"{member.name!r} (whose agents are {member.name}-<12 hex>)", IDENTITY)
         try:
