@@ -8,7 +8,7 @@ and reads one command per line on stdin, writes one event per line on stdout::
     -> {"op": "send", "rid": "r1", "pages": [0, 1], "last": true}
                                                            <- {"event": "sent", ...}
                                                            <- {"event": "completed", "status": ...}
-    -> {"op": "expect", "rid": "r1", "pages": [5, 6], "sender": "host:port", "verify": true}
+    -> {"op": "expect", "rid": "r1", "pages": [5, 6], "sender": "host:port", "verify": true, "member": "prefill-0"}
                                                            <- {"event": "expecting", ...}
                                                            <- {"event": "arrived", "verified": true, ...}
     -> {"op": "verify", "rid": "r1", "pages": [5, 6]}        <- {"event": "verified", "ok": true, ...}
@@ -167,6 +167,8 @@ async def _child(config_json: str) -> None:
                 elif op == "expect":
                     # "verify": landing checks (absent: the service's setting)
                     checks = {"verify": cmd["verify"]} if cmd.get("verify") is not None else {}
+                    if cmd.get("member") is not None:  # the sender must prove this member
+                        checks["member"] = cmd["member"]
                     await svc.expect(rid, cmd["pages"], sender=cmd["sender"], timeout=cmd.get("timeout"), **checks)
                     await emit({"event": "expecting", **base})
                     tg.start_soon(wait_arrival, rid, cmd["pages"], cmd.get("wait_timeout"))
