@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -33,7 +34,8 @@ from kvservice._config import ConfigError
 from kvservice._control.addresses import is_loopback_host, join_address, split_address
 from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from kvservice._results import KVServiceError
-from kvservice._trust.keys import load_key, resolve_key
+from kvservice._trust.authority import CA_CERT, create_authority, issue
+from kvservice._trust.keys import generate_key, load_key, resolve_key
 from kvservice.bench import _lines, control, engines, report, vetting
 from kvservice.bench._lines import Child, ChildError
 from kvservice.bench.control import ControlError
@@ -57,6 +59,8 @@ KEY_ENV = "KVSERVICE_AUTH_KEY_FILE"
 TWO_HOST_PARTS = PARTS - {"kill"}
 #: ``--verify-landing``'s method: kvservice with ``verify_landing = true`` on both sides
 VERIFY = "kvservice/verify"
+#: ``--identity``'s method: kvservice with a member identity on each side
+IDENTITY = "kvservice/identity"
 
 
 #: ``kvservice bench --help``: the module's docstring in plain words (no markup)
@@ -107,6 +111,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--verify-landing", action="store_true",
                    help="one host: also measure kvservice with landing checks (verify_landing) and print "
                         "its cost as a ratio to kvservice without them, from the same run")
+    p.add_argument("--identity", action="store_true",
+                   help="one host: also measure kvservice with member identities (a throwaway authority, "
+                        "each side its own certificate) and print their cost as a ratio to kvservice "
+                        "without them, from the same run")
     p.add_argument("--no-tcp", action="store_true",
                    help="one host: skip the same-transport comparison (Mooncake's Transfer Engine over TCP "
                         "against raw NIXL and kvservice with UCX_TLS=tcp)")
@@ -232,6 +240,21 @@ def _tcp_methods(args: argparse.Namespace, plan: Plan, env: dict[str, str | None
     return out
 
 
+def identities(directory: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A throwaway cluster in ``directory``: its authority and key, a prefill member for
+    the sending side and a decode member for the receiving one.  (The settings both sides
+    share, each side's own.)"""
+    create_authority(directory, "bench")
+    key = os.path.join(directory, "cluster.key")
+    generate_key(key)
+    sides: dict[str, dict[str, Any]] = {}
+    for side, role in (("send", "prefill"), ("recv", "decode")):
+        os.mkdir(out := os.path.join(directory, side))
+        cert, member_key = issue(directory, role, f"bench-{role}", out)
+        sides[side] = {"identity_cert_file": cert, "identity_key_file": member_key}
+    return {"auth_key_file": key, "identity_ca_file": os.path.join(directory, CA_CERT)}, sides
+
+
 def _select(names: str, methods: list[Method], skipped: dict[str, str],
             only: set[str]) -> tuple[list[Method], dict[str, str]]:
     """``--methods``: the methods named (a skipped one stays skipped, with its reason)."""
@@ -266,6 +289,7 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
     methods: list[Method] = []
     skipped: dict[str, str] = {}
     probe: Child | None = None
+    workdir: str | None = None  # --identity's authority and members
     results: dict[str, Any] = {"meta": meta, "plan": plan.__dict__, "layout": LLAMA3_8B,
                                "options": {"loop": args.loop, "kv_gc": args.kv_gc, "seed": args.seed}}
     code = EXIT_FAILED
@@ -282,6 +306,11 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
             if args.verify_landing:  # the same processes' code, receivers checking every landing
                 methods.append(KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc, env=env,
                                          service={"verify_landing": True}, name=VERIFY))
+            if args.identity:  # the same processes' code, each side proving its own member
+                workdir = tempfile.mkdtemp(prefix="kvservice-bench-identity-")
+                shared, sides = identities(workdir)
+                methods.append(KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc, env=env,
+                                         service=shared, sides=sides, name=IDENTITY))
             if not args.no_tcp:
                 methods += _tcp_methods(args, plan, env, skipped)
             if args.methods:
@@ -349,6 +378,8 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
         if probe is not None:
             probe.close()
         log_file.close()
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     if code != EXIT_OK:
         if link is not None:
             link.close()

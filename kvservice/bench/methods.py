@@ -172,24 +172,31 @@ class KvService(_ApiChildren):
     def __init__(self, layout: dict[str, Any], num_pages: int, *, loop: str = "uvloop", gc: str = "freeze",
                  service: dict[str, Any] | None = None, name: str = "kvservice",
                  path_first: Path | None = None, env: dict[str, str | None] | None = None,
-                 remote: Link | None = None) -> None:
+                 remote: Link | None = None, sides: dict[str, dict[str, Any]] | None = None) -> None:
         """``path_first``: a directory holding another ``kvservice`` package for the two
-        processes to import instead of this checkout's (see ``benchmarks/compare.py`` in the repository)."""
+        processes to import instead of this checkout's (see ``benchmarks/compare.py`` in the repository).
+        ``sides``: settings of one side only, by side ("send", "recv"), over ``service``."""
         self.name = name
         self.path_first = path_first
         self.cfg: dict[str, Any] = {"layout": layout, "num_pages": num_pages, "loop": loop, "gc": gc,
                                     "service": service or {}}
+        self.sides = sides or {}
         self.env, self.remote = env, remote
         self.send: Endpoint | None = None
         self.recv: Endpoint | None = None
         self.address = ""
 
     def start(self) -> None:
-        self.send = Child("kvservice.bench.kv_side", "send", self.cfg, path_first=self.path_first, env=self.env)
+        self.send = Child("kvservice.bench.kv_side", "send", self._side("send"), path_first=self.path_first,
+                          env=self.env)
         self.recv = (self.remote.child(self.name) if self.remote is not None else
-                     Child("kvservice.bench.kv_side", "recv", self.cfg, path_first=self.path_first, env=self.env))
+                     Child("kvservice.bench.kv_side", "recv", self._side("recv"), path_first=self.path_first,
+                           env=self.env))
         self.address = self.send.wait("ready", SETUP_TIMEOUT_S)["address"]
         self.recv.wait("ready", SETUP_TIMEOUT_S)
+
+    def _side(self, side: str) -> dict[str, Any]:
+        return {**self.cfg, "service": {**self.cfg["service"], **self.sides.get(side, {})}}
 
 
 class Sidecar(_ApiChildren):

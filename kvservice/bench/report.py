@@ -100,7 +100,7 @@ def table(results: dict[str, Any]) -> str:
         lag = _f(kv.get("lag_p99_ms"), ".1f") + "/" + _f(kv.get("lag_max_ms"), ".1f")
         floor = _f(kv.get("probe_lag_p99_ms"), ".1f") + "/" + _f(kv.get("probe_lag_max_ms"), ".1f")
         lines.append(f"{row} | {lag:>12} {floor:>11} {_f(kv.get('gc_pause_lag_max_ms'), '.1f'):>6}")
-    lines += (cpu_lines(results) + tcp_lines(results) + verify_lines(results) + skipped_lines(results)
+    lines += (cpu_lines(results) + tcp_lines(results) + arm_lines(results) + skipped_lines(results)
               + part_lines(results))
     return "\n".join(lines + engine_lines(results) + target_lines(results))
 
@@ -196,27 +196,39 @@ def tcp_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def verify_lines(results: dict[str, Any]) -> list[str]:
-    """``--verify-landing``: kvservice with landing checks beside kvservice without them, per
-    case the case's own metric, their ratio (median of per-repeat ratios) and latencies."""
-    methods = [m for m in ("kvservice", "kvservice/verify") if m in measured(results)]
-    if len(methods) < 2 or not results.get("cases"):
-        return []
-    head = (f"{'case':<16}{'reqs':>6} | {'kv':>8} {'verify':>8} GB/s|req/s | {'ratio':>6} | "
-            f"{'kv p50/p99':>13} {'verify p50/p99':>15} ms | {'kv lag':>10} {'verify lag':>10} ms")
-    lines = ["", "landing checks (verify_landing = true on both sides: the sender's CRC32C of each chunk, the "
-             "receiver's of its pages before SUCCESS); ratio = verify/kv, per repeat, median; lag: the sender's "
-             "event loop, p99/max", head, "-" * len(head)]
-    for c in results["cases"]:
-        key = "gbps" if c["workload"] == "w1" else "req_s"
-        fmt = ".2f" if key == "gbps" else ".0f"
-        row = f"{c['key']:<16}{c['requests']:>6} | " + " ".join(
-            f"{_f(c['methods'].get(m, {}).get(key), fmt):>8}" for m in methods) + " " * 11 + " | "
-        row += f"{_f(c.get('verify_over_kv', {}).get('median')):>6} | "
-        row += f"{_cell(c, 'kvservice', 'lat', '.1f'):>13} {_cell(c, 'kvservice/verify', 'lat', '.1f'):>15} | "
-        lags = [c["methods"].get(m, {}) for m in methods]
-        row += " ".join(f"{_f(g.get('lag_p99_ms'), '.1f') + '/' + _f(g.get('lag_max_ms'), '.1f'):>10}" for g in lags)
-        lines.append(row)
+#: an arm measured beside kvservice from the same run: (its method, its ratio's key, what it is)
+ARMS = (
+    ("kvservice/verify", "verify_over_kv", "landing checks (verify_landing = true on both sides: the sender's "
+     "CRC32C of each chunk, the receiver's of its pages before SUCCESS)"),
+    ("kvservice/identity", "identity_over_kv", "member identities (each side its own certificate from one "
+     "authority, proven in the link's handshake; requests bound to the proven member)"),
+)
+
+
+def arm_lines(results: dict[str, Any]) -> list[str]:
+    """``--verify-landing``, ``--identity``: kvservice so configured beside kvservice as it is,
+    per case the case's own metric, their ratio (median of per-repeat ratios) and latencies."""
+    lines: list[str] = []
+    for arm, ratio, what in ARMS:
+        methods = ["kvservice", arm]
+        if not set(methods) <= set(measured(results)) or not results.get("cases"):
+            continue
+        short = arm.split("/")[1]
+        head = (f"{'case':<16}{'reqs':>6} | {'kv':>8} {short:>8} GB/s|req/s | {'ratio':>6} | "
+                f"{'kv p50/p99':>13} {short + ' p50/p99':>15} ms | {'kv lag':>10} {short + ' lag':>10} ms")
+        lines += ["", f"{what}; ratio = {short}/kv, per repeat, median; lag: the sender's event loop, p99/max",
+                  head, "-" * len(head)]
+        for c in results["cases"]:
+            key = "gbps" if c["workload"] == "w1" else "req_s"
+            fmt = ".2f" if key == "gbps" else ".0f"
+            row = f"{c['key']:<16}{c['requests']:>6} | " + " ".join(
+                f"{_f(c['methods'].get(m, {}).get(key), fmt):>8}" for m in methods) + " " * 11 + " | "
+            row += f"{_f(c.get(ratio, {}).get('median')):>6} | "
+            row += f"{_cell(c, 'kvservice', 'lat', '.1f'):>13} {_cell(c, arm, 'lat', '.1f'):>15} | "
+            lags = [c["methods"].get(m, {}) for m in methods]
+            row += " ".join(f"{_f(g.get('lag_p99_ms'), '.1f') + '/' + _f(g.get('lag_max_ms'), '.1f'):>10}"
+                            for g in lags)
+            lines.append(row)
     return lines
 
 

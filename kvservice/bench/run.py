@@ -40,6 +40,7 @@ RATIOS = (
     ("kvservice/tcp", "raw_nixl/tcp", "kv_over_raw_tcp"), ("kvservice/tcp", "mooncake/tcp", "kv_over_mooncake"),
     ("raw_nixl/tcp", "mooncake/tcp", "raw_over_mooncake"),
     ("kvservice/verify", "kvservice", "verify_over_kv"),  # kvservice bench --verify-landing
+    ("kvservice/identity", "kvservice", "identity_over_kv"),  # kvservice bench --identity
 )
 
 

@@ -108,17 +108,23 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
         assert chart.stat().st_size > 10_000
 
 
-def test_verify_landing_is_measured_against_kvservice_in_the_same_run(tmp_path: Path) -> None:
-    """``--verify-landing`` adds kvservice with landing checks on both sides, and its ratio to
-    kvservice without them (a number there and positive: how large is docs/perf's business)."""
-    args = ["bench", "--quick", "--no-tcp", "--no-chart", "--only", "w1,w2", "--verify-landing",
-            "--methods", "kvservice,kvservice/verify", "--out", str(tmp_path)]
+@pytest.mark.parametrize(("flag", "arm", "ratio", "title"), [
+    ("--verify-landing", "kvservice/verify", "verify_over_kv", "landing checks"),
+    ("--identity", "kvservice/identity", "identity_over_kv", "member identities"),
+])
+def test_an_arm_is_measured_against_kvservice_in_the_same_run(tmp_path: Path, flag: str, arm: str, ratio: str,
+                                                              title: str) -> None:
+    """``--verify-landing`` adds kvservice with landing checks on both sides, ``--identity``
+    kvservice with a member identity on each side; each arm's ratio to kvservice as it is (a
+    number there and positive: how large is docs/perf's business)."""
+    args = ["bench", "--quick", "--no-tcp", "--no-chart", "--only", "w1,w2", flag,
+            "--methods", f"kvservice,{arm}", "--out", str(tmp_path)]
     done = subprocess.run([sys.executable, "-m", "kvservice.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=scaled(280), check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "landing checks" in done.stdout and "verify p50/p99" in done.stdout  # its table
+    assert title in done.stdout and f"{arm.split('/')[1]} p50/p99" in done.stdout  # its table
     results = json.loads((tmp_path / "bench.json").read_text())
-    assert set(results["methods"]) == {"kvservice", "kvservice/verify"}
+    assert set(results["methods"]) == {"kvservice", arm}
     for case in results["cases"]:
-        assert case["methods"]["kvservice/verify"]["req_s"] > 0, case["key"]
-        assert case["verify_over_kv"]["median"] > 0, case["key"]
+        assert case["methods"][arm]["req_s"] > 0, case["key"]
+        assert case[ratio]["median"] > 0, case["key"]
