@@ -5,7 +5,10 @@ One prefill and --decodes decode services run as child processes. Requests of ra
 sizes and chunking (--seed) go from the prefill to a random decode until --transfers
 have run or --duration has passed, while the soak SIGKILLs and restarts decodes,
 SIGSTOPs and SIGCONTs them, aborts requests from either side and gives some requests
-deadlines too short to meet. Every success is verified byte for byte on the receiver;
+deadlines too short to meet. With --network-cuts (root and iproute2), every process runs
+in a network namespace of its own, joined to the others through a bridge, and the faults
+include cutting a running decode's network for a while (link down, or every packet it
+sends or receives dropped), then restoring it. Every success is verified byte for byte on the receiver;
 every failure on a live receiver is awaited until settled, and its pages then hold a
 canary that must survive until they are reused or the soak ends.
 
@@ -16,20 +19,23 @@ and slope, and a resource that keeps growing fails the soak. See docs/soak.md.
 
 Exit status 0 when false_success, unexplained_disagreements, hung, leaked_handles,
 writes_after_settle and crashes are all 0 and nothing grows without bound; 1 otherwise;
-2 on bad arguments.
+2 on bad arguments (or --network-cuts where network namespaces cannot be made).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from .._runtime import configure_logging, run
-from ._run import Options, soak
+from ..testing import netns
+from ._run import Options, host_names, soak
 from ._summary import MUST_BE_ZERO, Summary, dumps, exit_code, problems, table
 
 __all__ = ["MUST_BE_ZERO", "Options", "Summary", "exit_code", "main", "problems", "soak"]
@@ -70,6 +76,10 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--sidecar-decodes", type=int, default=1,
                         help="of the decodes, how many run as a kvservice serve daemon driven by a worker "
                              "(default 1)")
+    parser.add_argument("--network-cuts", action="store_true",
+                        help="run every process in a network namespace of its own, joined through a bridge, and "
+                             "add cuts of a decode's network (0.1-3 s) to the process faults, at equal odds with "
+                             "kills and stops (needs root and iproute2)")
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="write the summary's counters and leak verdicts here")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
@@ -81,13 +91,21 @@ def main(argv: Sequence[str] = ()) -> int:
                      "0 <= --sidecar-decodes <= --decodes, --fault-interval >= 0")
     opts = Options(transfers=transfers, seed=args.seed, decodes=args.decodes, concurrency=args.concurrency,
                    max_pages=args.max_pages, fault_interval_s=args.fault_interval, progress=not args.quiet,
-                   sidecar_decodes=args.sidecar_decodes, duration_s=args.duration)
+                   sidecar_decodes=args.sidecar_decodes, duration_s=args.duration,
+                   network_cuts=args.network_cuts)
+    if args.network_cuts:
+        why = netns.unavailable()
+        if why is not None:
+            print(f"kvservice soak: --network-cuts needs network namespaces, but {why}", file=sys.stderr)
+            return 2
     configure_logging("error")
     # The children log what the soak provokes (lost peers, aborts): into files, read on failure.
     env = [("KVSERVICE_LOG_LEVEL", "error"), ("NIXL_LOG_LEVEL", "FATAL")]
     logdir = Path(tempfile.mkdtemp(prefix=f"kvservice-soak-{os.getpid()}-"))
-    with open(logdir / "children.log", "w") as log:
-        summary = run(soak, opts, log, env)
+    with open(logdir / "children.log", "w") as log, contextlib.ExitStack() as hosts:
+        # the namespaces go when the run ends, however it ends (an error, Ctrl-C)
+        net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
+        summary = run(soak, opts, log, env, net)
     data = summary.as_json()
     print(table(summary))
     bad = problems(data)

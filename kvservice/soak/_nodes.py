@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -25,6 +26,18 @@ _ids = itertools.count()
 #: vetting child, seconds of CPU that a loaded machine (a test run beside the soak) stretches
 #: past ``PeerProcess.start``'s 30 s default; a node that never starts still fails the soak
 START_S = 120.0
+
+
+class PrefixedDaemon(LocalDaemon):
+    """A sidecar daemon started through a launcher ``prefix`` (``ip netns exec NS``: a
+    network namespace); ``ip`` execs the daemon, so its pid is the daemon's own."""
+
+    def __init__(self, *args: Any, prefix: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefix = tuple(prefix)
+
+    def command(self) -> list[str]:
+        return [*self.prefix, *super().command()]
 
 
 @dataclass
@@ -48,6 +61,10 @@ class Node:
         self.stopping = False  # asked to exit at the end
         self.stopped = False  # SIGSTOPped now
         self.faults_seen = 0  # SIGSTOP and SIGCONT so far: requests that saw one may end on both sides differently
+        self.cut = False  # its network is cut now
+        self.cuts_seen = 0  # cuts and restores so far: as faults_seen, for the network
+        self.restored_at = float("-inf")  # when its last cut was restored
+        self.unhealed = 0  # cuts restored since the last request begun after one succeeded
         self.dead = anyio.Event()
         self.returncode: int | None = None
         self.stray_errors: list[dict[str, Any]] = []
@@ -55,13 +72,15 @@ class Node:
 
     @classmethod
     async def start(cls, tg: anyio.abc.TaskGroup, name: str, config: dict[str, Any], num_pages: int,
-                    env: dict[str, str], log: IO[Any], daemon: LocalDaemon | None = None) -> Node:
-        """With ``daemon`` (not started yet): start it, then a worker driving it."""
+                    env: dict[str, str], log: IO[Any], daemon: LocalDaemon | None = None,
+                    prefix: Sequence[str] = ()) -> Node:
+        """With ``daemon`` (not started yet): start it, then a worker driving it.  ``prefix``:
+        the worker's launcher (``PeerProcess.start``), the daemon's own goes on the daemon."""
         if daemon is not None:
             await anyio.to_thread.run_sync(daemon.start)
             config = {"layout": config["layout"], "sidecar": daemon.socket}
         try:
-            proc = await PeerProcess.start(tg, config, env=env, stderr=log, ready_timeout=START_S)
+            proc = await PeerProcess.start(tg, config, env=env, stderr=log, ready_timeout=START_S, prefix=prefix)
         except BaseException:
             if daemon is not None:
                 await anyio.to_thread.run_sync(daemon.kill)

@@ -4,6 +4,7 @@ faults at random, and the accounting that says whether any promise broke."""
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import signal
 import sys
@@ -16,11 +17,13 @@ import anyio
 import anyio.abc
 import numpy as np
 
+from .._trust.keys import generate_key
 from ..memory._layout import KVLayout
-from ..sidecar.local import LocalDaemon, short_tmpdir
+from ..sidecar.local import short_tmpdir
+from ..testing.netns import CUTS, Hub
 from ..testing.peer_process import stray_output
 from ._leaks import Ledger
-from ._nodes import Node
+from ._nodes import Node, PrefixedDaemon
 from ._sampling import sample
 from ._summary import Summary, disagreement_cause
 
@@ -30,7 +33,12 @@ LAYOUT = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bflo
 UCX_ENV = {"UCX_NET_DEVICES": "lo"}
 BOOTSTRAP_S, TRANSFER_S, ARRIVAL_S = 3.0, 5.0, 8.0  # the services' own deadlines
 STOP_MAX_S = 2.5  # longest SIGSTOP; longer than peer_timeout_s, so some stops lose the link
+CUT_MIN_S, CUT_MAX_S = 0.1, 3.0  # how long a network cut holds; past peer_timeout_s for some
 HEARTBEAT_S, PEER_TIMEOUT_S = 0.2, 1.5  # the services' liveness
+#: after a cut is restored, its effects still land this long: a link silent since before the
+#: restore (TCP's retransmissions back off while the packets are dropped) ends up to a
+#: ``peer_timeout_s`` later; a request that began within it was touched by the cut
+CUT_AFTERMATH_S = PEER_TIMEOUT_S + HEARTBEAT_S
 #: a loop held this long can end a link: its peer hears nothing for ``PEER_TIMEOUT_S`` once a
 #: heartbeat's gap is added, or its own pings stop (``_summary.disagreement_cause``)
 LINK_STALL_S = PEER_TIMEOUT_S - HEARTBEAT_S
@@ -44,6 +52,17 @@ SAMPLES_PER_RUN, SAMPLE_MIN_S = 600, 1.0
 FAULT_KINDS = ("none", "abort_recv", "abort_send", "recv_deadline", "send_deadline")
 FAULT_P = (0.8, 0.05, 0.05, 0.05, 0.05)
 ABORTS_OR_DEADLINES = frozenset(FAULT_KINDS[1:])
+#: the process faults, with equal odds (``process_fault``); ``cut`` only with ``network_cuts``
+PROCESS_FAULTS = ("kill", "stop")
+PROCESS_FAULTS_WITH_CUTS = ("kill", "stop", "cut")
+
+
+def process_fault(rng: np.random.Generator, network_cuts: bool) -> str:
+    """The next process fault: kill or stop at even odds, or, with ``network_cuts``, kill,
+    stop or cut at one in three each (a run without cuts draws the schedule it always did)."""
+    if not network_cuts:
+        return "kill" if rng.random() < 0.5 else "stop"
+    return PROCESS_FAULTS_WITH_CUTS[int(rng.integers(len(PROCESS_FAULTS_WITH_CUTS)))]
 
 
 def daemon_settings() -> dict[str, str]:
@@ -85,6 +104,8 @@ class Options:
     fault_interval_s: float = 1.0  # mean time between process faults (SIGKILL+restart, SIGSTOP/SIGCONT)
     progress: bool = True
     duration_s: float | None = None  # stop starting requests this long after the first (or at ``transfers``)
+    #: every process in a network namespace of its own (``soak(net=)``), and cuts among the process faults
+    network_cuts: bool = False
 
     @property
     def sample_s(self) -> float:
@@ -93,8 +114,12 @@ class Options:
 
 
 class Soak:
-    def __init__(self, opts: Options, tg: anyio.abc.TaskGroup, log: IO[Any], env: dict[str, str]) -> None:
+    def __init__(self, opts: Options, tg: anyio.abc.TaskGroup, log: IO[Any], env: dict[str, str],
+                 net: Hub | None = None) -> None:
+        if opts.network_cuts and net is None:
+            raise ValueError("network_cuts needs the hosts (net=netns.hub(...) over 'prefill' and every decode)")
         self.opts = opts
+        self.net = net
         self.tg = tg
         self.log = log
         self.env = env
@@ -108,7 +133,10 @@ class Soak:
         self.settling = 0  # failed requests waiting for await_settled now
         self.unsettled_pages = 0  # at the last status poll, all processes together
         self.finished = anyio.Event()
-        self.workdir = short_tmpdir("kvs-soak-")  # sidecar sockets
+        self.workdir = short_tmpdir("kvs-soak-")  # sidecar sockets, the cluster key
+        self.key_file = os.path.join(self.workdir, "cluster.key")
+        if net is not None:  # services bound to a veth's address: a real deployment's shared key
+            generate_key(self.key_file)
         self.generation = 0
         self.ledger = Ledger()
         self.t0 = time.monotonic()
@@ -121,13 +149,23 @@ class Soak:
         self.undecided: list[tuple[str, str, dict[str, Any], str, float, float]] = []
 
     async def _start(self, name: str) -> Node:
+        """Start (or restart) ``name``; with ``net``, inside its own namespace (a sidecar
+        decode's daemon and worker in the same one), bound to its veth's address."""
+        host = self.net.hosts[name] if self.net is not None else None
+        config, env, settings = child_config(), dict(self.env), daemon_settings()
+        if host is not None:
+            config.update(host=host.ip, auth_key_file=self.key_file, ucx_env=host.ucx_env)
+            env.update(host.ucx_env)
+            settings.update(host.ucx_env, KVSERVICE_SERVICE_HOST=host.ip,
+                            KVSERVICE_SERVICE_AUTH_KEY_FILE=self.key_file)
+        prefix = host.prefix if host is not None else ()
         daemon = None
         if name in self.sidecar_names:
             self.generation += 1
             lay = child_config()["layout"]
-            daemon = LocalDaemon("decode", self.workdir, name=f"{name}-{self.generation}", layout=lay,
-                                 env=daemon_settings(), stderr=self.log)
-        node = await Node.start(self.tg, name, child_config(), LAYOUT.num_pages, self.env, self.log, daemon)
+            daemon = PrefixedDaemon("decode", self.workdir, name=f"{name}-{self.generation}", layout=lay,
+                                    env=settings, stderr=self.log, prefix=prefix)
+        node = await Node.start(self.tg, name, config, LAYOUT.num_pages, env, self.log, daemon, prefix=prefix)
         self.nodes.append(node)
         return node
 
@@ -198,7 +236,7 @@ class Soak:
             return
         if fault != "none":
             s.faults[fault] += 1
-        stops_before = decode.faults_seen
+        stops_before, cuts_before = decode.faults_seen, decode.cuts_seen
         prefill.expect(("completed", rid))
         decode.expect(("arrived", rid))
         recv_timeout = float(rng.uniform(0.005, 0.3)) if fault == "recv_deadline" else ARRIVAL_S
@@ -254,7 +292,9 @@ class Soak:
             s.hung += 1
             s.note(f"{rid}: the receiver reported no end within its deadline + {CALL_S}s")
             return
-        faulted = fault in ABORTS_OR_DEADLINES or decode.faults_seen != stops_before or decode.killed
+        touched = decode.faults_seen != stops_before or decode.killed
+        cut = decode.cuts_seen != cuts_before or decode.restored_at + CUT_AFTERMATH_S >= began
+        faulted = fault in ABORTS_OR_DEADLINES or touched or cut
         if arrived is None:  # expect refused, or the receiver died (its pages with it)
             if not expected and not decode.dead.is_set():
                 decode.free.extend(dst)
@@ -267,12 +307,15 @@ class Soak:
             if sent is not None and sent["status"] != "SUCCESS":
                 if faulted:
                     s.disagreements[f"recv SUCCESS, send {sent['reason']} "
-                                    f"({disagreement_cause(fault, faulted, sent, False)})"] += 1
+                                    f"({disagreement_cause(fault, touched, sent, False, cut)})"] += 1
                 else:  # a stall may explain it: its report may come after this
                     self.undecided.append((rid, fault, sent, decode.name, began, time.monotonic()))
             if arrived["verified"]:
                 s.succeeded_verified += 1
                 decode.free.extend(dst)
+                if decode.unhealed and began > decode.restored_at:  # begun after its last cut ended
+                    s.cuts_healed += decode.unhealed
+                    decode.unhealed = 0
             else:
                 s.false_success += 1
                 s.note(f"{rid}: SUCCESS but the bytes on the receiver differ")
@@ -359,7 +402,8 @@ class Soak:
     async def _pick_decode(self, rng: np.random.Generator) -> Node | None:
         deadline = time.monotonic() + TAKE_S
         while time.monotonic() < deadline:
-            running = [d for d in self.decodes if d.alive and not d.stopped] or [d for d in self.decodes if d.alive]
+            running = ([d for d in self.decodes if d.alive and not d.stopped and not d.cut]
+                       or [d for d in self.decodes if d.alive])
             if running:
                 return running[int(rng.integers(len(running)))]
             await anyio.sleep(0.05)  # all restarting
@@ -367,23 +411,29 @@ class Soak:
 
     # -- process faults -------------------------------------------------------------------
     async def _faults(self) -> None:
-        """SIGKILL (then restart) or SIGSTOP/SIGCONT a random decode, while one other runs on."""
+        """SIGKILL (then restart), SIGSTOP/SIGCONT or (``network_cuts``) cut the network of a
+        random decode, while one other runs on."""
         if self.opts.fault_interval_s <= 0:
             return
         async with anyio.create_task_group() as tg:
             with anyio.move_on_after(0.3):
                 await self.finished.wait()
             while not self.finished.is_set():
-                running = [k for k, d in enumerate(self.decodes) if d.alive and not d.stopped]
-                if len(running) < 2:  # one is stopped or restarting: fault again once it is back
+                running = [k for k, d in enumerate(self.decodes) if d.alive and not d.stopped and not d.cut]
+                if len(running) < 2:  # one is stopped, cut or restarting: fault again once it is back
                     with anyio.move_on_after(0.05):
                         await self.finished.wait()
                     continue
                 k = running[int(self.rng.integers(len(running)))]
-                if self.rng.random() < 0.5:
+                kind = process_fault(self.rng, self.opts.network_cuts)
+                if kind == "kill":
                     tg.start_soon(self._kill_and_restart, k)
-                else:
+                elif kind == "stop":
                     tg.start_soon(self._stop_and_cont, self.decodes[k], float(self.rng.uniform(0.1, STOP_MAX_S)))
+                else:
+                    how = CUTS[int(self.rng.integers(len(CUTS)))]
+                    tg.start_soon(self._cut_and_restore, self.decodes[k], how,
+                                  float(self.rng.uniform(CUT_MIN_S, CUT_MAX_S)))
                 with anyio.move_on_after(float(self.rng.exponential(self.opts.fault_interval_s))):
                     await self.finished.wait()
 
@@ -408,6 +458,25 @@ class Soak:
             node.signal(signal.SIGCONT)
             node.stopped = False
             node.faults_seen += 1
+
+    async def _cut_and_restore(self, node: Node, how: str, seconds: float) -> None:
+        """Cut ``node``'s network (``netns.Hub.cut``: link down, or its egress or ingress
+        dropped) for ``seconds``, then restore it; the process runs on throughout."""
+        assert self.net is not None
+        node.cut = True
+        node.cuts_seen += 1
+        try:
+            await anyio.to_thread.run_sync(self.net.cut, node.name, how)
+            self.s.faults["netcut"] += 1
+            self.s.cuts_by_kind[how] += 1
+            await anyio.sleep(seconds)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.net.restore, node.name, how)
+            node.restored_at = time.monotonic()
+            node.unhealed += 1
+            node.cut = False
+            node.cuts_seen += 1
 
     # -- watching -------------------------------------------------------------------------
     def _running(self) -> list[Node]:
@@ -501,12 +570,19 @@ class Soak:
                 s.note(f"{n.name} reported an error: {err}")
 
 
-async def soak(opts: Options, log: IO[Any], env: Sequence[tuple[str, str]] = ()) -> Summary:
+async def soak(opts: Options, log: IO[Any], env: Sequence[tuple[str, str]] = (), net: Hub | None = None) -> Summary:
+    """Run the soak.  ``net``: a host per process (``netns.hub`` over ``host_names(opts)``),
+    whose links ``opts.network_cuts`` cuts; its namespaces are the caller's to remove."""
     async with anyio.create_task_group() as tg:
-        run = Soak(opts, tg, log, dict(env))
+        run = Soak(opts, tg, log, dict(env), net)
         try:
             summary = await run.run()
         finally:
             shutil.rmtree(run.workdir, ignore_errors=True)
         tg.cancel_scope.cancel()
     return summary
+
+
+def host_names(opts: Options) -> list[str]:
+    """The processes of a run, each a host with ``network_cuts``: the prefill and the decodes."""
+    return ["prefill", *(f"decode{k}" for k in range(opts.decodes))]

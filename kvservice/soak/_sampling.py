@@ -10,7 +10,7 @@ import anyio
 
 from ._leaks import Ledger
 from ._nodes import Node
-from ._usage import established, usage
+from ._usage import established, net_namespace, usage
 
 #: a sidecar daemon's tables as its ``status()`` reports them; the rest are not on its wire
 STATUS_TABLES = {"requests": ("sending", "receiving"), "early_expects": ("expects_before_send",),
@@ -25,11 +25,14 @@ async def sample(ledger: Ledger, running: Sequence[Node], statuses: Sequence[tup
     ``status()`` in ``statuses``) and ``"NAME worker"`` (the process driving it)."""
     ledger.samples += 1
     status = {node.name: st for node, st in statuses}
-    tcp = established()  # the soak and its children share one network namespace
+    tcp: dict[int, set[str]] = {}  # per network namespace (one, or one per host with network cuts)
 
     def proc_row(row: str, pid: int) -> None:
         try:
-            got = usage(pid, tcp)
+            ns = net_namespace(pid)
+            if ns not in tcp:
+                tcp[ns] = established(pid)
+            got = usage(pid, tcp[ns])
         except OSError:  # it just died
             return
         ledger.pids[row].add(pid)

@@ -19,11 +19,13 @@ MUST_BE_ZERO = ("false_success", "unexplained_disagreements", "hung", "leaked_ha
 SILENCE = "peer silent for"
 
 
-def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any], stalled: bool) -> str:
+def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any], stalled: bool, cut: bool = False) -> str:
     """Why a request's receiver verified every byte (``SUCCESS``) while its sender reported
     the failure ``sent``: the request's own fault (an abort or a deadline: the race
     settle.md documents), ``"stop/kill"`` when the soak stopped or killed its decode
-    meanwhile (``touched``), ``"loop stall"`` when the sender lost the link (``PEER_LOST``)
+    meanwhile (``touched``), ``"cut"`` when the soak cut its decode's network meanwhile or
+    just before (``cut``: a link silent since the cut may end after it), ``"loop stall"``
+    when the sender lost the link (``PEER_LOST``)
     while the loop of one of the two services was held long enough to end a link
     (``stalled``: the processes reported such a stall during the request) or to silence
     the soak did not inject (the sender's message says so), and ``"none"`` when nothing
@@ -42,6 +44,8 @@ def disagreement_cause(fault: str, touched: bool, sent: Mapping[str, Any], stall
         return fault
     if touched:
         return "stop/kill"
+    if cut:
+        return "cut"
     if sent.get("reason") == "PEER_LOST" and (stalled or SILENCE in str(sent.get("message") or "")):
         return "loop stall"
     return "none"
@@ -63,6 +67,8 @@ class Summary:
     unsettled_pages_max: int = 0
     faults: collections.Counter[str] = field(default_factory=collections.Counter)
     # not in the JSON: context for the table and for whoever reads a failure
+    cuts_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)  # netcut, by how
+    cuts_healed: int = 0  # cuts after which a request to that decode, begun after the restore, succeeded
     canaries_checked: int = 0
     settled_to_success: int = 0  # receiver failed, settled as SUCCESS (lost the abort race), bytes verified
     disagreements: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -119,6 +125,9 @@ def table(s: Summary) -> str:
         ("failed by reason", ", ".join(f"{k}={v}" for k, v in sorted(s.failed_by_reason.items())) or "-"),
         ("faults injected", ", ".join(f"{k}={v}" for k, v in sorted(s.faults.items())) or "-"),
         ("canaries checked", str(s.canaries_checked)),
+        *([("network cuts", ", ".join(f"{k}={v}" for k, v in sorted(s.cuts_by_kind.items()))
+            + f"; healed (a later request to that decode succeeded): {s.cuts_healed}")]
+          if s.cuts_by_kind else []),
         ("both sides differ", ", ".join(f"{k}={v}" for k, v in sorted(s.disagreements.items())) or "-"),
         ("unsettled pages, max", str(s.unsettled_pages_max)),
         ("loop lag max (ms)", f"{s.max_loop_lag_ms:.1f} (prefill, never stopped: {s.prefill_loop_lag_ms:.1f})"),

@@ -23,14 +23,22 @@ def established_inodes(text: str) -> set[str]:
     return out
 
 
-def established() -> set[str]:
-    """The socket inodes of this network namespace's established TCP connections.  Read
-    once per sample for every process in it: the kernel writes the whole table for each
-    read (milliseconds with a few hundred sockets), whichever process's ``net/`` it is."""
+def net_namespace(pid: int | str = "self") -> int:
+    """The inode of ``pid``'s network namespace: equal for processes sharing one.  ``OSError``
+    if ``pid`` is gone."""
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+def established(pid: int | str = "self") -> set[str]:
+    """The socket inodes of the established TCP connections of ``pid``'s network namespace
+    (``/proc/PID/net/tcp``: the table of the namespace the process lives in, which may not
+    be this one's).  Read once per sample for every namespace: the kernel writes the whole
+    table for each read (milliseconds with a few hundred sockets).  ``OSError`` if ``pid``
+    is gone."""
     out: set[str] = set()
     for name in ("tcp", "tcp6"):
         try:
-            with open(f"/proc/self/net/{name}") as f:
+            with open(f"/proc/{pid}/net/{name}") as f:
                 out |= established_inodes(f.read())
         except FileNotFoundError:  # no IPv6
             continue
@@ -39,7 +47,7 @@ def established() -> set[str]:
 
 def usage(pid: int, tcp: set[str]) -> dict[str, float]:
     """``rss_mib``, ``fds``, ``threads`` of ``pid`` now and ``tcp``: how many of its sockets
-    are in ``tcp`` (``established()``, read in the same network namespace).  ``OSError`` if
+    are in ``tcp`` (``established()`` of its network namespace).  ``OSError`` if
     ``pid`` is gone."""
     sockets = set()
     fds = 0
