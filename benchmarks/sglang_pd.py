@@ -1,7 +1,8 @@
 """SGLang served end to end: kvservice against SGLang's own transfer backends, as served.
 
     PYTHONPATH=$PWD "$(bash scripts/engine-env.sh sglang)/bin/python" -m benchmarks.sglang_pd \\
-        [--quick] [--rounds N] [--arms kvservice,nixl[,mooncake]] [--faults] [--out DIR]
+        [--quick] [--rounds N] [--arms kvservice,nixl[,mooncake]] [--faults [--fault-at handoff,forward]]
+        [--out DIR]
 
 Each arm is the same pair of ``python -m sglang.launch_server`` processes (a prefill and a
 decode, as ``tests/integrations/sglang/servers.py`` starts them: the CPU engine, the
@@ -30,8 +31,10 @@ the ratios kvservice / each other arm; writes ``results.json`` and the servers' 
 ``--out``.
 
 ``--faults`` instead runs the seed's faults on each arm, one pair per arm: the decode
-SIGKILLed after the prefill took the request, the decode SIGSTOPped past SGLang's lowered
-timeouts and then SIGCONTed, the prefill SIGKILLed after it took the request.  For each: what
+SIGKILLed, the decode SIGSTOPped past SGLang's lowered timeouts and then SIGCONTed, the prefill
+SIGKILLed; each ``--fault-at handoff`` (1.5 s after the prefill took the request: at these speeds
+its KV went over) and/or ``forward`` (as the prefill logs the request's forward: the decode's pages
+reserved, none of the KV moved yet, the prefill about to write into them).  For each: what
 each server answered (HTTP status and reason), how long it took, whether each server is up
 and serves the next request (a killed server restarted first).  Writes ``faults.json``.
 """
@@ -79,6 +82,13 @@ FAULT_TIMEOUT_S = 30
 #: takes about a second here idle, 5-15 s at a load average of 18
 SETTLE_S = 3.0
 PREFILL_HEAD_S = 1.5
+#: ``--fault-at forward``: the prefill's log line as it schedules a prefill batch, i.e. as the
+#: forward whose KV it will send begins (seconds on these cores, the transfer milliseconds after it)
+FORWARD_MARK = b"Prefill batch"
+#: how long the prefill may take to schedule the request's forward before the fault goes in anyway
+FORWARD_WAIT_S = 120.0
+#: when a fault lands: after the hand-off (the prefill had its head start) or as the forward begins
+FAULT_AT = ("handoff", "forward")
 #: the slowest a request may be before the router gives up on it
 REQUEST_S = 300.0
 
@@ -365,12 +375,29 @@ def serves(pair: ArmPair, prompt: list[int]) -> bool:
         return False
 
 
-def fault(pair: ArmPair, kind: str, prompt: list[int]) -> dict[str, Any]:
+def marks(server: Server) -> int:
+    """How many forwards ``server`` (a prefill) has logged so far."""
+    try:
+        return server.log.read_bytes().count(FORWARD_MARK)
+    except OSError:
+        return 0
+
+
+def fault(pair: ArmPair, kind: str, prompt: list[int], at: str = "handoff") -> dict[str, Any]:
+    """``at``: "handoff" lands the fault ``PREFILL_HEAD_S`` after the prefill took the request
+    (at these speeds, after its KV went over); "forward" as the prefill logs the request's forward,
+    before any of its KV moved: the decode's pages reserved, the prefill about to write into them."""
     body = pair.body(prompt)
     decoding = in_background(timed_answer(lambda: pair.decode.generate(body)))
     time.sleep(SETTLE_S)
+    before = marks(pair.prefill)
     prefilling = in_background(timed_answer(lambda: pair.prefill.generate(body)))
-    time.sleep(PREFILL_HEAD_S)
+    if at == "forward":
+        deadline = time.monotonic() + FORWARD_WAIT_S
+        while marks(pair.prefill) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        time.sleep(PREFILL_HEAD_S)
     if kind == "decode SIGKILL":
         pair.decode.kill()
     elif kind == "prefill SIGKILL":
@@ -379,7 +406,7 @@ def fault(pair: ArmPair, kind: str, prompt: list[int]) -> dict[str, Any]:
         pair.decode.signal(signal.SIGSTOP)
         time.sleep(FAULT_TIMEOUT_S + 15)
         pair.decode.signal(signal.SIGCONT)
-    result = {"fault": kind, "decode": decoding.result(timeout=REQUEST_S),
+    result = {"fault": kind, "at": at, "decode": decoding.result(timeout=REQUEST_S),
               "prefill": prefilling.result(timeout=REQUEST_S),
               "prefill_up": pair.prefill.up(), "decode_up": pair.decode.up()}
     for server in (pair.prefill, pair.decode):
@@ -390,10 +417,12 @@ def fault(pair: ArmPair, kind: str, prompt: list[int]) -> dict[str, Any]:
     return result
 
 
-def run_faults(arm: str, model: Path, out: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_faults(arm: str, model: Path, out: Path, say: Callable[[str], None],
+               at: Sequence[str] = ("handoff",)) -> list[dict[str, Any]]:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts([Phase(1, 4)])["1 in flight"]
+    kinds = [(kind, when) for when in at for kind in ("decode SIGKILL", "decode SIGSTOP", "prefill SIGKILL")]
+    prompts = make_prompts([Phase(1, len(kinds) + 1)])["1 in flight"]
     pair = ArmPair(arm, model, logs, timeout_s=FAULT_TIMEOUT_S)
     try:
         try:
@@ -403,8 +432,8 @@ def run_faults(arm: str, model: Path, out: Path, say: Callable[[str], None]) -> 
         if not serves(pair, prompts[0]):
             return [{"fault": "warm-up", "broken": pair.decode.tail(600)}]
         results = []
-        for i, kind in enumerate(("decode SIGKILL", "decode SIGSTOP", "prefill SIGKILL")):
-            results.append(fault(pair, kind, prompts[i + 1]))
+        for i, (kind, when) in enumerate(kinds):
+            results.append(fault(pair, kind, prompts[i + 1], when))
             say(f"{arm}: {json.dumps(results[-1])}")
         return results
     finally:
@@ -412,19 +441,20 @@ def run_faults(arm: str, model: Path, out: Path, say: Callable[[str], None]) -> 
 
 
 def faults_table(results: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["| arm | fault | decode's answer (took) | prefill's answer (took) | up after | serves next |",
-             "|---" * 6 + "|"]
+    lines = ["| arm | fault | at | decode's answer (took) | prefill's answer (took) | up after | serves next |",
+             "|---" * 7 + "|"]
     for arm, rows in results.items():
         for row in rows:
             if "broken" in row:
-                lines.append(f"| {arm} | {row['fault']} | broken: {row['broken'][-200:]!r} ||||")
+                lines.append(f"| {arm} | {row['fault']} || broken: {row['broken'][-200:]!r} ||||")
                 continue
 
             def said(a: dict[str, Any]) -> str:
                 reason = a["reason"].replace("|", "/").replace("\n", " ")[:160]
                 return f"{a['status']} {reason} ({a['took_s']} s)"
             up = f"prefill {'up' if row['prefill_up'] else 'down'}, decode {'up' if row['decode_up'] else 'down'}"
-            lines.append(f"| {arm} | {row['fault']} | {said(row['decode'])} | {said(row['prefill'])} | {up} | "
+            lines.append(f"| {arm} | {row['fault']} | {row.get('at', 'handoff')} | {said(row['decode'])} | "
+                         f"{said(row['prefill'])} | {up} | "
                          f"{'yes' if row['serves_next'] else 'no'} |")
     return "\n".join(lines)
 
@@ -435,6 +465,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--arms", default="kvservice,nixl", help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--faults", action="store_true", help="the seed's faults per arm instead of timings")
+    parser.add_argument("--fault-at", default="handoff",
+                        help=f"with --faults: when each fault lands, comma-separated, of {', '.join(FAULT_AT)}")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--report", type=Path, default=None, help="print the tables of a results.json and exit")
     args = parser.parse_args(argv)
@@ -447,6 +479,9 @@ def main(argv: Sequence[str]) -> int:
     arms = [a for a in args.arms.split(",") if a]
     if unknown := set(arms) - set(ARMS):
         parser.error(f"unknown arms {sorted(unknown)}: choose from {', '.join(ARMS)}")
+    at = [a for a in args.fault_at.split(",") if a]
+    if not at or set(at) - set(FAULT_AT):
+        parser.error(f"--fault-at takes a comma-separated subset of {', '.join(FAULT_AT)}, got {args.fault_at!r}")
     out = (args.out or Path(tempfile.mkdtemp(prefix="sglang-pd-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -459,7 +494,7 @@ def main(argv: Sequence[str]) -> int:
     if args.faults:
         results: dict[str, list[dict[str, Any]]] = {}
         for arm in arms:
-            results[arm] = run_faults(arm, model, out / arm, say)
+            results[arm] = run_faults(arm, model, out / arm, say, at)
             (out / "faults.json").write_text(json.dumps(results, indent=1))
         print(faults_table(results))
         return 0
