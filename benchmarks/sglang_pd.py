@@ -1,7 +1,7 @@
 """SGLang served end to end: kvservice against SGLang's own transfer backends, as served.
 
     PYTHONPATH=$PWD "$(bash scripts/engine-env.sh sglang)/bin/python" -m benchmarks.sglang_pd \\
-        [--quick] [--rounds N] [--arms kvservice,nixl[,mooncake]] [--faults [--fault-at handoff,forward]]
+        [--quick] [--rounds N] [--arms kvservice,nixl[,mooncake]] [--faults [--fault-at handoff,before]]
         [--out DIR]
 
 Each arm is the same pair of ``python -m sglang.launch_server`` processes (a prefill and a
@@ -33,8 +33,8 @@ the ratios kvservice / each other arm; writes ``results.json`` and the servers' 
 ``--faults`` instead runs the seed's faults on each arm, one pair per arm: the decode
 SIGKILLed, the decode SIGSTOPped past SGLang's lowered timeouts and then SIGCONTed, the prefill
 SIGKILLed; each ``--fault-at handoff`` (1.5 s after the prefill took the request: at these speeds
-its KV went over) and/or ``forward`` (as the prefill logs the request's forward: the decode's pages
-reserved, none of the KV moved yet, the prefill about to write into them).  For each: what
+its KV went over) and/or ``before`` (before any KV moved: the decode's pages
+reserved and bootstrapped, the prefill sent the request after the fault).  For each: what
 each server answered (HTTP status and reason), how long it took, whether each server is up
 and serves the next request (a killed server restarted first).  Writes ``faults.json``.
 """
@@ -82,13 +82,9 @@ FAULT_TIMEOUT_S = 30
 #: takes about a second here idle, 5-15 s at a load average of 18
 SETTLE_S = 3.0
 PREFILL_HEAD_S = 1.5
-#: ``--fault-at forward``: the prefill's log line as it schedules a prefill batch, i.e. as the
-#: forward whose KV it will send begins (seconds on these cores, the transfer milliseconds after it)
-FORWARD_MARK = b"Prefill batch"
-#: how long the prefill may take to schedule the request's forward before the fault goes in anyway
-FORWARD_WAIT_S = 120.0
-#: when a fault lands: after the hand-off (the prefill had its head start) or as the forward begins
-FAULT_AT = ("handoff", "forward")
+#: when a fault lands: after the hand-off (the prefill had its head start) or before the prefill
+#: is sent the request (the decode's pages reserved and bootstrapped, none of the KV moved)
+FAULT_AT = ("handoff", "before")
 #: the slowest a request may be before the router gives up on it
 REQUEST_S = 300.0
 
@@ -375,28 +371,20 @@ def serves(pair: ArmPair, prompt: list[int]) -> bool:
         return False
 
 
-def marks(server: Server) -> int:
-    """How many forwards ``server`` (a prefill) has logged so far."""
-    try:
-        return server.log.read_bytes().count(FORWARD_MARK)
-    except OSError:
-        return 0
-
-
 def fault(pair: ArmPair, kind: str, prompt: list[int], at: str = "handoff") -> dict[str, Any]:
     """``at``: "handoff" lands the fault ``PREFILL_HEAD_S`` after the prefill took the request
-    (at these speeds, after its KV went over); "forward" as the prefill logs the request's forward,
-    before any of its KV moved: the decode's pages reserved, the prefill about to write into them."""
+    (at these speeds, after its KV went over); "before" once the decode took the request and
+    bootstrapped (``SETTLE_S``), before the prefill is sent it: a prefill that then computes and
+    writes into a dead or stopped decode, or a decode waiting on a dead prefill (the seed's cases)."""
     body = pair.body(prompt)
     decoding = in_background(timed_answer(lambda: pair.decode.generate(body)))
     time.sleep(SETTLE_S)
-    before = marks(pair.prefill)
-    prefilling = in_background(timed_answer(lambda: pair.prefill.generate(body)))
-    if at == "forward":
-        deadline = time.monotonic() + FORWARD_WAIT_S
-        while marks(pair.prefill) == before and time.monotonic() < deadline:
-            time.sleep(0.01)
-    else:
+
+    def to_prefill() -> Future[Any]:
+        return in_background(timed_answer(lambda: pair.prefill.generate(body)))
+
+    if at == "handoff":
+        prefilling = to_prefill()
         time.sleep(PREFILL_HEAD_S)
     if kind == "decode SIGKILL":
         pair.decode.kill()
@@ -404,6 +392,9 @@ def fault(pair: ArmPair, kind: str, prompt: list[int], at: str = "handoff") -> d
         pair.prefill.kill()
     else:
         pair.decode.signal(signal.SIGSTOP)
+    if at == "before":
+        prefilling = to_prefill()  # a killed prefill refuses it at once: the decode's answer is the one
+    if kind == "decode SIGSTOP":
         time.sleep(FAULT_TIMEOUT_S + 15)
         pair.decode.signal(signal.SIGCONT)
     result = {"fault": kind, "at": at, "decode": decoding.result(timeout=REQUEST_S),
