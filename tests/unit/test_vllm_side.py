@@ -247,7 +247,7 @@ def test_the_decode_forgets_expired_handoffs_and_stays_bounded(monkeypatch: pyte
     now[0] = NOW + 60  # all expired: the next one sweeps them
     late = Handoff.issue("q", ("127.0.0.1:7100",), PROMPT, 70, 32, key=KEY, lifetime_s=30, now=now[0])
     assert d.get_num_new_matched_tokens(Req("e", late.to_params()), 0) == (70, True)
-    assert list(d._seen) == [late.mac]
+    assert list(d._seen) == [(late.mac, "")]
 
 
 # -- the worker side's bookkeeping, over a scripted engine ------------------------------------
@@ -288,6 +288,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.made: dict[str, FakeTransfer] = {}
         self.declined: list[tuple[str, str]] = []
+        self.members: dict[str, str | None] = {}  # request -> the member its receiver was pinned to
         self.waits: list[float] = []
 
     def start(self) -> FakeEngine:
@@ -296,7 +297,8 @@ class FakeEngine:
     def sender(self, request_id: str) -> FakeTransfer:
         return self.made.setdefault(request_id, FakeTransfer(request_id))
 
-    def receiver(self, request_id: str, *, sender: str) -> FakeTransfer:
+    def receiver(self, request_id: str, *, sender: str, member: str | None = None) -> FakeTransfer:
+        self.members[request_id] = member
         return self.made.setdefault(request_id, FakeTransfer(request_id, sender))
 
     def decline(self, request_id: str, *, sender: str, message: str = "") -> bool:

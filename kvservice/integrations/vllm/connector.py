@@ -24,7 +24,10 @@ Loaded by module path, nothing patched in vLLM::
 
 The scheduler signs (a producer) and checks (a consumer) hand-offs under a key derived from
 the service's key (``ServiceConfig.resolve_key``: ``auth_key_file``, or this user's key on
-loopback); with ``allow_unauthenticated`` there is none, and hand-offs prove nothing.
+loopback); with ``allow_unauthenticated`` there is none, and hand-offs prove nothing.  With
+a member identity (``identity_cert_file`` and the rest) a producer also signs them with its
+member key, and a consumer takes only those a prefill member of its cluster signed, not
+revoked (``revoked_file``), and loads them from that member alone.
 
 vLLM runs one connector object per role: the scheduler's (``scheduler.SchedulerSide``)
 and one per worker (``worker.WorkerSide``); they talk only through the metadata vLLM
@@ -42,6 +45,7 @@ from ..._control.addresses import join_address
 from ..._log import get_logger
 from ..._results import ConfigError
 from ..._trust.handoff import handoff_key
+from ..._trust.revocation import RevocationWatch
 from .layerwise import LayerSend
 from .metrics import KVServicePromMetrics, KVServiceStats
 from .params import MAX_LIFETIME_S, Handoff
@@ -110,6 +114,9 @@ class KVServiceConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             host = service.advertise_host or service.host
             key = handoff_key(service.resolve_key().key)
+            identity = service.identity()  # ConfigError naming the problem
+            watch = (RevocationWatch(service.revoked_file, identity.ca)
+                     if identity is not None and service.revoked_file is not None else None)
             if key is None:
                 log.warning("vllm.handoff_unauthenticated", why="allow_unauthenticated: no key",
                             then="hand-offs are issued unsigned and taken as given (they prove nothing)")
@@ -117,10 +124,14 @@ class KVServiceConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size, producer=producer, consumer=consumer,
                 senders=tuple(join_address(host, port) for port in ports) if producer else (),
                 key=key, tp_size=tp_size, decode_tp=settings.decode_tp_size,
-                lifetime_s=min(service.bootstrap_timeout_s, MAX_LIFETIME_S), skew_s=settings.handoff_skew_s)
+                lifetime_s=min(service.bootstrap_timeout_s, MAX_LIFETIME_S), skew_s=settings.handoff_skew_s,
+                identity=identity, revocations=watch,
+                allow_without_identity=service.allow_peers_without_identity)
             self._interval = Interval(self._scheduler.counts)
             vllm_log.info("KVServiceConnector %s: block size %d, hand-offs %s%s", transfer.kv_role,
-                          self._scheduler.block_size, "signed" if key else "UNSIGNED",
+                          self._scheduler.block_size,
+                          ("signed" if key else "UNSIGNED")
+                          + (f" by member {identity.member.uri}" if identity is not None else ""),
                           f", naming {', '.join(self._scheduler.senders)}" if producer else "")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

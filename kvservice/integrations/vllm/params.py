@@ -16,10 +16,17 @@ not expired.  Within its life a copy can be presented again: the decode's schedu
 a second request presenting it, and the prefill binds one expect per request.  Without a
 key (``allow_unauthenticated``) hand-offs carry no MAC and prove nothing: a decode without
 a key takes one as given (docs/vllm.md "Trust").
+
+With member identities a hand-off also carries its prefill member's proof (certificate and
+signature over the same fields, ``_trust.handoff.prove``) beside the record, under
+``MEMBER_KEY`` (a decode of a release without it reads only ``KEY`` and checks the MAC, as
+before).  A decode with an identity believes a hand-off only from the member that signed it
+(``Handoff.proven``) and expects its KV from that member alone (``Handoff.member``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import sys
@@ -31,10 +38,14 @@ from typing import Any
 from ..._control.addresses import split_address
 from ..._results import KVServiceError
 from ..._transfer.requests import check_request_id
-from ..._trust.handoff import MAC_CHARS, mac, mac_ok
+from ..._trust.handoff import MAC_CHARS, MAX_PROOF_CHARS, mac, mac_ok, prove, proven
+from ..._trust.identity import Identity, IdentityRefused
+from ..._trust.revocation import REVOKED, Revocations
 
 #: the key of the hand-off inside ``kv_transfer_params``
 KEY = "kvservice"
+#: the key, beside ``KEY``, of the prefill member's proof (``{"cert", "signature"}``, base64)
+MEMBER_KEY = "kvservice_member"
 #: prefill TP ranks a hand-off may name
 MAX_RANKS = 256
 MAX_TOKENS = 1 << 31
@@ -51,7 +62,9 @@ class HandoffError(KVServiceError, ValueError):
     """A ``kv_transfer_params`` hand-off that cannot be used; the message says why and
     ``kind`` names the counter it is counted under (``handoff_invalid``: malformed;
     ``handoff_unsigned``, ``handoff_forged``, ``handoff_expired``: not proved;
-    ``handoff_unusable``: proved, but not for this decode or this prompt).
+    ``handoff_unusable``: proved, but not for this decode or this prompt; with member
+    identities ``handoff_identity``, ``handoff_revoked``, ``handoff_identity_missing``: not
+    proved by a prefill member of this cluster).
 
     Raised on reading a request's parameters; the scheduler counts and logs why, and
     goes on without the hand-off (a decode prefills the request locally)."""
@@ -102,6 +115,12 @@ class Handoff:
     #: issued by the router before the prefill computed anything (decode-first, layer-wise):
     #: the KV is still to come; covered by the MAC
     ticket: bool = False
+    #: the issuing member's proof (base64 certificate, base64 signature over ``fields``); None
+    #: from a prefill without a member identity
+    proof: tuple[str, str] | None = None
+    #: the member that proved it, once a decode checked the proof (``proven``): the senders
+    #: must prove this member on the link; "" (not checked, or no identity): any sender
+    member: str = ""
 
     def __post_init__(self) -> None:
         try:
@@ -125,21 +144,56 @@ class Handoff:
             raise HandoffError(f"mac: must be {MAC_CHARS} lower-case hex digits")
         if not isinstance(self.ticket, bool):
             raise HandoffError(f"ticket: must be true or absent, got {_short(repr(self.ticket))}")
+        if self.proof is not None and (
+                not isinstance(self.proof, tuple) or len(self.proof) != 2
+                or not all(isinstance(p, str) and p for p in self.proof)
+                or sum(map(len, self.proof)) > MAX_PROOF_CHARS):
+            raise HandoffError(f"{MEMBER_KEY}: must be an object with a certificate and a signature, base64, "
+                               f"{MAX_PROOF_CHARS} characters at most")
 
     @classmethod
     def issue(cls, request: str, senders: tuple[str, ...], tokens: Sequence[int] | None, num_tokens: int,
               block_size: int, *, key: bytes | None, lifetime_s: float, now: float,
-              ticket: bool = False) -> Handoff:
+              ticket: bool = False, identity: Identity | None = None) -> Handoff:
         """A hand-off of the first ``num_tokens`` of ``tokens``, valid for ``lifetime_s`` from
-        ``now`` (Unix time), MACed under the hand-off key ``key`` (unsigned without one);
-        ``ticket``: a router's, before the prefill computed anything."""
+        ``now`` (Unix time), MACed under the hand-off key ``key`` (unsigned without one) and,
+        with ``identity``, signed by its member; ``ticket``: a router's, before the prefill
+        computed anything."""
         unsigned = cls(request, senders, num_tokens, block_size, math.ceil(now + lifetime_s),
                        prompt_digest(tokens, num_tokens), ticket=ticket)
-        return unsigned if key is None else unsigned.signed(key)
+        issued = unsigned if key is None else unsigned.signed(key)
+        if identity is not None:
+            proof = prove(identity, issued.fields)
+            issued = dataclasses.replace(issued, proof=(proof["cert"], proof["signature"]))
+        return issued
 
     def signed(self, key: bytes) -> Handoff:
         return Handoff(self.request, self.senders, self.num_tokens, self.block_size, self.expires, self.prompt,
                        mac(key, self.fields), self.ticket)
+
+    def proven(self, identity: Identity | None, revocations: Revocations | None, *,
+               allow_without: bool) -> Handoff:
+        """This hand-off bound to the prefill member that signed it (``member``), once
+        ``check`` passed; raises ``HandoffError`` unless a member of this cluster, in role
+        ``prefill`` and not revoked, signed exactly these fields.  Without ``identity``
+        (this decode has none) it is returned as it is: the MAC is all it checks.
+        ``allow_without`` (``allow_peers_without_identity``): one carrying no proof is taken
+        unbound (the caller counts it, ``handoffs_without_identity``)."""
+        if identity is None:
+            return self
+        if self.proof is None:
+            if allow_without:
+                return self
+            raise HandoffError("no member proof: this decode takes hand-offs only from prefill members of its "
+                               "cluster (give the prefill identity_cert_file, identity_key_file and "
+                               "identity_ca_file, or set allow_peers_without_identity here while a fleet moves "
+                               "to identities)", "handoff_identity_missing")
+        try:
+            member = proven(identity, revocations, self.fields, {"cert": self.proof[0], "signature": self.proof[1]})
+        except IdentityRefused as exc:
+            kind = "handoff_revoked" if exc.kind == REVOKED else "handoff_identity"
+            raise HandoffError(f"the prefill member's proof does not hold: {exc}", kind) from None
+        return dataclasses.replace(self, member=member.name)
 
     @property
     def fields(self) -> tuple[str | int | tuple[str, ...], ...]:
@@ -164,8 +218,12 @@ class Handoff:
         return body
 
     def to_params(self) -> dict[str, Any]:
-        """The decode request's ``kv_transfer_params``."""
-        return {"do_remote_prefill": True, "do_remote_decode": False, KEY: self.body()}
+        """The decode request's ``kv_transfer_params`` (with the member proof beside the
+        record, when there is one)."""
+        params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, KEY: self.body()}
+        if self.proof is not None:
+            params[MEMBER_KEY] = {"cert": self.proof[0], "signature": self.proof[1]}
+        return params
 
     def to_prefill_params(self) -> dict[str, Any]:
         """A ticket's prefill request's ``kv_transfer_params``: compute, and write each layer
@@ -215,7 +273,13 @@ def handoff_from(params: Any) -> Handoff | None:
         return None
     if params.get("do_remote_prefill") is not True or KEY not in params:
         return None
-    return _parse(params[KEY])
+    handoff = _parse(params[KEY])
+    if MEMBER_KEY not in params:
+        return handoff
+    raw = params[MEMBER_KEY]
+    if not isinstance(raw, Mapping) or set(raw) != {"cert", "signature"}:
+        raise HandoffError(f"{MEMBER_KEY}: expected an object with exactly the keys cert and signature")
+    return dataclasses.replace(handoff, proof=(raw["cert"], raw["signature"]))
 
 
 def ticket_from(params: Any) -> Handoff | None:

@@ -41,7 +41,11 @@ Trust: a prefill signs each hand-off it issues (``params.Handoff.issue``, under 
 hand-off key derived from the cluster's key) with an expiry ``lifetime_s`` away (its
 ``bootstrap_timeout_s``: the send waits no longer).  A decode acts on a hand-off only once
 ``params.Handoff.check`` proved it (MAC, expiry, prompt) and no other request presented it:
-before that nothing is reserved and nobody is dialled.
+before that nothing is reserved and nobody is dialled.  With member identities the prefill
+also signs each hand-off under its member key, and a decode with an identity takes only one
+its prefill member signed (``params.Handoff.proven``: the cluster's CA, role ``prefill``, the
+revocation list in force) and loads it only from that member (``Handoff.member``); a
+router's tickets carry the cluster key's MAC alone (the router is no member).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ from itertools import islice
 from typing import Any
 
 from ..._log import Throttle, get_logger
+from ..._trust.identity import Identity
+from ..._trust.revocation import LIST_REFUSED, POLL_S, Revocations, RevocationWatch
 from .layerwise import LayerSend, Plan, Plans
 from .params import (
     DEFAULT_SKEW_S,
@@ -138,14 +144,20 @@ class SchedulerSide:
 
     def __init__(self, *, block_size: int, producer: bool, consumer: bool, senders: tuple[str, ...],
                  key: bytes | None, tp_size: int = 1, decode_tp: int | None = None, lifetime_s: float = 30.0,
-                 skew_s: float = DEFAULT_SKEW_S, clock: Callable[[], float] = time.time) -> None:
+                 skew_s: float = DEFAULT_SKEW_S, clock: Callable[[], float] = time.time,
+                 identity: Identity | None = None, revocations: RevocationWatch | None = None,
+                 allow_without_identity: bool = False) -> None:
         """``senders``: this engine's kvservice control addresses, one per TP rank (what a
         hand-off names; needed by a producer).  ``key``: the hand-off key
         (``_trust.handoff.handoff_key`` of the cluster's key; None: hand-offs are issued
         unsigned and taken unproved).  ``decode_tp``: the decodes' TP size when a request
         does not name it (default: ``tp_size``).  ``lifetime_s``: how long a hand-off this
         prefill issues is valid; ``skew_s``: how far apart the engines' clocks (``clock``,
-        Unix time) may be."""
+        Unix time) may be.  ``identity``: this engine's member identity (a prefill signs its
+        hand-offs with it, a decode takes hand-offs only from prefill members of its
+        cluster); ``revocations``: the revocation list it watches (``revoked_file``);
+        ``allow_without_identity``: a decode with an identity still takes a hand-off that
+        carries no member proof (counted)."""
         if producer and len(senders) != tp_size:
             raise ValueError(f"a producer names one kvservice address per TP rank ({tp_size}), got {senders!r}")
         if not 0 < lifetime_s <= 3600 or not 0 <= skew_s <= 3600:
@@ -158,6 +170,10 @@ class SchedulerSide:
         self.lifetime_s, self.skew_s = lifetime_s, skew_s
         self._key = key
         self._clock = clock
+        self._identity = identity
+        self._revocations = revocations
+        self._allow_without_identity = allow_without_identity
+        self._polled = time.monotonic()
         self._work = Work()
         self._held: dict[str, int] = {}  # prefill: request -> blocks held for its decode
         # prefill: requests to hand off, by id, until they finish
@@ -167,7 +183,8 @@ class SchedulerSide:
         # decode: request -> its proved hand-off and the blocks its own prefix cache holds, from
         # the match to the allocation
         self._matched: dict[str, tuple[Handoff, int]] = {}
-        self._seen: dict[str, tuple[str, int]] = {}  # MAC -> (request, expires); MAX_REMEMBERED
+        # (MAC, proving member) -> (request, expires); MAX_REMEMBERED
+        self._seen: dict[tuple[str, str], tuple[str, int]] = {}
         self._plans = Plans(block_size)  # prefill: ticket requests, sent layer by layer
         self.counts: Counter[str] = Counter()
         self._throttle = Throttle()
@@ -248,6 +265,8 @@ class SchedulerSide:
             return
         blocks = tuple(block_ids[cached: handoff.num_blocks])
         # fewer blocks than the hand-off: the worker fails the load at once (reported, recomputed)
+        if self._identity is not None and not handoff.member and not handoff.ticket:
+            self.counts["loads_without_identity"] += 1  # allow_peers_without_identity took it unbound
         self._loading[request.request_id] = handoff
         # taken: a load fails at most once, then vLLM recomputes the request (rescheduled, it
         # is matched again; vLLM's own connectors mark their parameters the same way)
@@ -287,7 +306,7 @@ class SchedulerSide:
                 # raises for what a hand-off cannot carry (a request id past 256 characters)
                 handoff = Handoff.issue(rid, self.senders, request.prompt_token_ids, request.num_computed_tokens,
                                         self.block_size, key=self._key, lifetime_s=self.lifetime_s,
-                                        now=self._clock())
+                                        now=self._clock(), identity=self._identity)
             except HandoffError as exc:
                 self._refuse("handoff_refused", request, str(exc))
         if early is not None:
@@ -377,7 +396,7 @@ class SchedulerSide:
         except HandoffError as exc:
             self._refuse(exc.kind, request, str(exc), then="prefilled and handed off whole, not layer-wise")
             return None
-        first = self._seen.get(ticket.mac) if ticket.mac else None
+        first = self._seen.get((ticket.mac, "")) if ticket.mac else None
         if first is not None and first[0] != request.request_id:
             self._refuse("handoff_replayed", request, f"presented already, by request {first[0]!r}",
                          then="prefilled and handed off whole, not layer-wise")
@@ -414,14 +433,33 @@ class SchedulerSide:
             if handoff is None:
                 return None
             handoff.check(self._key, now=self._clock(), skew_s=self.skew_s, tokens=request.prompt_token_ids)
+            if not handoff.ticket:  # a router's ticket carries the cluster key's MAC alone
+                handoff = handoff.proven(self._identity, self._revoked(),
+                                         allow_without=self._allow_without_identity)
         except HandoffError as exc:
             self._refuse(exc.kind, request, str(exc))
             return None
-        first = self._seen.get(handoff.mac) if handoff.mac else None
+        # by MAC and member: a member's copy of another's fields (which any key holder can MAC)
+        # is bound to her, and does not use up the hand-off the member that sends signed
+        first = self._seen.get((handoff.mac, handoff.member)) if handoff.mac else None
         if first is not None and first[0] != request.request_id:
             self._refuse("handoff_replayed", request, f"presented already, by request {first[0]!r}")
             return None
         return handoff
+
+    def _revoked(self) -> Revocations | None:
+        """The revocation list in force, its file looked at again at most every ``POLL_S``
+        (a ``stat``; read only when it changed, as a service does)."""
+        watch = self._revocations
+        if watch is None:
+            return None
+        if time.monotonic() - self._polled >= POLL_S:
+            self._polled = time.monotonic()
+            loaded = watch.read()
+            if isinstance(loaded, ValueError):
+                self.counts[LIST_REFUSED] += 1
+            watch.apply(loaded)
+        return watch.current
 
     def _remember(self, handoff: Handoff, rid: str) -> None:
         """Remember that ``rid`` is loading ``handoff``, until it expires; forget the expired
@@ -430,7 +468,7 @@ class SchedulerSide:
         for mac, (_, expires) in list(islice(seen.items(), 64)):  # the oldest few: bounded per call
             if expires + self.skew_s < now or len(seen) >= MAX_REMEMBERED:
                 del seen[mac]
-        seen[handoff.mac] = (rid, handoff.expires)
+        seen[(handoff.mac, handoff.member)] = (rid, handoff.expires)
 
     def _refuse(self, kind: str, request: Any, why: str, then: str | None = None) -> None:
         self.counts[kind] += 1

@@ -263,8 +263,10 @@ class WorkerSide:
                                  f"{spec.cached} of them cached here")
             tp = TensorParallel(len(handoff.senders), self.tp_size)
             for p in tp.sources(self.tp_rank):
+                # a hand-off a member proved is loaded from that member alone (any other answering
+                # at the sender's address is refused, REFUSED naming both)
                 receiver = engine.receiver(TensorParallel.request_id(handoff.request, p, self.tp_rank),
-                                           sender=handoff.senders[p])
+                                           sender=handoff.senders[p], member=handoff.member or None)
                 load.receivers.append(receiver)
                 receiver.init(list(spec.blocks))
         except (ValueError, RuntimeError) as exc:
