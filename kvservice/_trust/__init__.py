@@ -5,7 +5,8 @@
 * ``handshake``: the mutual challenge-response both peers run before any NIXL
   metadata moves, and the per-frame MACs that protect the link afterwards.
 * ``handoff``: the MAC an engine's hand-off carries (vLLM's ``kv_transfer_params``), under
-  a key derived from the cluster's key for that use alone.
+  a key derived from the cluster's key for that use alone, and with member identities its
+  prefill member's signature, checked as the handshake's certificates are.
 * ``checks``: range checks of every field a peer supplies, before it reaches
   arithmetic, an allocation or NIXL.
 * ``peercred``: the uid of the process at the other end of a Unix socket.
