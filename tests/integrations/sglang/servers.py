@@ -15,6 +15,7 @@ model DIR KV_HEADS``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -273,6 +274,62 @@ class Pair:
             self.decode.stop()
         finally:
             self.prefill.stop()
+
+
+class Router:
+    """SGLang's own router (``sglang_router.launch_router --pd-disaggregation``) in front of a
+    ``Pair``, run from its environment (``scripts/engine-env.sh sglang-router``, built once):
+    what a client of a P/D deployment talks to.  ``stop()`` by PID."""
+
+    def __init__(self, python: Path, pair: Pair, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / "router.log"
+        args = [str(python), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+                "--port", str(self.port), "--prefill", pair.prefill.url, str(pair.prefill.bootstrap_port),
+                "--decode", pair.decode.url, "--policy", "round_robin"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        def answers() -> bool:
+            assert self.proc.poll() is None, f"the router exited {self.proc.returncode}: {self.tail()}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    return bool(resp.status == 200)
+            except OSError:
+                return False
+
+        eventually_sync(answers, timeout, 0.5, what=lambda: f"the router ready: {self.tail()}")
+
+    def generate(self, body: dict[str, Any]) -> Answer:
+        return post(f"{self.url}/generate", body)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+
+
+def router_python() -> Path:
+    """The python of SGLang's router's environment, built here once (seconds) if need be."""
+    done = subprocess.run(["bash", str(REPO / "scripts" / "engine-env.sh"), "sglang-router"], capture_output=True,
+                          text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/engine-env.sh sglang-router failed: {done.stderr[-2000:]}")
+    return Path(done.stdout.strip()) / "bin" / "python"
 
 
 if __name__ == "__main__":

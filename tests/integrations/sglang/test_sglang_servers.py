@@ -4,7 +4,8 @@ SGLang's ``mini_lb`` router sends them, a random Llama with 8 KV heads (Llama-3-
 the single-head mapping is the SGLang-free tests' in tests/unit/test_sglang_mapping.py: a second
 pair here cost the suite about three minutes).
 
-The pair's greedy tokens are a single server's; a prefill or decode SIGKILLed mid-request
+The pair's greedy tokens are a single server's, sent as ``mini_lb`` does and through SGLang's
+own router (``sglang-router``, from its own environment); a prefill or decode SIGKILLed mid-request
 ends the request with an error naming the reason, and the pair serves again once the killed
 server is back (for the prefill: the first request after the restarted one is ready); a
 prefill restarted while idle serves the first request after it is ready; a hostile
@@ -18,16 +19,19 @@ again first (``Pair.ensure_up``): one test's failure is not every later test's. 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .needs import HAVE_SGLANG, require_sglang
-from .servers import Answer, Pair, Server, greedy, write_model
+from .servers import Answer, Pair, Router, Server, greedy, router_python, write_model
 
 #: several prompts of the model's words (token ids 3..252), of different lengths
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150, 60, 61, 62, 63, 64, 10, 11], [120, 33], list(range(3, 40))]
@@ -92,6 +96,28 @@ def outcome(future: Future[Answer]) -> Any:
 def test_the_pairs_greedy_tokens_are_a_single_servers(served: Served) -> None:
     served.pair.ensure_up()
     assert [served.pair.tokens(prompt) for prompt in PROMPTS] == served.baseline
+
+
+@pytest.mark.parametrize("served", [8], indirect=True, ids=["8-kv-heads"])
+def test_sglangs_own_router_serves_the_pair_with_a_single_servers_tokens(served: Served, tmp_path: Path) -> None:
+    """What a client of a P/D deployment talks to: ``sglang-router --pd-disaggregation`` (its
+    wheel from PyPI, in an environment of its own) in front of the pair, picking the bootstrap
+    room itself; the tokens it answers are a single server's."""
+    served.pair.ensure_up()
+    try:
+        python = router_python()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        if os.environ.get("KVSERVICE_REQUIRE_SGLANG"):
+            raise
+        pytest.skip(f"SGLang's router cannot be installed here: {exc}")
+    router = Router(python, served.pair, tmp_path)
+    try:
+        router.wait_ready()
+        answers = [router.generate(greedy(prompt)) for prompt in PROMPTS]
+        assert all(a.status == 200 for a in answers), (answers, router.tail())
+        assert [a.tokens for a in answers] == served.baseline
+    finally:
+        router.stop()
 
 
 @pytest.mark.parametrize("served", [8], indirect=True, ids=["8-kv-heads"])
