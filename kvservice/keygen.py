@@ -1,9 +1,10 @@
 """``kvservice keygen PATH [--force]``: write a new cluster key (mode 0600).
 ``kvservice keygen ca DIR --cluster NAME`` and ``kvservice keygen issue DIR --role ROLE
 --name NAME [--out OUT]``: a small authority for member identities (``_trust.authority``);
-rotating a member's certificate is issuing it again (``--force``); ``kvservice keygen
-revoke DIR (--cert FILE | --serial N)... [--out LIST]`` adds certificates to the cluster's
-revocation list (``revoked_file``).
+rotating a member's certificate is issuing it again (``--force``: each file replaced by a
+rename, which a running service picks up); ``kvservice keygen revoke DIR (--cert FILE |
+--serial N)... [--out LIST]`` adds certificates to the cluster's revocation list
+(``revoked_file``).
 
 Every sidecar and service of one cluster reads the same key file
 (``[service] auth_key_file`` or ``KVSERVICE_AUTH_KEY_FILE``); peers without it

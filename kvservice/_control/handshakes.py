@@ -49,7 +49,8 @@ from .._trust.identity import (
     Member,
     signed_part,
 )
-from .._trust.revocation import RevocationWatch, expiry_warning
+from .._trust.revocation import RevocationWatch
+from .._trust.rotation import IdentityWatch
 from .addresses import split_address
 from .links import CONNECTION_ERRORS, ControlStream, try_send
 from .peers import LocalPeer, agree, check_hello, rejected_by
@@ -102,8 +103,12 @@ class Handshakes:
         #: its links closed by the plane's watch
         self.revocations = (RevocationWatch(config.revoked_file, self._identity.ca)
                             if config.revoked_file is not None and self._identity is not None else None)
-        if self._identity is not None and (warning := expiry_warning(self._identity.member)) is not None:
-            log.warning("identity.expiring", member=self._identity.member.uri, why=warning)
+        #: the identity's files watched (``_trust.rotation``): a pair rotated in is put in
+        #: force here for new handshakes (``rotated``), links made before are left as they are
+        self.identity_watch = (IdentityWatch(self._identity, str(config.identity_cert_file),
+                                             str(config.identity_key_file), str(config.identity_ca_file),
+                                             role=config.discovery_role)
+                               if self._identity is not None else None)
         #: agent -> the member it proved (None: it linked proving none), most recent last
         self.members: OrderedDict[str, Member | None] = OrderedDict()
 
@@ -240,6 +245,10 @@ class Handshakes:
         return met
 
     # -- member identities ----------------------------------------------------------------
+    def rotated(self, identity: Identity) -> None:
+        """``identity`` proves this service in its handshakes from now on (same member)."""
+        self._identity = identity
+
     @property
     def own_member(self) -> Member | None:
         """The member this service proves (``None``: it has no identity)."""

@@ -56,6 +56,7 @@ from .._transfer.requests import Recent
 from .._trust import checks
 from .._trust.identity import MEMBER, IdentityRefused
 from .._trust.revocation import LIST_REFUSED, POLL_S, REVOKED, RevocationWatch
+from .._trust.rotation import ROTATION_REFUSED, IdentityWatch
 from .._trust.vetting import MetadataVetter
 from ..memory._pairing import PeerKV
 from ..memory._staging import area_from_wire
@@ -144,24 +145,37 @@ class ControlPlane:
         self.address = join_address(cfg.advertise_host or cfg.host, port)
         for listener in listeners:
             self._tg.start_soon(self._serve, listener)
-        if self._handshakes.revocations is not None:
-            self._tg.start_soon(self._watch_revocations, self._handshakes.revocations)
+        if self._handshakes.identity_watch is not None:
+            self._tg.start_soon(self._watch_trust_files, self._handshakes.identity_watch,
+                                self._handshakes.revocations)
         return self.address
 
-    async def _watch_revocations(self, watch: RevocationWatch) -> None:
-        """Until the service's task group ends: every ``POLL_S``, the list's file looked
-        at; when a new list is in force, the links of members it revokes are closed (their
-        requests fail with its reason), no other's."""
+    async def _watch_trust_files(self, identity: IdentityWatch, revocations: RevocationWatch | None) -> None:
+        """Until the service's task group ends: every ``POLL_S``, the files of the trust
+        in force looked at, in one worker thread.  A new revocation list in force closes
+        the links of the members it revokes (their requests fail with its reason), no
+        other's; a rotated identity proves this service in new handshakes, links made
+        before are left alone; either refused is counted.  The expiry warning is said
+        again each time."""
         while True:
             await anyio.sleep(POLL_S)
-            loaded = await anyio.to_thread.run_sync(watch.read)
-            if isinstance(loaded, ValueError):
+            listed, pair = await anyio.to_thread.run_sync(
+                lambda: (revocations.read() if revocations is not None else None, identity.read()))
+            if isinstance(pair, ValueError):
+                self._stats.refuse(ROTATION_REFUSED)
+            if identity.apply(pair):
+                self._handshakes.rotated(identity.current)
+                self._stats.identity = identity.current.member
+            identity.expiry()
+            if revocations is None:
+                continue
+            if isinstance(listed, ValueError):
                 self._stats.refuse(LIST_REFUSED)
-            if not watch.apply(loaded):
+            if not revocations.apply(listed):
                 continue
             for agent in list(self._peers):
                 member = self._handshakes.members.get(agent)
-                if member is not None and (why := watch.current.refusal(member)) is not None:
+                if member is not None and (why := revocations.current.refusal(member)) is not None:
                     self._stats.refuse(REVOKED)
                     log.warning("peer.revoked", agent=agent, member=member.uri, why=str(why))
                     self.drop_peer(agent, why)

@@ -5,7 +5,8 @@
 CA's subject names the cluster.  ``issue(DIR, role, name, OUT)`` writes a member's
 ``OUT/<name>.crt`` and ``OUT/<name>.key`` (0600), the certificate naming
 ``kvservice://<cluster>/<role>/<name>`` (``identity.member_uri``).  Rotation is issuing
-again: a service reads its files when it starts.  ``revoke(DIR, serials)`` adds
+again (``force``: each file written new and renamed over the old, the key first): a
+running service puts the new pair in force once both changed (``rotation``).  ``revoke(DIR, serials)`` adds
 certificates to the cluster's revocation list ``DIR/revoked.crl`` (a CRL the CA signs;
 services with ``revoked_file`` read it again when it changes: ``_trust.revocation``).  Key files are created with
 ``O_EXCL`` (never overwritten unless ``force``) and never through a symbolic link.
@@ -43,6 +44,17 @@ def _write(path: str, data: bytes, *, private: bool, force: bool) -> None:
         os.close(fd)
 
 
+def _put(path: str, data: bytes, *, private: bool, force: bool) -> None:
+    """``path`` written whole: new (``O_EXCL``), or with ``force`` written to a new file and
+    renamed over the old, so a service watching it never reads half (``rotation``)."""
+    if not force:
+        _write(path, data, private=private, force=False)
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    _write(tmp, data, private=private, force=True)
+    os.replace(tmp, path)
+
+
 def _pem_key(key: ed25519.Ed25519PrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -65,9 +77,9 @@ def create_authority(directory: str, cluster: str, *, days: int = 3650, force: b
             .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"kvservice://{cluster}")]),
                            critical=False)
             .sign(key, None))
-    _write(os.path.join(directory, CA_KEY), _pem_key(key), private=True, force=force)
+    _put(os.path.join(directory, CA_KEY), _pem_key(key), private=True, force=force)
     path = os.path.join(directory, CA_CERT)
-    _write(path, cert.public_bytes(serialization.Encoding.PEM), private=False, force=force)
+    _put(path, cert.public_bytes(serialization.Encoding.PEM), private=False, force=force)
     return path
 
 
@@ -108,8 +120,8 @@ def issue(directory: str, role: str, name: str, out: str, *, days: int = 90, for
             .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), critical=False)
             .sign(ca_key, None))
     cert_path, key_path = os.path.join(out, f"{name}.crt"), os.path.join(out, f"{name}.key")
-    _write(key_path, _pem_key(key), private=True, force=force)
-    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False, force=force)
+    _put(key_path, _pem_key(key), private=True, force=force)
+    _put(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False, force=force)
     return cert_path, key_path
 
 
@@ -145,9 +157,7 @@ def revoke(directory: str, serials: list[int], out: str | None = None, *, days: 
         builder = builder.add_revoked_certificate(
             x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build())
     crl = builder.sign(ca_key, None)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    _write(tmp, crl.public_bytes(serialization.Encoding.PEM), private=False, force=True)
-    os.replace(tmp, path)
+    _put(path, crl.public_bytes(serialization.Encoding.PEM), private=False, force=True)
     return path, len(entries)
 
 

@@ -31,7 +31,8 @@ log = get_logger("kvservice")
 #: revocation list refused (kept the last good one)
 REVOKED = "identity_revoked"
 LIST_REFUSED = "revocation_list"
-#: how often the list's file is looked at (a ``stat``; read again only when it changed)
+#: how often the list's file (and the service's own certificate and key: ``rotation``) is
+#: looked at (a ``stat``; read again only when it changed)
 POLL_S = 2.0
 #: the largest list read (about 30 000 revoked serials in DER)
 MAX_LIST_BYTES = 1 << 20
@@ -72,8 +73,20 @@ def parse_revocations(data: bytes, ca: x509.Certificate) -> Revocations:
     return Revocations(frozenset(entry.serial_number for entry in crl), crl.last_update_utc)
 
 
-def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+#: what says a file changed: its inode (a rename puts a new one in place), size and times
+Stamp = tuple[int, int, int, int]
+
+
+def _stamp(st: os.stat_result) -> Stamp:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def stamp_of(path: str) -> Stamp | None:
+    """``path``'s stamp (``None``: it cannot be looked at)."""
+    try:
+        return _stamp(os.stat(path))
+    except OSError:
+        return None
 
 
 class RevocationWatch:
@@ -82,7 +95,7 @@ class RevocationWatch:
     def __init__(self, path: str, ca: x509.Certificate) -> None:
         self.path = path
         self._ca = ca
-        self._stamp: tuple[int, int, int, int] | None = None
+        self._stamp: Stamp | None = None
         loaded = self.read()
         if isinstance(loaded, ValueError):
             raise ConfigError(f"revoked_file: {path!r} {loaded}")
@@ -92,7 +105,7 @@ class RevocationWatch:
         log.info("identity.revocations_loaded", file=path, revoked=len(self.current.serials),
                  issued=self.current.issued.isoformat())
 
-    def read(self) -> tuple[Revocations, tuple[int, int, int, int]] | ValueError | None:
+    def read(self) -> tuple[Revocations, Stamp] | ValueError | None:
         """The file's list when it changed since the last read (``None``: unchanged;
         a ``ValueError`` saying why it does not check out).  File I/O: a worker thread's."""
         try:
@@ -109,7 +122,7 @@ class RevocationWatch:
             self._stamp = stamp  # refused once, not again each poll
             return exc
 
-    def apply(self, loaded: tuple[Revocations, tuple[int, int, int, int]] | ValueError | None) -> bool:
+    def apply(self, loaded: tuple[Revocations, Stamp] | ValueError | None) -> bool:
         """Put what ``read`` returned in force; whether a new list now is.  A list that
         did not check out is logged and left (the caller counts it)."""
         if loaded is None:
@@ -135,5 +148,5 @@ def expiry_warning(member: Member, now: dt.datetime | None = None) -> str | None
     if left > EXPIRY_WARNING:
         return None
     return (f"this service's certificate for {member.uri} expires {member.not_after:%Y-%m-%d %H:%M} UTC, in "
-            f"{max(left.total_seconds(), 0) / 86400:.1f} days: issue a new one (kvservice keygen issue --force) "
-            "and restart the service before then, or peers will refuse it")
+            f"{max(left.total_seconds(), 0) / 86400:.1f} days: issue a new one before then (kvservice keygen issue "
+            "--force; the service puts it in force when its files change), or peers will refuse it")
