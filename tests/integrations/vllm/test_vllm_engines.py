@@ -17,9 +17,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
 
+from kvservice._trust.authority import CA_CERT, create_authority, issue
 from kvservice._trust.handoff import handoff_key
+from kvservice._trust.identity import load_identity
 from kvservice._trust.keys import generate_key, load_key
-from kvservice.integrations.vllm.params import Handoff
+from kvservice.integrations.vllm.params import MEMBER_KEY, Handoff
 
 from .engine_proc import MODEL
 from .engines import MAX_TOKENS, Engine, free_port
@@ -233,6 +235,48 @@ def test_hostile_handoffs_are_refused_and_the_decode_prefills_locally(
     assert {k: v for k, v in ds["scheduler"].items() if k.startswith("handoff_")} == \
         {kind: sum(k == kind for k, _ in hostile) for kind in kinds}, ds
     assert ds["scheduler"]["loads"] == 2 and ds["worker"] == {"loads_ok": 1, "load_failed": 1}, ds
+    # the decode and the prefill are up: a legitimate hand-off still moves
+    got = decode(d, prompts, prefill(p, prompts, "n"), "n")
+    assert [g["tokens"] for g in got] == baseline
+
+
+def test_with_member_identities_a_handoff_loads_only_from_the_prefill_member_that_signed_it(
+        spawn: Any, prompts: list[list[int]], baseline: list[list[int]], tmp_path: Path) -> None:
+    """The prefill signs its hand-offs with its member key, through vLLM's own output path;
+    mallory, a member with the cluster's key, signs a hand-off of the prefill's pending
+    request naming its sender: the decode loads it only from mallory, so the prefill's
+    service (proving prefill-a) is refused on the link and the decode recomputes; one
+    without a member proof is refused before anything is reserved."""
+    ca = tmp_path / "ca"
+    ca.mkdir()
+    create_authority(str(ca), "c1")
+    key = ca / "cluster.key"
+    generate_key(key)
+
+    def member(name: str, role: str) -> dict[str, str]:
+        cert, own = issue(str(ca), role, name, str(ca), force=True)
+        return {"auth_key_file": str(key), "identity_cert_file": cert, "identity_key_file": own,
+                "identity_ca_file": str(ca / CA_CERT)}
+
+    p = spawn("prefill", "kv_producer", 0, port=free_port(), **member("prefill-a", "prefill"))
+    d = spawn("decode", "kv_consumer", 1, arrival_timeout_s=5.0, **member("decode-0", "decode"))
+    (good,) = prefill(p, prompts[:1], "g")
+    assert set(good[MEMBER_KEY]) == {"cert", "signature"}, good
+    assert decode(d, prompts[:1], [good], "g")[0]["tokens"] == baseline[0]
+    (pending,) = prefill(p, prompts[:1], "v")  # its send waits in prefill-a's service
+    m = member("mallory", "prefill")
+    mallory = load_identity(m["identity_cert_file"], m["identity_key_file"], m["identity_ca_file"])
+    kv = pending["kvservice"]
+    forged = Handoff.issue(kv["request"], tuple(kv["senders"]), prompts[0], kv["num_tokens"], kv["block_size"],
+                           key=handoff_key(load_key(key)), lifetime_s=30, now=time.time(),
+                           identity=mallory).to_params()
+    bare = Handoff.issue("bare", tuple(kv["senders"]), prompts[0], kv["num_tokens"], kv["block_size"],
+                         key=handoff_key(load_key(key)), lifetime_s=30, now=time.time()).to_params()
+    got = decode(d, [prompts[0]] * 2, [forged, bare], "h")
+    assert all(g["tokens"] == baseline[0] for g in got)
+    ds = settled(d)
+    assert ds["scheduler"].get("handoff_identity_missing") == 1 and ds["scheduler"]["loads"] == 2, ds
+    assert ds["worker"] == {"loads_ok": 1, "load_failed": 1}, ds
     # the decode and the prefill are up: a legitimate hand-off still moves
     got = decode(d, prompts, prefill(p, prompts, "n"), "n")
     assert [g["tokens"] for g in got] == baseline
