@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvservice._trust.authority import CA_CERT, create_authority, issue, revoke
 from kvservice.sidecar.settings import from_mapping
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "docs" / "k8s"
@@ -47,11 +48,26 @@ def test_the_sidecars_environment_is_a_valid_config(tmp_path: Path) -> None:
     for var in (f"KVSERVICE_SERVICE_ETCD_{f}_FILE" for f in ("CA", "CERT", "KEY")):
         env[var] = str(tmp_path / Path(env[var]).name)  # where the secret is mounted
         Path(env[var]).write_text("PEM")
+    env.update(member_files(tmp_path, "decode", "pod-0"))  # what the member-files sidecar copies
     cfg = from_mapping({}, env)
+    identity = cfg.service.identity()
+    assert identity is not None and identity.member.uri == "kvservice://prod/decode/pod-0"
     assert all(e.startswith("https://") for e in cfg.service.etcd_endpoints)
     assert cfg.service.etcd_ca_file and cfg.service.etcd_cert_file and cfg.service.etcd_key_file
     assert (cfg.service.discovery, cfg.service.cluster, cfg.service.discovery_name) == ("etcd", "prod", "pod-0")
     assert len(cfg.service.etcd_endpoints) == 3 and cfg.service.advertise_host == "10.0.0.7"
+
+
+def member_files(tmp_path: Path, role: str, name: str) -> dict[str, str]:
+    """A member's files from an authority of cluster "prod", as the manifest's identity
+    variables name them (and the revocation list)."""
+    ca = tmp_path / "authority"
+    ca.mkdir(exist_ok=True)
+    create_authority(str(ca), "prod", force=True)
+    cert, key = issue(str(ca), role, name, str(ca), force=True)
+    return {"KVSERVICE_SERVICE_IDENTITY_CERT_FILE": cert, "KVSERVICE_SERVICE_IDENTITY_KEY_FILE": key,
+            "KVSERVICE_SERVICE_IDENTITY_CA_FILE": str(ca / CA_CERT),
+            "KVSERVICE_SERVICE_REVOKED_FILE": revoke(str(ca), [])[0]}
 
 
 def test_etcd_admits_only_clients_with_a_certificate() -> None:
