@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -103,7 +104,9 @@ def main(argv: Sequence[str] = ()) -> int:
     env = [("KVSERVICE_LOG_LEVEL", "error"), ("NIXL_LOG_LEVEL", "FATAL")]
     logdir = Path(tempfile.mkdtemp(prefix=f"kvservice-soak-{os.getpid()}-"))
     with open(logdir / "children.log", "w") as log, contextlib.ExitStack() as hosts:
-        # the namespaces go when the run ends, however it ends (an error, Ctrl-C)
+        # the namespaces go when the run ends, however it ends (an error, Ctrl-C, SIGTERM)
+        if opts.network_cuts:
+            hosts.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, signal.default_int_handler))
         net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
         summary = run(soak, opts, log, env, net)
     data = summary.as_json()

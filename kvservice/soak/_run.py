@@ -4,9 +4,11 @@ faults at random, and the accounting that says whether any promise broke."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +21,7 @@ import numpy as np
 
 from .._trust.keys import generate_key
 from ..memory._layout import KVLayout
-from ..sidecar.local import short_tmpdir
+from ..sidecar.local import LocalDaemon, short_tmpdir
 from ..testing.netns import CUTS, Hub
 from ..testing.peer_process import stray_output
 from ._leaks import Ledger
@@ -134,6 +136,7 @@ class Soak:
         self.unsettled_pages = 0  # at the last status poll, all processes together
         self.finished = anyio.Event()
         self.workdir = short_tmpdir("kvs-soak-")  # sidecar sockets, the cluster key
+        self.daemons: list[LocalDaemon] = []  # every sidecar daemon made, started or not
         self.key_file = os.path.join(self.workdir, "cluster.key")
         if net is not None:  # services bound to a veth's address: a real deployment's shared key
             generate_key(self.key_file)
@@ -165,6 +168,7 @@ class Soak:
             lay = child_config()["layout"]
             daemon = PrefixedDaemon("decode", self.workdir, name=f"{name}-{self.generation}", layout=lay,
                                     env=settings, stderr=self.log, prefix=prefix)
+            self.daemons.append(daemon)
         node = await Node.start(self.tg, name, config, LAYOUT.num_pages, env, self.log, daemon, prefix=prefix)
         self.nodes.append(node)
         return node
@@ -478,6 +482,18 @@ class Soak:
             node.cut = False
             node.cuts_seen += 1
 
+    def kill_daemons(self) -> None:
+        """SIGKILL every sidecar daemon still running: a run that ends early (an error,
+        Ctrl-C) leaves none serving, not even one a restart was starting.  The workers exit
+        on their own when their stdin closes; a daemon would serve on.  A no-op after a run
+        that stopped each one."""
+        for daemon in self.daemons:
+            if daemon.proc is not None and daemon.proc.poll() is None:
+                daemon.signal(signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    daemon.wait(5.0)
+                daemon.cleanup_names()
+
     # -- watching -------------------------------------------------------------------------
     def _running(self) -> list[Node]:
         return [n for n in [self.prefill, *self.decodes] if n is not None and n.alive and not n.stopped]
@@ -578,6 +594,7 @@ async def soak(opts: Options, log: IO[Any], env: Sequence[tuple[str, str]] = (),
         try:
             summary = await run.run()
         finally:
+            run.kill_daemons()
             shutil.rmtree(run.workdir, ignore_errors=True)
         tg.cancel_scope.cancel()
     return summary

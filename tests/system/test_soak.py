@@ -11,18 +11,29 @@ synthetic series: tests/unit/test_soak_leaks.py).
 
 from __future__ import annotations
 
+import collections
 import json
+import os
+import re
+import selectors
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, problems
+from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, main, problems
 from kvservice.soak._leaks import PROCESS_RESOURCES
 from kvservice.soak._probe import TABLES
+from kvservice.soak._run import PROCESS_FAULTS_WITH_CUTS, process_fault
 from kvservice.soak._sampling import STATUS_TABLES
+from kvservice.soak._summary import disagreement_cause
+from kvservice.testing import netns as package_netns
+from tests.faults import netns
 from tests.helpers import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,3 +144,110 @@ def test_failures_and_faults_alone_do_not_fail_the_soak() -> None:
     s.failed_by_reason.update({"PEER_LOST": 3, "ABORTED": 2})
     s.faults.update({"sigkill": 1})
     assert exit_code(s.as_json()) == 0
+
+
+# -- network cuts ------------------------------------------------------------------------------
+
+
+def run_names(pid: int) -> list[str]:
+    """The namespaces of the soak with process id ``pid`` that exist now."""
+    return [n for n in package_netns.listed() if n.startswith(f"{package_netns.HUB_PREFIX}-{pid}-")]
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_soak_with_network_cuts_heals_and_keeps_every_counter_at_zero(tmp_path: Path) -> None:
+    netns.require()
+    out = tmp_path / "soak.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "30s", "--seed", "2", "--decodes", "3",
+         "--fault-interval", "0.4", "--network-cuts", "--quiet", "--json", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=scaled(300))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-2000:]
+    summary = json.loads(out.read_text())
+    for key in MUST_BE_ZERO:
+        assert summary[key] == 0, (key, summary)
+    assert summary["faults"].get("netcut", 0) >= 3, summary["faults"]
+    assert summary["faults"].get("sigkill", 0) + summary["faults"].get("sigstop", 0) > 0, summary["faults"]
+    # a request to a cut decode, begun after the restore, succeeded: its links healed
+    healed = re.search(r"^network cuts .*healed \(a later request to that decode succeeded\): (\d+)$", stdout, re.M)
+    assert healed is not None and int(healed[1]) > 0, stdout
+    # the prefill's connections are counted in its own namespace (none in this one's table)
+    assert float(summary["leaks"]["prefill"]["tcp"]["peak"]) >= 2, summary["leaks"]["prefill"]["tcp"]
+    assert run_names(proc.pid) == []
+
+
+@pytest.mark.nixl
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_interrupted_soak_removes_its_namespaces() -> None:
+    netns.require()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "10m", "--seed", "3", "--decodes", "2",
+         "--fault-interval", "0.5", "--network-cuts"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    children: list[int] = []
+    try:
+        seen = b""
+        deadline = time.monotonic() + scaled(180)
+        with selectors.DefaultSelector() as sel:  # until the first progress line: requests are running
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            while b"soak " not in seen and time.monotonic() < deadline and proc.poll() is None:
+                if sel.select(timeout=1.0):
+                    seen += os.read(proc.stderr.fileno(), 65536)
+        assert b"soak " in seen, seen[-2000:]
+        names = run_names(proc.pid)
+        assert f"{package_netns.HUB_PREFIX}-{proc.pid}-hub" in names and len(names) == 4, names
+        for name in names:
+            children += [int(p) for p in package_netns._run("ip", "netns", "pids", name).split()]
+        assert children
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()
+    assert run_names(proc.pid) == []
+    # and its children went with it: none is left running in a namespace nobody can name
+    for _ in range(300):
+        left = [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"children of the interrupted soak still run: {left}"
+
+
+def test_network_cuts_without_namespaces_refuse_with_status_2(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(package_netns, "unavailable", lambda: "needs Linux with iproute2 (ip, tc, ss)")
+    assert main(["--network-cuts", "--transfers", "1", "--quiet"]) == 2
+    assert "--network-cuts needs network namespaces, but needs Linux with iproute2" in capsys.readouterr().err
+
+
+def test_with_network_cuts_a_fault_is_kill_stop_or_cut_at_equal_odds() -> None:
+    rng = np.random.default_rng(7)
+    with_cuts = collections.Counter(process_fault(rng, True) for _ in range(3000))
+    assert set(with_cuts) == set(PROCESS_FAULTS_WITH_CUTS)
+    assert all(900 < n < 1100 for n in with_cuts.values()), with_cuts
+    without = collections.Counter(process_fault(rng, False) for _ in range(2000))
+    assert set(without) == {"kill", "stop"} and all(900 < n < 1100 for n in without.values()), without
+    # a run without cuts draws the schedule it always drew: one uniform per fault, below 0.5 a kill
+    a, b = np.random.default_rng(1), np.random.default_rng(1)
+    assert [process_fault(a, False) for _ in range(50)] == ["kill" if b.random() < 0.5 else "stop" for _ in range(50)]
+
+
+def test_a_disagreement_a_cut_touched_is_named_cut_never_none() -> None:
+    reset = {"status": "FAILED", "reason": "PEER_LOST", "message": "lost peer 10.214.0.1:4242: ConnectionResetError"}
+    assert disagreement_cause("none", False, reset, False, cut=True) == "cut"
+    assert disagreement_cause("none", False, reset, False) == "none"
+    assert disagreement_cause("none", True, reset, False, cut=True) == "stop/kill"
+    assert disagreement_cause("abort_send", False, reset, False, cut=True) == "abort_send"
