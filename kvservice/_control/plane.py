@@ -32,9 +32,9 @@ each link guards its own reader (``PeerLink``): nothing a peer sends reaches
 the service's task group.  Bounds: ``max_handshakes`` connections in their
 handshake, ``max_handshakes_per_source`` of them from one source IP, shared
 fairly (``preauth``; a refused or evicted one gets a ``Reject`` saying so),
-``max_peers`` peers (``max_peers_per_source`` of them from one source IP:
-agent names cost nothing, addresses do), ``max_outbox_bytes`` per link; ``accept()`` errors back off
-and go on (``accept``).
+``max_peers`` peers (``max_peers_per_source`` of them from one source: its proven member,
+else its IP; agent names cost nothing, members and addresses do), ``max_outbox_bytes`` per
+link; ``accept()`` errors back off and go on (``accept``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from .peers import (
     endpoint_gone,
     load_peer,
 )
-from .preauth import EVICTED, NO_ADDRESS, HandshakeSlots, source_of
+from .preauth import EVICTED, NO_ADDRESS, HandshakeSlots, charged_to, source_of
 from .protocol import (
     FrameError,
     Hello,
@@ -410,7 +410,8 @@ class ControlPlane:
             # Under the lock: its old link's drop may have started the drain just now (bounded;
             # a peer linking again is alive, so its WRITEs end soon).
             await self._departures.let_drain_end(agent)
-            check_room(self._peers, self._cfg, source)
+            charged = charged_to(source, met.member)
+            check_room(self._peers, self._cfg, charged)
             old = self._book.agent_at(dialled) if dialled is not None else None
             if old is not None and old != agent:
                 # We dialled the address and a new agent proved itself there: the old
@@ -427,7 +428,7 @@ class ControlPlane:
                 heartbeat_interval=self._cfg.heartbeat_interval_s, peer_timeout=self._cfg.peer_timeout_s,
                 max_outbox_bytes=self._cfg.max_outbox_bytes,
             )
-            peer = Peer(agent, hello.address, kv, link, secrets, version, source)
+            peer = Peer(agent, hello.address, kv, link, secrets, version, charged)
             self._peers[agent] = peer
             self._stats.peers.linked(agent, hello.address)
             self._book.linked(agent, canon, dialled)
@@ -443,7 +444,9 @@ class ControlPlane:
         return peer
 
     def source_of(self, agent: str) -> str:
-        """The IP address linked ``agent``'s link comes from (``NO_ADDRESS`` when not linked)."""
+        """What linked ``agent``'s use of shared bounds is charged to (``preauth.charged_to``:
+        the member it proved, else the IP address its link comes from; ``NO_ADDRESS`` when
+        not linked)."""
         peer = self._peers.get(agent)
         return peer.source if peer is not None else NO_ADDRESS
 

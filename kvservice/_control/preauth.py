@@ -25,8 +25,11 @@ stays a source of its own: it is what a local dialer connects from unless it bin
 another, so one host's peers keep their share, and a process that connects from
 many loopback addresses holds two shares at most.  Anything without an address (a
 Unix socket, an in-memory stream) counts as one source.  This is the budget before
-the handshake only: once authenticated, a peer's source is its IP address
-(``source_of``; ``max_peers_per_source`` and the early-Expect bounds).
+the handshake only.  Once authenticated, a peer's use of the shared bounds
+(``max_peers_per_source`` and the early-Expect bounds) is charged to what it proved
+(``charged_to``): with member identities, its member, whatever addresses it links from,
+so a member holds one share however many addresses and agent names it uses, and two
+members behind one address each hold theirs; without one, its IP address (``source_of``).
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ import collections
 import ipaddress
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 
-__all__ = ["EVICTED", "LIMIT", "SOURCE_LIMIT", "HandshakeSlots", "Slot", "budget_key", "source_of"]
+if TYPE_CHECKING:
+    from .._trust.identity import Member
+
+__all__ = ["EVICTED", "LIMIT", "SOURCE_LIMIT", "HandshakeSlots", "Slot", "budget_key", "charged_to", "source_of"]
 
 #: refusal kinds (``Stats.refuse``, the ``Reject`` the connection gets)
 LIMIT, SOURCE_LIMIT, EVICTED = "handshake_limit", "handshake_source_limit", "handshake_evicted"
@@ -142,3 +149,10 @@ def source_of(stream: anyio.abc.ByteStream) -> str:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return str(ip)
+
+
+def charged_to(source: str, member: Member | None) -> str:
+    """What a peer linked from ``source`` is charged to in the shared bounds: the member it
+    proved (its URI), else ``source``.  Addresses and agent names cost a member nothing
+    more: its share is its member's."""
+    return member.uri if member is not None else source

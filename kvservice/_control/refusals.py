@@ -32,7 +32,8 @@ REJECT_SEND_S = 0.05
 
 def check_room(peers: Mapping[str, Peer], config: ServiceConfig, source: str) -> None:
     """Room for one more peer, in all and from ``source`` (``max_peers_per_source``: agent
-    names cost nothing, a source address does); ``ProtocolError`` saying which bound."""
+    names cost nothing, a member or, without identities, a source address does:
+    ``preauth.charged_to``); ``ProtocolError`` saying which bound."""
     if len(peers) >= config.max_peers:
         raise ProtocolError(f"too many peers (max_peers = {config.max_peers})", "peer_limit")
     if sum(1 for p in peers.values() if p.source == source) >= config.max_peers_per_source:

@@ -11,19 +11,24 @@ per name, and a legitimate decode process on 127.0.0.1 transfers beside it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
+import anyio.abc
 import pytest
 
-from kvservice import TransferService
+from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Expect, Join, Message, Reject
+from kvservice._control.transport import TcpTransport
 from kvservice._trust.strikes import Strikes
 from kvservice.testing import PeerProcess
 from kvservice.testing.inspect import inside
 from tests.faults.test_hostile_peers import legit_transfer
+from tests.faults.test_member_identity import WAIT_S, Authority, legit
 from tests.faults.test_metadata_fuzz import MEMORY, donor, donor_name, renamed, version_altered
 from tests.helpers import config, eventually, peer_config, peers
 from tests.hostile import Raw, authenticate, join_for, own_key
@@ -154,3 +159,75 @@ async def test_past_its_backoff_a_source_is_vetted_on_a_child_of_its_own() -> No
         assert vetter.children_started == 4  # the first, its replacement, one apart per Join
         assert refused(svc, "metadata_unsafe") == 3
         await decode_alive(decode)
+
+
+# -- with member identities: shares are charged to the proven member ---------------------------------
+
+
+class _DialsFrom(TcpTransport):
+    """TCP whose connections come from ``source`` (a loopback address every local process has)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    async def connect(self, host: str, port: int) -> anyio.abc.ByteStream:
+        return await anyio.connect_tcp(host, port, local_host=self.source)
+
+
+async def _link_or_refusal(svc: TransferService, to: TransferService, rid: str, refusals: int) -> bool:
+    """``svc`` dials ``to`` (its expect names ``to`` as the sender): whether it linked, or
+    (``False``) ``to`` counted one more ``peer_source_limit`` than ``refusals``."""
+    await svc.expect(rid, [1], sender=to.address)
+    await eventually(lambda: to.address in svc.status()["peers"] or refused(to, "peer_source_limit") > refusals,
+                     WAIT_S, 0.02, what=f"{rid} linked or refused")
+    return to.address in svc.status()["peers"]
+
+
+async def test_one_member_holds_one_share_from_many_addresses_and_agent_names(tmp_path: Path) -> None:
+    """Mallory, one member, links to decode-0 from 127.0.0.2, .3, .4 and .5, each time under
+    a new agent name: with one peer per source and four in all, it holds one (refused
+    ``peer_source_limit``, saying its member, the other three) and prefill-0 on 127.0.0.1
+    still links and its request passes byte-exact.  Charged per address, mallory's four
+    would fill ``max_peers`` and prefill-0 would be refused."""
+    cluster = Authority(tmp_path)
+    mallory_files = cluster.member("mallory")
+    async with (peers(peer_config(**cluster.member("prefill-0"))) as (prefill,),
+                TransferService(config(**cluster.member("decode-0", "decode"), max_peers=4,
+                                       max_peers_per_source=1)) as decode,
+                contextlib.AsyncExitStack() as stack):
+        mallories = [await stack.enter_async_context(TransferService(config(**mallory_files),
+                                                                     transport=_DialsFrom(f"127.0.0.{i}")))
+                     for i in range(2, 6)]
+        assert len({m.agent_name for m in mallories}) == 4
+        linked = [await _link_or_refusal(m, decode, f"m-{n}", refused(decode, "peer_source_limit"))
+                  for n, m in enumerate(mallories)]
+        assert linked == [True, False, False, False], linked
+        for n, m in enumerate(mallories[1:], start=1):
+            result = await m.await_arrival(f"m-{n}", timeout=WAIT_S)
+            assert result.reason is FailureReason.REFUSED, result
+            assert "kvservice://c1/prefill/mallory" in result.message and "max_peers_per_source = 1" in result.message
+        assert refused(decode, "peer_source_limit") == 3
+        await legit(prefill, decode, "honest")
+        assert sorted(decode.status()["peers"]) == sorted([prefill.address, mallories[0].address])
+
+
+async def test_two_members_behind_one_address_each_hold_their_share(tmp_path: Path) -> None:
+    """Members a-0 and b-0 link to decode-0 from the same address (127.0.0.2), one peer and
+    one early Expect of one page per source: each holds its own share, both link and both
+    Expects are held; a second agent of a-0 from there is refused.  Charged per address,
+    b-0 would be refused for a-0's link."""
+    cluster = Authority(tmp_path)
+    behind = _DialsFrom("127.0.0.2")
+    async with (TransferService(config(**cluster.member("decode-0", "decode"), max_peers=4,
+                                       max_peers_per_source=1, max_unknown_expects_per_source=1,
+                                       max_unknown_expect_pages_per_source=1)) as decode,
+                TransferService(config(**cluster.member("a-0")), transport=behind) as a,
+                TransferService(config(**cluster.member("b-0")), transport=behind) as b,
+                TransferService(config(**cluster.member("a-0")), transport=behind) as a_again):
+        assert await _link_or_refusal(a, decode, "a", 0)
+        assert await _link_or_refusal(b, decode, "b", 0)
+        assert not await _link_or_refusal(a_again, decode, "a-again", 0)
+        assert sorted(decode.status()["peers"]) == sorted([a.address, b.address])
+        assert refused(decode, "peer_source_limit") == 1
+        await eventually(lambda: len(inside(decode).early) == 2, WAIT_S, 0.02, what="both early Expects held")
+        assert refused(decode, "unknown_expect_source_limit") == 0
