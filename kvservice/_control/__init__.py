@@ -23,7 +23,8 @@ travels here; what the requests *mean* lives in the request plane (``_transfer``
 - ``refusals``: what a handshake is refused for (room in all and per source, metadata
   vetting) and how a refusal is told, counted and logged.
 - **source**: the IP address a connection comes from (``preauth.source_of``).  Agent
-  names cost a key holder nothing; sources do, so shared bounds are charged to them.
+  names cost a key holder nothing; sources do, so shared bounds are charged to them; a
+  linked peer that proved a member is charged to its member instead (``preauth.charged_to``).
   Before the handshake a source is what an address costs to have
   (``preauth.budget_key``: an IPv6 /64, the loopback addresses but 127.0.0.1 as one).
 """
