@@ -180,6 +180,7 @@ class TransferService:
                                         memory=memory, load=self._load, drop=plane.drop_agent,
                                         identity=await self._thread.call(cfg.identity),
                                         allow_unsigned=cfg.allow_peers_without_identity)
+            plane.control.rotation_listeners.append(self._discovery.registry.rotated)
             await self._discovery.start(self._tg)
         log.info("service.started", address=self.address, agent=self.agent_name,
                  kv_bytes=memory.nbytes, regions=len(memory.regions), authenticated=key is not None)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -54,7 +55,7 @@ from .._results import FailureReason, KVServiceError, ProtocolError
 from .._stats import Stats
 from .._transfer.requests import Recent
 from .._trust import checks
-from .._trust.identity import MEMBER, IdentityRefused
+from .._trust.identity import MEMBER, Identity, IdentityRefused
 from .._trust.revocation import LIST_REFUSED, POLL_S, REVOKED, RevocationWatch
 from .._trust.rotation import ROTATION_REFUSED, IdentityWatch
 from .._trust.vetting import MetadataVetter
@@ -130,6 +131,8 @@ class ControlPlane:
         self._generations = itertools.count(1)
         self._slots = HandshakeSlots(config.max_handshakes, config.max_handshakes_per_source)
         self._closing = False
+        #: told each identity rotated in (``_trust.rotation``): what else signs with it
+        self.rotation_listeners: list[Callable[[Identity], None]] = []
         self._listeners: list[ByteListener] = []
         self.address = ""
         self._departures = Departures(
@@ -166,6 +169,8 @@ class ControlPlane:
             if identity.apply(pair):
                 self._handshakes.rotated(identity.current)
                 self._stats.identity = identity.current.member
+                for listener in self.rotation_listeners:
+                    listener(identity.current)
             identity.expiry()
             if revocations is None:
                 continue

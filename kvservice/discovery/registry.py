@@ -185,6 +185,12 @@ class Registry:
                  endpoint=self._etcd.endpoint)
         return False
 
+    def rotated(self, identity: Identity) -> None:
+        """This member's certificate was rotated (``_trust.rotation``): its entry is signed
+        under ``identity`` from now on, written again at the next keep-alive."""
+        self._identity = identity
+        self._written_member = None
+
     async def _write(self, force: bool = False) -> None:
         assert self._etcd is not None
         if self._lease is None:  # leaving (leave() dropped it while we awaited etcd): nothing to write
