@@ -7,6 +7,10 @@
 * ``handoff``: the MAC an engine's hand-off carries (vLLM's ``kv_transfer_params``), under
   a key derived from the cluster's key for that use alone, and with member identities its
   prefill member's signature, checked as the handshake's certificates are.
+* ``identity``, ``authority``: member identities (a member's own key and X.509
+  certificate from the cluster's authority) and a small authority that issues them.
+* ``revocation``, ``rotation``: the revocation list and the service's own pair, re-read
+  when their files change (one watch: ``_control.plane``), and the expiry warning.
 * ``checks``: range checks of every field a peer supplies, before it reaches
   arithmetic, an allocation or NIXL.
 * ``peercred``: the uid of the process at the other end of a Unix socket.
