@@ -319,6 +319,7 @@ class Soak:
                 decode.free.extend(dst)
                 if decode.unhealed and began > decode.restored_at:  # begun after its last cut ended
                     s.cuts_healed += decode.unhealed
+                    s.heal_s_max = max(s.heal_s_max, time.monotonic() - decode.restored_at)
                     decode.unhealed = 0
             else:
                 s.false_success += 1
@@ -444,6 +445,8 @@ class Soak:
     async def _kill_and_restart(self, k: int) -> None:
         node = self.decodes[k]
         node.kill()
+        self.s.cuts_killed_first += node.unhealed
+        node.unhealed = 0
         self.s.faults["sigkill"] += 1
         with anyio.move_on_after(10):
             await node.dead.wait()
@@ -561,6 +564,12 @@ class Soak:
                 await self._check_canary(node, tag, pages)
             node.canaries.clear()
         survivors = self._running()
+        for node in self.decodes:
+            if node.alive and node.unhealed:
+                s.cuts_unhealed_at_end += node.unhealed
+                if (ago := time.monotonic() - node.restored_at) > SETTLE_S:
+                    s.note(f"{node.name}: its network was restored {ago:.1f}s before the end, and no request "
+                           "to it begun since then succeeded")
         with anyio.move_on_after(5):
             while True:
                 got = await self._poll_status()

@@ -69,6 +69,9 @@ class Summary:
     # not in the JSON: context for the table and for whoever reads a failure
     cuts_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)  # netcut, by how
     cuts_healed: int = 0  # cuts after which a request to that decode, begun after the restore, succeeded
+    cuts_killed_first: int = 0  # cuts whose decode the soak killed before that
+    heal_s_max: float = 0.0  # the longest from a restore to that success
+    cuts_unhealed_at_end: int = 0  # cuts whose decode lived to the end without that
     canaries_checked: int = 0
     settled_to_success: int = 0  # receiver failed, settled as SUCCESS (lost the abort race), bytes verified
     disagreements: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -126,7 +129,9 @@ def table(s: Summary) -> str:
         ("faults injected", ", ".join(f"{k}={v}" for k, v in sorted(s.faults.items())) or "-"),
         ("canaries checked", str(s.canaries_checked)),
         *([("network cuts", ", ".join(f"{k}={v}" for k, v in sorted(s.cuts_by_kind.items()))
-            + f"; healed (a later request to that decode succeeded): {s.cuts_healed}")]
+            + f"; healed (a later request to that decode succeeded): {s.cuts_healed} (at most "
+            f"{s.heal_s_max:.1f}s after the restore), killed first: "
+            f"{s.cuts_killed_first}, not healed by the end: {s.cuts_unhealed_at_end}")]
           if s.cuts_by_kind else []),
         ("both sides differ", ", ".join(f"{k}={v}" for k, v in sorted(s.disagreements.items())) or "-"),
         ("unsettled pages, max", str(s.unsettled_pages_max)),
