@@ -47,8 +47,10 @@ Glossary:
   before that it is *bootstrapping* and its chunks queue.
 - **early expect**: an Expect that arrived before the ``send()`` of its id; held
   (bounded per peer, per source and in total, with a TTL) for the first send to bind.
-- **source**: the IP address a peer's link comes from.  A key holder mints agent names
-  for nothing, not addresses: shared bounds are charged to the source as well.
+- **source**: what a peer's use of shared bounds is charged to: the member its link
+  proved, else the IP address its link comes from.  A key holder mints agent names
+  for nothing, not member identities or addresses: shared bounds are charged to the
+  source as well.
 - **pinned**: a send made with ``receiver=``: only the agent proven to answer at that
   address may bind it; any other peer's Expect is refused (``REFUSED``) and counted.
 - **proven**: an agent is proven at an address when this service dialled that address

@@ -5,12 +5,12 @@ not without limit.  Each bound refuses the Expect that would pass it (nothing is
 stored) and says which:
 
 * per peer (an agent): ``per_peer`` entries, ``pages_per_peer`` pages;
-* per source (the IP address its link comes from, ``ControlPlane.source_of``):
-  ``per_source`` entries, ``pages_per_source`` pages, for all its agents together.
-  A key holder mints agent names for nothing (one NIXL agent's metadata renamed
-  four times filled the total in seconds and every decode's early Expect was
-  refused); addresses it cannot mint, so a source holds at most its share and the
-  others keep the rest;
+* per source (the member its link proved, else the IP address its link comes from:
+  ``ControlPlane.source_of``): ``per_source`` entries, ``pages_per_source`` pages, for
+  all its agents together.  A key holder mints agent names for nothing (one NIXL
+  agent's metadata renamed four times filled the total in seconds and every decode's
+  early Expect was refused); a member identity or an address it cannot mint, so a
+  source holds at most its share and the others keep the rest;
 * in total: ``pages_total`` pages.
 
 An entry older than ``ttl`` is dropped by ``expire``.  Several peers may announce
