@@ -161,7 +161,7 @@ def test_soak_with_network_cuts_heals_and_keeps_every_counter_at_zero(tmp_path: 
     netns.require()
     out = tmp_path / "soak.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "30s", "--seed", "2", "--decodes", "3",
+        [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "40s", "--seed", "2", "--decodes", "3",
          "--fault-interval", "0.4", "--network-cuts", "--quiet", "--json", str(out)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
