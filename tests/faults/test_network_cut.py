@@ -21,6 +21,7 @@ the same two processes.  See docs/testing-faults.md.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -291,3 +292,50 @@ def test_delete_tries_every_namespace_and_reports_each_failure(monkeypatch: pyte
     with pytest.raises(NetnsError, match=r"ns-a.*; .*ns-c"):
         netns.delete(["ns-a", "ns-b", "ns-c"])
     assert tried == ["ns-a", "ns-b", "ns-c"]
+
+
+# -- the soak's hosts: namespaces behind a bridge (kvservice.testing.netns.hub) -------------------
+
+
+def _state(host: Host) -> tuple[str, str]:
+    """The veth's operational state and its root qdisc's kind."""
+    link = json.loads(host.ip_cmd("-j", "link", "show", "dev", host.dev))[0]
+    qdisc = json.loads(host.tc("-j", "qdisc", "show", "dev", host.dev, "root"))
+    return link["operstate"], (qdisc[0]["kind"] if qdisc else "")
+
+
+def test_hub_cuts_each_way_restores_and_removes_everything(namespaces_usable: None) -> None:
+    with package_netns.hub(["x", "y"]) as hub:
+        x, port = hub.hosts["x"], hub.ports["x"]
+        assert hub.hosts["y"].ip != x.ip and all(netns.existing(ns) for ns in hub.namespaces)
+        before = (_state(x), _state(port))
+        assert before[0][0] == "UP", before
+        hub.cut("x", "link_down")
+        assert _state(x)[0] == "DOWN"
+        hub.restore("x", "link_down")
+        assert _state(x)[0] == "UP"
+        for how, end in (("drop_egress", x), ("drop_ingress", port)):
+            hub.cut("x", how)
+            assert _state(end)[1] in ("netem", "blackhole"), (how, _state(end))
+            hub.restore("x", how)
+            assert (_state(x), _state(port)) == before, how
+        with pytest.raises(ValueError, match="unknown cut"):
+            hub.cut("x", "unplug")
+    assert not any(netns.existing(ns) for ns in hub.namespaces)
+
+
+def test_hub_removes_what_it_made_when_making_it_fails(namespaces_usable: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = package_netns._run
+
+    def fail_second_veth(*argv: str) -> str:
+        if argv[:3] == ("ip", "link", "add") and argv[3].endswith("h2"):
+            raise NetnsError(f"{' '.join(argv)}: exit 2: refused here")
+        return real(*argv)
+
+    monkeypatch.setattr(package_netns, "_run", fail_second_veth)
+    with pytest.raises(NetnsError, match="refused here"), package_netns.hub(["x", "y"]):
+        pytest.fail("the hub was made")
+    monkeypatch.undo()
+    mine = f"{package_netns.HUB_PREFIX}-{os.getpid()}-"
+    assert [ns for ns in package_netns.listed() if ns.startswith(mine)] == []
