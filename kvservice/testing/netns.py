@@ -43,6 +43,8 @@ import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .._results import KVServiceError
+
 WIRE_PREFIX = "kvcut"
 HUB_PREFIX = "kvsoak"
 _SUBNET = "10.213.0"
@@ -53,8 +55,8 @@ _names = itertools.count(1)
 CMD_TIMEOUT_S = 10.0
 
 
-class NetnsError(RuntimeError):
-    """An ``ip``/``tc`` command failed."""
+class NetnsError(KVServiceError, RuntimeError):
+    """An ``ip``/``tc`` command failed (a ``RuntimeError`` too, as callers caught it before)."""
 
 
 def _run(*argv: str) -> str:
