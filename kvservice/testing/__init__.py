@@ -20,6 +20,10 @@ so a receiver verifies every byte without a checksum from the sender.
 ``engine_process`` holds both ends of the JSON-line pipe to an engine in a child process
 (the vLLM tests and ``benchmarks.vllm_pd`` run theirs so); it imports no engine.
 
+``kvservice.testing.netns`` makes hosts out of network namespaces (two on a veth,
+``wire``, or many on a bridge, ``hub``; root and iproute2) and cuts and restores their
+links: the soak's ``--network-cuts`` and the suite's partition tests run on it.
+
 ``kvservice.testing.inspect.inside(svc)`` is what a test sees of a running service beyond
 its API (its request and control planes, its links, its early expects, its door and
 vetter), and the pushes a failure-path test makes (drop a link, hear what it is told):
