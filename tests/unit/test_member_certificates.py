@@ -20,14 +20,6 @@ from kvservice._trust.keys import generate_key
 from kvservice.keygen import main as keygen
 
 
-@pytest.fixture
-def ca(tmp_path: Path) -> str:
-    folder = str(tmp_path / "ca")
-    os.mkdir(folder)
-    assert keygen(["ca", folder, "--cluster", "c1"]) == 0
-    return folder
-
-
 def test_keygen_makes_an_authority_and_members_it_rotates(ca: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert stat.S_IMODE(os.stat(os.path.join(ca, "ca.key")).st_mode) == 0o600
     assert keygen(["issue", ca, "--role", "prefill", "--name", "prefill-0"]) == 0

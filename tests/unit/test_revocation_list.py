@@ -28,14 +28,6 @@ from kvservice._trust.revocation import (
 from kvservice.keygen import main as keygen
 
 
-@pytest.fixture
-def ca(tmp_path: Path) -> str:
-    folder = str(tmp_path / "ca")
-    os.mkdir(folder)
-    assert keygen(["ca", folder, "--cluster", "c1"]) == 0
-    return folder
-
-
 def _ca(folder: str) -> x509.Certificate:
     return x509.load_pem_x509_certificate(Path(folder, CA_CERT).read_bytes())
 

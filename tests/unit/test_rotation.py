@@ -18,14 +18,6 @@ from kvservice._trust.rotation import IdentityWatch
 from kvservice.keygen import main as keygen
 
 
-@pytest.fixture
-def ca(tmp_path: Path) -> str:
-    folder = str(tmp_path / "ca")
-    os.mkdir(folder)
-    assert keygen(["ca", folder, "--cluster", "c1"]) == 0
-    return folder
-
-
 def _watch(ca: str, days: int = 90) -> tuple[IdentityWatch, str, str]:
     cert, key = issue(ca, "decode", "d", ca, days=days)
     ca_file = os.path.join(ca, CA_CERT)
