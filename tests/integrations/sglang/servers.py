@@ -301,7 +301,9 @@ class Router:
         def answers() -> bool:
             assert self.proc.poll() is None, f"the router exited {self.proc.returncode}: {self.tail()}"
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                # /health answers from its first second; /readiness once its workers are
+                # registered and healthy (seconds later: it probes them in the background)
+                with urllib.request.urlopen(f"{self.url}/readiness", timeout=5) as resp:
                     return bool(resp.status == 200)
             except OSError:
                 return False
