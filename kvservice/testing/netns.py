@@ -180,7 +180,8 @@ class Hub:
             raise ValueError(f"unknown cut {how!r}: one of {', '.join(CUTS)}")
 
     def restore(self, name: str, how: str) -> None:
-        """Undo ``cut(name, how)``: the same addresses and routes as before."""
+        """Undo ``cut(name, how)``: the same addresses and routes as before, and no neighbour
+        entry the cut left ``FAILED`` (``flush_neighbours``)."""
         if how == "link_down":
             self.hosts[name].link_up()
         elif how == "drop_egress":
@@ -189,6 +190,16 @@ class Hub:
             self.ports[name].unshape()
         else:
             raise ValueError(f"unknown cut {how!r}: one of {', '.join(CUTS)}")
+        self.flush_neighbours()
+
+    def flush_neighbours(self) -> None:
+        """Forget every host's neighbour entries.  ARP that went unanswered during a cut leaves
+        the peer's entry ``FAILED``, and packets to it then fail "No route to host" for a while
+        after the link is back (seen as dials refused and links not made again for 17 s after a
+        restore): the network is restored only once those are gone."""
+        for host in self.hosts.values():
+            with contextlib.suppress(NetnsError):
+                host.ip_cmd("neigh", "flush", "dev", host.dev)
 
     @property
     def namespaces(self) -> list[str]:

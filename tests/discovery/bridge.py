@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from kvservice.testing.netns import Host, NetnsError, hub
+from kvservice.testing.netns import Host, Hub, hub
 
 
 class Switch:
-    def __init__(self, hosts: dict[str, Host], netns: str) -> None:
-        self.hosts = hosts
-        self.netns = netns
+    def __init__(self, hub: Hub) -> None:
+        self._hub = hub
+        self.hosts = hub.hosts
+        self.netns = hub.netns
 
     def host(self, name: str) -> Host:
         return self.hosts[name]
@@ -25,14 +26,11 @@ class Switch:
 
     def plug(self, host: Host) -> None:
         host.link_up()
-        # forget neighbour entries the cut left FAILED, on every host (see test_network_cut)
-        for h in self.hosts.values():
-            with contextlib.suppress(NetnsError):
-                h.ip_cmd("neigh", "flush", "dev", h.dev)
+        self._hub.flush_neighbours()  # what the cut left FAILED, on every host
 
 
 @contextlib.contextmanager
 def switch(names: Sequence[str]) -> Iterator[Switch]:
     """One namespace per name (address ``10.214.0.<i+1>``) on a bridge."""
     with hub(names) as h:
-        yield Switch(h.hosts, h.netns)
+        yield Switch(h)
