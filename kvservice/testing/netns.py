@@ -168,28 +168,28 @@ class Hub:
     #: per host name: the hub's end of that host's veth (on the bridge)
     ports: dict[str, Host]
 
+    def _end(self, name: str, how: str) -> Host:
+        """The veth end a cut ``how`` acts on: the host's own, or (ingress) the hub's."""
+        if how not in CUTS:
+            raise ValueError(f"unknown cut {how!r}: one of {', '.join(CUTS)}")
+        return self.ports[name] if how == "drop_ingress" else self.hosts[name]
+
     def cut(self, name: str, how: str) -> None:
         """Cut host ``name`` off the others (``how``: one of ``CUTS``); ``restore`` heals it."""
+        end = self._end(name, how)
         if how == "link_down":
-            self.hosts[name].link_down()
-        elif how == "drop_egress":
-            self.hosts[name].drop_all()
-        elif how == "drop_ingress":
-            self.ports[name].drop_all()
-        else:
-            raise ValueError(f"unknown cut {how!r}: one of {', '.join(CUTS)}")
+            end.link_down()
+        else:  # every packet leaving that end dropped
+            end.drop_all()
 
     def restore(self, name: str, how: str) -> None:
         """Undo ``cut(name, how)``: the same addresses and routes as before, and no neighbour
         entry the cut left ``FAILED`` (``flush_neighbours``)."""
+        end = self._end(name, how)
         if how == "link_down":
-            self.hosts[name].link_up()
-        elif how == "drop_egress":
-            self.hosts[name].unshape()
-        elif how == "drop_ingress":
-            self.ports[name].unshape()
+            end.link_up()
         else:
-            raise ValueError(f"unknown cut {how!r}: one of {', '.join(CUTS)}")
+            end.unshape()
         self.flush_neighbours()
 
     def flush_neighbours(self) -> None:
