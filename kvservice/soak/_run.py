@@ -336,16 +336,19 @@ class Soak:
             st = await decode.call(SETTLE_S + CALL_S, op="await_settled", rid=rid, timeout=SETTLE_S)
         finally:
             self.settling -= 1
-        if st is None or decode.dead.is_set():
-            if not decode.dead.is_set():
+        if st is None or not decode.alive:
+            # a decode the soak killed may refuse the command before its exit is seen (its stdin
+            # breaks first): its pages went with it, as when it died while waiting
+            if decode.alive:
                 s.hung += 1
-                s.note(f"{rid}: await_settled did not answer")
+                s.note(f"{rid}: await_settled did not answer ({decode.name})")
             s.failed_by_reason[arrived["reason"]] += 1
             return
         if st["event"] != "settled" or not st["settled"]:
             # the sender (the prefill, never stopped here) lives: it must have settled
             s.hung += 1
-            s.note(f"{rid}: not settled {SETTLE_S}s after failing {arrived['reason']} (sender said {sent}): {st}")
+            s.note(f"{rid}: not settled {SETTLE_S}s after failing {arrived['reason']} on {decode.name} "
+                   f"(cuts seen {decode.cuts_seen}, sender said {sent}): {st}")
             s.failed_by_reason[arrived["reason"]] += 1
             return
         if st["status"] == "SUCCESS":  # the abort lost the race with the last chunk: every page landed

@@ -21,15 +21,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import anyio
 import numpy as np
 import pytest
 
 from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, main, problems
 from kvservice.soak._leaks import PROCESS_RESOURCES
 from kvservice.soak._probe import TABLES
-from kvservice.soak._run import PROCESS_FAULTS_WITH_CUTS, process_fault
+from kvservice.soak._run import PROCESS_FAULTS_WITH_CUTS, Options, Soak, process_fault
 from kvservice.soak._sampling import STATUS_TABLES
 from kvservice.soak._summary import disagreement_cause
 from kvservice.testing import netns as package_netns
@@ -267,3 +268,34 @@ def test_a_disagreement_a_cut_touched_is_named_cut_never_none() -> None:
     assert disagreement_cause("none", False, reset, False) == "none"
     assert disagreement_cause("none", True, reset, False, cut=True) == "stop/kill"
     assert disagreement_cause("abort_send", False, reset, False, cut=True) == "abort_send"
+
+
+@pytest.mark.nixl
+@pytest.mark.timeout(120)
+def test_a_decode_killed_as_its_settle_is_asked_is_not_a_hang(tmp_path: Path) -> None:
+    """The soak kills a decode while another request is about to ask it whether its pages
+    settled, and the command meets the broken pipe before the exit is seen (under load, reaping
+    the child lags its stdin breaking).  That decode's pages went with it; counting it ``hung``
+    failed a long run (``await_settled did not answer`` within 3 s of the request's start, the
+    only way that call answers None while the process is not known dead)."""
+
+    async def main(log: IO[str]) -> tuple[int, int]:
+        async with anyio.create_task_group() as tg:
+            soak = Soak(Options(), tg, log, dict(os.environ))
+            node = await soak._start("decode0")
+            node.kill()  # no await until the command: its exit is not seen yet
+
+            async def broken(**cmd: Any) -> None:  # as its stdin answers once the pipe broke
+                raise anyio.BrokenResourceError
+
+            node.proc.command = broken  # type: ignore[method-assign]
+            assert not node.dead.is_set()
+            await soak._settle("r1", node, [0, 1], {"reason": "ABORTED"}, None)
+            with anyio.fail_after(scaled(10)):
+                await node.dead.wait()
+            await node.proc.stop()  # closes its pipes
+        return soak.s.hung, soak.s.failed_by_reason["ABORTED"]
+
+    with open(os.devnull, "w") as log:
+        assert anyio.run(main, log) == (0, 1)
+
