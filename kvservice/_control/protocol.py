@@ -13,7 +13,8 @@ Conversation (see ``_trust.handshake`` for the proofs)::
     acceptor -> Sealed(Join(metadata, memory)) | Reject     encrypted when keyed
     (a dialer that only wants to know who answers at an address sends
     Hello(probe=True), checks the acceptor's Hello and hangs up: no Join either way)
-    either   -> Expect / Abort / Failed / Settled / Outcome / Ping / Bye   for the life of the link
+    either   -> Expect / Abort / Failed / Settled / Outcome / Ask / Posted / Ping / Bye
+                                                  for the life of the link
 
 Every field is bounded by the struct types below (lengths, integer ranges), so a
 malformed frame fails decoding before any value is used; ``_trust.checks`` does
@@ -47,7 +48,9 @@ T = TypeVar("T")
 #: 6: versions are negotiated (``Hello.top``; see ``negotiate``); a link of version 6 derives
 #:    its secrets with an ephemeral X25519 exchange (``Hello.share``: forward secrecy)
 #:    and a receiver asks a sender it linked with again about what it holds (``Ask``)
-PROTOCOL_VERSION = 6
+#: 7: a sender tells the receiver when it posts a request's first WRITE (``Posted``): the
+#:    receiver polls NIXL for that request only from then on
+PROTOCOL_VERSION = 7
 #: the oldest version this release still speaks: each release links with the one before it
 #: (docs/operations.md "Upgrades"), so a fleet upgrades one pod at a time without failing a request
 OLDEST_VERSION = 5
@@ -242,6 +245,20 @@ class Ask(msgspec.Struct, tag="ask", frozen=True):
     request_ids: Annotated[list[RequestId], msgspec.Meta(min_length=1, max_length=MAX_ASK)]
 
 
+#: the version from which a sender says ``Posted`` (and its receivers wait for it)
+POSTED_VERSION = 7
+
+
+class Posted(msgspec.Struct, tag="posted", frozen=True):
+    """Sender -> receiver (version 7): the first WRITE of ``request_id`` is being posted.
+    With NIXL's progress thread off a WRITE completes only while the receiver calls into
+    NIXL, so a receiver polls for a request from this frame on (or from any earlier sign of
+    its WRITEs: a notification, its end), not from its Expect.  A peer of version 6 or older
+    closes the link on this tag: send it only where ``ControlPlane.speaks(agent, 7)``."""
+
+    request_id: RequestId
+
+
 class Ping(msgspec.Struct, tag="ping", frozen=True):
     pass
 
@@ -252,7 +269,8 @@ class Bye(msgspec.Struct, tag="bye", frozen=True):
     message: _Text = ""
 
 
-Message = Hello | Proof | Join | Sealed | Reject | Expect | Abort | Failed | Settled | Outcome | Ask | Ping | Bye
+Message = (Hello | Proof | Join | Sealed | Reject | Expect | Abort | Failed | Settled | Outcome | Ask | Posted | Ping
+           | Bye)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

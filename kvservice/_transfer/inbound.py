@@ -6,6 +6,12 @@ a new link and a peer whose memory cannot pair with ours; the watchdog hands it 
 notifications of its ticks.  A peer is believed about its own requests only: what it
 says of a request bound (or pinned) to another agent is ignored and counted
 (``foreign_request``).  Everything here runs on the event loop.
+
+A sender's ``Posted`` (protocol 7) turns its request *warm* here: the receiver held it
+cold (the watchdog at its idle cadence) since its Expect, and polls NIXL for it from
+now until it ends.  Any other sign that its WRITEs are under way (one of its
+notifications, taken by an idle tick) does the same; its end (a Failed, an Abort, a
+lost link, a deadline) ends it as for any request.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from .._control.protocol import (
     LandingSum,
     Message,
     Outcome,
+    Posted,
     Settled,
     decode_notif,
 )
@@ -73,6 +80,8 @@ class Inbound:
             p.ends.on_outcome(agent, msg.request_id, msg.ok)
         elif isinstance(msg, Settled):
             p.settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
+        elif isinstance(msg, Posted):
+            self._on_posted(agent, msg.request_id)
         elif isinstance(msg, Ask):
             self._heal.on_ask(agent, msg.request_ids)
 
@@ -80,6 +89,24 @@ class Inbound:
         """``agent`` spoke of a request that is not bound (or pinned) to it: ignored, counted."""
         if (unlogged := self._plane.stats.refuse("foreign_request")) is not None:
             log.warning("transfer.foreign_request", agent=agent, request_id=rid, message=what, unlogged=unlogged)
+
+    def _on_posted(self, agent: str, rid: str) -> None:
+        """``agent`` posts the first WRITE of ``rid``: poll NIXL for it from now on.  Each
+        frame costs a lookup or two and wakes the watchdog at most once per request (the
+        cold-to-polled step), so a flood of them costs no more than as many Pings."""
+        p = self._plane
+        req = p.recvs.get(rid)
+        if req is not None and req.peer == agent:
+            p.warm(req)
+            return
+        ended_with = p.done_peers.get(("recv", rid))
+        if req is None and ended_with == agent:
+            return  # ended here first (a notification or its end overtook the frame): nothing to do
+        if req is not None or ended_with is not None:
+            self._foreign(agent, rid, "posted")  # another sender's: it changes nothing
+            return
+        if (unlogged := p.stats.refuse("posted_unknown")) is not None:
+            log.warning("transfer.posted_unknown", agent=agent, request_id=rid, unlogged=unlogged)
 
     def _on_expect(self, agent: str, msg: Expect) -> None:
         p = self._plane
@@ -178,6 +205,8 @@ class Inbound:
                     p.stats.stale_notifs += 1
                     continue
                 req.chunks_seen += 1
+                if req.cold:  # its WRITEs are under way before its sender's Posted came
+                    p.warm(req)
                 if n.landing is not None and req.verify and not self._landing_sum(req, n.landing):
                     continue
                 if n.total:

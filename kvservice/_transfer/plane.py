@@ -22,7 +22,7 @@ import numpy.typing as npt
 from .._config import ServiceConfig
 from .._control.peers import LocalPeer, PeerEvents
 from .._control.plane import ControlPlane
-from .._control.protocol import Abort, Expect, Failed, Message, Settled, text
+from .._control.protocol import POSTED_VERSION, Abort, Expect, Failed, Message, Posted, Settled, text
 from .._control.transport import Transport
 from .._log import get_logger
 from .._nixl.door import Door, DoorError, DoorThread
@@ -63,6 +63,8 @@ class RequestPlane:
         results_kept = cfg.results_kept
         self.sends: dict[str, SendRequest] = {}
         self.recvs: dict[str, RecvRequest] = {}
+        #: how many of ``recvs`` are cold: held without polling NIXL (``_hold_cold``, ``warm``)
+        self.cold = 0
         # Ended requests keep only their result, as a tuple of plain values: nothing of
         # them for the cyclic GC to walk (``history``).
         self.sends_done = Results(results_kept)
@@ -214,8 +216,30 @@ class RequestPlane:
             return
         req.peer = link.agent
         req.started_at = time.monotonic()
+        if self.control.speaks(link.agent, POSTED_VERSION):
+            self._hold_cold(req)  # before its Expect: no WRITE of it can start earlier
         cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
         link.send(Expect(request_id, pages.tolist(), cell, verify))
+
+    def _hold_cold(self, req: RecvRequest) -> None:
+        """``req``'s sender says ``Posted`` when it posts its first WRITE: until then (or
+        another sign of its WRITEs, ``warm``) nothing of it needs NIXL polled, and the
+        watchdog keeps its idle cadence for it (``busy``)."""
+        if not req.cold:
+            req.cold = True
+            self.cold += 1
+
+    def warm(self, req: RecvRequest) -> None:
+        """A sign that ``req``'s WRITEs are under way (its sender's ``Posted``, one of its
+        notifications): poll NIXL for it from now on, every ``poll_interval_s``, until it
+        ends.  Idempotent: a repeated sign costs no wake-up, and so does one while a
+        tick lingers (polls) already: ending it early would cost a round trip through the
+        loop and change nothing (the watchdog looks at ``busy`` again after it)."""
+        if req.cold:
+            req.cold = False
+            self.cold -= 1
+            if not self.watchdog.lingering:
+                self.watchdog.wake()
 
     async def decline(self, request_id: str, sender: str, message: str) -> bool:
         """See ``TransferService.decline``: the receiver's ``Abort``, with no request here."""
@@ -363,6 +387,9 @@ class RequestPlane:
         else:
             req.done.set()
             self.recvs.pop(req.request_id, None)
+            if req.cold:
+                req.cold = False
+                self.cold -= 1
             self.recvs_done.put(req.request_id, result)
             if not result.settled:
                 assert req.peer is not None and req.pages is not None
@@ -440,8 +467,16 @@ class RequestPlane:
 
     def busy(self) -> bool:
         # Receivers keep the watchdog polling: with NIXL's progress thread off, a
-        # sender's WRITE completes only while this side calls into NIXL.
-        return bool(self.recvs) or bool(self.sends)
+        # sender's WRITE completes only while this side calls into NIXL.  A cold one
+        # does not (its sender has posted nothing yet): the idle ticks still look.
+        return bool(self.sends) or len(self.recvs) > self.cold
+
+    def first_post(self, req: SendRequest) -> None:
+        """The watchdog plans ``req``'s first WRITE: its receiver (protocol 7) polls for it
+        from this ``Posted`` on.  Queued before the WRITE is handed to the door thread."""
+        assert req.peer is not None
+        if self.control.speaks(req.peer, POSTED_VERSION):
+            self.control.send_to(req.peer, Posted(req.request_id))
 
     def released(self, req: SendRequest) -> None:
         """The door released every handle of ``req`` (see ``ends.SendEnds.released``)."""

@@ -224,6 +224,8 @@ class RecvRequest(_Request):
     payload: bytes | None = None  # the sender's, from the last chunk's notification
     verify: bool = False  # landing checks asked (``_transfer.landing``)
     landing: Landing | None = None  # their sums, as the chunks' notifications bring them
+    #: held without polling NIXL for it: its sender (protocol 7) says when it posts (``Posted``)
+    cold: bool = False
 
     def due_at(self) -> float:
         return self.deadline

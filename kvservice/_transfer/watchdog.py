@@ -8,7 +8,8 @@ the in-flight set), so the event loop stays responsive with thousands of
 transfers in flight and completions come back while later posts still copy.
 
 Cadence.  New work (``schedule``, ``forget``) wakes the watchdog at once.  While
-transfers are in flight or expected, a tick with nothing to post *lingers* on
+transfers are in flight or expected (an Expect whose sender said ``Posted``, or one of a
+sender of protocol 6 or older: ``RequestPlane.busy``), a tick with nothing to post *lingers* on
 the door thread, polling NIXL every ``poll_interval`` (that polling is also what
 lets peers' WRITEs into this process complete while NIXL's progress thread is
 off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
@@ -76,6 +77,8 @@ class Owner(Protocol):
     def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
         """The settle fence of ``req`` did not land (NIXL error, or its handle went)."""
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
+    def first_post(self, req: SendRequest) -> None:
+        """``req``'s first WRITE is planned (its receiver may be told: ``Posted``)."""
     def check_deadlines(self, now: float) -> None: ...
     def busy(self) -> bool: ...
     @property
@@ -127,6 +130,9 @@ class Watchdog:
         self._late: deque[PostOp] = deque()
         self._late_left = (0, 0)
         self.ticks = 0
+        #: ticks planned to linger (to poll NIXL on the door thread): none while only cold
+        #: Expects are held (``RequestPlane.busy``)
+        self.lingered = 0
         #: batches of notifications a lingering tick handed over without ending (``_deliver``)
         self.deliveries = 0
         self.live_handles = 0  # as the door last reported
@@ -249,6 +255,11 @@ class Watchdog:
         self._thread.interrupt.set()  # end a lingering tick: there is work for the loop
 
     @property
+    def lingering(self) -> bool:
+        """Whether a tick polls NIXL on the door thread now (planned to linger, not digested)."""
+        return self._lingering and self._ahead is not None
+
+    @property
     def inflight(self) -> int:
         return len(self._inflight)
 
@@ -334,6 +345,7 @@ class Watchdog:
         self._lingering = (linger and not plan.posts and not plan.releases
                            and bool(self._inflight or self._drains or self._owner.busy()))
         if self._lingering:
+            self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
             if self._loop is not None:
                 plan.deliver = self._deliver
@@ -499,6 +511,8 @@ class Watchdog:
         else:
             local_idx, remote_idx = kv.indexer.indices(src, dst, lo, hi)
         number = req.chunks_posted
+        if number == 0:
+            self._owner.first_post(req)
         req.chunks_posted += 1
         req.posting += 1
         if req.started_at is None:
