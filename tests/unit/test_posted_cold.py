@@ -1,0 +1,60 @@
+"""Cold Expects and ``Posted`` (``RequestPlane.busy``, ``warm``, ``Inbound._on_posted``), over a
+fake fabric: what keeps the receiver's watchdog polling, and what each frame is counted as."""
+
+from __future__ import annotations
+
+import anyio
+
+from kvservice import FailureReason, TransferService
+from kvservice._control.protocol import Posted
+from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
+from tests.helpers import eventually
+from tests.unit.harness import GUARD_S, fill, two_services, unit_config
+
+
+async def test_an_expect_is_cold_until_its_send_then_counted_off() -> None:
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            plane = inside(rx).plane
+            fill(tx, "r1", [1, 2])
+            await rx.expect("r1", [3, 4], sender=tx.address)
+            assert plane.recvs["r1"].cold and plane.cold == 1 and not plane.busy()
+            await rx.expect("r2", [5], sender=tx.address)
+            assert plane.cold == 2 and not plane.busy()
+            assert (await tx.await_completion(await tx.send("r1", [1, 2], last=True))).ok
+            assert (await rx.await_arrival("r1")).ok
+            assert plane.cold == 1 and not plane.busy()  # r2 is still cold
+            await rx.abort("r2")  # a cold request that ends is counted off too
+            assert plane.cold == 0 and not plane.recvs
+            assert "posted_unknown" not in rx.status()["refused"]
+
+
+async def test_a_posted_warms_only_its_own_senders_request() -> None:
+    """From its own sender a ``Posted`` warms the request (the watchdog polls: ``busy``);
+    from another peer it is ``foreign_request``, for an id never heard of ``posted_unknown``;
+    one that comes after its request ended here, from its own sender, is the race of a
+    notification overtaking it: ignored, not counted."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx), \
+                TransferService(unit_config(), door_factory=fabric.factory) as other:
+            plane = inside(rx).plane
+            await rx.expect("r1", [3], sender=tx.address)
+            await inside(other).control.link_to(rx.address)
+            inside(other).control.send_to(rx.agent_name, Posted("r1"))
+            inside(other).control.send_to(rx.agent_name, Posted("nobody"))
+            await eventually(lambda: rx.status()["refused"].get("posted_unknown") == 1, GUARD_S)
+            assert rx.status()["refused"].get("foreign_request") == 1
+            assert plane.recvs["r1"].cold and not plane.busy()
+            inside(tx).control.send_to(rx.agent_name, Posted("r1"))
+            await eventually(lambda: not plane.recvs["r1"].cold, GUARD_S, what="r1 warm")
+            assert plane.busy() and plane.cold == 0
+            await rx.abort("r1")
+            inside(tx).control.send_to(rx.agent_name, Posted("r1"))  # after its end: the race
+            inside(tx).control.send_to(rx.agent_name, Posted("nobody-2"))  # marks the frames' order
+            await eventually(lambda: rx.status()["refused"].get("posted_unknown") == 2, GUARD_S)
+            assert rx.status()["refused"].get("foreign_request") == 1
+            result = await rx.await_arrival("r1")
+            assert result.reason is FailureReason.ABORTED
