@@ -48,8 +48,8 @@ T = TypeVar("T")
 #: 6: versions are negotiated (``Hello.top``; see ``negotiate``); a link of version 6 derives
 #:    its secrets with an ephemeral X25519 exchange (``Hello.share``: forward secrecy)
 #:    and a receiver asks a sender it linked with again about what it holds (``Ask``)
-#: 7: a sender tells the receiver when it posts a request's first WRITE (``Posted``): the
-#:    receiver polls NIXL for that request only from then on
+#: 7: a sender tells the receiver when it posts requests' first WRITEs (``Posted``): the
+#:    receiver polls NIXL for a request only from then on
 PROTOCOL_VERSION = 7
 #: the oldest version this release still speaks: each release links with the one before it
 #: (docs/operations.md "Upgrades"), so a fleet upgrades one pod at a time without failing a request
@@ -247,16 +247,19 @@ class Ask(msgspec.Struct, tag="ask", frozen=True):
 
 #: the version from which a sender says ``Posted`` (and its receivers wait for it)
 POSTED_VERSION = 7
+#: request ids one ``Posted`` may name (a sender that plans more at once sends more frames)
+MAX_POSTED = MAX_ASK
 
 
 class Posted(msgspec.Struct, tag="posted", frozen=True):
-    """Sender -> receiver (version 7): the first WRITE of ``request_id`` is being posted.
-    With NIXL's progress thread off a WRITE completes only while the receiver calls into
-    NIXL, so a receiver polls for a request from this frame on (or from any earlier sign of
-    its WRITEs: a notification, its end), not from its Expect.  A peer of version 6 or older
-    closes the link on this tag: send it only where ``ControlPlane.speaks(agent, 7)``."""
+    """Sender -> receiver (version 7): the first WRITEs of these requests are being posted
+    (one frame for the requests whose first posts one watchdog round planned).  With NIXL's
+    progress thread off a WRITE completes only while the receiver calls into NIXL, so a
+    receiver polls for a request from this frame on (or from any earlier sign of its WRITEs:
+    a notification, its end), not from its Expect.  A peer of version 6 or older closes the
+    link on this tag: send it only where ``ControlPlane.speaks(agent, 7)``."""
 
-    request_id: RequestId
+    request_ids: Annotated[list[RequestId], msgspec.Meta(min_length=1, max_length=MAX_POSTED)]
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):

@@ -9,7 +9,8 @@ whose ``Posted`` has not come is *cold*: held at this idle cadence, not polled. 
 every other piece of new work wake it too.  What may still come unannounced is a
 notification just after work ends (a settle fence, a late WRITE of a request that failed),
 a notification of a cold Expect's request (it turns it warm), and the deadlines of what is
-held without being in flight (an Expect before its ``send()``).
+held without being in flight (an Expect before its ``send()``).  After a polled request ends,
+cold Expects are polled on for ``WARM_GRACE_S`` (the next hand-off usually comes within it).
 
 So each idle wait is twice the one before it, from ``IDLE_FIRST_S`` after the last work up to
 ``idle_poll_interval_s``: a notification soon after the last request is taken as promptly as
@@ -21,6 +22,10 @@ from __future__ import annotations
 
 #: the first idle wait after work (the back-off doubles it up to the configured ceiling)
 IDLE_FIRST_S = 0.05
+#: how long a receiver keeps polling after its last polled request ended while it holds cold
+#: Expects: a sender's next request usually follows within it (hand-offs one after another),
+#: and polling on costs less than a wake-up from the idle wait for each of them
+WARM_GRACE_S = IDLE_FIRST_S
 
 
 class IdleBackoff:

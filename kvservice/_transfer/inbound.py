@@ -81,7 +81,8 @@ class Inbound:
         elif isinstance(msg, Settled):
             p.settlement.settle_recv(msg.request_id, agent, sender_ok=msg.ok)
         elif isinstance(msg, Posted):
-            self._on_posted(agent, msg.request_id)
+            for rid in msg.request_ids:
+                self._on_posted(agent, rid)
         elif isinstance(msg, Ask):
             self._heal.on_ask(agent, msg.request_ids)
 
@@ -91,9 +92,10 @@ class Inbound:
             log.warning("transfer.foreign_request", agent=agent, request_id=rid, message=what, unlogged=unlogged)
 
     def _on_posted(self, agent: str, rid: str) -> None:
-        """``agent`` posts the first WRITE of ``rid``: poll NIXL for it from now on.  Each
-        frame costs a lookup or two and wakes the watchdog at most once per request (the
-        cold-to-polled step), so a flood of them costs no more than as many Pings."""
+        """``agent`` posts the first WRITE of ``rid``: poll NIXL for it from now on.  Each id
+        costs a lookup or two (a frame names ``MAX_POSTED`` at most) and the watchdog is woken
+        at most once per request (the cold-to-polled step), so a flood of them costs what
+        reading and decoding the frames does."""
         p = self._plane
         req = p.recvs.get(rid)
         if req is not None and req.peer == agent:

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from .._config import ServiceConfig
 from .._control.peers import LocalPeer, PeerEvents
 from .._control.plane import ControlPlane
-from .._control.protocol import POSTED_VERSION, Abort, Expect, Failed, Message, Posted, Settled, text
+from .._control.protocol import MAX_POSTED, POSTED_VERSION, Abort, Expect, Failed, Message, Posted, Settled, text
 from .._control.transport import Transport
 from .._log import get_logger
 from .._nixl.door import Door, DoorError, DoorThread
@@ -31,6 +31,7 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from . import landing
+from .cadence import WARM_GRACE_S
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
@@ -65,6 +66,8 @@ class RequestPlane:
         self.recvs: dict[str, RecvRequest] = {}
         #: how many of ``recvs`` are cold: held without polling NIXL (``_hold_cold``, ``warm``)
         self.cold = 0
+        #: until when cold ones are polled all the same: ``WARM_GRACE_S`` after a polled one ended
+        self._grace_until = 0.0
         # Ended requests keep only their result, as a tuple of plain values: nothing of
         # them for the cyclic GC to walk (``history``).
         self.sends_done = Results(results_kept)
@@ -390,6 +393,8 @@ class RequestPlane:
             if req.cold:
                 req.cold = False
                 self.cold -= 1
+            else:
+                self._grace_until = result.finished_at + WARM_GRACE_S
             self.recvs_done.put(req.request_id, result)
             if not result.settled:
                 assert req.peer is not None and req.pages is not None
@@ -468,15 +473,19 @@ class RequestPlane:
     def busy(self) -> bool:
         # Receivers keep the watchdog polling: with NIXL's progress thread off, a
         # sender's WRITE completes only while this side calls into NIXL.  A cold one
-        # does not (its sender has posted nothing yet): the idle ticks still look.
-        return bool(self.sends) or len(self.recvs) > self.cold
+        # does not (its sender has posted nothing yet): the idle ticks still look.  Right
+        # after a polled one ended, they are polled on for a while (``WARM_GRACE_S``).
+        if self.sends or len(self.recvs) > self.cold:
+            return True
+        return self.cold > 0 and time.monotonic() < self._grace_until
 
-    def first_post(self, req: SendRequest) -> None:
-        """The watchdog plans ``req``'s first WRITE: its receiver (protocol 7) polls for it
-        from this ``Posted`` on.  Queued before the WRITE is handed to the door thread."""
-        assert req.peer is not None
-        if self.control.speaks(req.peer, POSTED_VERSION):
-            self.control.send_to(req.peer, Posted(req.request_id))
+    def first_posts(self, peer: str, request_ids: list[str]) -> None:
+        """The watchdog plans these requests' first WRITEs to ``peer``: its receiver (protocol
+        7) polls for them from this ``Posted`` on.  Queued before the WRITEs reach the door
+        thread; one frame for as many as one planning took (``MAX_POSTED`` at most each)."""
+        if self.control.speaks(peer, POSTED_VERSION):
+            for i in range(0, len(request_ids), MAX_POSTED):
+                self.control.send_to(peer, Posted(request_ids[i : i + MAX_POSTED]))
 
     def released(self, req: SendRequest) -> None:
         """The door released every handle of ``req`` (see ``ends.SendEnds.released``)."""

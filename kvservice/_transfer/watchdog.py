@@ -77,8 +77,9 @@ class Owner(Protocol):
     def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
         """The settle fence of ``req`` did not land (NIXL error, or its handle went)."""
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
-    def first_post(self, req: SendRequest) -> None:
-        """``req``'s first WRITE is planned (its receiver may be told: ``Posted``)."""
+    def first_posts(self, peer: str, request_ids: list[str]) -> None:
+        """The first WRITEs of these requests to ``peer`` are planned (``peer`` may be told:
+        ``Posted``), before they are handed to the door thread."""
     def check_deadlines(self, now: float) -> None: ...
     def busy(self) -> bool: ...
     @property
@@ -118,6 +119,8 @@ class Watchdog:
         #: theirs that tick posted is released by the peer's unloading, never checked
         self._fences_forgotten: set[str] = set()
         self._cursor = 0
+        #: requests whose first WRITE the planning under way took, by peer (``_take_posts``)
+        self._first: dict[str, list[str]] = {}
         self._wake = anyio.Event()
         self._stopping = False
         self._stopped = anyio.Event()
@@ -489,6 +492,10 @@ class Watchdog:
                 budget -= 1
             if not req.pending:
                 del self._ready[rid]
+        if self._first:  # one word per peer for every first WRITE this planning took
+            first, self._first = self._first, {}
+            for peer, rids in first.items():
+                self._owner.first_posts(peer, rids)
         return budget, byte_budget
 
     def _post_op(self, req: SendRequest) -> PostOp:
@@ -512,7 +519,7 @@ class Watchdog:
             local_idx, remote_idx = kv.indexer.indices(src, dst, lo, hi)
         number = req.chunks_posted
         if number == 0:
-            self._owner.first_post(req)
+            self._first.setdefault(req.peer, []).append(req.request_id)
         req.chunks_posted += 1
         req.posting += 1
         if req.started_at is None:
