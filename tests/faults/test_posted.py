@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from kvservice import FailureReason, TransferService, TransferStatus
-from kvservice._control.protocol import POSTED_VERSION, Posted
-from kvservice._transfer.cadence import IDLE_FIRST_S
+from kvservice._control.protocol import MAX_POSTED, POSTED_VERSION, Posted
+from kvservice._transfer.cadence import WARM_GRACE_S
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.compat.previous import REPO
@@ -39,9 +39,11 @@ SPEAKS_6 = "7de986df991cd744fca03ae57f53ed777c2af9eb"
 GUARD_S = scaled(30.0)
 #: how long the decode holds a cold Expect while its ticks are counted
 HOLD_S = 1.0
-#: idle ticks that can fit in HOLD_S: waits doubling from IDLE_FIRST_S (50, 100, 200, 400 ms
-#: ...), one more for the tick under way, and slack for a tick that an unrelated wake started
+#: idle ticks that can fit in HOLD_S: waits doubling from ``cadence.IDLE_FIRST_S`` (50, 100,
+#: 200, 400 ms ...), one more for the tick under way, and slack for ticks unrelated wakes started
 IDLE_TICKS = 8
+#: past the polling that follows the last polled request (``WARM_GRACE_S``) and its last tick
+QUIET_S = WARM_GRACE_S + 0.2
 #: hostile frames in the flood
 FLOOD = 2000
 
@@ -106,13 +108,14 @@ async def test_a_cold_expect_idles_until_its_sender_posts() -> None:
         await fill(prefill, "r1", src)
         await decode.expect("r1", dst, sender=prefill.address)
         assert inside(decode).plane.recvs["r1"].cold
-        await anyio.sleep(IDLE_FIRST_S)  # a tick that lingered for the warm-up ends
+        await anyio.sleep(QUIET_S)  # the polling after the warm-up ends
         ticks, lingered = await hold_and_count(decode)
         assert lingered == 0 and ticks <= IDLE_TICKS, (ticks, lingered)
         before = ticks_of(decode)[1]
         await arrives(decode, prefill, "r1", src, dst)
         assert ticks_of(decode)[1] > before  # the Posted made it poll
-        assert inside(decode).plane.cold == 0 and not inside(decode).plane.busy()
+        assert inside(decode).plane.cold == 0
+        await eventually(lambda: not inside(decode).plane.busy(), timeout=GUARD_S, what="polling ends")
 
 
 async def test_a_cold_expect_ends_when_its_sender_dies() -> None:
@@ -177,17 +180,18 @@ async def test_hostile_posted_frames_are_counted_and_wake_nothing() -> None:
         await decode.expect("legit", dst, sender=prefill.address)
         await inside(mallory).control.link_to(decode.address)
         agent = decode.agent_name
-        await anyio.sleep(IDLE_FIRST_S)  # a tick that lingered while the links came up ends
+        await anyio.sleep(QUIET_S)  # a tick that lingered while the links came up ends
         ticks, lingered = ticks_of(decode)
         say = inside(mallory).control.send_to
-        say(agent, Posted("legit"))
-        say(agent, Posted("never-expected"))
+        say(agent, Posted(["legit"]))
+        say(agent, Posted(["never-expected"]))
         for i in range(FLOOD):
-            say(agent, Posted("legit" if i % 2 else f"flood-{i}"))
+            say(agent, Posted(["legit" if i % 2 else f"flood-{i}"]))
+        say(agent, Posted(["legit"] * MAX_POSTED))  # the most a frame may name, all of them foreign
 
         def counted() -> bool:
             refused = decode.status()["refused"]
-            return (refused.get("foreign_request", 0) >= 1 + FLOOD // 2
+            return (refused.get("foreign_request", 0) >= 1 + FLOOD // 2 + MAX_POSTED
                     and refused.get("posted_unknown", 0) >= 1 + FLOOD // 2)
 
         await eventually(counted, timeout=GUARD_S, what=lambda: f"refusals counted: {decode.status()['refused']}")
@@ -196,4 +200,4 @@ async def test_hostile_posted_frames_are_counted_and_wake_nothing() -> None:
         assert after[1] == lingered and after[0] - ticks <= IDLE_TICKS, (ticks, lingered, after)
         assert len(mallory.status()["peers"]) == 1  # nothing was dropped: each frame cost a lookup
         await arrives(decode, prefill, "legit", src, dst)
-        assert decode.status()["refused"].get("foreign_request", 0) == 1 + FLOOD // 2
+        assert decode.status()["refused"].get("foreign_request", 0) == 1 + FLOOD // 2 + MAX_POSTED
