@@ -119,7 +119,8 @@ class Watchdog:
         #: theirs that tick posted is released by the peer's unloading, never checked
         self._fences_forgotten: set[str] = set()
         self._cursor = 0
-        #: requests whose first WRITE the planning under way took, by peer (``_take_posts``)
+        #: requests whose first WRITE was planned since the last digest, by peer: their
+        #: receivers are told (``Owner.first_posts``) once a tick has posted them (``_digest``)
         self._first: dict[str, list[str]] = {}
         self._wake = anyio.Event()
         self._stopping = False
@@ -389,6 +390,17 @@ class Watchdog:
 
     def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
+        if self._first:
+            # The first WRITEs planned so far are posted (by this tick, or handed to the next
+            # one after it stopped looking): their receivers poll for them from this word on.
+            # Said after the post, not before: the frame's writing and reading would otherwise
+            # hold up the post on this process's loop and on the receiver's, sharing the cores
+            # (measured, w2/c1: the post started 180 us later).  A WRITE that completed within
+            # its post needs the receiver's polling only for its notification; one that did not
+            # has this frame on its way as the post returns.  One frame per peer per digest.
+            first, self._first = self._first, {}
+            for peer, rids in first.items():
+                self._owner.first_posts(peer, rids)
         self._take_delivered()  # handed over by this tick (or one before) while it lingered
         self.live_handles = outcome.live
         if outcome.post_times:
@@ -492,10 +504,6 @@ class Watchdog:
                 budget -= 1
             if not req.pending:
                 del self._ready[rid]
-        if self._first:  # one word per peer for every first WRITE this planning took
-            first, self._first = self._first, {}
-            for peer, rids in first.items():
-                self._owner.first_posts(peer, rids)
         return budget, byte_budget
 
     def _post_op(self, req: SendRequest) -> PostOp:
