@@ -390,17 +390,6 @@ class Watchdog:
 
     def _digest(self, outcome: TickOutcome) -> None:
         self.ticks += 1
-        if self._first:
-            # The first WRITEs planned so far are posted (by this tick, or handed to the next
-            # one after it stopped looking): their receivers poll for them from this word on.
-            # Said after the post, not before: the frame's writing and reading would otherwise
-            # hold up the post on this process's loop and on the receiver's, sharing the cores
-            # (measured, w2/c1: the post started 180 us later).  A WRITE that completed within
-            # its post needs the receiver's polling only for its notification; one that did not
-            # has this frame on its way as the post returns.  One frame per peer per digest.
-            first, self._first = self._first, {}
-            for peer, rids in first.items():
-                self._owner.first_posts(peer, rids)
         self._take_delivered()  # handed over by this tick (or one before) while it lingered
         self.live_handles = outcome.live
         if outcome.post_times:
@@ -473,6 +462,18 @@ class Watchdog:
                     "check_xfer_state"))
         if outcome.notifs:
             self._owner.on_notifs(outcome.notifs)
+        if self._first:
+            # The first WRITEs planned so far are posted (by this tick, or handed to the next
+            # one after it stopped looking): their receivers poll for them from this word on.
+            # Said after the post, not before: the frame's writing and reading would otherwise
+            # hold up the post on this process's loop and on the receiver's, sharing the cores
+            # (measured, w2/c1: the post started 180 us later).  A WRITE that completed within
+            # its post needs the receiver's polling only for its notification; one that did not
+            # has this frame on its way as the post returns.  One frame per peer per
+            # digest, last: the tasks this digest woke (a sender's next send()) run before its writing.
+            first, self._first = self._first, {}
+            for peer, rids in first.items():
+                self._owner.first_posts(peer, rids)
 
     def _plan(self) -> TickPlan:
         if self._drains.until:
