@@ -56,7 +56,7 @@ from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
 from . import landing
-from .cadence import IdleBackoff
+from .cadence import WARM_GRACE_S, IdleBackoff
 from .drain import Drains
 from .proofs import Proofs
 from .requests import SendRequest
@@ -121,7 +121,11 @@ class Watchdog:
         self._cursor = 0
         #: requests whose first WRITE was planned since the last digest, by peer: their
         #: receivers are told (``Owner.first_posts``) once a tick has posted them (``_digest``)
-        self._first: dict[str, list[str]] = {}
+        self._first: dict[str, list[SendRequest]] = {}
+        #: per peer, when the last tick began whose post completed a request to it at once:
+        #: its receiver polls until at least ``WARM_GRACE_S`` after that (``_tell_posted``)
+        self._inline: dict[str, float] = {}
+        self._submitted_at = 0.0  # when the tick in flight (the one digested next) was planned
         self._wake = anyio.Event()
         self._stopping = False
         self._stopped = anyio.Event()
@@ -207,6 +211,7 @@ class Watchdog:
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
             self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id, "fence forgotten with its peer")
         self._fences = [op for op in self._fences if op.peer != peer]
+        self._inline.pop(peer, None)
         self._drains.lost_handled(peer)
         if self._ahead is not None:
             self._fences_forgotten.add(peer)
@@ -342,6 +347,7 @@ class Watchdog:
         """Plan a tick and queue it on the door thread.  With ``linger`` and nothing to
         post or release, it waits there (polling) for news for up to ``LINGER_S``."""
         self._thread.interrupt.clear()  # set again by any wake() from here on
+        self._submitted_at = self._clock()
         plan = self._plan()
         if self._late:  # handed over to the last tick after it stopped looking: planned first
             plan.posts[:0] = take_late(self._late)
@@ -463,16 +469,40 @@ class Watchdog:
         if outcome.notifs:
             self._owner.on_notifs(outcome.notifs)
         if self._first:
-            # The first WRITEs planned so far are posted (by this tick, or handed to the next
-            # one after it stopped looking): their receivers poll for them from this word on.
-            # Said after the post, not before: the frame's writing and reading would otherwise
-            # hold up the post on this process's loop and on the receiver's, sharing the cores
-            # (measured, w2/c1: the post started 180 us later).  A WRITE that completed within
-            # its post needs the receiver's polling only for its notification; one that did not
-            # has this frame on its way as the post returns.  One frame per peer per
-            # digest, last: the tasks this digest woke (a sender's next send()) run before its writing.
-            first, self._first = self._first, {}
-            for peer, rids in first.items():
+            self._tell_posted()
+
+    def _tell_posted(self) -> None:
+        """Tell the receivers of the requests whose first WRITE was planned since the last
+        digest that they are posted (``Posted``): they poll for them from this word on.
+
+        After the post, not before: writing the frame (and its reading on the receiver)
+        would hold up the post, both processes sharing the cores (measured, w2/c1: the post
+        started 180 us later).  A WRITE that completed within its post needs the receiver's
+        polling only for its notification; one that did not has this word on its way as the
+        post returns (one frame per peer per digest, last: the tasks this digest woke, a
+        client's next ``send()``, run before its writing).
+
+        Not said at all for a request that completed within this tick's post when a request
+        to the same peer did so in a tick that began less than ``WARM_GRACE_S / 2`` ago: its
+        receiver saw that one's notification no earlier than that tick began, and polls on
+        for ``WARM_GRACE_S`` after it (``RequestPlane.busy``), so it takes this request's
+        notification (which turns it warm, and starts that polling again) without the word.
+        Hand-offs one after another then cost no frame each.  Should that receiver not poll
+        (its loop held past the margin, that request ended there before its notification),
+        its idle ticks take the notification, the first ``IDLE_FIRST_S`` after its last work."""
+        first, self._first = self._first, {}
+        now = self._clock()
+        for peer, reqs in first.items():
+            seen = self._inline.get(peer)
+            polled = seen is not None and now - seen < WARM_GRACE_S / 2
+            rids = []
+            for req in reqs:
+                if req.result is not None and req.result.ok:  # completed within this tick's post
+                    self._inline[peer] = self._submitted_at
+                    if polled:
+                        continue
+                rids.append(req.request_id)
+            if rids:
                 self._owner.first_posts(peer, rids)
 
     def _plan(self) -> TickPlan:
@@ -528,7 +558,7 @@ class Watchdog:
             local_idx, remote_idx = kv.indexer.indices(src, dst, lo, hi)
         number = req.chunks_posted
         if number == 0:
-            self._first.setdefault(req.peer, []).append(req.request_id)
+            self._first.setdefault(req.peer, []).append(req)
         req.chunks_posted += 1
         req.posting += 1
         if req.started_at is None:

@@ -4,12 +4,14 @@ fake fabric: what keeps the receiver's watchdog polling, and what each frame is 
 from __future__ import annotations
 
 import anyio
+import torch
 
 from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Posted
+from kvservice._transfer.cadence import WARM_GRACE_S
 from kvservice.testing import FakeFabric
 from kvservice.testing.inspect import inside
-from tests.helpers import eventually
+from tests.helpers import eventually, heard_by
 from tests.unit.harness import GUARD_S, fill, two_services, unit_config
 
 
@@ -59,3 +61,30 @@ async def test_a_posted_warms_only_its_own_senders_request() -> None:
             assert rx.status()["refused"].get("foreign_request") == 1
             result = await rx.await_arrival("r1")
             assert result.reason is FailureReason.ABORTED
+
+
+async def test_hand_offs_one_after_another_need_no_frame_each() -> None:
+    """Requests sent one after another, each completed within its post (the fake's default,
+    as a copy on this host's transport): the receiver polls on after each (``WARM_GRACE_S``)
+    and takes the next one's notification without a ``Posted``; the sender says it again for
+    the first request after a pause longer than half of that.  Every request arrives."""
+    fabric = FakeFabric()
+    n = 12
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            heard = heard_by(rx)
+            data = {i: fill(tx, f"r{i}", [i]) for i in range(n + 1)}
+            for i in range(n + 1):
+                await rx.expect(f"r{i}", [30 + i], sender=tx.address)
+            for i in range(n):
+                assert (await tx.await_completion(await tx.send(f"r{i}", [i], last=True))).ok
+                assert (await rx.await_arrival(f"r{i}")).ok
+            told = [rid for m in heard if isinstance(m, Posted) for rid in m.request_ids]
+            assert "r0" in told and len(told) < n // 2, told
+            await anyio.sleep(WARM_GRACE_S)  # past half the receiver's polling after r{n-1}
+            assert (await tx.await_completion(await tx.send(f"r{n}", [n], last=True))).ok
+            assert (await rx.await_arrival(f"r{n}")).ok
+            await eventually(lambda: any(isinstance(m, Posted) and f"r{n}" in m.request_ids for m in heard),
+                             GUARD_S, what=f"a Posted for r{n}")
+    for i in range(n + 1):
+        assert torch.equal(rx.kv.pages([30 + i]), data[i])
