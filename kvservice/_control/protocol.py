@@ -252,12 +252,14 @@ MAX_POSTED = MAX_ASK
 
 
 class Posted(msgspec.Struct, tag="posted", frozen=True):
-    """Sender -> receiver (version 7): the first WRITEs of these requests are being posted
-    (one frame for the requests whose first posts one watchdog round planned).  With NIXL's
-    progress thread off a WRITE completes only while the receiver calls into NIXL, so a
-    receiver polls for a request from this frame on (or from any earlier sign of its WRITEs:
-    a notification, its end), not from its Expect.  A peer of version 6 or older closes the
-    link on this tag: send it only where ``ControlPlane.speaks(agent, 7)``."""
+    """Sender -> receiver (version 7): the first WRITEs of these requests have been posted
+    (one frame for those one watchdog tick posted).  With NIXL's progress thread off a WRITE
+    completes only while the receiver calls into NIXL, so a receiver polls for a request from
+    this frame on (or from any earlier sign of its WRITEs: a notification, its end), not from
+    its Expect.  A request completed within its post right after another to the same receiver
+    may go unnamed: that receiver polls on after the other (``_transfer.watchdog``,
+    ``Watchdog._tell_posted``).  A peer of version 6 or older closes the link on this tag:
+    send it only where ``ControlPlane.speaks(agent, 7)``."""
 
     request_ids: Annotated[list[RequestId], msgspec.Meta(min_length=1, max_length=MAX_POSTED)]
 

@@ -3,8 +3,8 @@
 While transfers are in flight or expected the watchdog polls NIXL every ``poll_interval_s``
 (its lingering ticks).  Idle, nothing needs NIXL driven: a peer writes into this process only
 once it holds an Expect of this service, and only after it said so: a sender of protocol 7
-sends ``Posted`` as it posts a request's first WRITE, and that frame wakes the watchdog at
-once (``RequestPlane.warm``); for a sender of an older version ``expect()`` does.  An Expect
+sends ``Posted`` once it has posted a request's first WRITE, and that frame wakes the watchdog
+at once (``RequestPlane.warm``); for a sender of an older version ``expect()`` does.  An Expect
 whose ``Posted`` has not come is *cold*: held at this idle cadence, not polled.  ``send()`` and
 every other piece of new work wake it too.  What may still come unannounced is a
 notification just after work ends (a settle fence, a late WRITE of a request that failed),
