@@ -30,7 +30,7 @@ from kvservice._transfer.cadence import WARM_GRACE_S
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.compat.previous import REPO
-from tests.helpers import SMALL, config, eventually, peer_config, peers, scaled
+from tests.helpers import SMALL, config, eventually, heard_by, peer_config, peers, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -112,8 +112,10 @@ async def test_a_cold_expect_idles_until_its_sender_posts() -> None:
         ticks, lingered = await hold_and_count(decode)
         assert lingered == 0 and ticks <= IDLE_TICKS, (ticks, lingered)
         before = ticks_of(decode)[1]
+        heard = heard_by(decode)
         await arrives(decode, prefill, "r1", src, dst)
-        assert ticks_of(decode)[1] > before  # the Posted made it poll
+        assert any(isinstance(m, Posted) and "r1" in m.request_ids for m in heard), heard  # the first after a pause
+        assert ticks_of(decode)[1] > before  # and it polled for it
         assert inside(decode).plane.cold == 0
         await eventually(lambda: not inside(decode).plane.busy(), timeout=GUARD_S, what="polling ends")
 
