@@ -26,8 +26,10 @@ def main() -> None:
     agent.add_remote_agent(bytes.fromhex(spec["metadata"]))
     for notif in spec["notifs"]:
         agent.send_notif(spec["peer"], bytes.fromhex(notif))
-    # UCX sends asynchronously: keep progressing its worker a while before exiting
-    deadline = time.monotonic() + 1.0
+    # UCX sends asynchronously: keep progressing its worker a while before exiting, longer
+    # than a target holding only cold Expects takes to poll NIXL again (its idle cadence,
+    # ``idle_poll_interval_s``: 1 s), which its side of the connection needs
+    deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
         agent.get_new_notifs()
         time.sleep(0.01)

@@ -78,12 +78,19 @@ class Departures:
         if gone is None and not self._closing() and self._events.holds(agent):
             self._tg.start_soon(self._unload_when_settled, agent, proven)  # a live sender's WRITEs may end DONE
             return
-        await self._unload(agent)
+        await self._unload(agent, gone)
         self._after_unload(agent, gone, proven)
 
-    async def _unload(self, agent: str) -> None:
-        released = await self._thread.call(self._door.remove_peer, agent)
+    async def _unload(self, agent: str, gone: str | None) -> None:
+        """Unload ``agent``; one not known gone is kept loaded by the door (bounded), so that
+        its link made again reuses its endpoint (``Door.remove_peer``)."""
+        released = await self._thread.call(lambda: self._door.remove_peer(agent, keep_loaded=gone is None))
         self._events.released_by_door(released)
+
+    async def _forget(self, agent: str, why: str) -> None:
+        """``agent`` is gone for good: forget it here and in the door."""
+        self._gone(agent, why)
+        await self._thread.call(self._door.forget_peer, agent)
 
     async def _unload_when_drained(self, agent: str, drained: anyio.Event, gone: str | None,
                                    proven: frozenset[str]) -> None:
@@ -96,7 +103,7 @@ class Departures:
         async with self._lock:
             if self._linked(agent) or self._closing():
                 return
-            await self._unload(agent)
+            await self._unload(agent, gone)
             self._after_unload(agent, gone, proven)
 
     async def _unload_when_settled(self, agent: str, proven: frozenset[str]) -> None:
@@ -110,14 +117,14 @@ class Departures:
         async with self._lock:
             if self._linked(agent) or self._closing():
                 return
-            await self._unload(agent)
+            await self._unload(agent, None)
             self._after_unload(agent, None, proven)
 
     def _after_unload(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
         if self._closing():
             return
         if gone is not None:
-            self._gone(agent, gone)
+            self._gone(agent, gone)  # (unloaded for good already: gone is not None)
         elif proven:
             self._tg.start_soon(self._find_out_gone, agent, proven)
 
@@ -144,7 +151,7 @@ class Departures:
                     why = f"another agent ({answered}) proved itself at its address"
                 async with self._lock:
                     if not self._linked(agent) and self._events.draining(agent) is None:
-                        self._gone(agent, why)
+                        await self._forget(agent, why)
                 return
 
     async def let_drain_end(self, agent: str) -> None:

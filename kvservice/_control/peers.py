@@ -15,7 +15,7 @@ from typing import Protocol
 
 import anyio
 
-from .._nixl.door import Door, DoorError
+from .._nixl.door import PROBE_NOTIF, Door, DoorError
 from .._results import AuthenticationError, FailureReason, KVServiceError, ProtocolError
 from .._trust import checks
 from .._trust.handshake import (
@@ -126,10 +126,6 @@ def load_peer(door: Door, agent: str, join: Join, kv: PeerKV) -> None:
     """On the door thread: the descriptor tables of the pair, then the peer's NIXL agent."""
     remote, local = kv.tables()
     door.add_peer(agent, join.metadata, remote, None if local is None else (kv.local_key, local))
-
-
-#: the notification that asks NIXL whether a peer's endpoint is still there
-PROBE_NOTIF = b"kvservice-probe"
 
 
 def endpoint_gone(door: Door, agent: str) -> bool:

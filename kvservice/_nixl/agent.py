@@ -10,6 +10,11 @@ measured with nixl 1.5.1 (see docs/design.md, "How NIXL behaves"):
   table makes that impossible from kvservice.
 * A dead peer stays loaded; recovery is remove + add with fresh metadata +
   prepare its descriptor list again, which ``add_peer`` does.
+* ``remove_remote_agent`` does not close the UCX connection to a live peer: each
+  remove + add of the same live agent leaves one more TCP connection open on
+  both sides (measured).  So a peer whose link was lost while its process may
+  live is kept loaded (``remove_peer(keep_loaded=True)``, at most ``KEPT_MAX``),
+  and loading it again with the same metadata reuses it (``add_peer``).
 * ``add_remote_agent`` hands a peer's bytes to UCX, which unpacks them with
   assertions: malformed bytes can abort the process.  So the service proves a
   peer's metadata loadable in a vetting child first (``_trust.vetting``); the
@@ -20,6 +25,7 @@ measured with nixl 1.5.1 (see docs/design.md, "How NIXL behaves"):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -33,7 +39,7 @@ import numpy.typing as npt
 
 from .._log import get_logger
 from .._results import FailureReason, KVServiceError, NixlUnavailable
-from .door import DoorError, LocalTable, Segment, XferId, XferState
+from .door import PROBE_NOTIF, DoorError, LocalTable, Segment, XferId, XferState
 from .native_log import after_agent_created, ucx_log_file
 from .trial import nixl_log_level, ucx_environment
 
@@ -49,6 +55,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without nixl ins
     _nb = None
     NIXL_IMPORT_ERROR = exc
 
+
+#: agents kept loaded after their link was lost, at most (``remove_peer(keep_loaded=True)``)
+KEPT_MAX = 256
 
 _MD_PREFIX = b"nixlSerDes|Agent"
 _MD_LEN = struct.Struct("<Q")
@@ -182,6 +191,10 @@ class NixlDoor:
         self._local: Any = None  # prepped local dlist (every page of every region)
         self._locals: dict[Hashable, Any] = {}  # key -> prepped local dlist for some peers
         self._peers: dict[str, tuple[Any, Any]] = {}  # name -> (prepped remote dlist, local dlist)
+        #: loaded agents (linked or kept after their link was lost): name -> (metadata, remote table)
+        self._loaded: dict[str, tuple[bytes, npt.NDArray[np.uint64]]] = {}
+        self._kept: collections.OrderedDict[str, None] = collections.OrderedDict()  # loaded, not linked
+        self._disconnected: set[str] = set()  # loaded agents NIXL reported disconnected
         self._xfers: dict[XferId, tuple[Any, str]] = {}  # id -> (nixl handle, peer)
         self._next_id = 1
         self._closed = False
@@ -228,7 +241,17 @@ class NixlDoor:
                 ValueError(f"metadata names agent {inside!r}, the peer authenticated as {name!r}"),
                 "add_remote_agent",
             )
-        if name in self._peers:
+        if self._reusable(name, metadata, table):
+            if name not in self._peers:  # kept after its link was lost: prepare its table again
+                self._kept.pop(name)
+                try:
+                    self._peers[name] = (self._agent.prep_xfer_dlist(name, table, self._mem_type),
+                                         self._local_for(local))
+                except NIXL_ERRORS as exc:
+                    self._unload(name)
+                    raise DoorError(classify(exc), exc, "prepare peer") from exc
+            return  # linked again before its unload: as it is, handles in flight included
+        if name in self._peers or name in self._kept:
             self.remove_peer(name)
         try:
             loaded = self._agent.add_remote_agent(metadata)
@@ -242,6 +265,8 @@ class NixlDoor:
                 ValueError(f"metadata names agent {loaded!r}, hello named {name!r}"),
                 "add_remote_agent",
             )
+        self._loaded[name] = (metadata, table)
+        self._disconnected.discard(name)
         try:
             self._peers[name] = (self._agent.prep_xfer_dlist(name, table, self._mem_type), self._local_for(local))
             # Pay the connection set-up (15-20 ms) now rather than on the first request.
@@ -250,7 +275,24 @@ class NixlDoor:
             self.remove_peer(name)
             raise DoorError(classify(exc), exc, "prepare peer") from exc
 
-    def remove_peer(self, name: str) -> list[XferId]:
+    def _reusable(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64]) -> bool:
+        """Whether ``name`` is loaded already, from the same metadata and table, and its endpoint
+        still answers.  NIXL 1.5's ``remove_remote_agent`` leaves the UCX connection to a live
+        peer open (one more TCP connection on each side per reload, measured), so a link lost
+        and made again to the same process must not reload it."""
+        loaded = self._loaded.get(name)
+        if loaded is None or loaded[0] != metadata or not np.array_equal(loaded[1], table) \
+                or name in self._disconnected:
+            return False
+        try:
+            self._agent.send_notif(name, PROBE_NOTIF)
+        except NIXL_ERRORS as exc:
+            log.info("nixl.endpoint_gone", peer=name, error=repr(exc))
+            self._disconnected.add(name)
+            return False
+        return True
+
+    def remove_peer(self, name: str, *, keep_loaded: bool = False) -> list[XferId]:
         self._check_thread()
         released = [xid for xid, (_, peer) in self._xfers.items() if peer == name]
         for xid in released:
@@ -258,11 +300,36 @@ class NixlDoor:
         entry = self._peers.pop(name, None)
         if entry is not None:
             entry[0].release()
-            try:
-                self._agent.remove_remote_agent(name)
-            except NIXL_ERRORS as exc:
-                log.warning("nixl.remove_remote_agent_failed", peer=name, error=repr(exc))
+        if name not in self._loaded:
+            return released
+        if keep_loaded and name not in self._disconnected:
+            self._kept[name] = None
+            self._kept.move_to_end(name)
+            while len(self._kept) > KEPT_MAX:
+                self._unload(self._kept.popitem(last=False)[0])
+        else:
+            self._kept.pop(name, None)
+            self._unload(name)
         return released
+
+    def forget_peer(self, name: str) -> None:
+        self._check_thread()
+        if name in self._kept:
+            del self._kept[name]
+            self._unload(name)
+
+    def _unload(self, name: str) -> None:
+        self._loaded.pop(name, None)
+        self._disconnected.discard(name)
+        try:
+            self._agent.remove_remote_agent(name)
+        except NIXL_ERRORS as exc:
+            log.warning("nixl.remove_remote_agent_failed", peer=name, error=repr(exc))
+
+    @property
+    def kept_agents(self) -> int:
+        """Agents kept loaded after their link was lost (``remove_peer(keep_loaded=True)``)."""
+        return len(self._kept)
 
     # -- transfers ----------------------------------------------------------------
     def post(
@@ -278,7 +345,7 @@ class NixlDoor:
         try:
             handle = self._agent.make_prepped_xfer("WRITE", local, local_idx, remote, remote_idx, notif)
         except NIXL_ERRORS as exc:
-            raise DoorError(classify(exc), exc, "make_prepped_xfer") from exc
+            raise self._error(peer, exc, "make_prepped_xfer") from exc
         xid = self._next_id
         self._next_id += 1
         self._xfers[xid] = (handle, peer)
@@ -286,7 +353,7 @@ class NixlDoor:
             state = self._agent.transfer(handle)
         except NIXL_ERRORS as exc:
             self.release(xid)
-            raise DoorError(classify(exc), exc, "transfer") from exc
+            raise self._error(peer, exc, "transfer") from exc
         return xid, self._settle(xid, state, "transfer")
 
     def check(self, xfer: XferId) -> XferState:
@@ -298,7 +365,7 @@ class NixlDoor:
             state = self._agent.check_xfer_state(entry[0])
         except NIXL_ERRORS as exc:
             self.release(xfer)
-            raise DoorError(classify(exc), exc, "check_xfer_state") from exc
+            raise self._error(entry[1], exc, "check_xfer_state") from exc
         return self._settle(xfer, state, "check_xfer_state")
 
     def _settle(self, xfer: XferId, state: str, op: str) -> XferState:
@@ -337,7 +404,15 @@ class NixlDoor:
         try:
             self._agent.send_notif(peer, message)
         except NIXL_ERRORS as exc:
-            raise DoorError(classify(exc), exc, "send_notif") from exc
+            raise self._error(peer, exc, "send_notif") from exc
+
+    def _error(self, peer: str, exc: BaseException, op: str) -> DoorError:
+        """``exc`` from ``op`` on ``peer``'s endpoint; one that says it disconnected is not
+        reused when the peer is loaded again."""
+        err = DoorError(classify(exc), exc, op)
+        if err.reason is FailureReason.REMOTE_DISCONNECT and peer in self._loaded:
+            self._disconnected.add(peer)
+        return err
 
     # -- teardown -------------------------------------------------------------------
     def close(self) -> None:
@@ -349,6 +424,8 @@ class NixlDoor:
             self.release(xid)
         for name in list(self._peers):
             self.remove_peer(name)
+        for name in list(self._kept):
+            self.forget_peer(name)
         for dlist in self._locals.values():
             dlist.release()
         self._locals.clear()

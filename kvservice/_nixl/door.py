@@ -67,6 +67,11 @@ class DoorError(KVServiceError):
         return type(self), (self.reason, self.original, self.op), self.__dict__
 
 
+#: a notification that only asks NIXL whether a peer's endpoint is still there (receivers
+#: take it as a stale notification)
+PROBE_NOTIF = b"kvservice-probe"
+
+
 class Door(Protocol):
     """What kvservice needs from NIXL.  All methods run on the door thread."""
 
@@ -86,10 +91,18 @@ class Door(Protocol):
                  local: LocalTable | None = None) -> None:
         """Load a peer agent (replacing one of that name) and prepare its descriptor
         table; transfers to it use ``local`` as their local side (prepared once per key,
-        shared by the peers with that key) or, when None, the table of ``register``."""
+        shared by the peers with that key) or, when None, the table of ``register``.
+        The same agent loaded again with the same metadata, its endpoint not reported
+        disconnected, is kept as it is (its handles in flight go on)."""
 
-    def remove_peer(self, name: str) -> list[XferId]:
-        """Release every handle to ``name``, then unload it.  Returns the released ids."""
+    def remove_peer(self, name: str, *, keep_loaded: bool = False) -> list[XferId]:
+        """Release every handle to ``name``, then unload it.  Returns the released ids.
+        ``keep_loaded``: its process may be alive (a lost link, not a gone peer): keep its
+        NIXL agent and endpoint (within a bound), so that loading it again with the same
+        metadata reuses them (``add_peer``) rather than opening another connection."""
+
+    def forget_peer(self, name: str) -> None:
+        """``name``, unloaded, is gone for good: drop what ``remove_peer`` kept of it."""
 
     def post(
         self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32],

@@ -10,7 +10,8 @@ every other piece of new work wake it too.  What may still come unannounced is a
 notification just after work ends (a settle fence, a late WRITE of a request that failed),
 a notification of a cold Expect's request (it turns it warm), and the deadlines of what is
 held without being in flight (an Expect before its ``send()``).  After a polled request ends,
-cold Expects are polled on for ``WARM_GRACE_S`` (the next hand-off usually comes within it).
+cold Expects are polled on for ``WARM_GRACE_S`` (the next hand-off usually comes within it);
+after a request failed with its pages held, for ``SETTLE_POLL_S`` (what settles them needs it).
 
 So each idle wait is twice the one before it, from ``IDLE_FIRST_S`` after the last work up to
 ``idle_poll_interval_s``: a notification soon after the last request is taken as promptly as
@@ -26,6 +27,12 @@ IDLE_FIRST_S = 0.05
 #: Expects: a sender's next request usually follows within it (hand-offs one after another),
 #: and polling on costs less than a wake-up from the idle wait for each of them
 WARM_GRACE_S = IDLE_FIRST_S
+#: how long a receiver keeps polling after one of its requests failed with pages held for a
+#: linked sender: the WRITEs that sender let go when the request failed on its side (checked
+#: on until they end, ``_transfer.drain``) and the settle fence behind them complete only
+#: while this side calls into NIXL; past it, the idle cadence (a sender held up that long
+#: proves them on a later Ask, or at its exit)
+SETTLE_POLL_S = 10.0
 
 
 class IdleBackoff:

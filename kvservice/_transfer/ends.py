@@ -97,8 +97,12 @@ class SendEnds:
                 bytes=req.pages_queued * (req.kv.out.page_bytes if req.kv and req.kv.out else 0),
                 pages=req.pages_queued)
             self._sends_done.put(rid, req.result)
+        released = req.result is not None and req.result.settled
+        # it failed there, or had every page: no late WRITE of it changes that.  This may
+        # release it now (``released`` tells the receiver then)
+        self._watchdog.receiver_failed(req)
         self._maybe_done(req)
-        if req.result is not None and req.result.settled:  # released already: now tell it
+        if released:  # released already: now tell it
             self._tell_settled(req)
 
     def outcomes_lost(self, agent: str | None, now: float) -> None:
@@ -124,14 +128,30 @@ class SendEnds:
         if req.result is not None and req.result.settled and req.outcome_due is None:
             req.done.set()
 
+    def let_go_ended(self, req: SendRequest) -> None:
+        """The WRITEs ``req`` ended with in flight (``drain.Drains.let_go``) have all ended:
+        its receiver may be told now, if it waited for that."""
+        if req.tell_after_let_go:
+            req.tell_after_let_go = False
+            self._tell_settled(req)
+
     def _tell_settled(self, req: SendRequest) -> None:
-        """A released failure: let its receiver settle.  A released handle's bytes may
-        still be on the wire (a TCP stream, a queue pair): the receiver settles on the
-        fence's notification, which NIXL sends only after flushing the endpoint.
-        Nothing ever posted: nothing to wait for."""
+        """A settled failure: let its receiver settle.  Nothing ever posted: nothing to wait
+        for.  WRITEs still in flight (let go when it failed) may yet land, and deliver their
+        notifications, so the receiver may still succeed: told once they ended.  Then, if
+        every WRITE of it ended ``DONE`` (``proofs``), nothing of it can land any more:
+        ``Settled``, and no page is
+        written (a fence landing in a request the receiver completed would overwrite pages
+        it may reuse already).  Else a released handle's bytes may still be on the wire (a
+        TCP stream, a queue pair): the receiver settles on the fence's notification, which
+        NIXL sends only after flushing the endpoint (and a released WRITE sends no
+        notification, so that receiver cannot have completed the request)."""
         if req.peer is None or req.result is None or req.result.ok:  # it has every page: nothing to fence
             return
-        if not req.posted:
+        if req.let_go:
+            req.tell_after_let_go = True
+            return
+        if not req.posted or self._watchdog.proofs.may_prove(req.peer, req.request_id):
             self._send_to(req.peer, Settled(req.request_id))
         else:
             self._fence(req)

@@ -95,6 +95,7 @@ class Heal:
                 if p.control.speaks(agent, ASK_VERSION) and self._same_sender(agent):
                     log.debug("transfer.ask", agent=agent, requests=len(ids), held=len(held))
                     p.send_to(agent, Ask(ids))
+                    p.settle_poll()  # its WRITEs let go may still be on the way: they need our progress
                 await anyio.sleep(wait)
                 wait = min(2 * wait, ASK_MAX_WAIT_S)
         finally:

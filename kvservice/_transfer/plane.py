@@ -31,7 +31,7 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from . import landing
-from .cadence import WARM_GRACE_S
+from .cadence import SETTLE_POLL_S, WARM_GRACE_S
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
@@ -68,6 +68,8 @@ class RequestPlane:
         self.cold = 0
         #: until when cold ones are polled all the same: ``WARM_GRACE_S`` after a polled one ended
         self._grace_until = 0.0
+        #: until when held pages keep NIXL polled: ``SETTLE_POLL_S`` after a request failed holding them
+        self._settle_poll_until = 0.0
         # Ended requests keep only their result, as a tuple of plain values: nothing of
         # them for the cyclic GC to walk (``history``).
         self.sends_done = Results(results_kept)
@@ -399,6 +401,7 @@ class RequestPlane:
             if not result.settled:
                 assert req.peer is not None and req.pages is not None
                 self.settlement.hold(req.request_id, req.peer, int(req.pages.size))
+                self.settle_poll()
             else:
                 self.stager.received(req.request_id)
         self.stats.record(side, result, req.peer)
@@ -474,10 +477,19 @@ class RequestPlane:
         # Receivers keep the watchdog polling: with NIXL's progress thread off, a
         # sender's WRITE completes only while this side calls into NIXL.  A cold one
         # does not (its sender has posted nothing yet): the idle ticks still look.  Right
-        # after a polled one ended, they are polled on for a while (``WARM_GRACE_S``).
+        # after a polled one ended, they are polled on for a while (``WARM_GRACE_S``), and
+        # after one failed holding pages, those are (``SETTLE_POLL_S``).
         if self.sends or len(self.recvs) > self.cold:
             return True
-        return self.cold > 0 and time.monotonic() < self._grace_until
+        now = time.monotonic()
+        return (self.cold > 0 and now < self._grace_until) or \
+            (self.settlement.unsettled_pages > 0 and now < self._settle_poll_until)
+
+    def settle_poll(self) -> None:
+        """Held pages may be settled soon by what only NIXL progress here completes (a let-go
+        WRITE, a fence): poll for ``SETTLE_POLL_S``."""
+        self._settle_poll_until = time.monotonic() + SETTLE_POLL_S
+        self.watchdog.wake()
 
     def first_posts(self, peer: str, request_ids: list[str]) -> None:
         """The watchdog plans these requests' first WRITEs to ``peer``: its receiver (protocol
@@ -493,3 +505,6 @@ class RequestPlane:
 
     def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
         self.ends.fence_failed(req, err)
+
+    def let_go_ended(self, req: SendRequest) -> None:
+        self.ends.let_go_ended(req)

@@ -172,7 +172,9 @@ class SendRequest(_Request):
     fit_tail: bool = False  # send(fit="tail"): its one chunk shrinks to the receiver's pages (``fit_tail``)
     inflight: set[XferId] | None = None  # handles in flight (None: none, no set held)
     posting: int = 0  # chunks on the door thread, outcome not back yet
-    releasing: int = 0  # handles queued for release, not confirmed by the door yet
+    releasing: int = 0  # handles drained with its receiver's lost link, not ended or let go yet
+    let_go: int = 0  # handles it ended with while in flight, checked until they end (``drain``)
+    tell_after_let_go: bool = False  # its receiver is told it may settle once those ended
     timeout: float | None = None  # the caller's send(timeout=), counted from the bind
     fence_src: Chunk | None = None  # the first chunk posted: its first page of its first layer is the settle fence
     posted: bool = False  # some post of it returned a handle: a WRITE may exist

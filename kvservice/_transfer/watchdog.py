@@ -20,11 +20,12 @@ a receiver's arrival costs the loop one wake-up and no new tick.  Idle, it sleep
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
 Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick).
 
-Proofs.  Every handle it lets go of before NIXL said ``DONE`` (a release while
-``PROC``, an error, a failed post) makes its request unproven to its receiver
-(``proofs``).  A lost receiver's handles are *drained* rather than released at
-once (``drain``, the rule in ``_transfer.drain``): checked until they end, or until
-the drain's deadline.
+Proofs.  No handle is released while NIXL says ``PROC``: a release does not stop a
+WRITE under way.  A lost receiver's handles are *drained*, and an ended request's
+handles still in flight are *let go* (``drain``, the rule in ``_transfer.drain``):
+checked until each ends, or until a deadline.  Every one that ends otherwise than
+``DONE`` (an error, a failed post, given up at its deadline) makes its request
+unproven to its receiver (``proofs``).
 """
 
 from __future__ import annotations
@@ -73,9 +74,13 @@ class Owner(Protocol):
     def chunk_done(self, req: SendRequest, nbytes: int) -> None: ...
     def chunk_failed(self, req: SendRequest, err: DoorError) -> None: ...
     def released(self, req: SendRequest) -> None:
-        """``req`` has ended and the door has released every handle of it."""
+        """``req`` has ended and no handle of it is posted or drained for it any more
+        (what of it was let go in flight is checked on for the proof alone)."""
     def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:
         """The settle fence of ``req`` did not land (NIXL error, or its handle went)."""
+    def let_go_ended(self, req: SendRequest) -> None:
+        """Every handle ended ``req`` let go in flight has ended (each not ``DONE`` made it
+        unproven: ``proofs``)."""
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
     def first_posts(self, peer: str, request_ids: list[str]) -> None:
         """The first WRITEs of these requests to ``peer`` are planned (``peer`` may be told:
@@ -107,13 +112,13 @@ class Watchdog:
         self._ready: dict[str, SendRequest] = {}  # requests with chunks to post
         self._inflight: dict[XferId, tuple[SendRequest, int]] = {}
         self._releases: list[XferId] = []
-        self._releasing: dict[XferId, SendRequest] = {}  # queued or in a tick, not yet confirmed
         #: which requests this sender could not prove over to their receivers
         self.proofs = Proofs()
         #: handles of lost receivers checked until they end (``drain``)
         self._drains = Drains(self.proofs, settle_if_released=self._settle_if_released,
                               release=lambda xid: self._releases.append(xid),
-                              posts_pending=lambda: bool(self._late))
+                              posts_pending=lambda: bool(self._late),
+                              let_go_ended=owner.let_go_ended)
         self._fences: list[PostOp] = []  # settle fences to post next tick
         #: peers whose fences were forgotten while a tick was on the door thread: a fence of
         #: theirs that tick posted is released by the peer's unloading, never checked
@@ -173,18 +178,20 @@ class Watchdog:
         self.wake()
 
     def forget(self, req: SendRequest) -> None:
-        """``req`` ended: drop it and release whatever of it is still in flight.  Once
-        the door has released all of it (now, if nothing is in flight),
-        ``Owner.released(req)`` is called."""
+        """``req`` ended: drop it and let go of whatever of it is still in flight (checked
+        on until it ends, for the proof only: ``drain.Drains.let_go``).  Once nothing of it
+        is being posted, or drained with its receiver's lost link, ``Owner.released(req)``
+        is called."""
         self._ready.pop(req.request_id, None)
-        if not req.inflight:
-            self._settle_if_released(req)  # nothing of it on NIXL: no tick needed
-            return
-        for xid in req.inflight:
-            self._inflight.pop(xid, None)
-            self._release(req, xid)
-        req.inflight = None
-        self.wake()
+        if req.inflight:
+            # not released: a released handle does not stop its WRITE, and only one seen to
+            # end DONE proves it over to a receiver that asks
+            for xid in req.inflight:
+                self._inflight.pop(xid, None)
+            self._drains.let_go(req, req.inflight, self._clock(), held=req.outcome_due is not None)
+            req.inflight = None
+            self.wake()
+        self._settle_if_released(req)
 
     def fence(self, req: SendRequest) -> bool:
         """Post the settle fence of a failed ``req`` whose handles are all released: one
@@ -207,10 +214,12 @@ class Watchdog:
 
     def forget_fences(self, peer: str) -> None:
         """``peer`` is about to be unloaded (which releases its handles): stop checking
-        the fences posted to it."""
+        the fences posted to it, and, unless its drain waits for them, its handles let go."""
         for xid in [x for x, (req, n) in self._inflight.items() if n == FENCE and req.peer == peer]:
             self.proofs.unproven(peer, self._inflight.pop(xid)[0].request_id, "fence forgotten with its peer")
         self._fences = [op for op in self._fences if op.peer != peer]
+        if self._drains.event(peer) is None:  # unloaded without a drain: what was let go goes now
+            self._drains.give_up(peer)
         self._inline.pop(peer, None)
         self._drains.lost_handled(peer)
         if self._ahead is not None:
@@ -235,6 +244,10 @@ class Watchdog:
         """Set once nothing of ``peer`` drains any more; None if nothing does now."""
         return self._drains.event(peer)
 
+    def receiver_failed(self, req: SendRequest) -> None:
+        """``req``'s receiver has failed it: what ``req`` let go in flight holds it no longer."""
+        self._drains.free(req)
+
     def draining_requests(self, peer: str) -> set[str]:
         """The requests with a handle to ``peer`` still draining: none of them is proven yet."""
         return self._drains.requests(peer)
@@ -245,13 +258,8 @@ class Watchdog:
             entry = self._inflight.get(xid) or self._drains.handles.get(xid)
             if entry is not None:
                 self.proofs.unproven(entry[0].peer, entry[0].request_id, "released by the door")
-
-    def _release(self, req: SendRequest, xid: XferId) -> None:
-        self.proofs.unproven(req.peer, req.request_id, "released in flight")  # released before NIXL said DONE
-        self._releases.append(xid)
-        self._releasing[xid] = req
-        req.releasing += 1
-        self.wake()
+            if xid in self._drains.handles:  # never checked again: a released handle is gone
+                self._drains.ended(xid, proven=False)
 
     def _settle_if_released(self, req: SendRequest) -> None:
         if req.finished and req.posting == 0 and req.releasing == 0:
@@ -400,11 +408,6 @@ class Watchdog:
         self.live_handles = outcome.live
         if outcome.post_times:
             self._owner.stats.peers.posts(outcome.post_times)
-        for xid in outcome.released:
-            owner = self._releasing.pop(xid, None)
-            if owner is not None:
-                owner.releasing -= 1
-                self._settle_if_released(owner)
         for key, got, state in outcome.posted:
             req, nbytes = key
             if nbytes == FENCE:  # tracked only so its handle is checked until done
@@ -424,9 +427,9 @@ class Watchdog:
                 self.proofs.unproven(req.peer, req.request_id, "post failed")
                 self._owner.chunk_failed(req, got)
             elif req.finished:
-                # failed or aborted while posting; if its link was lost meanwhile, it drains instead
-                if state is XferState.PROC and not self._drains.add_posted(got, req):
-                    self._release(req, got)
+                # failed or aborted while posting: drained with its lost receiver's, or let go
+                if state is XferState.PROC:
+                    self._drains.add_posted(got, req, self._clock())
             elif state is XferState.DONE:
                 self._owner.chunk_done(req, nbytes)
             else:

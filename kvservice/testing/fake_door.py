@@ -79,6 +79,7 @@ class _Xfer:
     notif: bytes
     checks_left: int | None  # None: hung
     tables: tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]  # (local, remote) when posted
+    landed: bool = False  # its bytes and notif are in (a later WRITE's flush took it): DONE when checked
 
 
 @dataclass(slots=True)
@@ -332,7 +333,9 @@ class FakeDoor:
                 self._locals.pop(name, None)
             self.peers_added.append(name)
 
-    def remove_peer(self, name: str) -> list[XferId]:
+    def remove_peer(self, name: str, *, keep_loaded: bool = False) -> list[XferId]:
+        """(The fake always unloads: loading it again replaces it, as the real door does
+        when the metadata differs.)"""
         self._enter()
         self._gate("remove_peer")
         with self._lock:
@@ -342,6 +345,9 @@ class FakeDoor:
             if self._peers.pop(name, None) is not None:
                 self.peers_removed.append(name)
             return released
+
+    def forget_peer(self, name: str) -> None:
+        self._enter()
 
     def post(
         self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32],
@@ -403,8 +409,9 @@ class FakeDoor:
             self._release_live(xfer.xid)
             raise DoorError(FailureReason.REMOTE_DISCONNECT,
                             ConnectionResetError(f"{xfer.peer} is gone"), "check_xfer_state")
-        copy(*xfer.tables, xfer.local_idx.tolist(), xfer.remote_idx.tolist())
-        target._inbox[self.agent_name].append(xfer.notif)
+        if not xfer.landed:
+            copy(*xfer.tables, xfer.local_idx.tolist(), xfer.remote_idx.tolist())
+            target._inbox[self.agent_name].append(xfer.notif)
         self._release_live(xfer.xid)
 
     def _release_live(self, xid: XferId) -> None:
@@ -420,7 +427,7 @@ class FakeDoor:
                 self.violations.append(f"check({xfer}) {what}")
                 return XferState.GONE
             self.check_counts[xfer] += 1
-            if self._check_errors:
+            if self._check_errors and not x.landed:  # (one that landed has completed: DONE)
                 err = self._check_errors.popleft()
                 self._release_live(xfer)
                 raise err

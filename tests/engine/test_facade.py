@@ -177,13 +177,14 @@ def test_abort_ends_both_sides_and_the_receiver_settles(side: str) -> None:
         until(ended(sender, receiver))
         for t in (sender, receiver):
             assert t.result is not None and t.result.reason is FailureReason.ABORTED, t.result
-        # the WRITE's handle is released (the fence that follows may already be posted)
-        until(lambda: txd.release_counts.get(xid) == 1)
+        # the WRITE's handle is let go, not released (a release would not stop it)
         until(lambda: sender.settled)
-        assert not receiver.settled  # the hung fake holds the sender's fence too
+        assert txd.release_counts[xid] == 0 and xid in txd.live_ids()
+        assert not receiver.settled  # its WRITE may still land: the receiver is told once it ended
         txd.complete_immediately()
-        # the fence, posted while hung (or queued), lands: the receiver's pages are free
+        # the WRITE ends DONE: the receiver is told it may settle, its pages are free
         until(lambda: txd.finish_hung() >= 0 and receiver.settled)
+        until(lambda: txd.release_counts[xid] == 1)
         here.abort()  # ended: a no-op
         assert here.result is not None and here.result.reason is FailureReason.ABORTED
     fabric.assert_clean()

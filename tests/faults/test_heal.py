@@ -24,6 +24,7 @@ import torch
 
 from kvservice import FailureReason, KVPoll, TransferService
 from kvservice._control.protocol import MAX_ASK, Ask, Settled
+from kvservice._transfer import drain, proofs
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.faults.test_settle import LATE_WRITE_WAIT_S, LAYOUT, PAGES, TCP, canary, send_then_stop
@@ -176,47 +177,98 @@ async def test_a_receiver_stalled_past_the_senders_peer_timeout_settles_once_it_
               f"all settled {took:.1f} s after SIGCONT")
 
 
-async def test_a_write_released_in_flight_is_never_proven_to_a_receiver_that_asks() -> None:
-    """The proof is made where a handle is let go: a WRITE in flight (its receiver, the
-    decode, SIGSTOPped mid-copy), its request aborted on the prefill (the handle released
-    while NIXL still says ``PROC``: its bytes may still land), the link cut, and no settle
-    fence (its link is gone before its Outcome).  SIGCONT: the decode links again and
-    asks; the prefill answers nothing for it, and the pages stay held."""
+async def _abort_in_flight_then_cut(prefill: TransferService, decode: PeerProcess, rid: str) -> list[dict[str, Any]]:
+    """A WRITE of ``rid`` in flight to the decode, SIGSTOPped mid-copy (left stopped), its
+    request aborted on the prefill while NIXL still says ``PROC``, the link then cut (no
+    settle fence can reach the decode: its link is gone before its Outcome).  The logs of
+    the abort."""
+    await new_request_arrives_at(prefill, decode, "warm", [0], [1])
+    prefill.kv.write(PAGES, pattern(LAYOUT, rid, len(PAGES)))
+    await decode.command(op="expect", rid=rid, pages=PAGES, sender=prefill.address)
+    await decode.event("expecting", rid)
+    plane = inside(prefill).plane
+    handle = await prefill.send(rid, PAGES, last=True)
+    decode.signal(signal.SIGSTOP)
+    await eventually(lambda: handle.poll() is KVPoll.Transferring and plane.watchdog.inflight >= 1,
+                     timeout=SETTLE_GUARD_S)
+    with structlog.testing.capture_logs() as logs:
+        aborted = await prefill.abort(rid)
+        assert aborted is not None and aborted.reason is FailureReason.ABORTED, aborted
+        plane.control.drop_peer(decode.agent, ConnectionResetError("the link is cut"))
+        sent = await prefill.await_completion(handle, timeout=SETTLE_GUARD_S)
+        assert sent.settled and sent.reason is FailureReason.ABORTED, sent
+        await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S)
+    return logs
+
+
+async def _asked_after_resume(decode: PeerProcess, rid: str, *, proven: bool) -> dict[str, Any]:
+    """SIGCONT: the decode fails ``rid``, links again and asks (again, while its asking lasts);
+    the prefill's first answer that proved something (``proven``), or its first answer."""
+    decode.signal(signal.SIGCONT)
+    with structlog.testing.capture_logs() as logs:
+        arrived = await decode.event("arrived", rid, timeout=SETTLE_GUARD_S)
+        assert arrived["status"] == "FAILED", arrived
+
+        def answers() -> list[dict[str, Any]]:
+            return [e for e in logs if e["event"] == "transfer.asked" and e["agent"] == decode.agent
+                    and (e["proven"] or not proven)]
+
+        await eventually(lambda: bool(answers()), timeout=SETTLE_GUARD_S, what="an answer to the decode's Ask")
+    return answers()[0]
+
+
+async def test_a_write_aborted_in_flight_is_proven_once_it_ended_and_its_pages_settle() -> None:
+    """The abort does not release the WRITE (a release would not stop it): the prefill checks
+    it on.  Once the stopped decode resumes, the WRITE ends ``DONE``, the decode's ``Ask`` on
+    its new link is answered ``Settled``, its pages settle while the prefill lives, and a canary
+    written into them afterwards survives.  (Before, the WRITE was released in flight, could
+    never be proven, and the pages stayed held until the prefill exited.)"""
     async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,), \
             TransferService(config(LAYOUT, ucx_env=TCP, **PREFILL)) as prefill:
-        await new_request_arrives_at(prefill, decode, "warm", [0], [1])
-        prefill.kv.write(PAGES, pattern(LAYOUT, "let-go", len(PAGES)))
-        await decode.command(op="expect", rid="let-go", pages=PAGES, sender=prefill.address)
-        await decode.event("expecting", "let-go")
-        plane = inside(prefill).plane
-        handle = await prefill.send("let-go", PAGES, last=True)
-        decode.signal(signal.SIGSTOP)
         try:
-            # its WRITE is in flight to the stopped decode
-            await eventually(lambda: handle.poll() is KVPoll.Transferring and plane.watchdog.inflight >= 1,
-                             timeout=SETTLE_GUARD_S)
-            with structlog.testing.capture_logs() as let_go:
-                aborted = await prefill.abort("let-go")  # released while PROC
-                assert aborted is not None and aborted.reason is FailureReason.ABORTED, aborted
-                plane.control.drop_peer(decode.agent, ConnectionResetError("the link is cut"))
-                sent = await prefill.await_completion(handle, timeout=SETTLE_GUARD_S)
-                assert sent.settled and sent.reason is FailureReason.ABORTED, sent
-                await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S)
+            logs = await _abort_in_flight_then_cut(prefill, decode, "let-go")
         finally:
-            decode.signal(signal.SIGCONT)
-        with structlog.testing.capture_logs() as logs:
-            arrived = await decode.event("arrived", "let-go", timeout=SETTLE_GUARD_S)
-            assert arrived["status"] == "FAILED", arrived
-            await eventually(lambda: any(e["event"] == "transfer.asked" and e["agent"] == decode.agent for e in logs),
-                             timeout=SETTLE_GUARD_S, what="the decode's Ask on its new link")
-        asked = next(e for e in logs if e["event"] == "transfer.asked")
+            asked = await _asked_after_resume(decode, "let-go", proven=True)
+        assert not [e for e in logs if e["event"] == "transfer.unproven"], logs
+        assert asked["proven"] >= 1, asked
+        await decode.command(op="await_settled", rid="let-go", timeout=SETTLE_GUARD_S)
+        assert (await decode.event("settled", "let-go", timeout=SETTLE_GUARD_S + 5))["settled"]
+        assert (await status_of(decode))["unsettled_pages"] == 0
+        await decode.command(op="fill", rid="canary", pages=PAGES)
+        await decode.event("filled", "canary")
+        await anyio.sleep(LATE_WRITE_WAIT_S)
+        await decode.command(op="verify", rid="canary", pages=PAGES)
+        assert (await decode.event("verified", "canary"))["ok"], "a late WRITE landed in settled pages"
+        await eventually(lambda: prefill.status()["inflight_handles"] == 0, timeout=SETTLE_GUARD_S)
+        assert decode.proc.returncode is None
+
+
+async def test_a_write_given_up_in_flight_is_never_proven_to_a_receiver_that_asks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proof is made where a handle is let go: the same WRITE, but the decode stays stopped
+    past the prefill's ``DRAIN_S`` (shortened here), so the prefill gives it up (releases it
+    while NIXL still says ``PROC``: its bytes may still land).  SIGCONT: the decode links again
+    and asks; the prefill answers nothing for it, and the pages stay held."""
+    monkeypatch.setattr(drain, "DRAIN_S", 0.5)
+    monkeypatch.setattr(proofs, "DRAIN_S", 0.5)
+    async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,), \
+            TransferService(config(LAYOUT, ucx_env=TCP, **PREFILL)) as prefill:
+        try:
+            logs = await _abort_in_flight_then_cut(prefill, decode, "given-up")
+            with structlog.testing.capture_logs() as more:
+                await eventually(lambda: prefill.status()["inflight_handles"] == 0
+                                 and not inside(prefill).plane.watchdog.draining_requests(decode.agent),
+                                 timeout=SETTLE_GUARD_S, what="the WRITE given up")
+        finally:
+            asked = await _asked_after_resume(decode, "given-up", proven=False)
         assert asked["requests"] >= 1 and asked["proven"] == 0, asked
-        await decode.command(op="await_settled", rid="let-go", timeout=1.0)
-        assert not (await decode.event("settled", "let-go", timeout=SETTLE_GUARD_S))["settled"]
+        await decode.command(op="await_settled", rid="given-up", timeout=1.0)
+        assert not (await decode.event("settled", "given-up", timeout=SETTLE_GUARD_S))["settled"]
         st = await status_of(decode)
         assert st["unsettled_pages"] == len(PAGES), st
         assert decode.proc.returncode is None
-        assert any(e["event"] == "transfer.unproven" and e["why"] == "released in flight" for e in let_go), let_go
+        assert any(e["event"] == "transfer.unproven" and e["why"] == "drain ended unfinished"
+                   for e in [*logs, *more]), [*logs, *more]
 
 
 async def test_a_hostile_ask_gets_nothing_and_a_legit_transfer_follows() -> None:

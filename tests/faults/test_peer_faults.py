@@ -103,7 +103,7 @@ async def test_receiver_killed_after_completion_changes_nothing() -> None:
         assert svc.status()["outcomes"] == {"send.SUCCESS": 1}
 
 
-async def test_receiver_hung_times_out_and_releases_the_handle() -> None:
+async def test_receiver_hung_times_out_and_its_handle_goes_once_it_ends() -> None:
     cfg = peer_config(BIG, ucx_env=TCP)
     async with peers(cfg, env=TCP) as (victim,), \
             TransferService(config(BIG, ucx_env=TCP, peer_timeout_s=60)) as svc:
@@ -111,22 +111,27 @@ async def test_receiver_hung_times_out_and_releases_the_handle() -> None:
         await eventually(lambda: svc.status()["expects_before_send"] == 1)
         victim.signal(signal.SIGSTOP)
         try:
-            handle = await svc.send("hung", ALL, last=True, timeout=1.5)
-            with structlog.testing.capture_logs() as logs, anyio.fail_after(15):
-                result = await svc.await_completion(handle)
-            assert result.reason is FailureReason.TIMEOUT, result
+            with structlog.testing.capture_logs() as logs:
+                handle = await svc.send("hung", ALL, last=True, timeout=1.5)
+                with anyio.fail_after(15):  # it fails at its deadline, while the receiver is stopped
+                    await eventually(lambda: handle.poll() is KVPoll.Failed, timeout=15)
+            result = handle.result
+            assert result is not None and result.reason is FailureReason.TIMEOUT, result
             assert result.error is None and "deadline" in result.message
             assert any(e["event"] == "transfer.failed" and e["reason"] == "TIMEOUT" for e in logs)
-            # the request's handle is released; what may stay live is the settle fence posted
-            # after it, a one-page WRITE waiting for the stopped receiver (docs/settle.md)
-            await eventually(lambda: svc.status()["live_nixl_handles"] <= 1)
-            assert result.settled
+            # Not settled: its WRITE is let go, not released (a release would not stop it),
+            # and the stopped receiver was told of the failure but has not answered, so a
+            # notification of that WRITE could still complete the request there: its source
+            # pages stay the sender's until the receiver answers (or its link is lost)
+            assert not result.settled and svc.status()["live_nixl_handles"] >= 1
         finally:
             victim.signal(signal.SIGCONT)
         # the receiver wakes up, learns the sender gave up, and nothing crashes on either side
         arrived = await victim.event("arrived", "hung", timeout=15)
         assert arrived["status"] == "FAILED" and arrived["reason"] == "TIMEOUT"
-        await eventually(lambda: svc.status()["live_nixl_handles"] == 0)  # the fence landed too
+        sent = await svc.await_completion(handle, timeout=15)
+        assert sent.settled and sent.reason is FailureReason.TIMEOUT, sent
+        await eventually(lambda: svc.status()["live_nixl_handles"] == 0)  # the WRITE ended
         await victim.command(op="expect", rid="after", pages=[1], sender=svc.address)
         await victim.event("expecting", "after")
         after = await svc.await_completion(await svc.send("after", [2], last=True), timeout=15)

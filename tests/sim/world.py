@@ -66,6 +66,15 @@ class SimFailure(AssertionError):
     pass
 
 
+def _resumed_at(proc: Proc | None) -> float:
+    """When ``proc``'s hung NIXL last resumed: its hung WRITEs finished, or landed before a
+    later WRITE's notification."""
+    if proc is None:
+        return 0.0
+    door = proc.door
+    return max(proc.resumed_at, door.resumed_at if isinstance(door, SimDoor) else 0.0)
+
+
 def sim_config(host: str) -> ServiceConfig:
     return ServiceConfig(
         layout=SMALL, host=host, port=PORT, allow_unauthenticated=True,
@@ -99,6 +108,8 @@ class SimDoor(FakeDoor):
         self._sim = fabric.world
         self.zombies: list[_Zombie] = []
         self.endpoints: collections.Counter[str] = collections.Counter()
+        self._endpoint_of: dict[Any, int] = {}  # xid -> the load of its peer it was posted on
+        self.resumed_at = 0.0  # when a later WRITE's flush last landed a hung one
 
     def add_peer(self, name: str, metadata: bytes, table: npt.NDArray[np.uint64],
                  local: LocalTable | None = None) -> None:
@@ -111,10 +122,10 @@ class SimDoor(FakeDoor):
             self._maybe_zombie(live)
         return super().release(xfer)
 
-    def remove_peer(self, name: str) -> list[Any]:
+    def remove_peer(self, name: str, *, keep_loaded: bool = False) -> list[Any]:
         for live in [x for x in self._live.values() if x.peer == name]:
             self._maybe_zombie(live)
-        return super().remove_peer(name)
+        return super().remove_peer(name, keep_loaded=keep_loaded)
 
     def _maybe_zombie(self, xfer: Any) -> None:
         if xfer.peer in self._peers and self._sim.zombies and self._sim.rng.random() < 0.5:
@@ -152,6 +163,7 @@ class SimDoor(FakeDoor):
         if self._post_errors:
             self._sim.on_door_error(self.agent_name, notif, "post")
         got = super().post(peer, local_idx, remote_idx, notif)
+        self._endpoint_of[got[0]] = self.endpoints[peer]
         n = peek_notif(notif)
         if n is not None and n.chunk != FENCE:
             self._sim.posted.add(n.request_id)  # a WRITE of it exists
@@ -159,14 +171,28 @@ class SimDoor(FakeDoor):
 
     def check(self, xfer: Any) -> Any:
         live = self._live.get(xfer)
-        if live is not None and self._check_errors:
+        if live is not None and self._check_errors and not live.landed:
             self._sim.on_door_error(self.agent_name, live.notif, "check")
         return super().check(xfer)
 
     def _complete(self, xfer: Any) -> None:
         target = self._fabric.lookup(xfer.peer)
-        if target is not None and target._pool is not None:
+        if target is not None and target._pool is not None and not xfer.landed:
             self._flush(xfer.peer)
+            # the flush before this notification waits for every WRITE posted before it on
+            # this endpoint, still in flight or not: each lands (bytes, then its own notif)
+            # first, and its handle says DONE when next checked
+            endpoint = self._endpoint_of.get(xfer.xid, self.endpoints[xfer.peer])  # (posted just now)
+            for early in sorted(self._live.values(), key=lambda x: x.xid):
+                if early.xid >= xfer.xid:
+                    break
+                if early.peer == xfer.peer and not early.landed and self._endpoint_of.get(early.xid) == endpoint:
+                    if early.checks_left is None:  # it was hung: the stall ends here
+                        self.resumed_at = self._sim.now
+                    self._sim.on_write(self.agent_name, early.peer, early.notif, early.remote_idx)
+                    copy(*early.tables, early.local_idx.tolist(), early.remote_idx.tolist())
+                    target._inbox[self.agent_name].append(early.notif)
+                    early.landed, early.checks_left = True, 1
             self._sim.on_write(self.agent_name, xfer.peer, xfer.notif, xfer.remote_idx)
         super()._complete(xfer)
 
@@ -683,7 +709,7 @@ class World:
                 # injected check failure ends a hung handle too): the bound runs from here.
                 self.stalled_keys.discard(key)
                 self.unsettled[key] = (r, now)
-            elif now - max(since, r.sender.resumed_at if r.sender else 0.0) > SETTLE_BOUND_S:
+            elif now - max(since, _resumed_at(r.sender)) > SETTLE_BOUND_S:
                 del self.unsettled[key]
                 self.violation(f"{key[1]} failed on {key[0]} at t={since:.6f} and is not settled "
                                f"{SETTLE_BOUND_S}s later, though no link or process fault touched it")

@@ -8,6 +8,7 @@ a handle is never touched after its release; a peer can be reloaded."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from kvservice import FailureReason
 from kvservice._nixl.agent import NixlDoor
 from kvservice._nixl.door import DoorError, XferState
 from kvservice.memory._pool import KVPool
+from kvservice.soak._usage import established, usage
 from tests.helpers import LOOPBACK_UCX, SMALL, plane_indices, pool_table, register_pool
 
 pytestmark = pytest.mark.nixl
@@ -123,3 +125,47 @@ def test_metadata_naming_another_agent_is_refused_before_loading(door: NixlDoor)
         assert _wait_done(door, xid, state) is XferState.DONE
     finally:
         _reap(proc)
+
+
+def _tcp_of(*pids: int) -> int:
+    """Established TCP connections held by ``pids`` (this namespace)."""
+    tcp = established()
+    return sum(int(usage(pid, tcp)["tcp"]) for pid in pids)
+
+
+def test_a_live_peer_loaded_again_reuses_its_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link lost while the peer lives, then made again: the door kept the peer loaded
+    (``keep_loaded``) and loading it again with the same metadata opens no connection.
+    Without that, NIXL 1.5's ``remove_remote_agent`` leaves the UCX connection to the live
+    peer open: each reload adds one on each side (what a soak with network cuts saw grow
+    by hundreds an hour).  If a NIXL release closes them, the second half says so."""
+    tcp_ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the child's too
+    d = NixlDoor("door-tcp", progress_thread=True, ucx_env=tcp_ucx)
+    pool = KVPool(SMALL)
+    register_pool(d, pool)
+    proc, metadata, table = _start_child()
+    idx = plane_indices(SMALL, SMALL.check_pages([1, 2]))
+    try:
+        kept = []
+        for _ in range(4):
+            d.add_peer("door-child", metadata, table)
+            xid, state = d.post("door-child", idx, idx, b"")
+            assert _wait_done(d, xid, state) is XferState.DONE
+            assert d.remove_peer("door-child", keep_loaded=True) == []
+            kept.append(_tcp_of(os.getpid(), proc.pid))
+        assert kept[0] >= 1 and kept == [kept[0]] * 4, kept
+        assert d.kept_agents == 1
+        reloaded = []
+        d.forget_peer("door-child")
+        for _ in range(3):
+            d.add_peer("door-child", metadata, table)
+            xid, state = d.post("door-child", idx, idx, b"")
+            assert _wait_done(d, xid, state) is XferState.DONE
+            d.remove_peer("door-child")
+            reloaded.append(_tcp_of(os.getpid(), proc.pid))
+        assert reloaded[-1] > reloaded[0], f"NIXL closed the connections of a removed agent: {reloaded}"
+        assert d.kept_agents == 0 and d.live_xfers() == 0
+    finally:
+        _reap(proc)
+        d.close()

@@ -17,7 +17,7 @@ from kvservice import ServiceConfig, TransferService
 from kvservice._control.protocol import ChunkNotif, encode_notif
 from kvservice.testing import FakeDoor, FakeFabric, pattern
 from kvservice.testing.inspect import inside
-from tests.helpers import SMALL, config, scaled
+from tests.helpers import SMALL, config, eventually, scaled
 
 #: generous bound on any single wait: a hang guard, never a timed assertion
 GUARD_S = scaled(10.0)
@@ -62,3 +62,15 @@ def notif_from(sender: TransferService, receiver: TransferService, n: ChunkNotif
     key = inside(sender).notif_key_to(receiver.agent_name)
     assert key is not None, "not linked"
     return encode_notif(n, key)
+
+
+async def let_go_until_done(door: FakeDoor, xid: int) -> None:
+    """The hung WRITE ``xid`` of a request that ended is let go, not released (a release does
+    not stop a WRITE under way, so only its end proves it over): it is still live and still
+    checked.  Then it completes (and the fence behind it), and the watchdog releases it, once."""
+    assert xid in door.live_ids() and door.release_counts[xid] == 0, door.live_ids()
+    checks = door.check_counts[xid]
+    await eventually(lambda: door.check_counts[xid] > checks, GUARD_S)
+    assert door.finish_hung() >= 1  # and the settle fence posted behind it, if any
+    await eventually(lambda: door.live_xfers() == 0, GUARD_S)
+    assert door.release_counts[xid] == 1

@@ -4,8 +4,6 @@ races its last chunk: the receiver answers the sender's ``Failed`` with its
 
 from __future__ import annotations
 
-import threading
-
 import anyio
 import pytest
 
@@ -18,12 +16,12 @@ from tests.helpers import eventually
 from .harness import GUARD_S, door_of, fill, notif_from, two_services
 
 
-@pytest.mark.parametrize("outcome_first", [False, True], ids=["release-first", "outcome-first"])
 @pytest.mark.parametrize("landed", [True, False], ids=["last-chunk-landed", "not-landed"])
-async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(landed: bool, outcome_first: bool) -> None:
-    """``outcome_first``: the receiver's Outcome comes back while the sender's door is still
-    releasing the handle (held here): the request must still end once released (a
-    soak found it hanging: the upgraded SUCCESS was never settled)."""
+async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(landed: bool) -> None:
+    """The receiver's Outcome comes back while the aborted request's WRITE is still in flight
+    (let go, not released: a release would not stop it): the request ends at once all the
+    same (a soak once found it hanging when it waited for a release: the upgraded SUCCESS was
+    never settled), and the WRITE's handle is released once it ends."""
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
@@ -36,21 +34,15 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
             if landed:  # the receiver already saw the last chunk's notification
                 rxd.inject_notif(tx.agent_name, notif_from(tx, rx, ChunkNotif("race", 0, 1)))
                 assert (await rx.await_arrival("race", timeout=GUARD_S)).ok
-            gate = threading.Event()
-            if outcome_first:
-                txd.gates["release"] = gate
+            (xid,) = txd.live_ids()
             aborted = await tx.abort("race")
             assert aborted is not None and aborted.reason is FailureReason.ABORTED  # as it stands now
-            if outcome_first:
-                await anyio.to_thread.run_sync(txd.arrived["release"].wait, GUARD_S)
-                # the Outcome is in
-                await eventually(lambda: "race" not in inside(tx).plane.ends.outcomes, GUARD_S)
-                gate.set()
-            # The sender's result: once its (hung) handle is released and the Outcome is in.
-            # Only then let the fake finish what still hangs, the settle fence: finishing the
-            # request's own WRITE before its release would be a third race (it lands, the
+            # The sender's result: once the Outcome is in, its (hung) WRITE still in flight.
+            # Only then let the fake finish what still hangs (the WRITE, the settle fence):
+            # finishing the WRITE before the result would be another race (it lands, the
             # receiver succeeds, and both agree on SUCCESS).
             sent = await tx.await_completion(handle)
+            assert txd.release_counts[xid] == 0 and xid in txd.live_ids()
             txd.complete_immediately()
             await eventually(lambda: txd.finish_hung() >= 1 or txd.live_xfers() == 0, GUARD_S)
             got = await rx.await_settled("race", timeout=GUARD_S)
@@ -61,6 +53,7 @@ async def test_a_sender_abort_racing_the_last_chunk_ends_alike_on_both_sides(lan
                 assert (await tx.await_settled("race")).ok
             else:
                 assert sent.reason is FailureReason.ABORTED and got.reason is FailureReason.ABORTED, (sent, got)
+            await eventually(lambda: txd.release_counts[xid] == 1, GUARD_S)
     fabric.assert_clean()
 
 

@@ -23,7 +23,7 @@ from kvservice.testing import FakeDoor, FakeFabric
 from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
-from .harness import GUARD_S, door_of, fill, two_services, unit_config
+from .harness import GUARD_S, door_of, fill, let_go_until_done, two_services, unit_config
 
 
 class FakeNixlError(Exception):
@@ -81,8 +81,7 @@ async def test_hung_transfer_hits_the_transfer_deadline() -> None:
             assert result.reason is FailureReason.TIMEOUT and "deadline" in result.message
             arrived = await rx.await_arrival("hung")
             assert arrived.reason is FailureReason.TIMEOUT and "sender reported" in arrived.message
-            await eventually(lambda: txd.live_xfers() == 0, GUARD_S)
-            assert txd.release_counts[xid] == 1 and txd.check_counts[xid] >= 1
+            await let_go_until_done(txd, xid)
             assert tx.status()["inflight_handles"] == 0
     fabric.assert_clean()
 
@@ -225,8 +224,7 @@ async def test_await_completion_timeout_fails_the_request_and_tells_the_receiver
             assert h.result is result and h.poll() is KVPoll.Failed
             arrived = await rx.await_arrival("wt")
             assert arrived.status is TransferStatus.FAILED and arrived.reason is FailureReason.TIMEOUT
-            await eventually(lambda: txd.live_xfers() == 0, GUARD_S)
-            assert txd.release_counts[xid] == 1
+            await let_go_until_done(txd, xid)
     fabric.assert_clean()
 
 
@@ -241,8 +239,7 @@ async def test_await_arrival_timeout_tells_the_sender() -> None:
             assert arrived.reason is FailureReason.TIMEOUT
             result = await tx.await_completion(h)
             assert result.reason is FailureReason.TIMEOUT and "receiver aborted (TIMEOUT)" in result.message
-            await eventually(lambda: txd.live_xfers() == 0, GUARD_S)
-            assert txd.release_counts[xid] == 1
+            await let_go_until_done(txd, xid)
     fabric.assert_clean()
 
 
@@ -308,16 +305,17 @@ async def test_abort_resolves_the_other_side_aborted(side: str) -> None:
             again = await (tx if side == "sender" else rx).abort("ab")  # already ended: how it ended
             assert again is not None and (again.status, again.reason, again.message) == (
                 here.status, here.reason, here.message)
-            # the WRITE's handle is released (the fence that follows may already be posted)
-            await eventually(lambda: txd.release_counts.get(xid) == 1, GUARD_S)
-            # both sides settle once the sender's door released the handle: the sender at
-            # once; the receiver when the sender's fence lands (the fake no longer hangs it)
+            # the WRITE's handle is let go, not released: a release would not stop it
+            assert txd.release_counts[xid] == 0 and xid in txd.live_ids()
+            # the sender settles at once; the receiver when the sender's fence lands (posted
+            # behind the WRITE; the fake no longer hangs it), or when the WRITE ended DONE
             assert (await tx.await_settled("ab", timeout=GUARD_S)).settled
             assert not (await rx.await_settled("ab", timeout=0.2)).settled
             assert rx.status()["unsettled_pages"] == 1
             txd.complete_immediately()
-            await eventually(lambda: txd.finish_hung() >= 1, GUARD_S)  # the fence, posted while hung
+            await eventually(lambda: txd.finish_hung() >= 1, GUARD_S)  # the WRITE and the fence, hung
             assert (await rx.await_settled("ab", timeout=GUARD_S)).settled
+            await eventually(lambda: txd.release_counts[xid] == 1, GUARD_S)
     fabric.assert_clean()
 
 
