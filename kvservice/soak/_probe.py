@@ -18,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypedDict
 
+from .._nixl.agent import KEPT_MAX
+from .._transfer.drain import MAX_LET_GO
+
 
 class Table(TypedDict):
     size: int | None  #: entries now; None if the probe found no such table (renamed, removed)
@@ -46,6 +49,8 @@ TABLES: dict[str, str] = {
     "dials": "connections being dialled",
     "notif_in": "agents with notifications buffered before their link",
     "nixl_remote_agents": "remote agents loaded into the NIXL agent (the door)",
+    "nixl_kept_agents": "remote agents kept loaded after their link was lost (the door)",
+    "let_go": "handles of ended requests still checked for their proof (watchdog)",
     "nixl_live_handles": "NIXL transfer handles not yet released (the door)",
     "registry": "cluster members known and lapsed (etcd discovery only)",
 }
@@ -101,6 +106,8 @@ def service_tables(service: Any) -> dict[str, Table]:
         "dials": _read(lambda: len(ctl._dials)),
         "notif_in": _read(lambda: len(ctl._notif_in), lambda: ctl._notif_in._cap),
         "nixl_remote_agents": _read(lambda: len(door._peers)),
+        "nixl_kept_agents": _read(lambda: door.kept_agents, lambda: KEPT_MAX),
+        "let_go": _read(lambda: len(wd._drains._ended_with), lambda: MAX_LET_GO),
         "nixl_live_handles": _read(lambda: door.live_xfers()),
         # static discovery has no registry: none held, none can be
         "registry": (_read(lambda: disc.registry.status()["members"] + len(disc.registry.status()["lapsed"]))
