@@ -6,12 +6,15 @@ WRITE held ``PROC`` as a stopped receiver's would be.)"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 import structlog
 
 from kvservice import FailureReason, TransferService
 from kvservice._transfer import drain
-from kvservice.testing import FakeFabric
+from kvservice.testing import FakeDoor, FakeFabric
 from tests.helpers import eventually
 
 from .harness import GUARD_S, door_of, fill, unit_config
@@ -62,19 +65,28 @@ async def _aborted_in_flight(fabric: FakeFabric, tx: TransferService, rx: Transf
     await eventually(lambda: door.post_count() > before, timeout=GUARD_S)  # its WRITE, held PROC
     aborted = await tx.abort(rid)
     assert aborted is not None and aborted.reason is FailureReason.ABORTED, aborted
-    sent = await tx.await_completion(handle, timeout=GUARD_S)  # at once: not held by its WRITE
+    # settled once the receiver answered (its Outcome: it failed), not held by its WRITE
+    sent = await tx.await_completion(handle, timeout=GUARD_S)
     assert sent.settled, sent
+
+
+@contextlib.asynccontextmanager
+async def _hung_pair() -> AsyncIterator[tuple[FakeFabric, TransferService, TransferService, FakeDoor]]:
+    """A sender and a receiver over a fake fabric, the sender's WRITEs held ``PROC``; clean at the end."""
+    fabric = FakeFabric()
+    async with TransferService(unit_config(**FAST), door_factory=fabric.factory) as tx, \
+            TransferService(unit_config(**FAST), door_factory=fabric.factory) as rx:
+        door = door_of(fabric, tx)
+        door.hang()
+        yield fabric, tx, rx, door
+    fabric.assert_clean()
 
 
 async def test_a_write_of_an_aborted_request_is_let_go_and_proven_once_it_ends_done() -> None:
     """An abort (a deadline, a failed chunk alike) on a live link does not release the WRITE
     in flight: a release would not stop it, and an ``Ask`` could then never be answered.  It is
     checked on; while it runs the request is not proven, once it ended ``DONE`` it is."""
-    fabric = FakeFabric()
-    async with TransferService(unit_config(**FAST), door_factory=fabric.factory) as tx, \
-            TransferService(unit_config(**FAST), door_factory=fabric.factory) as rx:
-        door = door_of(fabric, tx)
-        door.hang()
+    async with _hung_pair() as (fabric, tx, rx, door):
         with structlog.testing.capture_logs() as unproven:
             await _aborted_in_flight(fabric, tx, rx, "r1", [2, 3])
         assert tx._plane is not None
@@ -92,18 +104,13 @@ async def test_a_write_of_an_aborted_request_is_let_go_and_proven_once_it_ends_d
             heal.on_ask(rx.agent_name, ["r1"])
         assert asked(logs) == [1], logs
         assert not [e for e in unproven if e["event"] == "transfer.unproven"], unproven
-    fabric.assert_clean()
 
 
 async def test_a_let_go_write_that_never_ends_is_given_up_unproven(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checked for at most ``DRAIN_S``: then released, and the request is never proven to a
     receiver that asks (its pages stay held until this process exits, as they must)."""
     monkeypatch.setattr(drain, "DRAIN_S", 0.3)
-    fabric = FakeFabric()
-    async with TransferService(unit_config(**FAST), door_factory=fabric.factory) as tx, \
-            TransferService(unit_config(**FAST), door_factory=fabric.factory) as rx:
-        door = door_of(fabric, tx)
-        door.hang()
+    async with _hung_pair() as (fabric, tx, rx, door):
         with structlog.testing.capture_logs() as logs:
             await _aborted_in_flight(fabric, tx, rx, "r2", [2, 3])
             assert tx._plane is not None
@@ -115,18 +122,13 @@ async def test_a_let_go_write_that_never_ends_is_given_up_unproven(monkeypatch: 
         assert asked(logs) == [0], logs
         door.complete_immediately()
         door.finish_hung()  # the settle fence, posted behind it
-    fabric.assert_clean()
 
 
 async def test_let_go_handles_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A receiver that keeps its link and never lets a WRITE end cannot pile handles up: past
     ``MAX_LET_GO`` the oldest is released, its request unproven; the newest is still checked."""
     monkeypatch.setattr(drain, "MAX_LET_GO", 2)
-    fabric = FakeFabric()
-    async with TransferService(unit_config(**FAST), door_factory=fabric.factory) as tx, \
-            TransferService(unit_config(**FAST), door_factory=fabric.factory) as rx:
-        door = door_of(fabric, tx)
-        door.hang()
+    async with _hung_pair() as (fabric, tx, rx, door):
         with structlog.testing.capture_logs() as logs:
             for k, rid in enumerate(("b1", "b2", "b3")):
                 await _aborted_in_flight(fabric, tx, rx, rid, [2 + 2 * k, 3 + 2 * k])
@@ -136,4 +138,3 @@ async def test_let_go_handles_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
         assert given_up == ["b1"], logs
         door.complete_immediately()
         door.finish_hung()
-    fabric.assert_clean()
