@@ -30,6 +30,7 @@ from kvservice._transfer.cadence import WARM_GRACE_S
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.compat.previous import REPO
+from tests.compat.test_mixed_versions import send_to
 from tests.helpers import SMALL, config, eventually, heard_by, peer_config, peers, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -156,14 +157,7 @@ async def test_a_receiver_of_protocol_6_never_gets_the_frame(speaks_6: dict[str,
     async with TransferService(config()) as svc, \
             peers(peer_config(connect_timeout_s=GUARD_S), env=speaks_6) as (decode,):
         for i, (src, dst) in enumerate((([3, 4, 5, 9], [40, 41, 50, 2]), ([10, 11], [12, 13]))):
-            rid = f"down-{i}"
-            svc.kv.write(src, pattern(SMALL, rid, len(src)))
-            await decode.command(op="expect", rid=rid, pages=dst, sender=svc.address)
-            await decode.event("expecting", rid, timeout=GUARD_S)
-            result = await svc.await_completion(await svc.send(rid, src, last=True), timeout=GUARD_S)
-            assert result.status is TransferStatus.SUCCESS, result
-            arrived = await decode.event("arrived", rid, timeout=GUARD_S)
-            assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
+            await send_to(svc, decode, f"down-{i}", src, dst)
         assert svc.status()["peer_versions"] == {"6": 1}
         st = await status_of(decode)
         assert "frame" not in st["refused"] and len(st["peers"]) == 1, st
