@@ -85,8 +85,11 @@ class Drains:
         ``posting``: a tick on the door thread may be posting to it (what it posts drains
         too: ``add_posted``).  Returns the event set once nothing of ``peer`` drains, or
         None if nothing does."""
-        for req in {self.handles[x][0] for x in self._holding if self.handles[x][0].peer == peer}:
-            self.free(req)  # the receiver lost the link too: its request failed there
+        for xid in [x for x in self._holding if self.handles[x][0].peer == peer]:
+            # the receiver is lost too: held like the rest of this drain, let go at ``until``
+            # (by then the receiver has found the link lost and failed the request there)
+            self._holding.discard(xid)
+            del self._let_go[xid]
         for xid, req, fence in moved:
             self.handles[xid] = (req, fence)
             if not fence:

@@ -139,8 +139,8 @@ class SendEnds:
         """A settled failure: let its receiver settle.  Nothing ever posted: nothing to wait
         for.  WRITEs still in flight (let go when it failed) may yet land, and deliver their
         notifications, so the receiver may still succeed: told once they ended.  Then, if
-        every WRITE of it ended ``DONE`` (``proofs``), nothing of it can land any more:
-        ``Settled``, and no page is
+        every WRITE of it ended ``DONE`` (``proofs``) and none still drains with a lost link
+        (let go at that drain's ``until``), nothing of it can land any more: ``Settled``, and no page is
         written (a fence landing in a request the receiver completed would overwrite pages
         it may reuse already).  Else a released handle's bytes may still be on the wire (a
         TCP stream, a queue pair): the receiver settles on the fence's notification, which
@@ -151,7 +151,8 @@ class SendEnds:
         if req.let_go:
             req.tell_after_let_go = True
             return
-        if not req.posted or self._watchdog.proofs.may_prove(req.peer, req.request_id):
+        if not req.posted or (self._watchdog.proofs.may_prove(req.peer, req.request_id)
+                              and req.request_id not in self._watchdog.draining_requests(req.peer)):
             self._send_to(req.peer, Settled(req.request_id))
         else:
             self._fence(req)
