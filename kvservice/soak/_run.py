@@ -47,6 +47,8 @@ LINK_STALL_S = PEER_TIMEOUT_S - HEARTBEAT_S
 BOUND_S = 10.0  # past a request's own deadline (and any stop): no end by then is a hang
 CALL_S = BOUND_S + STOP_MAX_S  # an answer to a command
 SETTLE_S = 15.0  # a failed request with a live, running sender must settle within this
+#: waits of SETTLE_S for one request, each after one its decode's network cuts or stops touched
+SETTLE_TRIES = 4
 TAKE_S = 30.0  # waiting for free pages
 LATE_WRITE_WAIT_S = 1.0  # before the final canary check: long past any WRITE on the wire
 #: leak accounting: about this many samples per run, never more often than every SAMPLE_MIN_S
@@ -333,7 +335,15 @@ class Soak:
         s = self.s
         self.settling += 1
         try:
-            st = await decode.call(SETTLE_S + CALL_S, op="await_settled", rid=rid, timeout=SETTLE_S)
+            for _ in range(SETTLE_TRIES):
+                cuts, stops = decode.cuts_seen, decode.faults_seen
+                st = await decode.call(SETTLE_S + CALL_S, op="await_settled", rid=rid, timeout=SETTLE_S)
+                if st is None or st.get("settled") or not decode.alive:
+                    break
+                # cut off or stopped meanwhile (or still): nothing can settle it while the
+                # receiver cannot hear its sender, so the bound runs again from now
+                if (decode.cuts_seen, decode.faults_seen) == (cuts, stops) and not decode.cut:
+                    break
         finally:
             self.settling -= 1
         if st is None or not decode.alive:
