@@ -315,9 +315,11 @@ class TransferService:
         *caller* is cancelled, the cancellation propagates and the transfer goes
         on; ``abort()`` stops it.
 
-        A failed result is returned once the door has released every handle of
-        the request (``result.settled``): from then on nothing reads the source
-        pages, and they may be reused.
+        A failed result is returned once it is settled (``result.settled``): nothing
+        of it is being posted, and a WRITE of it still in flight (let go when it
+        failed, checked until it ends) has ended, or its receiver has failed the
+        request (it answered, or its link was lost): from then on nothing read from
+        the source pages can complete anything, and they may be reused.
         """
         plane = self._started(handle.request_id)
         return await waits.await_done(plane, handle._req, timeout,

@@ -59,9 +59,11 @@ Glossary:
 - **outcome**: a receiver's answer to a sender's ``Failed``: whether it had every page
   already.  A send whose chunks were posted waits for it (bounded), so both sides agree
   on how the request ended.
-- **fence**: one more page WRITE a sender posts, after its door released every handle
-  of a failed request, on the same link; its notification arrives only after every
-  earlier WRITE of that endpoint has landed.
+- **fence**: one more page WRITE a sender posts, once every WRITE of a failed request
+  has ended and one of them not ``DONE``, on the same link; its notification arrives
+  only after every earlier WRITE of that endpoint has landed.
+- **let go**: a failed request's handles still in flight, checked until they end (at
+  most ``DRAIN_S``) rather than released, so that they may end ``DONE`` (``drain``).
 - **drain**: a lost receiver's handles in flight, checked until they end (bounded by
   ``proofs.drain_limit``) rather than released at once, so that they may end ``DONE``.
 - **proven over**: (a request, to its receiver) every WRITE of it the sender posted reached
@@ -71,5 +73,6 @@ Glossary:
 - **settled**: nothing of the request can be written any more.  A success is settled; a
   receiver's failure is settled by the sender's fence, its ``Settled`` (also in answer
   to an ``Ask`` after a lost link heals), or its process gone; a sender's failure once
-  its handles are released.  Only a settled request's pages may be reused.
+  nothing of it is posted and what it let go has ended or its receiver failed it.
+  Only a settled request's pages may be reused.
 """

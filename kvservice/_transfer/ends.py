@@ -2,8 +2,9 @@
 
 A send that failed after posting may still have delivered every page: its receiver's
 ``Outcome`` (the answer to our ``Failed``) decides whether it ends ``SUCCESS`` after
-all, so both sides agree.  Independently, its handles are released by the watchdog;
-only then is the failure *settled* here (the caller may reuse the source pages) and
+all, so both sides agree.  Independently, the watchdog lets go of its handles (checked
+until they end: ``drain``) and releases the request; only then is the failure
+*settled* here (the caller may reuse the source pages) and
 is the receiver told it may settle too: ``Settled`` when nothing was ever posted,
 else a settle fence on the link the request was bound on.  A failed send is *done*
 (its waiters wake) once settled and once its Outcome came, was lost with the link,
@@ -56,8 +57,8 @@ class SendEnds:
         self.outcomes[req.request_id] = req
 
     def released(self, req: SendRequest) -> None:
-        """The door released every handle of ``req``.  A failure is settled now: its
-        caller may reuse the source pages, and the receiver is told."""
+        """Nothing of ``req`` holds it any more.  A failure is settled now: its caller
+        may reuse the source pages, and the receiver is told (``_tell_settled``)."""
         result = req.result
         if self.unsettled.get(req.request_id) is req:
             del self.unsettled[req.request_id]

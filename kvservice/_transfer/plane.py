@@ -386,7 +386,7 @@ class RequestPlane:
             self.sends_done.put(req.request_id, result)
             if result.ok:
                 req.done.set()
-            else:  # done once the door released every handle of it (released())
+            else:  # done once nothing of it holds it any more (released())
                 self.ends.unsettled[req.request_id] = req
             self.watchdog.forget(req)
         else:
@@ -500,7 +500,7 @@ class RequestPlane:
                 self.control.send_to(peer, Posted(request_ids[i : i + MAX_POSTED]))
 
     def released(self, req: SendRequest) -> None:
-        """The door released every handle of ``req`` (see ``ends.SendEnds.released``)."""
+        """Nothing of ``req`` holds it any more (see ``ends.SendEnds.released``)."""
         self.ends.released(req)
 
     def fence_failed(self, req: SendRequest, err: DoorError | None) -> None:

@@ -4,8 +4,8 @@ A WRITE already posted keeps copying after the receiver gives up on a request;
 nothing on the receiving side can recall it.  So a receiver's failed request is
 *unsettled* until one of these proves no WRITE of it can land any more:
 
-* the sender's *fence* arrives: after its door released every handle of the
-  request, the sender posts one more page WRITE to us on the same NIXL endpoint
+* the sender's *fence* arrives: once every WRITE of the request has ended (one of
+  them not ``DONE``), the sender posts one more page WRITE to us on the same NIXL endpoint
   with a ``FENCE`` notification.  NIXL sends a WRITE's notification only after
   flushing the endpoint, so every earlier WRITE, released or not, has landed by
   then (a release alone proves nothing: it does not stop a zero-copy WRITE
@@ -118,7 +118,7 @@ class Settlement:
 
     # -- sending side ---------------------------------------------------------------------
     def settled_send(self, result: TransferResult) -> TransferResult:
-        """The sender's failed ``result``, now that the door released every handle of it."""
+        """The sender's failed ``result``, now that nothing of it holds it (``watchdog``)."""
         settled = dataclasses.replace(result, settled=True)
         if result.request_id in self._sends_done:
             self._sends_done.put(result.request_id, settled)

@@ -28,15 +28,15 @@ What a staged page is (the buffer's cells, a pair's ``Route`` through it) is mem
 * ``Stager``: the service's side of it: which requests go through staging, their
   index arrays, and when their ranges come back.
 
-A request holds one range for all its pages: a cell per (region, page position),
-each the bytes one page of one region moves.  A send's gather range comes back once
-the door has released every handle of it (the watchdog's ``_settle_if_released``),
-on success and on every failure path alike; a released WRITE may still read it
-then, but what it reads lands only in the failed request's pages, unsettled until
-the fence.  A receiver's scatter range comes back when its request is *settled*
-(``_settle``), exactly when its pages could be reused: after the scatter on
-success; on failure once no WRITE of the sender can land any more (its fence, its
-``Settled``, its process gone), and not while a scatter copies.
+A request holds one range for all its pages: a cell per (region, page position), each
+the bytes one page of one region moves. A send's gather range comes back once the
+request is released (the watchdog's ``_settle_if_released``), on success and on every
+failure path alike; a WRITE let go in flight may still read it then, but what it reads
+lands only in the failed request's pages, unsettled until it has ended. A receiver's
+scatter range comes back when its request is *settled* (``_settle``), exactly when its
+pages could be reused: after the scatter on success; on failure once no WRITE of the
+sender can land any more (its fence, its ``Settled``, its process gone), and not while a
+scatter copies.
 
 Staging is an optimisation: a request that finds no free range (or needs more than
 the whole buffer) moves by the per-token descriptors, as without staging, and is

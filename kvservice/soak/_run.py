@@ -290,7 +290,7 @@ class Soak:
         if not expected:
             decode.forget(("arrived", rid))
         if sent is not None:
-            prefill.free.extend(src)  # a sender's result comes once its handles are released
+            prefill.free.extend(src)  # a sender's result comes once it is settled
         elif not prefill.dead.is_set():
             s.hung += 1
             s.note(f"{rid}: the sender reported no end within its deadline + {CALL_S}s")
