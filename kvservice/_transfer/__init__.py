@@ -27,7 +27,7 @@ Reading path:
 - ``watchdog``: the one task that posts chunks, checks handles, releases them and
   polls notifications, one bounded door call per tick; ``cadence``: its idle waits, a
   back-off from the last work rather than a clock; ``drain``: ``Drains``, a lost
-  receiver's handles it checks until each ends.
+  receiver's handles, and a failed request's let go in flight, it checks until each ends.
 - ``settle``: ``Settlement``: which failed receiver requests are unsettled, and why
   each piece of evidence may settle them.
 - ``proofs``: ``Proofs``: which requests a sender could not prove over to their receiver
@@ -45,6 +45,8 @@ Glossary:
 
 - **bound**: a send is bound once a receiver's Expect gave it its destination pages;
   before that it is *bootstrapping* and its chunks queue.
+- **cold**: a receiver's Expect whose sender (protocol 7) has not said ``Posted`` yet:
+  nothing can be written into it, so it is held at the idle cadence, not polled.
 - **early expect**: an Expect that arrived before the ``send()`` of its id; held
   (bounded per peer, per source and in total, with a TTL) for the first send to bind.
 - **source**: what a peer's use of shared bounds is charged to: the member its link

@@ -2,8 +2,9 @@
 comes after a long idle is still taken at once: real NIXL agents in two processes.
 
 Each test makes the idle waits far longer than its own bound (``IDLE_S``), so that only a
-wake-up caused by the event itself (an Expect, a request's end) can meet the bound: a test
-that passed by waiting out a poll would take ``IDLE_S``.
+wake-up caused by the event itself (a sender's ``Posted`` for a cold Expect, a send, a
+request's end) can meet the bound: a test that passed by waiting out a poll would take
+``IDLE_S``.
 """
 
 from __future__ import annotations
