@@ -69,7 +69,7 @@ class Drains:
         #: of those, the ones an ended request let go while its link lived (``let_go``)
         self._ended_with: set[XferId] = set()
         #: of those, the ones whose request is not released yet: its receiver may not know it
-        #: failed, so their late notifications could still complete it there (``let_go(held=)``)
+        #: failed, so their late notifications could still complete it there (``let_go``)
         self._holding: set[XferId] = set()
         #: receivers NIXL reported disconnected (a post or check failed so) since their last loss:
         #: their WRITEs cannot end DONE any more, so a drain of theirs is not kept past ``until``
@@ -106,20 +106,20 @@ class Drains:
         """A chunk of an ended ``req`` was posted (``PROC``) by a tick: if its receiver is
         being drained, it drains with the rest; else it is let go (``let_go``)."""
         if req.peer not in self.until:
-            self.let_go(req, [xid], now, held=req.outcome_due is not None)
+            self.let_go(req, [xid], now)
             return
         self.handles[xid] = (req, False)
         req.releasing += 1
 
-    def let_go(self, req: SendRequest, xids: Iterable[XferId], now: float, *, held: bool) -> None:
+    def let_go(self, req: SendRequest, xids: Iterable[XferId], now: float) -> None:
         """``req`` ended (an abort, a deadline, a failed chunk) with ``xids`` still in flight
         to a receiver whose link lives: they are checked until each ends, for the proof
         (``proofs``), at most ``DRAIN_S``; a drain of that receiver already under way keeps
-        its own deadlines.  ``held``: its receiver may not know yet that it failed (it was
-        told, its ``Outcome`` is awaited), and a WRITE ending now still delivers its
+        its own deadlines.  While its receiver may not know yet that it failed (it was
+        told, its ``Outcome`` is awaited: ``outcome_due``), a WRITE ending now still delivers its
         notification there, so the request is released (its source pages free) only once
         they ended, or once the receiver is known to have failed (``free``, ``start``)."""
-        peer = req.peer
+        peer, held = req.peer, req.outcome_due is not None
         for xid in xids:
             self.handles[xid] = (req, False)
             self._let_go[xid] = None

@@ -188,7 +188,7 @@ class Watchdog:
             # end DONE proves it over to a receiver that asks
             for xid in req.inflight:
                 self._inflight.pop(xid, None)
-            self._drains.let_go(req, req.inflight, self._clock(), held=req.outcome_due is not None)
+            self._drains.let_go(req, req.inflight, self._clock())
             req.inflight = None
             self.wake()
         self._settle_if_released(req)
