@@ -203,11 +203,17 @@ class PeerLink:
             return
         self._send.send_nowait(body)
 
-    def alive(self, within: float) -> bool:
-        """Open and not closing (``flush_and_close``, ``tell_and_close``), and heard from (any
-        frame, pings included) within ``within`` seconds: a peer linking again meanwhile
-        waits for this link to end (``ControlPlane``) instead of being refused."""
-        return not self.closed and not self._closing and time.monotonic() - self.last_rx <= within
+    async def outlived(self, within: float) -> bool:
+        """Whether this link is dead, asked when its agent links again: it gets ``within``
+        seconds to be heard from (a live peer heartbeats) or to close (a dead one closes once
+        silent ``peer_timeout``; a network cut can keep its peer's close from reaching us).
+        True once it has closed; False when a frame came on it first, or neither came in time."""
+        asked = time.monotonic()
+        with anyio.move_on_after(within):
+            while self.last_rx <= asked and not self.closed:
+                with anyio.move_on_after(self._heartbeat / 4):
+                    await self.ended.wait()
+        return self.closed
 
     def close(self, cause: BaseException | None = None) -> None:
         if self._cause is None:

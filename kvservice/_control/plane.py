@@ -398,13 +398,12 @@ class ControlPlane:
         if inside != agent:
             raise ProtocolError(f"NIXL metadata names agent {inside!r}, not {agent!r}", "metadata_mismatch")
         current = self._peers.get(agent)
-        if current is not None and current.link.alive(self._cfg.peer_timeout_s):  # checked again below
+        if current is not None and not await self._outlived(current.link):  # checked again below
             raise ProtocolError(f"agent {agent!r} is already connected", "agent_live")
         # Outside the table lock: a vetting child restarting after bad metadata (seconds)
         # delays this peer only, not every other admit and drop.
         source = framed.source
         await vet(self._vetter, framed, join.metadata, source, dialled, self._stats)
-        await self._let_dying_link_end(agent)
         async with self._table_lock:
             current = self._peers.get(agent)
             if current is not None:
@@ -455,13 +454,12 @@ class ControlPlane:
         peer = self._peers.get(agent)
         return peer.source if peer is not None else NO_ADDRESS
 
-    async def _let_dying_link_end(self, agent: str) -> None:
-        """A peer reconnecting may reach us before we noticed its old link end: give
-        that link up to a heartbeat to close, so the new one is not refused."""
-        current = self._peers.get(agent)
-        if current is not None and not current.link.alive(self._cfg.heartbeat_interval_s):
-            with anyio.move_on_after(self._cfg.heartbeat_interval_s):
-                await current.link.ended.wait()
+    async def _outlived(self, link: PeerLink) -> bool:
+        """``link``'s agent links again: whether the old link is dead (``PeerLink.outlived``),
+        waited for within the handshake's deadline, a heartbeat left to answer in."""
+        hb = self._cfg.heartbeat_interval_s
+        left = anyio.current_effective_deadline() - anyio.current_time() - hb
+        return await link.outlived(min(left, self._cfg.peer_timeout_s + 2 * hb))
 
     # -- links ----------------------------------------------------------------------
     def _on_message(self, link: PeerLink, msg: Message) -> None:

@@ -13,7 +13,8 @@ import os
 import resource
 import struct
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -351,22 +352,71 @@ async def test_idle_and_trickling_connections_are_bounded_and_time_out() -> None
             await legit_transfer(svc, decode)
 
 
+@asynccontextmanager
+async def nixl_agent(name: str) -> AsyncIterator[dict[str, Any]]:
+    """A real NIXL agent ``name`` with a registered pool: the Join a raw client sends for it."""
+    thread = DoorThread("hostile-nixl")
+    door = await thread.call(functools.partial(NixlDoor, name, progress_thread=False, ucx_env=LOOPBACK_UCX))
+    pool = await thread.call(KVPool, SMALL)
+    try:
+        await thread.call(register_pool, door, pool)
+        yield join_for(name, metadata=await thread.call(door.metadata), memory=wire_memory(base=pool.base_addr))
+    finally:
+        await thread.call(door.close)
+        thread.shutdown()
+
+
+async def test_an_agent_linking_again_replaces_its_dead_link_and_never_a_live_one() -> None:
+    """An agent whose old link died without its close reaching the service (a network cut
+    between them) links again: the service waits for the old link to end by its own rule
+    (silent ``peer_timeout_s``) and admits the new one; while the old link is heard from,
+    a second link for the same agent is refused (``agent_live``)."""
+    cfg = hostile_config(connect_timeout_s=scaled(6.0))  # room for the old link's peer_timeout_s
+    async with (nixl_agent("kv-again") as join, peers(peer_config()) as (decode,),
+                TransferService(cfg) as svc):
+        await legit_transfer(svc, decode)
+        first = await authenticate(svc.address, key=own_key(), agent="kv-again", my_address="127.0.0.1:4")
+        await first.send(join)
+        assert isinstance(await first.recv(), Join)
+        await first.send(Ping())  # heard once, then silent and never closed: a cut link
+        live = refused(svc, "agent_live")
+
+        again = await authenticate(svc.address, key=own_key(), agent="kv-again", my_address="127.0.0.1:4")
+        await again.send(join)
+        assert isinstance(await again.recv(timeout=WAIT_S), Join)  # admitted once the old link ended
+        assert await first.closed_by_peer()
+        assert refused(svc, "agent_live") == live
+        assert sorted(svc.status()["peers"]) == sorted([decode.address, "127.0.0.1:4"])
+
+        async def heartbeat() -> None:  # the new link is live: it is heard from
+            for _ in range(int(WAIT_S / 0.05)):
+                await again.send(Ping())
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            third = await authenticate(svc.address, key=own_key(), agent="kv-again", my_address="127.0.0.1:4")
+            await third.send(join)
+            await answered(third, "agent_live")
+            tg.cancel_scope.cancel()
+        assert refused(svc, "agent_live") == live + 1
+        assert "127.0.0.1:4" in svc.status()["peers"]  # the live link stayed
+        await again.aclose()
+        await first.aclose()
+        await legit_transfer(svc, decode)
+
+
 async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
     """A key holder with a real NIXL agent floods Expects the service must answer
     (pages out of range) and never reads: its link is dropped as lost once the
     service's writes stall, counted; the legitimate decode goes on."""
-    thread = DoorThread("hostile-nixl")
-    door = await thread.call(functools.partial(NixlDoor, "kv-silent", progress_thread=False, ucx_env=LOOPBACK_UCX))
-    pool = await thread.call(KVPool, SMALL)
-    try:
-        await thread.call(register_pool, door, pool)
-        metadata = await thread.call(door.metadata)
+    async with nixl_agent("kv-silent") as join:
         cfg = hostile_config(max_outbox_bytes=256 * 1024)
         async with peers(peer_config()) as (decode,), TransferService(cfg) as svc:
             await legit_transfer(svc, decode)
             raw = await authenticate(svc.address, key=own_key(), agent="kv-silent", my_address="127.0.0.1:3",
                                      rcvbuf=4096)
-            await raw.send(join_for("kv-silent", metadata=metadata, memory=wire_memory(base=pool.base_addr)))
+            await raw.send(join)
             assert isinstance(await raw.recv(), Join)  # the service's Join; from here on it never reads
             before = refused(svc, "outbox_overflow")
             with anyio.move_on_after(20):
@@ -382,9 +432,6 @@ async def test_a_peer_that_never_reads_is_dropped_not_buffered() -> None:
             await raw.aclose()
             await legit_transfer(svc, decode)
             assert svc.status()["peers"] == [decode.address]
-    finally:
-        await thread.call(door.close)
-        thread.shutdown()
 
 
 _CONNECTOR = """
