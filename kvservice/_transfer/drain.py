@@ -205,8 +205,10 @@ class Drains:
                 event.set()
 
     def check_all(self) -> None:
-        """After a tick's posts are digested: drains that waited only for them."""
-        for peer in list(self.drained):
+        """After a tick's posts are digested: drains, and receivers with handles let go, that
+        waited only for them (a let-go receiver has deadlines and no event: without this its
+        entry would stay once its last handle ended while posts were pending)."""
+        for peer in list(self.until.keys() | self.drained.keys()):
             self.check(peer)
 
     def expire(self, now: float) -> None:
