@@ -313,7 +313,10 @@ class PeerLink:
                 raise OutboxOverflow(f"peer {self.address} read nothing for {self._peer_timeout}s")
         self._drained.set()
         if self._telling:  # our end of the stream: the peer's EOF after it read all ends the link
-            await self._framed.stream.send_eof()
+            try:
+                await self._framed.stream.send_eof()
+            except RuntimeError as exc:  # uvloop's word for a transport the peer closed meanwhile
+                raise ConnectionResetError(f"peer {self.address} closed the connection first ({exc})") from exc
             await anyio.sleep_forever()
 
     async def _liveness(self) -> None:

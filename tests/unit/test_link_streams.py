@@ -15,15 +15,18 @@ from kvservice._control.protocol import Expect
 from ..helpers import unclosed_resources
 
 
-async def _link(sock: socket.socket) -> PeerLink:
+async def _link(sock: socket.socket, lost: list[BaseException | None] | None = None,
+                refused: list[str] | None = None) -> PeerLink:
     async def on_lost(link: PeerLink, cause: BaseException | None, graceful: bool) -> None:
-        pass
+        if lost is not None:
+            lost.append(cause)
 
     stream = await anyio.abc.SocketStream.from_socket(sock)
     return PeerLink(
         ControlStream(stream, 1 << 16), agent="a", address="127.0.0.1:1", generation=1,
         on_message=lambda link, msg: None, on_lost=on_lost, heartbeat_interval=1.0,
         peer_timeout=5.0, max_outbox_bytes=1 << 20,
+        on_refused=refused.append if refused is not None else lambda kind: None,
     )
 
 
@@ -50,3 +53,28 @@ async def test_a_link_that_ran_closes_its_outbox() -> None:
         assert link.ended.is_set() and link.closed
         del link
     assert unclosed == []
+
+
+async def test_a_half_close_on_a_transport_closed_under_it_ends_the_link_as_a_reset() -> None:
+    """``tell_and_close`` half-closes after the outbox drained; when the peer closed the
+    connection meanwhile, uvloop's ``write_eof`` raises ``RuntimeError`` ("the handler is
+    closed", seen in the soak as a ``peer.handler_error``): the link ends as a reset
+    connection, not as a handler's failure."""
+    ours, theirs = socket.socketpair()
+    lost: list[BaseException | None] = []
+    refused: list[str] = []
+    with theirs:
+        link = await _link(ours, lost, refused)
+
+        async def closed_under_us() -> None:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+        link._framed.stream.send_eof = closed_under_us  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            link.send(Expect("r1", [1]))
+            await link.tell_and_close(ConnectionResetError("lost"), timeout=5)
+        with anyio.fail_after(5):
+            await link.ended.wait()
+    assert refused == [], refused  # not counted as a handler error
+    assert len(lost) == 1 and isinstance(lost[0], ConnectionResetError), lost
