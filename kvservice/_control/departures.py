@@ -21,14 +21,16 @@ serve only an agent that may come back: once it is unloaded and known gone for g
 its entries are dropped (``PeerEvents.on_peer_gone``).  What proves it: NIXL reports
 its endpoint disconnected when it is lost, a dial found a new agent at its address,
 its ``Bye``, or, for a lost agent that was proven at an address, probes there (a few,
-backing off): the address refuses connections (a service closes its port only after
-its NIXL agent) or another agent proves itself there.  An agent that answers there
-itself is alive: kept.  One that answers nothing (stopped, cut off) is kept too; the
-tables' own bounds hold what stays.
+backing off, then a slow one for as long as the door keeps the agent loaded): the
+address refuses connections (a service closes its port only after its NIXL agent) or
+another agent proves itself there.  An agent that answers there itself is alive, and
+one that answers nothing (stopped, cut off) may be: both stay, and are probed on, since
+either may die later without linking again; the tables' own bounds hold what stays.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -46,6 +48,8 @@ log = get_logger("kvservice.control")
 GONE_PROBES = 8
 #: longest wait between two of them
 GONE_PROBE_MAX_S = 5.0
+#: then, while the door keeps it loaded, a probe this often
+GONE_WATCH_S = 30.0
 
 
 class Departures:
@@ -129,30 +133,44 @@ class Departures:
             self._tg.start_soon(self._find_out_gone, agent, proven)
 
     async def _find_out_gone(self, agent: str, addresses: frozenset[str]) -> None:
-        """Probe where unloaded ``agent`` was proven, a bounded number of times, until it is
-        known gone for good (then forget it), alive, or linked again."""
+        """Probe where unloaded ``agent`` was proven until it is known gone for good (then
+        forget it) or linked again: ``GONE_PROBES`` probes backing off to
+        ``GONE_PROBE_MAX_S``, then one every ``GONE_WATCH_S`` for as long as the door keeps
+        it loaded (``Door.kept``).  A peer found alive, stopped or cut off may still die
+        without linking again, and its kept agent would hold its connection until evicted."""
         wait = self._cfg.heartbeat_interval_s
-        for _ in range(GONE_PROBES):
+        for probes in itertools.count(1):
             await anyio.sleep(wait)
-            wait = min(2 * wait, GONE_PROBE_MAX_S)
-            for address in sorted(addresses):
-                if self._linked(agent) or self._closing():
-                    return
-                try:
-                    answered = await self._probe(address)
-                except ConnectionRefusedError:
-                    why = "its address refuses connections"
-                except Exception as exc:  # noqa: BLE001 - not known yet (stopped, cut off): later
-                    log.debug("peer.gone_probe_failed", agent=agent, address=address, error=repr(exc))
-                    continue
-                else:
-                    if answered == agent:  # alive: it may link again
-                        return
-                    why = f"another agent ({answered}) proved itself at its address"
-                async with self._lock:
-                    if not self._linked(agent) and self._events.draining(agent) is None:
-                        await self._forget(agent, why)
+            wait = min(2 * wait, GONE_PROBE_MAX_S) if probes < GONE_PROBES else GONE_WATCH_S
+            if self._linked(agent) or self._closing():
                 return
+            if probes > GONE_PROBES and not await self._thread.call(self._door.kept, agent):
+                return  # unloaded for good meanwhile (evicted, or found gone another way)
+            why = await self._gone_why(agent, addresses)
+            if why is None:
+                continue
+            async with self._lock:
+                if self._linked(agent):
+                    return
+                if self._events.draining(agent) is None:  # else: once its drain ended
+                    await self._forget(agent, why)
+                    return
+
+    async def _gone_why(self, agent: str, addresses: frozenset[str]) -> str | None:
+        """Why ``agent`` is gone for good, by one probe of each of its addresses; None while
+        it answers there itself (alive) or nothing answers (stopped, cut off: not known yet)."""
+        for address in sorted(addresses):
+            try:
+                answered = await self._probe(address)
+            except ConnectionRefusedError:
+                return "its address refuses connections"
+            except Exception as exc:  # noqa: BLE001 - not known yet (stopped, cut off): later
+                log.debug("peer.gone_probe_failed", agent=agent, address=address, error=repr(exc))
+                continue
+            if answered != agent:
+                return f"another agent ({answered}) proved itself at its address"
+            log.debug("peer.gone_probe_alive", agent=agent, address=address)
+        return None
 
     async def let_drain_end(self, agent: str) -> None:
         """A lost peer linking again: let the handles still draining to it end first, as

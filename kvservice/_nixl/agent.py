@@ -318,6 +318,10 @@ class NixlDoor:
             del self._kept[name]
             self._unload(name)
 
+    def kept(self, name: str) -> bool:
+        self._check_thread()
+        return name in self._kept and name not in self._peers
+
     def _unload(self, name: str) -> None:
         self._loaded.pop(name, None)
         self._disconnected.discard(name)

@@ -104,6 +104,10 @@ class Door(Protocol):
     def forget_peer(self, name: str) -> None:
         """``name``, unloaded, is gone for good: drop what ``remove_peer`` kept of it."""
 
+    def kept(self, name: str) -> bool:
+        """Whether ``name``, unloaded by ``remove_peer(keep_loaded=True)``, is still kept
+        (not linked again, forgotten or evicted by the bound)."""
+
     def post(
         self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32],
         notif: bytes,

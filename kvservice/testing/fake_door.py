@@ -169,6 +169,9 @@ class FakeDoor:
         self._lock = fabric.lock
         self._pool: _Pool | None = None
         self._peers: dict[str, npt.NDArray[np.uint64]] = {}
+        #: peers removed with ``keep_loaded`` and not loaded again or forgotten since: what the
+        #: real door would keep (this one unloads them all the same)
+        self._kept: set[str] = set()
         self._locals: dict[str, npt.NDArray[np.uint64]] = {}  # peers with a local table of their own
         self._live: dict[XferId, _Xfer] = {}
         self._inbox: dict[str, list[bytes]] = collections.defaultdict(list)
@@ -327,6 +330,7 @@ class FakeDoor:
             self._check_table(local[1], self._pool, "add_peer (local)")
         with self._lock:
             self._peers[name] = table
+            self._kept.discard(name)
             if local is not None:
                 self._locals[name] = local[1]
             else:
@@ -335,7 +339,7 @@ class FakeDoor:
 
     def remove_peer(self, name: str, *, keep_loaded: bool = False) -> list[XferId]:
         """(The fake always unloads: loading it again replaces it, as the real door does
-        when the metadata differs.)"""
+        when the metadata differs.  What the real door would keep is recorded: ``kept``.)"""
         self._enter()
         self._gate("remove_peer")
         with self._lock:
@@ -344,10 +348,21 @@ class FakeDoor:
                 self._release_live(xid)
             if self._peers.pop(name, None) is not None:
                 self.peers_removed.append(name)
+                if keep_loaded:
+                    self._kept.add(name)
+                else:
+                    self._kept.discard(name)
             return released
 
     def forget_peer(self, name: str) -> None:
         self._enter()
+        with self._lock:
+            self._kept.discard(name)
+
+    def kept(self, name: str) -> bool:
+        self._enter()
+        with self._lock:
+            return name in self._kept
 
     def post(
         self, peer: str, local_idx: npt.NDArray[np.int32], remote_idx: npt.NDArray[np.int32],

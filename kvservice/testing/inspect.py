@@ -112,12 +112,14 @@ class Inside:
     def agents_remembered(self) -> set[str]:
         """Every agent a per-agent table of this service still holds: the notification keys
         kept for agents not linked, the proofs ledger, the heal's records, the door's loaded
-        agents (what must shrink back once an agent is gone for good)."""
+        agents, linked or kept after a lost link (what must shrink back once an agent is gone
+        for good)."""
         inbound = self.plane.inbound
         assert isinstance(inbound, Inbound)
         heal = inbound._heal
         return (set(self.control._notif_in) | set(self.plane.watchdog.proofs._unproven)
-                | set(heal._lost_at) | set(heal._answered) | set(getattr(self.door, "_peers", {})))
+                | set(heal._lost_at) | set(heal._answered) | set(getattr(self.door, "_peers", {}))
+                | set(getattr(self.door, "_kept", ())))
 
     # -- a peer ------------------------------------------------------------------------------
     def link(self, agent: str) -> PeerLink | None:

@@ -12,8 +12,10 @@ import signal
 
 import anyio
 import pytest
+import structlog
 
 from kvservice import TransferService
+from kvservice._control import departures
 from kvservice.soak._probe import service_tables
 from kvservice.testing import pattern
 from kvservice.testing.inspect import inside
@@ -62,3 +64,35 @@ async def test_a_decode_restarted_again_and_again_leaves_nothing_of_its_old_agen
         assert all(tables[name]["size"] == 0 for name in PER_AGENT), tables
         assert tables["nixl_remote_agents"]["size"] == 0 and tables["nixl_live_handles"]["size"] == 0, tables
         assert prefill.status()["peers"] == []
+
+
+async def test_a_decode_lost_alive_then_killed_before_it_links_again_is_forgotten(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill loses its link to a decode that lives on (stopped past ``peer_timeout_s``):
+    it keeps the decode's agent loaded, probes, and finds it alive.  The decode is then
+    SIGKILLed before any request links it again, so no link is lost to say so: the prefill's
+    slower probes, while it keeps that agent, find its address refusing and forget it.  (It
+    used to stop probing at the first answer: the dead agent and its connection's file stayed
+    until evicted by the bound, one more for each such decode in the long soak.)"""
+    monkeypatch.setattr(departures, "GONE_PROBES", 2)
+    monkeypatch.setattr(departures, "GONE_WATCH_S", 0.5)
+    cfg = config(LAYOUT, ucx_env=TCP, **{**PREFILL, "peer_timeout_s": 1.0})
+    async with TransferService(cfg) as prefill:
+        async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,):
+            await new_request_arrives_at(prefill, decode, "warm", [0], [1])
+            with structlog.testing.capture_logs() as logs:
+                decode.signal(signal.SIGSTOP)
+                try:
+                    await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S,
+                                     what="the prefill losing the stopped decode")
+                finally:
+                    decode.signal(signal.SIGCONT)
+                await eventually(lambda: any(e["event"] == "peer.gone_probe_alive" for e in logs),
+                                 timeout=SETTLE_GUARD_S, what="a probe finding the decode alive")
+            assert decode.agent in agents_held(prefill)  # alive: kept
+            decode.signal(signal.SIGKILL)
+            with anyio.fail_after(SETTLE_GUARD_S):
+                await eventually(lambda: decode.agent not in agents_held(prefill), timeout=SETTLE_GUARD_S,
+                                 what=lambda: f"held {agents_held(prefill)}")
+        tables = service_tables(prefill)
+        assert tables["nixl_kept_agents"]["size"] == 0 and tables["nixl_remote_agents"]["size"] == 0, tables
