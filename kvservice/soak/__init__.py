@@ -103,12 +103,17 @@ def main(argv: Sequence[str] = ()) -> int:
     # The children log what the soak provokes (lost peers, aborts): into files, read on failure.
     env = [("KVSERVICE_LOG_LEVEL", "error"), ("NIXL_LOG_LEVEL", "FATAL")]
     logdir = Path(tempfile.mkdtemp(prefix=f"kvservice-soak-{os.getpid()}-"))
-    with open(logdir / "children.log", "w") as log, contextlib.ExitStack() as hosts:
-        # the namespaces go when the run ends, however it ends (an error, Ctrl-C, SIGTERM)
-        if opts.network_cuts:
-            hosts.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, signal.default_int_handler))
-        net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
-        summary = run(soak, opts, log, env, net)
+    try:
+        with open(logdir / "children.log", "w") as log, contextlib.ExitStack() as hosts:
+            # the namespaces go when the run ends, however it ends (an error, Ctrl-C, SIGTERM)
+            if opts.network_cuts:
+                hosts.callback(signal.signal, signal.SIGTERM,
+                               signal.signal(signal.SIGTERM, signal.default_int_handler))
+            net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
+            summary = run(soak, opts, log, env, net)
+    except KeyboardInterrupt:  # an interrupted run judges nothing: its log goes too
+        shutil.rmtree(logdir, ignore_errors=True)
+        raise
     data = summary.as_json()
     print(table(summary))
     bad = problems(data)

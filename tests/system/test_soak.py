@@ -19,6 +19,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -173,8 +174,7 @@ def test_soak_with_network_cuts_heals_and_keeps_every_counter_at_zero(tmp_path: 
             proc.wait(30)
     summary = json.loads(out.read_text())
     for key in MUST_BE_ZERO:
-        if key != "hung":
-            assert summary[key] == 0, (key, summary)
+        assert summary[key] == 0, (key, summary, stdout[-4000:])
     assert summary["faults"].get("netcut", 0) >= 3, summary["faults"]
     assert summary["faults"].get("sigkill", 0) + summary["faults"].get("sigstop", 0) > 0, summary["faults"]
     # a request to a cut decode, begun after the restore, succeeded: its links healed; every
@@ -190,14 +190,6 @@ def test_soak_with_network_cuts_heals_and_keeps_every_counter_at_zero(tmp_path: 
     # the prefill's connections are counted in its own namespace (none in this one's table)
     assert float(summary["leaks"]["prefill"]["tcp"]["peak"]) >= 2, summary["leaks"]["prefill"]["tcp"]
     assert run_names(proc.pid) == []
-    if summary["hung"]:
-        # Known, open (issue #40): now and then a request that fails while its decode's network
-        # is cut, or just after, is not settled within the soak's 15 s (3 in 248,739 requests
-        # with 891 cuts in the long run).  Any other hang, or any other counter, fails above.
-        unsettled = re.findall(r"^note: \S+: not settled 15\.0s after failing", stdout, re.M)
-        assert summary["hung"] == len(unsettled), stdout
-        assert "GROWS" not in stdout and "OVER CAP" not in stdout, stdout  # the exit status's other causes
-        pytest.xfail(f"{len(unsettled)} request(s) not settled within 15 s of failing (issue #40)")
     assert proc.returncode == 0, stdout[-4000:] + stderr[-2000:]
 
 
@@ -234,6 +226,7 @@ def test_an_interrupted_soak_removes_its_namespaces() -> None:
             proc.wait(30)
         proc.stderr.close()
     assert run_names(proc.pid) == []
+    assert not list(Path(tempfile.gettempdir()).glob(f"kvservice-soak-{proc.pid}-*"))  # nor its children's log
     # and its children went with it: none is left running in a namespace nobody can name
     for _ in range(300):
         left = [pid for pid in children if os.path.exists(f"/proc/{pid}")]
