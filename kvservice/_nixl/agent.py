@@ -320,7 +320,7 @@ class NixlDoor:
 
     def kept(self, name: str) -> bool:
         self._check_thread()
-        return name in self._kept and name not in self._peers
+        return name in self._kept  # (add_peer takes a reused agent out of it)
 
     def _unload(self, name: str) -> None:
         self._loaded.pop(name, None)
