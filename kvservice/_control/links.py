@@ -9,6 +9,7 @@ only moves frames and says when the link is gone, and why.
 from __future__ import annotations
 
 import math
+import select
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
@@ -51,6 +52,10 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 R = TypeVar("R")
 
 
+#: ``poll`` events that say the other end is gone: its FIN (``POLLRDHUP``), its RST (``POLLERR``)
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+
+
 class FramedStream(Generic[R]):
     """Length-prefixed msgpack frames over a byte stream.
 
@@ -72,6 +77,20 @@ class FramedStream(Generic[R]):
     @property
     def stream(self) -> anyio.abc.ByteStream:
         return self._stream
+
+    def hung_up(self) -> bool:
+        """Whether the other end closed the connection (its FIN or RST has arrived), asked of
+        the kernel without reading anything: callable from any thread while the stream is
+        open.  ``False`` for a stream without a socket (the simulation's)."""
+        sock = self._stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+        if sock is None:
+            return False
+        fd = sock.fileno()
+        if fd < 0:  # closed on this side
+            return True
+        poller = select.poll()
+        poller.register(fd, _HUNG_UP)
+        return any(events & _HUNG_UP for _, events in poller.poll(0))
 
     async def recv_body(self, limit: int | None = None) -> bytes:
         """The next frame's body; ``FrameError`` above ``limit`` (default: the stream's)."""

@@ -9,7 +9,7 @@ that load a peer into NIXL and ask NIXL whether its endpoint is gone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,8 +122,18 @@ def dial_failure(exc: BaseException) -> FailureReason:
     return FailureReason.PEER_LOST  # the link broke: connection errors, a FrameError
 
 
-def load_peer(door: Door, agent: str, join: Join, kv: PeerKV) -> None:
-    """On the door thread: the descriptor tables of the pair, then the peer's NIXL agent."""
+def load_peer(door: Door, agent: str, join: Join, kv: PeerKV, hung_up: Callable[[], bool]) -> None:
+    """On the door thread: the descriptor tables of the pair, then the peer's NIXL agent,
+    unless the peer's link has ``hung_up`` meanwhile (``ConnectionResetError``).
+
+    A peer that died after its Join is not loaded: NIXL's load connects to the peer's UCX
+    listener at once, and where that connect is refused on the spot (the peer's host is this
+    one, or a namespace of it) UCX never closes the socket it made (``uct_tcp_ep_create``
+    returns the error without destroying its endpoint), one file held for the agent's
+    lifetime per load.  The check just before the load leaves that to a peer dying within
+    the load itself."""
+    if hung_up():
+        raise ConnectionResetError("the peer closed its link before its NIXL agent was loaded")
     remote, local = kv.tables()
     door.add_peer(agent, join.metadata, remote, None if local is None else (kv.local_key, local))
 

@@ -425,7 +425,7 @@ class ControlPlane:
                 await self._drop_locked(old, None, ConnectionResetError("peer restarted"), graceful=False,
                                         gone=True, restarted=True)
             with anyio.CancelScope(shield=True):  # a load half done must be recorded, or undone
-                await self._thread.call(load_peer, self._door, agent, join, kv)  # DoorError: refused
+                await self._thread.call(load_peer, self._door, agent, join, kv, framed.hung_up)  # DoorError: refused
             link = PeerLink(
                 framed, agent=agent, address=hello.address, generation=next(self._generations),
                 on_message=self._on_message, on_lost=self._on_lost, on_refused=self._stats.refuse,

@@ -12,7 +12,7 @@ import anyio.abc
 from kvservice._control.links import ControlStream, PeerLink
 from kvservice._control.protocol import Expect
 
-from ..helpers import unclosed_resources
+from ..helpers import eventually, unclosed_resources
 
 
 async def _link(sock: socket.socket, lost: list[BaseException | None] | None = None,
@@ -78,3 +78,62 @@ async def test_a_half_close_on_a_transport_closed_under_it_ends_the_link_as_a_re
             await link.ended.wait()
     assert refused == [], refused  # not counted as a handler error
     assert len(lost) == 1 and isinstance(lost[0], ConnectionResetError), lost
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """Two ends of a real TCP connection over loopback (``hung_up`` asks TCP's own state)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        theirs = socket.create_connection(server.getsockname())
+        ours, _ = server.accept()
+    ours.setblocking(False)
+    return ours, theirs
+
+
+async def test_hung_up_tells_a_peer_that_closed_or_reset_from_one_still_there() -> None:
+    """What the control plane asks just before loading a peer's NIXL agent (``load_peer``):
+    a peer that is gone (its FIN, its RST) is told from one that is quiet or has sent
+    something not yet read, without reading it, and from the door's thread as well."""
+    ours, theirs = _tcp_pair()
+    framed = ControlStream(await anyio.abc.SocketStream.from_socket(ours), 1 << 16)
+    try:
+        assert not framed.hung_up()
+        theirs.sendall(b"\0\0\0\1x")  # a frame not yet read
+        await anyio.sleep(0.05)
+        assert not framed.hung_up()
+        assert not await anyio.to_thread.run_sync(framed.hung_up)
+        theirs.close()  # its FIN
+        await eventually(framed.hung_up, what="the FIN seen")
+        assert await anyio.to_thread.run_sync(framed.hung_up)
+        assert await framed.recv_body() == b"x"  # what it sent before is still there to read
+    finally:
+        await framed.aclose()
+    assert framed.hung_up()  # closed on this side
+
+    ours, theirs = _tcp_pair()
+    framed = ControlStream(await anyio.abc.SocketStream.from_socket(ours), 1 << 16)
+    try:
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # linger 0: RST
+        theirs.close()
+        await eventually(framed.hung_up, what="the RST seen")
+    finally:
+        await framed.aclose()
+
+
+class _NoSocket(anyio.abc.ByteStream):
+    """A byte stream with no socket under it (the simulation's transport brings such)."""
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        raise anyio.EndOfStream
+
+    async def send(self, item: bytes) -> None:
+        pass
+
+    async def send_eof(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_hung_up_is_false_for_a_stream_without_a_socket() -> None:
+    assert not ControlStream(_NoSocket(), 1 << 16).hung_up()
