@@ -21,7 +21,7 @@ serve only an agent that may come back: once it is unloaded and known gone for g
 its entries are dropped (``PeerEvents.on_peer_gone``).  What proves it: NIXL reports
 its endpoint disconnected when it is lost, a dial found a new agent at its address,
 its ``Bye``, or, for a lost agent that was proven at an address, probes there (a few,
-backing off, then a slow one for as long as the door keeps the agent loaded): the
+backing off, then a slow one for as long as any table here remembers the agent): the
 address refuses connections (a service closes its port only after its NIXL agent) or
 another agent proves itself there.  An agent that answers there itself is alive, and
 one that answers nothing (stopped, cut off) may be: both stay, and are probed on, since
@@ -48,7 +48,7 @@ log = get_logger("kvservice.control")
 GONE_PROBES = 8
 #: longest wait between two of them
 GONE_PROBE_MAX_S = 5.0
-#: then, while the door keeps it loaded, a probe this often
+#: then, while the service remembers it (``Departures.remembered``), a probe this often
 GONE_WATCH_S = 30.0
 
 
@@ -59,6 +59,7 @@ class Departures:
         self, config: ServiceConfig, thread: DoorThread, door: Door, events: PeerEvents, tg: anyio.abc.TaskGroup,
         lock: anyio.Lock, *, linked: Callable[[str], bool], closing: Callable[[], bool],
         probe: Callable[[str], Awaitable[str]], gone: Callable[[str, str], None],
+        remembered: Callable[[str], bool],
     ) -> None:
         self._cfg = config
         self._thread = thread
@@ -70,6 +71,7 @@ class Departures:
         self._closing = closing
         self._probe = probe  # the agent answering at an address now
         self._gone = gone  # forget an agent gone for good (why)
+        self._remembered = remembered  # whether the control plane's tables still hold an agent
 
     async def left(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
         """Called under the table lock once lost ``agent``'s requests failed: unload it now,
@@ -135,17 +137,22 @@ class Departures:
     async def _find_out_gone(self, agent: str, addresses: frozenset[str]) -> None:
         """Probe where unloaded ``agent`` was proven until it is known gone for good (then
         forget it) or linked again: ``GONE_PROBES`` probes backing off to
-        ``GONE_PROBE_MAX_S``, then one every ``GONE_WATCH_S`` for as long as the door keeps
-        it loaded (``Door.kept``).  A peer found alive, stopped or cut off may still die
-        without linking again, and its kept agent would hold its connection until evicted."""
+        ``GONE_PROBE_MAX_S``, then one every ``GONE_WATCH_S`` for as long as it is
+        remembered (``remembered``, or the door keeps it loaded: ``Door.kept``).  A peer found
+        alive, stopped or cut off may still die without linking again, and what is kept of it
+        would stay until evicted: its kept agent's connection, and its entries in the tables
+        kept per agent (a decode cut off, then killed and restarted while cut off, was found
+        not gone by every early probe and its agent was not kept, NIXL having reported it
+        disconnected: the soak's per-agent tables crept up by such agents)."""
         wait = self._cfg.heartbeat_interval_s
         for probes in itertools.count(1):
             await anyio.sleep(wait)
             wait = min(2 * wait, GONE_PROBE_MAX_S) if probes < GONE_PROBES else GONE_WATCH_S
             if self._linked(agent) or self._closing():
                 return
-            if probes > GONE_PROBES and not await self._thread.call(self._door.kept, agent):
-                return  # unloaded for good meanwhile (evicted, or found gone another way)
+            if probes > GONE_PROBES and not self._remembered(agent) \
+                    and not await self._thread.call(self._door.kept, agent):
+                return  # forgotten meanwhile (evicted, or found gone another way)
             why = await self._gone_why(agent, addresses)
             if why is None:
                 continue

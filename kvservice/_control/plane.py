@@ -138,7 +138,8 @@ class ControlPlane:
         self._departures = Departures(
             config, thread, door, events, tg, self._table_lock,
             linked=lambda agent: agent in self._peers or agent in self._losing,
-            closing=lambda: self._closing, probe=self._handshakes.probe, gone=self._gone)
+            closing=lambda: self._closing, probe=self._handshakes.probe, gone=self._gone,
+            remembered=self._notif_in.__contains__)  # every agent linked has an entry until forgotten
 
     # -- listening ---------------------------------------------------------------
     async def listen(self) -> str:

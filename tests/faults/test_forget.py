@@ -16,6 +16,7 @@ import structlog
 
 from kvservice import TransferService
 from kvservice._control import departures
+from kvservice._nixl import agent as nixl_agent
 from kvservice.soak._probe import service_tables
 from kvservice.testing import pattern
 from kvservice.testing.inspect import inside
@@ -96,3 +97,35 @@ async def test_a_decode_lost_alive_then_killed_before_it_links_again_is_forgotte
                                  what=lambda: f"held {agents_held(prefill)}")
         tables = service_tables(prefill)
         assert tables["nixl_kept_agents"]["size"] == 0 and tables["nixl_remote_agents"]["size"] == 0, tables
+
+
+async def test_a_decode_lost_and_not_kept_is_still_watched_until_it_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the prefill's door keeps no agent after a lost link (its bound reached,
+    or NIXL reported the endpoint disconnected, as a network cut makes it): the decode, stopped,
+    answers no early probe, and is SIGKILLed only after them.  The slow probes go on while the
+    prefill remembers the agent anywhere, find its address refusing, and forget it.  (They
+    used to stop with the door's keeping: a decode cut off, then killed while cut off, stayed
+    in the per-agent tables until evicted, the long soak's slow creep of them.)"""
+    monkeypatch.setattr(departures, "GONE_PROBES", 2)
+    monkeypatch.setattr(departures, "GONE_WATCH_S", 0.5)
+    monkeypatch.setattr(nixl_agent, "KEPT_MAX", 0)
+    cfg = config(LAYOUT, ucx_env=TCP, **{**PREFILL, "peer_timeout_s": 1.0, "connect_timeout_s": 1.0})
+    async with TransferService(cfg) as prefill:
+        async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,):
+            await new_request_arrives_at(prefill, decode, "warm", [0], [1])
+            with structlog.testing.capture_logs() as logs:
+                decode.signal(signal.SIGSTOP)
+                await eventually(lambda: prefill.status()["peers"] == [], timeout=SETTLE_GUARD_S,
+                                 what="the prefill losing the stopped decode")
+                await eventually(
+                    lambda: sum(e["event"] == "peer.gone_probe_failed" for e in logs) >= departures.GONE_PROBES,
+                    timeout=3 * SETTLE_GUARD_S, what="the early probes, unanswered")
+            held, tables = agents_held(prefill), service_tables(prefill)
+            assert decode.agent in held and tables["nixl_kept_agents"]["size"] == 0, (held, tables)
+            decode.signal(signal.SIGKILL)
+            with anyio.fail_after(SETTLE_GUARD_S):
+                await eventually(lambda: decode.agent not in agents_held(prefill), timeout=SETTLE_GUARD_S,
+                                 what=lambda: f"held {agents_held(prefill)}")
+        tables = service_tables(prefill)
+        assert all(tables[name]["size"] == 0 for name in PER_AGENT), tables
