@@ -13,9 +13,9 @@ import textwrap
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from ._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ._exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
 def _demo(argv: Sequence[str]) -> int:
@@ -113,7 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._log import configure_logging
 
     configure_logging("warning")
-    return run(argv[1:])
+    try:
+        return run(argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C: the command cleaned up as it unwound; no traceback
+        print(f"kvservice {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

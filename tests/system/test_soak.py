@@ -28,6 +28,7 @@ import anyio
 import numpy as np
 import pytest
 
+from kvservice.cli import EXIT_INTERRUPTED
 from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, main, problems
 from kvservice.soak._leaks import PROCESS_RESOURCES
 from kvservice.soak._probe import TABLES
@@ -220,6 +221,9 @@ def test_an_interrupted_soak_removes_its_namespaces() -> None:
         assert children
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
+        said = proc.stderr.read()
+        assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, said[-2000:])
+        assert b"soak: interrupted" in said and b"Traceback" not in said, said[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
