@@ -20,8 +20,10 @@ notification keys here; the proofs ledger and the heal's records in ``_transfer`
 serve only an agent that may come back: once it is unloaded and known gone for good,
 its entries are dropped (``PeerEvents.on_peer_gone``).  What proves it: NIXL reports
 its endpoint disconnected when it is lost, a dial found a new agent at its address,
-its ``Bye``, or, for a lost agent that was proven at an address, probes there (a few,
-backing off, then a slow one for as long as any table here remembers the agent): the
+its ``Bye``, or, for a lost agent, probes where it was proven, else where it claimed to be
+unless that was disproven (its link lost before the proof ended, or the address proven
+another agent's while its link was silent): a few, backing off, then a slow one for as long
+as any table here remembers the agent.  It is gone when the
 address refuses connections (a service closes its port only after its NIXL agent) or
 another agent proves itself there.  An agent that answers there itself is alive, and
 one that answers nothing (stopped, cut off) may be: both stay, and are probed on, since
@@ -76,7 +78,7 @@ class Departures:
     async def left(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
         """Called under the table lock once lost ``agent``'s requests failed: unload it now,
         or once its drain ended.  ``gone``: why it is known gone for good, if it is;
-        ``proven``: the addresses it was proven at."""
+        ``proven``: the addresses to probe it at (where it was proven, else claimed)."""
         drained = self._events.draining(agent)
         if drained is not None and not self._closing():  # its WRITEs in flight may still end DONE
             self._tg.start_soon(self._unload_when_drained, agent, drained, gone, proven)

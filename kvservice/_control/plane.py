@@ -492,7 +492,12 @@ class ControlPlane:
         if peer is None or (link is not None and peer.link is not link):
             return
         del self._peers[agent]
+        # Where to find out later whether it is gone for good (``departures``): where it was
+        # proven; else where it claimed to be, unless that was disproven (its proof still
+        # running, or its address proven another's since: the agent that restarted there).
+        claimed = self._book.unproven_claim(agent)
         proven = self._book.unlinked(agent)
+        watch = proven or (frozenset({claimed}) if claimed is not None else frozenset())
         (log.info if graceful else log.warning)(
             "peer.lost", peer=peer.address, agent=agent, graceful=graceful, cause=repr(cause))
         self._losing[agent] = (min(proven) if proven else peer.address, cause)
@@ -510,7 +515,7 @@ class ControlPlane:
         # Gone for good (``departures``): NIXL's word that its endpoint is disconnected is not
         # enough (a broken transport between live processes says the same): probed instead.
         why = "a new agent proved itself at its address" if restarted else "it said Bye" if graceful else None
-        await self._departures.left(agent, why, proven)
+        await self._departures.left(agent, why, watch)
 
     def _gone(self, agent: str, why: str) -> None:
         """``agent`` is unloaded and gone for good (``departures``): forget it."""

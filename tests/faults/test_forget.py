@@ -11,18 +11,22 @@ from __future__ import annotations
 import signal
 
 import anyio
+import anyio.abc
 import pytest
 import structlog
 
 from kvservice import TransferService
 from kvservice._control import departures
-from kvservice._nixl import agent as nixl_agent
+from kvservice._control.protocol import Join
+from kvservice._nixl import agent as nixl_door
 from kvservice.soak._probe import service_tables
 from kvservice.testing import pattern
 from kvservice.testing.inspect import inside
 from tests.faults.test_heal import LOST, PREFILL, SETTLE_GUARD_S, new_request_arrives_at
+from tests.faults.test_hostile_peers import hostile_config, nixl_agent
 from tests.faults.test_settle import LAYOUT, PAGES, TCP
 from tests.helpers import config, eventually, peer_config, peers
+from tests.hostile import authenticate, own_key
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -109,7 +113,7 @@ async def test_a_decode_lost_and_not_kept_is_still_watched_until_it_is_gone(
     in the per-agent tables until evicted, the long soak's slow creep of them.)"""
     monkeypatch.setattr(departures, "GONE_PROBES", 2)
     monkeypatch.setattr(departures, "GONE_WATCH_S", 0.5)
-    monkeypatch.setattr(nixl_agent, "KEPT_MAX", 0)
+    monkeypatch.setattr(nixl_door, "KEPT_MAX", 0)
     cfg = config(LAYOUT, ucx_env=TCP, **{**PREFILL, "peer_timeout_s": 1.0, "connect_timeout_s": 1.0})
     async with TransferService(cfg) as prefill:
         async with peers(peer_config(LAYOUT, ucx_env=TCP, **FAST), env=TCP) as (decode,):
@@ -129,3 +133,44 @@ async def test_a_decode_lost_and_not_kept_is_still_watched_until_it_is_gone(
                                  what=lambda: f"held {agents_held(prefill)}")
         tables = service_tables(prefill)
         assert all(tables[name]["size"] == 0 for name in PER_AGENT), tables
+
+
+async def test_a_peer_lost_before_its_address_was_proven_is_probed_where_it_claimed_to_be(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that dialled the service is proven at the address it claims by a probe there;
+    its link is lost while that probe still runs (the soak's decodes killed, or cut off, just
+    after linking).  Proven nowhere, it used to be probed nowhere and never forgotten (the
+    long soak's notification keys crept up by such agents): it is probed where it claimed to
+    be, found refusing once its listener is gone, and forgotten."""
+    monkeypatch.setattr(departures, "GONE_PROBES", 2)
+    monkeypatch.setattr(departures, "GONE_WATCH_S", 0.5)
+    accepted = 0
+    release = anyio.Event()
+
+    async def hold(stream: anyio.abc.SocketStream) -> None:  # answers no probe while open
+        nonlocal accepted
+        accepted += 1
+        async with stream:
+            await release.wait()
+
+    async def listen(*, task_status: anyio.abc.TaskStatus[tuple[str, anyio.CancelScope]]) -> None:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+            with anyio.CancelScope() as scope:
+                task_status.started((f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", scope))
+                await listener.serve(hold)
+
+    agent = "kv-claims"
+    async with anyio.create_task_group() as tg:
+        claimed, listening = await tg.start(listen)
+        async with nixl_agent(agent) as join, TransferService(hostile_config(connect_timeout_s=5.0)) as svc:
+            raw = await authenticate(svc.address, key=own_key(), agent=agent, my_address=claimed)
+            await raw.send(join)
+            assert isinstance(await raw.recv(), Join)
+            await eventually(lambda: accepted >= 1, what="the service's proof of the claimed address")
+            await raw.stream.aclose()  # lost while that proof runs
+            await eventually(lambda: svc.status()["peers"] == [], what="the link lost")
+            assert agent in agents_held(svc)
+            listening.cancel()  # its listener goes: the address refuses
+            release.set()
+            await eventually(lambda: agent not in agents_held(svc), timeout=SETTLE_GUARD_S,
+                             what=lambda: f"held {agents_held(svc)}")
