@@ -37,6 +37,8 @@ from .protocol import Hello, Join, Message, Reject, negotiate
 
 #: a handshake past its source's share of ``max_peers``
 PEER_SOURCE_LIMIT = "peer_source_limit"
+#: a handshake whose end failed to load the other's NIXL agent (NIXL's or UCX's error there)
+NIXL_REFUSED = "nixl_refused"
 #: refusals that mean "not allowed" rather than "cannot work together"
 REFUSED_KINDS = frozenset({"auth", "identity", "identity_missing", "identity_member", "identity_revoked", "agent_live",
                            "peer_limit", PEER_SOURCE_LIMIT, LIMIT, SOURCE_LIMIT, EVICTED, VETTING_BACKOFF})
@@ -114,6 +116,8 @@ def agree(version: int, mine: Hello, theirs: Hello, exchange: Exchange, role: st
 def dial_failure(exc: BaseException) -> FailureReason:
     """What a failed dial (or handshake) means for the requests that waited on it."""
     if isinstance(exc, ProtocolError):
+        if exc.kind == NIXL_REFUSED:  # the peer's NIXL failed (its network, its UCX), not the pair
+            return FailureReason.BACKEND
         return FailureReason.REFUSED if exc.kind in REFUSED_KINDS else FailureReason.INCOMPATIBLE
     if isinstance(exc, DoorError):
         return exc.reason

@@ -18,7 +18,7 @@ from .._results import ProtocolError
 from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from .links import CONNECTION_ERRORS, ControlStream, try_send
-from .peers import PEER_SOURCE_LIMIT, IncompatiblePeer, Peer
+from .peers import NIXL_REFUSED, PEER_SOURCE_LIMIT, IncompatiblePeer, Peer
 from .preauth import EVICTED, SOURCE_LIMIT, HandshakeSlots, budget_key
 from .protocol import FrameError, Reject, text
 
@@ -87,7 +87,7 @@ async def handshake_failed(side: str, framed: ControlStream, exc: Exception, sta
         kind = "frame"
         await try_send(framed, Reject(text(str(exc)), kind))
     elif isinstance(exc, DoorError):
-        kind = "nixl_refused"
+        kind = NIXL_REFUSED
         await try_send(framed, Reject(text(f"cannot load this agent into NIXL: {exc}"), kind))
     elif isinstance(exc, CONNECTION_ERRORS):
         kind = "handshake_incomplete"

@@ -180,6 +180,12 @@ JOINS: dict[str, tuple[Callable[[Raw], Awaitable[None]], FailureReason, type[Exc
     "a pool out of range": (_sends(join_for(IMPOSTOR, memory=wire_memory(tp_size=2, tp_rank=5))),
                             FailureReason.INCOMPATIBLE, ProtocolError, "incompatible",
                             "tp_rank 5 of tp_size 2 is not a rank"),
+    # what a real acceptor says when its own NIXL fails to load us (its network went down as
+    # it loaded, say): a backend failure over there, not a pair that cannot work together
+    "a refusal to load our agent": (
+        lambda raw: raw.send(Reject("cannot load this agent into NIXL: add_remote_agent: nixlBackendError: "
+                                    "NIXL_ERR_BACKEND", "nixl_refused")),
+        FailureReason.BACKEND, ProtocolError, "nixl_refused", "NIXL_ERR_BACKEND"),
 }
 
 
