@@ -105,10 +105,10 @@ def main(argv: Sequence[str] = ()) -> int:
     logdir = Path(tempfile.mkdtemp(prefix=f"kvservice-soak-{os.getpid()}-"))
     try:
         with open(logdir / "children.log", "w") as log, contextlib.ExitStack() as hosts:
-            # the namespaces go when the run ends, however it ends (an error, Ctrl-C, SIGTERM)
-            if opts.network_cuts:
-                hosts.callback(signal.signal, signal.SIGTERM,
-                               signal.signal(signal.SIGTERM, signal.default_int_handler))
+            # the children and namespaces go when the run ends, however it ends (an error,
+            # Ctrl-C, SIGTERM): SIGTERM's default would leave a child stopped by a fault
+            # stopped for good, its namespace with it
+            hosts.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, signal.default_int_handler))
             net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
             summary = run(soak, opts, log, env, net)
     except KeyboardInterrupt:  # an interrupted run judges nothing: its log goes too

@@ -194,14 +194,39 @@ def test_soak_with_network_cuts_heals_and_keeps_every_counter_at_zero(tmp_path: 
     assert proc.returncode == 0, stdout[-4000:] + stderr[-2000:]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` now (read from ``/proc``: each one's parent)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [child for child, ppid in parents.items() if ppid == parent]
+        found += kids
+        todo += kids
+    return found
+
+
 @pytest.mark.nixl
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_interrupted_soak_removes_its_namespaces() -> None:
-    netns.require()
+@pytest.mark.parametrize(("how", "cuts"), [(signal.SIGINT, True), (signal.SIGTERM, False)],
+                         ids=["ctrl-c, with cuts", "sigterm"])
+def test_an_interrupted_soak_removes_its_children_and_namespaces(how: signal.Signals, cuts: bool) -> None:
+    """Ctrl-C, or SIGTERM (a CI job's timeout), ends a soak with one line and status 130,
+    and nothing of it stays: its children (one a fault stopped, too), their namespaces, its
+    children's log."""
+    if cuts:
+        netns.require()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvservice.cli", "soak", "--duration", "10m", "--seed", "3", "--decodes", "2",
-         "--fault-interval", "0.5", "--network-cuts"],
+         "--fault-interval", "0.5", *(["--network-cuts"] if cuts else [])],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     children: list[int] = []
@@ -214,12 +239,15 @@ def test_an_interrupted_soak_removes_its_namespaces() -> None:
                 if sel.select(timeout=1.0):
                     seen += os.read(proc.stderr.fileno(), 65536)
         assert b"soak " in seen, seen[-2000:]
-        names = run_names(proc.pid)
-        assert f"{package_netns.HUB_PREFIX}-{proc.pid}-hub" in names and len(names) == 4, names
-        for name in names:
-            children += [int(p) for p in package_netns._run("ip", "netns", "pids", name).split()]
+        if cuts:
+            names = run_names(proc.pid)
+            assert f"{package_netns.HUB_PREFIX}-{proc.pid}-hub" in names and len(names) == 4, names
+            for name in names:
+                children += [int(p) for p in package_netns._run("ip", "netns", "pids", name).split()]
+        else:
+            children = descendants(proc.pid)
         assert children
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(how)
         proc.wait(timeout=120)
         said = proc.stderr.read()
         assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, said[-2000:])
@@ -231,7 +259,7 @@ def test_an_interrupted_soak_removes_its_namespaces() -> None:
         proc.stderr.close()
     assert run_names(proc.pid) == []
     assert not list(Path(tempfile.gettempdir()).glob(f"kvservice-soak-{proc.pid}-*"))  # nor its children's log
-    # and its children went with it: none is left running in a namespace nobody can name
+    # and its children went with it: none is left running (in a namespace nobody can name)
     for _ in range(300):
         left = [pid for pid in children if os.path.exists(f"/proc/{pid}")]
         if not left:
