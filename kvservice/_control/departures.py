@@ -75,19 +75,19 @@ class Departures:
         self._gone = gone  # forget an agent gone for good (why)
         self._remembered = remembered  # whether the control plane's tables still hold an agent
 
-    async def left(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
+    async def left(self, agent: str, gone: str | None, addresses: frozenset[str]) -> None:
         """Called under the table lock once lost ``agent``'s requests failed: unload it now,
         or once its drain ended.  ``gone``: why it is known gone for good, if it is;
-        ``proven``: the addresses to probe it at (where it was proven, else claimed)."""
+        ``addresses``: where to probe it (where it was proven, else where it claimed to be)."""
         drained = self._events.draining(agent)
         if drained is not None and not self._closing():  # its WRITEs in flight may still end DONE
-            self._tg.start_soon(self._unload_when_drained, agent, drained, gone, proven)
+            self._tg.start_soon(self._unload_when_drained, agent, drained, gone, addresses)
             return
         if gone is None and not self._closing() and self._events.holds(agent):
-            self._tg.start_soon(self._unload_when_settled, agent, proven)  # a live sender's WRITEs may end DONE
+            self._tg.start_soon(self._unload_when_settled, agent, addresses)  # a live sender's WRITEs may end DONE
             return
         await self._unload(agent, gone)
-        self._after_unload(agent, gone, proven)
+        self._after_unload(agent, gone, addresses)
 
     async def _unload(self, agent: str, gone: str | None) -> None:
         """Unload ``agent``; one not known gone is kept loaded by the door (bounded), so that
@@ -101,7 +101,7 @@ class Departures:
         await self._thread.call(self._door.forget_peer, agent)
 
     async def _unload_when_drained(self, agent: str, drained: anyio.Event, gone: str | None,
-                                   proven: frozenset[str]) -> None:
+                                   addresses: frozenset[str]) -> None:
         """Unload a lost ``agent`` from NIXL once its handles in flight ended (the
         watchdog bounds that wait), unless it linked again meanwhile: its new link's
         loading replaced the old agent (releasing what still drained, unproven)."""
@@ -112,9 +112,9 @@ class Departures:
             if self._linked(agent) or self._closing():
                 return
             await self._unload(agent, gone)
-            self._after_unload(agent, gone, proven)
+            self._after_unload(agent, gone, addresses)
 
-    async def _unload_when_settled(self, agent: str, proven: frozenset[str]) -> None:
+    async def _unload_when_settled(self, agent: str, addresses: frozenset[str]) -> None:
         """Unload a lost sender, not known gone, once nothing is held for it here (see the
         module docstring), unless it linked again meanwhile; at most ``drain_limit``."""
         wait = self._cfg.heartbeat_interval_s
@@ -126,18 +126,18 @@ class Departures:
             if self._linked(agent) or self._closing():
                 return
             await self._unload(agent, None)
-            self._after_unload(agent, None, proven)
+            self._after_unload(agent, None, addresses)
 
-    def _after_unload(self, agent: str, gone: str | None, proven: frozenset[str]) -> None:
+    def _after_unload(self, agent: str, gone: str | None, addresses: frozenset[str]) -> None:
         if self._closing():
             return
         if gone is not None:
             self._gone(agent, gone)  # (unloaded for good already: gone is not None)
-        elif proven:
-            self._tg.start_soon(self._find_out_gone, agent, proven)
+        elif addresses:
+            self._tg.start_soon(self._find_out_gone, agent, addresses)
 
     async def _find_out_gone(self, agent: str, addresses: frozenset[str]) -> None:
-        """Probe where unloaded ``agent`` was proven until it is known gone for good (then
+        """Probe unloaded ``agent`` at ``addresses`` until it is known gone for good (then
         forget it) or linked again: ``GONE_PROBES`` probes backing off to
         ``GONE_PROBE_MAX_S``, then one every ``GONE_WATCH_S`` for as long as it is
         remembered (``remembered``, or the door keeps it loaded: ``Door.kept``).  A peer found
