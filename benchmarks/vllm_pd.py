@@ -1,7 +1,7 @@
 """vLLM prefill/decode through kvservice, side by side with vLLM's own ``NixlConnector``.
 
     PYTHONPATH=$PWD "$(bash scripts/engine-env.sh vllm)/bin/python" -m benchmarks.vllm_pd \\
-        [--quick] [--rounds N] [--out DIR] [--phases TEXT] [--configs NAMES]
+        [--quick] [--rounds N] [--out DIR] [--phases TEXT] [--configs NAMES] [--idle-s S]
 
 Three configurations of the same two vLLM engines (prefill pinned to CPU 0, decode to CPU
 1; ``benchmarks.vllm_pd_engine``: vLLM's ``LLMEngine`` stepped as vLLM's engine core
@@ -21,7 +21,10 @@ answer's ``kv_transfer_params`` to the decode, and timestamps what comes back:
   spent on the prefill: queueing, the prompt's forward, the answer);
 * ``ttft``: the prefill request sent to the decode's first token received;
 * ``e2e``: the prefill request sent to the decode's last token received;
-* ``req/s``: requests completed per second with N in flight (per round).
+* ``req/s``: requests completed per second with N in flight (per round);
+* idle: after its phases, each engine's CPU over ``--idle-s`` seconds with nothing to do
+  (every thread, ``/proc/PID/task/*/schedstat``, in % of a core; the baseline engine's too,
+  the engine without a connector), and which of its threads spent it.
 
 Every decode's tokens are checked against one engine without a connector; a configuration
 whose round has any other tokens (or a failed request) is reported broken for that round,
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvservice.bench.procfs import threads_by_name
 from kvservice.bench.stats import quantile
 from kvservice.integrations.vllm.settings import settings_from
 from kvservice.testing.engine_process import ask_to_quit, reap, send_line
@@ -79,6 +83,11 @@ FULL = (Phase("64 tok, 1 in flight", 64, 1, 6), Phase("512 tok, 1 in flight", 51
         Phase("512 tok, 16 in flight", 512, 16, 32))
 QUICK = (Phase("64 tok, 1 in flight", 64, 1, 2), Phase("128 tok, 4 in flight", 128, 4, 4))
 WARMUP = Phase("warm-up", 64, 1, 2)
+#: seconds of idle measured after the phases (``--idle-s``): the full run's, the quick one's
+IDLE_S, QUICK_IDLE_S = 20.0, 2.0
+#: between the last phase and the idle span: what winds down after work (a watchdog's idle
+#: waits back off to their ceiling within about 2 s) is not counted as idle
+IDLE_SETTLE_S = 3.0
 
 
 class Broken(Exception):
@@ -176,6 +185,8 @@ class Plan:
     #: environment for every engine of every configuration (``ENGINE_ENV``, then ``--engine-env``)
     engine_env: dict[str, str] = field(default_factory=lambda: dict(ENGINE_ENV))
     phase_timeout_s: float = 600.0
+    #: the idle span measured after each pair's phases and the baseline's prompts (0: none)
+    idle_s: float = IDLE_S
 
 
 class Harness:
@@ -187,6 +198,8 @@ class Harness:
         self.engines: list[Engine] = []
         #: every engine process started, by PID (all stopped by the end)
         self.pids: list[int] = []
+        #: ``idle()`` of the baseline engine (the engine without a connector)
+        self.baseline_idle: dict[str, dict[str, Any]] = {}
 
     def start(self, name: str, cpu: int, transfer: dict[str, Any] | None, env: dict[str, str]) -> Engine:
         cfg = {"model": str(self.plan.model), "cpu": cpu, "transfer": transfer,
@@ -251,8 +264,32 @@ class Harness:
                     name, i = todo.pop(msg["id"])
                     got.setdefault(name, {})[i] = msg["tokens"]
             self.plan.expected = {name: [byi[i] for i in range(len(byi))] for name, byi in got.items()}
+            self.baseline_idle = self.idle({"engine": engine})
         finally:
             self.stop(engine)
+
+    def idle(self, engines: dict[str, Engine]) -> dict[str, dict[str, Any]]:
+        """Each engine's CPU (% of a core) and wake-ups per second over ``plan.idle_s`` with
+        nothing sent to any, after ``IDLE_SETTLE_S``; and per thread name, the threads that
+        spent any of it.  Empty when ``plan.idle_s`` is 0."""
+        if self.plan.idle_s <= 0:
+            return {}
+        time.sleep(IDLE_SETTLE_S)
+        before = {role: threads_by_name(e.proc.pid) for role, e in engines.items()}
+        t0 = time.monotonic()
+        time.sleep(self.plan.idle_s)
+        after = {role: threads_by_name(e.proc.pid) for role, e in engines.items()}
+        span = time.monotonic() - t0
+        out: dict[str, dict[str, Any]] = {}
+        for role, now in after.items():
+            threads = {}
+            for name, (cpu, runs) in now.items():
+                cpu0, runs0 = before[role].get(name, (0.0, 0))
+                if cpu > cpu0:  # a thread started meanwhile counts from zero
+                    threads[name] = {"cpu_pct": 100 * (cpu - cpu0) / span, "wakes_per_s": (runs - runs0) / span}
+            out[role] = {"cpu_pct": sum(t["cpu_pct"] for t in threads.values()),
+                         "wakes_per_s": sum(t["wakes_per_s"] for t in threads.values()), "threads": threads}
+        return out
 
     # -- one configuration's round ----------------------------------------------------------
     @contextmanager
@@ -451,6 +488,35 @@ def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Seq
     return "\n".join(lines)
 
 
+def idle_table(idle: dict[str, list[dict[str, dict[str, Any]]]], baseline: dict[str, dict[str, Any]],
+               seconds: float) -> str:
+    """Each configuration's engines idle: % of a core and wakes/s (the median over rounds),
+    what that is more than the engine without a connector, and the threads that spent most."""
+    if not idle:
+        return ""
+    base = baseline.get("engine", {}).get("cpu_pct")
+    lines = [f"\n## Idle: {seconds:.0f} s with nothing sent, after each pair's phases (% of a core; median over "
+             "rounds)",
+             f"{'engine':<26}{'% of a core':>12}{'wakes/s':>10}{'more than without a connector':>31}   busiest threads"]
+    rows = [("baseline (no connector)", [baseline])] if baseline else []
+    rows += [(f"{config} {role}", [{"engine": r[role]} for r in rounds if role in r])
+             for config, rounds in idle.items() for role in ("prefill", "decode")]
+    for name, readings in rows:
+        got = [r["engine"] for r in readings if "engine" in r]
+        if not got:
+            continue
+        cpu = quantile([g["cpu_pct"] for g in got], 0.5)
+        wakes = quantile([g["wakes_per_s"] for g in got], 0.5)
+        more = f"{cpu - base:+.2f}" if base is not None and not name.startswith("baseline") else "-"
+        threads: dict[str, float] = {}
+        for g in got:
+            for t, v in g["threads"].items():
+                threads[t] = threads.get(t, 0.0) + v["cpu_pct"] / len(got)
+        busiest = ", ".join(f"{t} {v:.2f}" for t, v in sorted(threads.items(), key=lambda kv: -kv[1])[:4])
+        lines.append(f"{name:<26}{cpu:>12.2f}{wakes:>10.0f}{more:>31}   {busiest}")
+    return "\n".join(lines)
+
+
 def _setting(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` with a JSON value (a bare word is a string); ``ValueError`` otherwise."""
     key, sep, value = text.partition("=")
@@ -480,6 +546,9 @@ def main(argv: Sequence[str]) -> int:
                     help="start no round past this many seconds (default 3600)")
     ap.add_argument("--phases", help="only the phases whose name contains this (e.g. '1 in flight')")
     ap.add_argument("--configs", help=f"only these configurations, comma-separated (of {', '.join(CONFIGS)})")
+    ap.add_argument("--idle-s", type=float,
+                    help=f"seconds of idle measured after each pair's phases (default {IDLE_S:.0f}; "
+                         f"{QUICK_IDLE_S:.0f} with --quick; 0: none)")
     ap.add_argument("--kvservice", metavar="KEY=VALUE", action="append", default=[],
                     help="a ServiceConfig setting for both kvservice engines, its value as JSON "
                          "(repeatable; e.g. poll_interval_s=0.0001)")
@@ -510,8 +579,13 @@ def main(argv: Sequence[str]) -> int:
                 engine_env=engine_vars)
     if args.quick:
         plan.kv_cache_bytes, plan.max_model_len = 128 << 20, 1024
+    plan.idle_s = args.idle_s if args.idle_s is not None else QUICK_IDLE_S if args.quick else IDLE_S
+    if plan.idle_s < 0:
+        ap.error("--idle-s: must be 0 or more")
     harness = Harness(plan)
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
+    #: per configuration, one ``Harness.idle`` per round
+    idle: dict[str, list[dict[str, dict[str, Any]]]] = {}
     broken: list[dict[str, Any]] = []
 
     def on_term(signum: int, frame: Any) -> None:
@@ -543,6 +617,8 @@ def main(argv: Sequence[str]) -> int:
                             except (Broken, OSError) as exc:  # this phase is not timed; the next may be
                                 broken.append({"config": config, "round": rnd, "phase": ph.name, "why": str(exc)})
                                 print(f"round {rnd} {config} {ph.name}: BROKEN ({exc})", flush=True)
+                        if plan.idle_s > 0:
+                            idle.setdefault(config, []).append(harness.idle({"prefill": p, "decode": d}))
                 except (Broken, OSError, RuntimeError, TimeoutError) as exc:
                     broken.append({"config": config, "round": rnd, "phase": None, "why": str(exc)})
                     print(f"round {rnd} {config}: BROKEN ({exc})", flush=True)
@@ -557,7 +633,8 @@ def main(argv: Sequence[str]) -> int:
     finally:
         harness.stop_all()
     load_after = os.getloadavg()
-    table = summarize(results, phases) + kvservice_path(out / "marks", phases)
+    table = (summarize(results, phases) + kvservice_path(out / "marks", phases)
+             + idle_table(idle, harness.baseline_idle, plan.idle_s))
     verified = {c: sum(len(m.get("e2e_ms", [])) for m in results.get(c, {}).values()) for c in configs}
     header = (f"vLLM P/D, kvservice vs NixlConnector: {rounds} round(s), {MAX_TOKENS} tokens decoded per request, "
               f"model {KV_BYTES_PER_TOKEN // 1024} KiB KV/token; load avg before {load_before[0]:.2f}, "
@@ -573,7 +650,8 @@ def main(argv: Sequence[str]) -> int:
          "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "kvservice": settings, "engine_env": engine_vars,
          "load_before": load_before, "load_after": load_after,
          "verified": verified, "broken": broken, "interrupted": interrupted, "engine_pids": harness.pids,
-         "results": results}, indent=1))
+         "results": results, "idle_s": plan.idle_s, "idle": idle, "baseline_idle": harness.baseline_idle},
+        indent=1))
     print(f"results: {out / 'results.json'}")
     return 0 if all(verified.values()) and not broken and not interrupted else 1
 

@@ -102,6 +102,23 @@ def threads_cpu_and_runs(pid: int) -> tuple[float, int]:
     return sum(schedstat_ns(t) for t in texts) / 1e9, sum(schedstat_runs(t) for t in texts)
 
 
+def threads_by_name(pid: int) -> dict[str, tuple[float, int]]:
+    """``threads_cpu_and_runs`` per thread name (``task/<tid>/comm``; threads of one name
+    summed): which of a process's threads spend what.  ``OSError`` if ``pid`` is gone."""
+    out: dict[str, tuple[float, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                text = f.read()
+        except OSError:  # a thread that just ended
+            continue
+        cpu, runs = out.get(name, (0.0, 0))
+        out[name] = (cpu + schedstat_ns(text) / 1e9, runs + schedstat_runs(text))
+    return out
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         kib = kib_field(f.read(), "VmRSS")

@@ -4,10 +4,13 @@ child's figures, or why there are none, and the CPU per request of each side's p
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import pytest
 
+from kvservice._threads import start_thread
 from kvservice.bench import procfs, report
 
 #: a process whose name holds a space and a ')': fields count from the last one
@@ -32,6 +35,31 @@ def test_this_process_reads_positive() -> None:
     used = procfs.usage(os.getpid())
     assert used.rss_mib > 0 and used.cpu_s > 0
     assert used.pss_mib is None or 0 < used.pss_mib <= used.rss_mib
+
+
+def test_threads_by_name_finds_a_busy_named_thread_and_sums_to_the_whole() -> None:
+    done = threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        done.wait(5)
+
+    t = start_thread(spin, name="procfs-spinner")  # named for the OS too
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            named = procfs.threads_by_name(os.getpid())
+            if named.get("procfs-spinner", (0.0, 0))[0] >= 0.05:
+                break
+            time.sleep(0.01)
+        whole = procfs.threads_cpu_s(os.getpid())
+    finally:
+        done.set()
+        t.join()
+    assert named["procfs-spinner"][0] >= 0.05 and named["procfs-spinner"][1] >= 1
+    assert sum(cpu for cpu, _ in named.values()) <= whole + 0.05  # read just before the whole
 
 
 def test_a_process_that_is_gone_is_an_error_not_a_zero() -> None:

@@ -41,6 +41,15 @@ def test_the_quick_benchmark_verifies_tokens_and_times_both_configurations(tmp_p
             assert len(metrics["handoff_ms"]) == len(metrics["e2e_ms"]) == phase.requests, (config, metrics)
             assert all(v > 0 for m in METRICS for v in metrics[m]), (config, metrics)
     assert "kvs/nixl-quiet" in run.stdout and "broken phases: 0" in run.stdout
+    # each pair, and the engine without a connector, measured idle: threads named, CPU spent
+    assert results["idle_s"] > 0 and "## Idle:" in run.stdout
+    readings = [results["baseline_idle"]["engine"]] + [
+        rnd[role] for c in CONFIGS for rnd in results["idle"][c] for role in ("prefill", "decode")]
+    assert len(readings) == 1 + 2 * len(CONFIGS)
+    for reading in readings:
+        assert reading["cpu_pct"] > 0 and reading["wakes_per_s"] > 0, reading
+        assert abs(sum(t["cpu_pct"] for t in reading["threads"].values()) - reading["cpu_pct"]) < 1e-6
+    assert "kvservice-loop" in results["idle"]["kvservice"][0]["decode"]["threads"]  # kvservice's thread, named
     # every engine the harness started (each the leader of its own process group) is gone
     assert len(results["engine_pids"]) == 1 + 2 * len(CONFIGS)
     for pid in results["engine_pids"]:
