@@ -11,7 +11,9 @@ every request of every peer.  No ``try`` can catch that, so before the door's
    this service holding its own bare NIXL agent with the same UCX settings: it
    loads the metadata and unloads it at once.  If the child dies, the metadata
    is refused (``metadata_unsafe``), remembered, and the next peer's is tried on
-   a fresh child.
+   a fresh child.  A load that hangs past ``load_timeout_s`` kills the child too (its
+   own deadline, not the asking handshake's) but is not remembered: a stopped or
+   starved child hangs on honest metadata as well.
 
 Metadata that passed is remembered by its SHA-256 (a peer that reconnects with
 the same agent is not loaded twice); so is metadata that killed a child.
@@ -100,6 +102,9 @@ class _Pending:
     done: anyio.Event = field(default_factory=anyio.Event)
     status: int | None = None  # LOADED / REFUSED; None: the child died (see ``killed``)
     killed: str | None = None  # the child died while loading this one: how
+    #: the child was killed because this load hung past ``load_timeout_s``: the metadata, the
+    #: child (stopped, starved) or the machine may be to blame, so it is not remembered unsafe
+    hung: bool = False
     retry: bool = False  # the child died loading an earlier request: try again
 
 
@@ -131,7 +136,8 @@ class MetadataVetter:
         self._ucx_env = dict(ucx_env)
         self._agent_prefix = agent_prefix
         self._start_timeout = start_timeout_s
-        self._load_timeout = load_timeout_s
+        #: a trial load not answered within this kills its child (``_load_deadline``)
+        self.load_timeout_s = load_timeout_s
         self._child: _Child | None = None
         self._apart: _Child | None = None  # the second lane's child, while one runs
         self.strikes = strikes or Strikes()
@@ -204,8 +210,11 @@ class MetadataVetter:
             pending = await self._ask(child, metadata, digest, source)
             if pending.retry:
                 continue
+            if pending.killed is not None and pending.hung:
+                return Refusal(VETTING_UNAVAILABLE, f"cannot vet NIXL metadata: the vetting process {pending.killed} "
+                                                    "(it was replaced; this metadata is vetted again next time)")
             if pending.killed is not None:
-                return Refusal(METADATA_UNSAFE, self._unsafe[digest])
+                return Refusal(METADATA_UNSAFE, self._unsafe.get(digest, pending.killed))
             if pending.status == LOADED:
                 _remember(self._safe, digest, None)
             # LOADED; or NIXL refused it with an error (UCX unpacked what it read without
@@ -243,19 +252,29 @@ class MetadataVetter:
                 await child.stream.send(REQUEST.pack(rid, len(metadata)) + metadata)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 pass  # it died: its supervisor resolves every pending request
-            with anyio.move_on_after(self._load_timeout):
+            # the deadline is the vetter's, not this caller's: a caller given up (its
+            # handshake's connect_timeout_s is shorter) still gets a hung child replaced
+            self._tg.start_soon(self._load_deadline, child, pending)
+            with anyio.move_on_after(2 * self.load_timeout_s):
                 await pending.done.wait()
-            if not pending.done.is_set():  # hung in NIXL or UCX: replace it; the supervisor resolves this one
-                self._kill(child, f"did not load within {self._load_timeout:g} s")
-                with anyio.move_on_after(self._load_timeout):
-                    await pending.done.wait()
-                if not pending.done.is_set():
-                    pending.retry = True
+            if not pending.done.is_set():  # killed by the deadline and not reaped yet
+                pending.retry = True
         return pending
 
-    def _kill(self, child: _Child, why: str | None = None) -> None:
+    async def _load_deadline(self, child: _Child, pending: _Pending) -> None:
+        """Kill ``child`` if ``pending`` is not answered within ``load_timeout_s`` (hung in
+        NIXL or UCX, or the child stopped): the supervisor then resolves what it held and
+        a replacement starts."""
+        with anyio.move_on_after(self.load_timeout_s):
+            await pending.done.wait()
+        if not pending.done.is_set():
+            self._kill(child, f"did not load within {self.load_timeout_s:g} s", hung=True)
+
+    def _kill(self, child: _Child, why: str | None = None, *, hung: bool = False) -> None:
+        """Kill ``child``; ``why``: charge the load it is on (its first pending) with that."""
         if why is not None and child.pending:
-            next(iter(child.pending.values())).killed = why
+            first = next(iter(child.pending.values()))
+            first.killed, first.hung = why, hung
         if child.proc is not None and child.proc.poll() is None:
             child.proc.kill()
 
@@ -333,10 +352,11 @@ class MetadataVetter:
             if i == 0 and not closing and not child.tainted:
                 how = pending.killed or f"{death} loading it"
                 pending.killed = how
-                _remember(self._unsafe, pending.digest,
-                          f"NIXL metadata that UCX cannot unpack: the vetting process {how}")
+                if not pending.hung:  # a crash is the metadata's doing; a hang may not be
+                    _remember(self._unsafe, pending.digest,
+                              f"NIXL metadata that UCX cannot unpack: the vetting process {how}")
                 log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how,
-                            source=pending.source, apart=child.apart)
+                            source=pending.source, apart=child.apart, hung=pending.hung)
                 self._charge(pending, how)
             else:
                 pending.retry = True
