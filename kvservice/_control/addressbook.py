@@ -34,6 +34,7 @@ class _Entry:
     claimed: str  # the canonical form of the address its Hello claims
     proven: set[str] = field(default_factory=set)
     disproven: set[str] = field(default_factory=set)  # another agent, or nobody, answered there
+    taken: set[str] = field(default_factory=set)  # of those, where another agent answered
 
 
 class AddressBook:
@@ -90,6 +91,15 @@ class AddressBook:
             return None
         return entry.claimed
 
+    def open_claim(self, agent: str) -> str | None:
+        """``agent``'s claimed address unless it is proven there or another agent answered
+        there: where else to look for it once it is lost (a proof that failed unanswered, the
+        agent stopped or cut off meanwhile, leaves it open)."""
+        entry = self._entries.get(agent)
+        if entry is None or entry.claimed in entry.proven or entry.claimed in entry.taken:
+            return None
+        return entry.claimed
+
     def at(self, agent: str, canon: str) -> bool | None:
         """Whether linked ``agent`` is proven to answer at ``canon``: True, False (another
         agent answered there, or it is not linked), or None (not known yet: ``prove``)."""
@@ -128,6 +138,7 @@ class AddressBook:
                     else:
                         entry.disproven.add(canon)
                         if answered is not None:
+                            entry.taken.add(canon)
                             log.warning("peer.address_claim_false", agent=agent, address=canon, answered=answered)
             finally:
                 del self._proofs[key]

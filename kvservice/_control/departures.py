@@ -21,8 +21,8 @@ serve only an agent that may come back: once it is unloaded and known gone for g
 its entries are dropped (``PeerEvents.on_peer_gone``).  What proves it: NIXL reports
 its endpoint disconnected when it is lost, a dial found a new agent at its address,
 its ``Bye``, or, for a lost agent, probes where it was proven, else where it claimed to be
-unless that was disproven (its link lost before the proof ended, or the address proven
-another agent's while its link was silent): a few, backing off, then a slow one for as long
+(its link lost before the proof ended, or the proof unanswered: stopped or cut off then)
+unless another agent answered there: a few, backing off, then a slow one for as long
 as any table here remembers the agent.  It is gone when the
 address refuses connections (a service closes its port only after its NIXL agent) or
 another agent proves itself there.  An agent that answers there itself is alive, and

@@ -493,9 +493,9 @@ class ControlPlane:
             return
         del self._peers[agent]
         # Where to find out later whether it is gone for good (``departures``): where it was
-        # proven; else where it claimed to be, unless that was disproven (its proof still
-        # running, or its address proven another's since: the agent that restarted there).
-        claimed = self._book.unproven_claim(agent)
+        # proven; else where it claimed to be, unless another agent answered there (its proof
+        # still running or failed unanswered leaves the claim open).
+        claimed = self._book.open_claim(agent)
         proven = self._book.unlinked(agent)
         watch = proven or (frozenset({claimed}) if claimed is not None else frozenset())
         (log.info if graceful else log.warning)(

@@ -174,3 +174,44 @@ async def test_a_peer_lost_before_its_address_was_proven_is_probed_where_it_clai
             release.set()
             await eventually(lambda: agent not in agents_held(svc), timeout=SETTLE_GUARD_S,
                              what=lambda: f"held {agents_held(svc)}")
+
+
+async def test_a_peer_whose_address_proof_failed_is_still_probed_where_it_claimed_to_be(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the proof ends before the link does, unanswered: what listens at the
+    claimed address hangs up at once (as a decode stopped or cut off while the probe ran lets
+    it time out).  Nobody else answered there, so the claim is still the one place to look:
+    it used to count as disproven, the lost peer was probed nowhere and never forgotten (the
+    long soak's notification keys still crept up, about one agent in 80 restarts)."""
+    monkeypatch.setattr(departures, "GONE_PROBES", 2)
+    monkeypatch.setattr(departures, "GONE_WATCH_S", 0.5)
+    accepted = 0
+
+    async def hang_up(stream: anyio.abc.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        await stream.aclose()
+
+    async def listen(*, task_status: anyio.abc.TaskStatus[tuple[str, anyio.CancelScope]]) -> None:
+        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+            with anyio.CancelScope() as scope:
+                task_status.started((f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", scope))
+                await listener.serve(hang_up)
+
+    agent = "kv-claims-unanswered"
+    async with anyio.create_task_group() as tg:
+        claimed, listening = await tg.start(listen)
+        async with nixl_agent(agent) as join, TransferService(hostile_config(connect_timeout_s=5.0)) as svc:
+            with structlog.testing.capture_logs() as logs:
+                raw = await authenticate(svc.address, key=own_key(), agent=agent, my_address=claimed)
+                await raw.send(join)
+                assert isinstance(await raw.recv(), Join)
+                await eventually(lambda: any(e["event"] == "peer.address_unproven" for e in logs),
+                                 timeout=SETTLE_GUARD_S, what="the proof of the claimed address, failed")
+            assert accepted >= 1
+            await raw.stream.aclose()  # lost after that proof ended
+            await eventually(lambda: svc.status()["peers"] == [], what="the link lost")
+            assert agent in agents_held(svc)
+            listening.cancel()  # its listener goes: the address refuses
+            await eventually(lambda: agent not in agents_held(svc), timeout=SETTLE_GUARD_S,
+                             what=lambda: f"held {agents_held(svc)}")
