@@ -9,6 +9,7 @@ read through the soak's table probe."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -135,6 +136,16 @@ async def test_a_decode_lost_and_not_kept_is_still_watched_until_it_is_gone(
         assert all(tables[name]["size"] == 0 for name in PER_AGENT), tables
 
 
+async def claim_listener(handler: Callable[[anyio.abc.SocketStream], Awaitable[None]], *,
+                         task_status: anyio.abc.TaskStatus[tuple[str, anyio.CancelScope]]) -> None:
+    """What listens at the address a peer claims, serving each connection (a probe) with
+    ``handler``; starts with that address and the scope that closes the listener."""
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+        with anyio.CancelScope() as scope:
+            task_status.started((f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", scope))
+            await listener.serve(handler)
+
+
 async def test_a_peer_lost_before_its_address_was_proven_is_probed_where_it_claimed_to_be(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer that dialled the service is proven at the address it claims by a probe there;
@@ -153,15 +164,9 @@ async def test_a_peer_lost_before_its_address_was_proven_is_probed_where_it_clai
         async with stream:
             await release.wait()
 
-    async def listen(*, task_status: anyio.abc.TaskStatus[tuple[str, anyio.CancelScope]]) -> None:
-        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
-            with anyio.CancelScope() as scope:
-                task_status.started((f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", scope))
-                await listener.serve(hold)
-
     agent = "kv-claims"
     async with anyio.create_task_group() as tg:
-        claimed, listening = await tg.start(listen)
+        claimed, listening = await tg.start(claim_listener, hold)
         async with nixl_agent(agent) as join, TransferService(hostile_config(connect_timeout_s=5.0)) as svc:
             raw = await authenticate(svc.address, key=own_key(), agent=agent, my_address=claimed)
             await raw.send(join)
@@ -192,15 +197,9 @@ async def test_a_peer_whose_address_proof_failed_is_still_probed_where_it_claime
         accepted += 1
         await stream.aclose()
 
-    async def listen(*, task_status: anyio.abc.TaskStatus[tuple[str, anyio.CancelScope]]) -> None:
-        async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
-            with anyio.CancelScope() as scope:
-                task_status.started((f"127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", scope))
-                await listener.serve(hang_up)
-
     agent = "kv-claims-unanswered"
     async with anyio.create_task_group() as tg:
-        claimed, listening = await tg.start(listen)
+        claimed, listening = await tg.start(claim_listener, hang_up)
         async with nixl_agent(agent) as join, TransferService(hostile_config(connect_timeout_s=5.0)) as svc:
             with structlog.testing.capture_logs() as logs:
                 raw = await authenticate(svc.address, key=own_key(), agent=agent, my_address=claimed)
