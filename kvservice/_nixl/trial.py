@@ -88,11 +88,6 @@ def ucx_environment(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
-#: UCX settings of every trial agent, unless its environment sets them: a trial load needs UCX
-#: to unpack the metadata, not to reach the peer, and UCX's TCP connects block by default (a
-#: peer whose host drops every packet held the load 3.07 s, then NIXL refused it and the
-#: vetting child was replaced and the peer's source charged; non-blocking, it loaded in 11 ms)
-TRIAL_UCX = {"UCX_TCP_CONN_NB": "y"}
 #: a trial loader's warm-up drives its partner and itself this many times, this far apart
 #: (5 rounds settled the connection on a loaded 2-core machine)
 WARM_UP_ROUNDS = 10
@@ -119,7 +114,7 @@ class TrialLoader:
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         cannot: tuple[type[Exception], ...] = (RuntimeError, *self._errors)
         try:
-            with nixl_log_level(), ucx_environment({**TRIAL_UCX, **ucx_env}):  # read as the backend loads
+            with nixl_log_level(), ucx_environment(ucx_env):  # read as the backend loads
                 self._agent: Any = api.nixl_agent(agent_name, config)
         except cannot as exc:
             raise NixlUnavailable(f"cannot create NIXL agent: {exc}") from exc
