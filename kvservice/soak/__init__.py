@@ -59,6 +59,11 @@ def duration(text: str) -> float:
     return seconds
 
 
+def _as_sigint(signum: int, frame: object) -> None:
+    """SIGTERM's handler during a run: the process sends itself SIGINT (Ctrl-C)."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="kvservice soak", description=__doc__.split("\n\n")[0],
                                      epilog="See docs/soak.md for what each counter and the leak table prove.")
@@ -107,8 +112,10 @@ def main(argv: Sequence[str] = ()) -> int:
         with open(logdir / "children.log", "w") as log, contextlib.ExitStack() as hosts:
             # the children and namespaces go when the run ends, however it ends (an error,
             # Ctrl-C, SIGTERM): SIGTERM's default would leave a child stopped by a fault
-            # stopped for good, its namespace with it
-            hosts.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, signal.default_int_handler))
+            # stopped for good, its namespace with it.  SIGTERM is made a SIGINT, so that the
+            # event loop's own handler cancels the run; a KeyboardInterrupt raised by the
+            # signal inside a task was also logged, with its traceback, as the loop shut down
+            hosts.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _as_sigint))
             net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
             summary = run(soak, opts, log, env, net)
     except KeyboardInterrupt:  # an interrupted run judges nothing: its log goes too
