@@ -36,6 +36,14 @@ async def _in_flight(handle: object, timeout: float = 10.0) -> None:
     await eventually(lambda: handle.poll() is KVPoll.Transferring, timeout=timeout)  # type: ignore[attr-defined]
 
 
+async def _expect_arrived(svc: TransferService) -> None:
+    """Until the receiver's one Expect is at ``svc``.  Set-up, not the thing tested: a first
+    link (the vetting child booting, the handshake, the metadata's trial load) takes seconds on
+    a loaded machine, so this waits as long as a peer's own events do."""
+    await eventually(lambda: svc.status()["expects_before_send"] == 1, timeout=30,
+                     what=lambda: f"the Expect at the sender (status {svc.status()['expects_before_send']})")
+
+
 async def test_receiver_killed_during_inflight_transfer() -> None:
     ticker = Ticker()
     cfg = peer_config(BIG, ucx_env=TCP)
@@ -75,7 +83,7 @@ async def test_receiver_killed_during_inflight_transfer() -> None:
 async def test_receiver_killed_before_post_fails_fast_not_by_timeout() -> None:
     async with peers(peer_config()) as (victim,), TransferService(config(bootstrap_timeout_s=60)) as svc:
         await victim.command(op="expect", rid="r", pages=[3, 4], sender=svc.address)
-        await eventually(lambda: svc.status()["expects_before_send"] == 1)
+        await _expect_arrived(svc)
         victim.signal(signal.SIGKILL)
         await victim.proc.wait()
         await eventually(lambda: svc.status()["peers"] == [])
@@ -108,7 +116,7 @@ async def test_receiver_hung_times_out_and_its_handle_goes_once_it_ends() -> Non
     async with peers(cfg, env=TCP) as (victim,), \
             TransferService(config(BIG, ucx_env=TCP, peer_timeout_s=60)) as svc:
         await victim.command(op="expect", rid="hung", pages=ALL, sender=svc.address)
-        await eventually(lambda: svc.status()["expects_before_send"] == 1)
+        await _expect_arrived(svc)
         victim.signal(signal.SIGSTOP)
         try:
             with structlog.testing.capture_logs() as logs:
@@ -154,7 +162,7 @@ async def test_cancelled_waiter_does_not_cancel_the_transfer() -> None:
     async with peers(cfg, env=TCP) as (decode,), \
             TransferService(config(BIG, ucx_env=TCP, peer_timeout_s=60)) as svc:
         await decode.command(op="expect", rid="c", pages=ALL, sender=svc.address)
-        await eventually(lambda: svc.status()["expects_before_send"] == 1)
+        await _expect_arrived(svc)
         decode.signal(signal.SIGSTOP)  # hold the transfer in flight
         handle = await svc.send("c", ALL, last=True, timeout=60)
         cancelled = False
