@@ -9,8 +9,9 @@ import socket
 import anyio
 import anyio.abc
 
-from kvservice._control.links import ControlStream, PeerLink
-from kvservice._control.protocol import Expect
+from kvservice._control.links import WRITE_BATCH_BYTES, ControlStream, PeerLink
+from kvservice._control.protocol import Expect, encode_body
+from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac
 
 from ..helpers import eventually, unclosed_resources
 
@@ -137,3 +138,40 @@ class _NoSocket(anyio.abc.ByteStream):
 
 async def test_hung_up_is_false_for_a_stream_without_a_socket() -> None:
     assert not ControlStream(_NoSocket(), 1 << 16).hung_up()
+
+
+async def test_the_writer_puts_a_burst_of_queued_frames_in_few_writes_in_order_and_sealed() -> None:
+    """Frames queued while the writer was busy go out together: one socket write and one
+    wait per burst, not per frame (a decode scheduler's step of Expects).  Each frame is still
+    sealed on its own, in queue order, and a write stays within ``WRITE_BATCH_BYTES`` plus
+    one frame."""
+    ours, theirs = socket.socketpair()
+    key, script = b"k" * 32, b"transcript"
+    reader = ControlStream(await anyio.abc.SocketStream.from_socket(theirs), 1 << 20)
+    reader.mac = FrameMac(key, script, ACCEPTOR)
+    try:
+        link = await _link(ours)
+        link._framed.mac = FrameMac(key, script, DIALER)
+        writes: list[int] = []
+        send = link._framed.stream.send
+
+        async def counted(data: bytes) -> None:
+            writes.append(len(data))
+            await send(data)
+
+        link._framed.stream.send = counted  # type: ignore[method-assign]
+        small = [Expect(f"r{i}", [i]) for i in range(300)]
+        big = [Expect(f"b{i}", list(range(8000))) for i in range(12)]  # ~24-40 KB each
+        for msg in small + big:
+            link.send(msg)  # all queued before the writer runs
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            with anyio.fail_after(10):
+                got = [await reader.recv() for _ in small + big]  # each opened under its own MAC
+            link.close()
+        assert got == small + big
+        assert len(writes) < 10, writes  # 312 frames in a handful of writes
+        largest = max(len(encode_body(m)) for m in big) + 64
+        assert max(writes) <= WRITE_BATCH_BYTES + largest, writes
+    finally:
+        await reader.aclose()
