@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
-from anyio.streams.buffered import BufferedByteReceiveStream
+import anyio.lowlevel
 
 from .._log import get_logger
 from .._results import KVServiceError
@@ -56,19 +56,38 @@ R = TypeVar("R")
 _HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 
+#: bytes asked of the stream per read (more when a frame's rest is longer, up to READ_MAX):
+#: a small frame and whatever follows it come in one.  Not larger: recv() allocates what it
+#: is asked for (measured: 4 us for 64 KiB, 22 us for 256 KiB, per call)
+READ_BYTES = 64 * 1024
+READ_MAX = 1024 * 1024
+
+
 class FramedStream(Generic[R]):
     """Length-prefixed msgpack frames over a byte stream.
 
     ``decode`` turns a frame body into a received message (raising ``FrameError``)
     and ``encode`` a message into a whole frame; the control plane and the
-    sidecar's worker socket each bring their own pair."""
+    sidecar's worker socket each bring their own pair.
+
+    Frames are read from the stream's own chunks: one ``receive`` brings a frame's
+    header, its body and whatever has arrived after it (anyio's ``receive_exactly`` asked
+    the socket for the 4-byte header and then for the body, each a loop turn, and paused
+    and resumed the socket's reading each time the queue ran dry).  The length is still
+    checked before the body is waited for.  Frames that came in one read are served
+    without a loop turn each, ``burst`` at a time, then the reader yields once: a burst of
+    frames costs no turn per frame and cannot hold the loop."""
+
+    #: frames served from earlier reads between two yields to the loop
+    burst = 32
 
     def __init__(
         self, stream: anyio.abc.ByteStream, max_frame_bytes: int,
         decode: Callable[[bytes], R], encode: Callable[[Any], bytes],
     ) -> None:
         self._stream = stream
-        self._reader = BufferedByteReceiveStream(stream)
+        self._buf = bytearray()
+        self._served = 0  # frames served since the last read or yield
         self._limit = max_frame_bytes
         self._decode = decode
         self._encode = encode
@@ -93,9 +112,34 @@ class FramedStream(Generic[R]):
         return any(events & _HUNG_UP for _, events in poller.poll(0))
 
     async def recv_body(self, limit: int | None = None) -> bytes:
-        """The next frame's body; ``FrameError`` above ``limit`` (default: the stream's)."""
-        n = frame_length(await self._reader.receive_exactly(HEADER_BYTES), limit or self._limit)
-        return await self._reader.receive_exactly(n) if n else b""
+        """The next frame's body; ``FrameError`` above ``limit`` (default: the stream's);
+        ``IncompleteRead`` when the stream ends (between frames too)."""
+        buf = self._buf
+        read = False
+        while len(buf) < HEADER_BYTES:
+            await self._fill(READ_BYTES)
+            read = True
+        n = frame_length(bytes(buf[:HEADER_BYTES]), limit or self._limit)
+        end = HEADER_BYTES + n
+        while len(buf) < end:
+            await self._fill(min(max(end - len(buf), READ_BYTES), READ_MAX))
+            read = True
+        if read:
+            self._served = 0
+        else:  # it came with an earlier frame
+            self._served += 1
+            if self._served >= self.burst:
+                self._served = 0
+                await anyio.lowlevel.checkpoint()
+        body = bytes(buf[HEADER_BYTES:end])
+        del buf[:end]
+        return body
+
+    async def _fill(self, max_bytes: int) -> None:
+        try:
+            self._buf += await self._stream.receive(max_bytes)
+        except anyio.EndOfStream as exc:  # as anyio's receive_exactly: the stream ended
+            raise anyio.IncompleteRead from exc
 
     async def recv(self) -> R:
         """The next message; ``FrameError`` for an oversized or malformed frame."""

@@ -31,7 +31,7 @@ import anyio.lowlevel
 import msgspec
 
 from .._control.links import FramedStream
-from .._control.protocol import HEADER_BYTES, MAX_TEXT, decode_with, frame, frame_length
+from .._control.protocol import MAX_TEXT, decode_with, frame
 from .._results import FailureReason, KVServiceError, TransferResult, TransferStatus
 from ..discovery.member import MAX_NAME_CHARS, MAX_ROLE_CHARS, Member
 
@@ -324,32 +324,23 @@ def frame_stream(stream: anyio.abc.ByteStream, limit: int, decode: Callable[[byt
     return SocketFrames(stream, limit, decode, encode)
 
 
-#: bytes asked of the socket per read (more when a frame's rest is longer, up to _READ_MAX):
-#: a small frame and whatever follows it come in one.  Not larger: recv() allocates what it
-#: is asked for (measured: 4 us for 64 KiB, 22 us for 256 KiB, per call)
-_READ_BYTES = 64 * 1024
-_READ_MAX = 1024 * 1024
-
-
 class SocketFrames(FramedStream[M]):
-    """``FramedStream`` for the worker socket, without the per-frame loop turns of the
+    """``FramedStream`` for the worker socket, without the per-write loop turns of the
     generic one, which sit on every call's path (measured: about 30-70 us each):
 
     * a frame is written straight to the non-blocking socket, in the caller's turn,
       when no other write is in progress (anyio's ``send`` yields to the loop before
       writing); whatever the socket does not take, and any error, goes through the
       stream's own ``send``, so errors and back-pressure are the stream's;
-    * frames are read with one ``receive`` each (header and body, and whatever else
-      has arrived, together) instead of one for the 4-byte header and another for
-      the body.  The length is still checked before the body is waited for, and a
-      frame that was read with an earlier one is returned after a yield (a burst of
-      calls read at once is still served one loop turn at a time).
+    * a frame that was read with an earlier one (``FramedStream.recv_body``) is returned
+      after a yield: a burst of calls read at once is served one loop turn at a time.
     """
+
+    burst = 1
 
     def __init__(self, stream: anyio.abc.ByteStream, max_frame_bytes: int,
                  decode: Callable[[bytes], M], encode: Callable[[Any], bytes]) -> None:
         super().__init__(stream, max_frame_bytes, decode, encode)
-        self._buf = bytearray()
         # Direct writes only on a Unix socket: anyio's Unix stream writes straight to the
         # socket and returns once every byte is in it, so nothing of an earlier send can
         # still be queued behind a direct write.  Its TCP stream writes through an asyncio
@@ -366,27 +357,7 @@ class SocketFrames(FramedStream[M]):
         self._limit = max_frame_bytes
 
     async def recv(self) -> M:
-        buf = self._buf
-        read = False
-        while len(buf) < HEADER_BYTES:
-            await self._fill(_READ_BYTES)
-            read = True
-        n = frame_length(bytes(buf[:HEADER_BYTES]), self._limit)
-        end = HEADER_BYTES + n
-        while len(buf) < end:
-            await self._fill(min(max(end - len(buf), _READ_BYTES), _READ_MAX))
-            read = True
-        if not read:  # a frame that came with an earlier one: yield between them, as a read
-            await anyio.lowlevel.checkpoint()  # would, so a burst of calls cannot hog the loop
-        body = bytes(buf[HEADER_BYTES:end])
-        del buf[:end]
-        return self._decode(body)
-
-    async def _fill(self, max_bytes: int) -> None:
-        try:
-            self._buf += await self._stream.receive(max_bytes)
-        except anyio.EndOfStream as exc:  # as BufferedByteReceiveStream.receive_exactly
-            raise anyio.IncompleteRead from exc
+        return self._decode(await self.recv_body())
 
     async def send(self, msg: Any, timeout: float | None = None, *, shield: bool = False) -> None:
         await self.send_frame(self._encode(msg), timeout, shield=shield)

@@ -8,9 +8,11 @@ import socket
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
+import pytest
 
-from kvservice._control.links import WRITE_BATCH_BYTES, ControlStream, PeerLink
-from kvservice._control.protocol import Expect, encode_body
+from kvservice._control.links import WRITE_BATCH_BYTES, ControlStream, FramedStream, PeerLink
+from kvservice._control.protocol import Expect, FrameError, encode_body, frame
 from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac
 
 from ..helpers import eventually, unclosed_resources
@@ -175,3 +177,54 @@ async def test_the_writer_puts_a_burst_of_queued_frames_in_few_writes_in_order_a
         assert max(writes) <= WRITE_BATCH_BYTES + largest, writes
     finally:
         await reader.aclose()
+
+
+async def test_frames_that_arrive_together_are_read_at_once_and_the_reader_still_yields() -> None:
+    """A burst of frames in the socket is one ``receive`` (not one for each frame's header and
+    another for its body), served without a loop turn per frame, yet the reader yields every
+    ``burst`` frames so that a flood cannot hold the loop; an oversized length is refused before
+    its body, and a stream that ends mid-frame is ``IncompleteRead``."""
+    ours, theirs = socket.socketpair()
+    msgs = [Expect(f"r{i}", [i]) for i in range(100)]
+    theirs.sendall(b"".join(frame(encode_body(m)) for m in msgs) + b"\x7f\xff\xff\xff" + b"x" * 10)
+    theirs.close()
+    framed = ControlStream(await anyio.abc.SocketStream.from_socket(ours), 1 << 16)
+    reads = 0
+    receive = framed.stream.receive
+
+    async def counted(max_bytes: int = 65536) -> bytes:
+        nonlocal reads
+        reads += 1
+        return await receive(max_bytes)
+
+    framed.stream.receive = counted  # type: ignore[method-assign]
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            await anyio.lowlevel.checkpoint()
+            turns += 1
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            with anyio.fail_after(5):
+                got = [await framed.recv() for _ in msgs]
+            tg.cancel_scope.cancel()
+        assert got == msgs
+        assert reads <= 2, reads
+        assert len(msgs) // FramedStream.burst - 1 <= turns <= len(msgs) // FramedStream.burst + 2, turns
+        with pytest.raises(FrameError):  # 2 GiB announced: refused on the header alone
+            await framed.recv()
+    finally:
+        await framed.aclose()
+    left, right = socket.socketpair()
+    right.sendall(frame(encode_body(msgs[0]))[:-3])
+    right.close()
+    cut = ControlStream(await anyio.abc.SocketStream.from_socket(left), 1 << 16)
+    try:
+        with pytest.raises(anyio.IncompleteRead):
+            await cut.recv()
+    finally:
+        await cut.aclose()
