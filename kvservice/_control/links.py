@@ -263,6 +263,9 @@ class PeerLink:
         self.graceful = False  # the peer said Bye
         self._cause: BaseException | None = None
         self._running = False  # run() has begun: it closes the outbox when the link ends
+        #: when the writer's write in progress began (``None``: not writing); one that takes
+        #: more than ``peer_timeout`` ends the link (``_liveness``)
+        self._writing_since: float | None = None
 
     def send(self, msg: Message) -> None:
         """Queue ``msg``; dropped once the link is closing (nothing may follow Bye)."""
@@ -389,12 +392,12 @@ class PeerLink:
                 bodies.append(body)
                 size += len(body)
             self._queued -= size
-            # A write that cannot finish for peer_timeout: the peer has stopped reading.
-            with anyio.move_on_after(self._peer_timeout) as stuck:
-                await self._framed.send_bodies(bodies)
-            if stuck.cancelled_caught:
-                self._on_refused("outbox_overflow")
-                raise OutboxOverflow(f"peer {self.address} read nothing for {self._peer_timeout}s")
+            # A write that cannot finish for peer_timeout (the peer has stopped reading) is
+            # found by the liveness check, which wakes every heartbeat anyway: no timer armed
+            # and cancelled per write.
+            self._writing_since = time.monotonic()
+            await self._framed.send_bodies(bodies)
+            self._writing_since = None
         self._drained.set()
         if self._telling:  # our end of the stream: the peer's EOF after it read all ends the link
             try:
@@ -405,7 +408,8 @@ class PeerLink:
 
     async def _liveness(self) -> None:
         """Ping every heartbeat; end the link once the peer has been silent past
-        ``peer_timeout``.
+        ``peer_timeout``, or once a write to it has not finished in that time
+        (``OutboxOverflow``: it stopped reading).
 
         Silence is judged only on a wake that came on time. A wake late by more than a
         heartbeat means this service's own loop was held (a GC pause, an engine holding the
@@ -418,6 +422,9 @@ class PeerLink:
             asleep = time.monotonic()
             await anyio.sleep(self._heartbeat)
             now = time.monotonic()
+            if (since := self._writing_since) is not None and now - since > self._peer_timeout:
+                self._on_refused("outbox_overflow")
+                raise OutboxOverflow(f"peer {self.address} read nothing for {now - since:.2f}s")
             silent = now - self.last_rx
             if silent <= self._peer_timeout:
                 forgiven = 0

@@ -5,21 +5,23 @@ an error under the suite's ``filterwarnings = error`` at whichever test collects
 from __future__ import annotations
 
 import socket
+import time
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import pytest
 
-from kvservice._control.links import WRITE_BATCH_BYTES, ControlStream, FramedStream, PeerLink
-from kvservice._control.protocol import Expect, FrameError, encode_body, frame
+from kvservice._control.links import WRITE_BATCH_BYTES, ControlStream, FramedStream, OutboxOverflow, PeerLink
+from kvservice._control.protocol import Expect, FrameError, Ping, encode_body, frame
 from kvservice._trust.handshake import ACCEPTOR, DIALER, FrameMac
 
 from ..helpers import eventually, unclosed_resources
 
 
 async def _link(sock: socket.socket, lost: list[BaseException | None] | None = None,
-                refused: list[str] | None = None) -> PeerLink:
+                refused: list[str] | None = None, *, heartbeat: float = 1.0, peer_timeout: float = 5.0,
+                max_outbox: int = 1 << 20) -> PeerLink:
     async def on_lost(link: PeerLink, cause: BaseException | None, graceful: bool) -> None:
         if lost is not None:
             lost.append(cause)
@@ -27,8 +29,8 @@ async def _link(sock: socket.socket, lost: list[BaseException | None] | None = N
     stream = await anyio.abc.SocketStream.from_socket(sock)
     return PeerLink(
         ControlStream(stream, 1 << 16), agent="a", address="127.0.0.1:1", generation=1,
-        on_message=lambda link, msg: None, on_lost=on_lost, heartbeat_interval=1.0,
-        peer_timeout=5.0, max_outbox_bytes=1 << 20,
+        on_message=lambda link, msg: None, on_lost=on_lost, heartbeat_interval=heartbeat,
+        peer_timeout=peer_timeout, max_outbox_bytes=max_outbox,
         on_refused=refused.append if refused is not None else lambda kind: None,
     )
 
@@ -228,3 +230,37 @@ async def test_frames_that_arrive_together_are_read_at_once_and_the_reader_still
             await cut.recv()
     finally:
         await cut.aclose()
+
+
+async def test_a_write_the_peer_never_takes_ends_the_link_though_the_peer_still_talks() -> None:
+    """A peer that sends (its heartbeats come) but never reads: the queue stays under its
+    bound, so it is the write in progress, unfinished for ``peer_timeout``, that ends the link
+    (``OutboxOverflow``, counted), found by the liveness check."""
+    with socket.create_server(("127.0.0.1", 0)) as server:  # TCP with small buffers
+        theirs = socket.socket()
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        theirs.connect(server.getsockname())
+        ours, _ = server.accept()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    ours.setblocking(False)
+    lost: list[BaseException | None] = []
+    refused: list[str] = []
+    with theirs:  # a raw socket: nothing reads it (an event loop's transport would, into memory)
+        link = await _link(ours, lost, refused, heartbeat=0.1, peer_timeout=1.0, max_outbox=64 << 20)
+        for i in range(100):  # ~2.4 MiB: under the link's bound, far over what the kernel buffers
+            link.send(Expect(f"b{i}", list(range(8000))))
+
+        async def heartbeats() -> None:
+            while True:
+                theirs.send(frame(encode_body(Ping())))
+                await anyio.sleep(0.1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeats)
+            began = time.monotonic()
+            with anyio.fail_after(10):
+                await link.run()
+            tg.cancel_scope.cancel()
+    assert 1.0 <= time.monotonic() - began < 5, time.monotonic() - began
+    assert len(lost) == 1 and isinstance(lost[0], OutboxOverflow), lost
+    assert refused == ["outbox_overflow"], refused
