@@ -95,7 +95,8 @@ class ServiceConfig(DiscoverySettings):
     heartbeat_interval_s: float = field(default=0.5, metadata=declare(
         "a linked peer is sent a heartbeat this often", above=0))
     peer_timeout_s: float = field(default=3.0, metadata=declare(
-        "a peer silent this long (no frame, no heartbeat) is lost; must exceed heartbeat_interval_s", above=0))
+        "a peer silent this long (no frame, no heartbeat), or not taking a write this long, is lost; "
+        "must exceed heartbeat_interval_s", above=0))
     poll_interval_s: float = field(default=0.0005, metadata=declare(
         "watchdog cadence while anything is in flight", above=0))
     #: idle, nothing needs NIXL driven (a peer writes only after this service's Expect, which wakes
