@@ -37,7 +37,7 @@ from pathlib import Path
 from .._runtime import configure_logging, run
 from ..testing import netns
 from ._run import Options, host_names, soak
-from ._summary import MUST_BE_ZERO, Summary, dumps, exit_code, problems, table
+from ._summary import MUST_BE_ZERO, Summary, dumps, exit_code, problems, table, unattributed
 
 __all__ = ["MUST_BE_ZERO", "Options", "Summary", "exit_code", "main", "problems", "soak"]
 
@@ -132,5 +132,8 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"soak FAILED: {'; '.join(bad)}; the children's log is in {logdir}")
     else:
         print("soak: every counter that must be zero is zero, and nothing grows without bound")
-        shutil.rmtree(logdir, ignore_errors=True)
+        if odd := unattributed(data):
+            print(f"soak: failures no fault explains ({', '.join(odd)}): the children's log is kept in {logdir}")
+        else:
+            shutil.rmtree(logdir, ignore_errors=True)
     return exit_code(data)

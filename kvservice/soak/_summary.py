@@ -116,6 +116,18 @@ def problems(summary: dict[str, Any]) -> list[str]:
     return bad
 
 
+#: failure reasons none of the soak's faults (kills, stops, cuts, aborts, deadlines) should cause.
+#: They do not fail a run (a refusal can follow a cut: a vetting charge), but a run that saw one
+#: keeps its children's log, which says which refusal it was
+UNATTRIBUTED = ("INCOMPATIBLE", "REFUSED", "PEER_REPORTED", "CORRUPTED")
+
+
+def unattributed(summary: dict[str, Any]) -> list[str]:
+    """``reason=count`` for each failure of ``summary`` (its JSON form) in ``UNATTRIBUTED``."""
+    failed = summary.get("failed_by_reason", {})
+    return [f"{reason}={failed[reason]}" for reason in UNATTRIBUTED if failed.get(reason)]
+
+
 def exit_code(summary: dict[str, Any]) -> int:
     return 1 if problems(summary) else 0
 

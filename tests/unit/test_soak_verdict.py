@@ -10,13 +10,17 @@ such disagreements as false successes; that case is here.
 
 from __future__ import annotations
 
+import tempfile
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import kvservice.soak as soak_cli
 from kvservice.soak import MUST_BE_ZERO, Summary, exit_code, problems
 from kvservice.soak._run import longest_stall
-from kvservice.soak._summary import disagreement_cause
+from kvservice.soak._summary import disagreement_cause, unattributed
 
 #: what the prefill reported in the long run: its link to a live, never-stopped decode
 #: ended because no heartbeat came for longer than peer_timeout_s (1.5 s)
@@ -61,3 +65,23 @@ def test_a_stall_passes_the_soak_and_an_unexplained_disagreement_fails_it() -> N
     assert exit_code(s.as_json()) == 1
     assert problems(s.as_json()) == ["unexplained_disagreements = 1"]
     assert "unexplained_disagreements" in MUST_BE_ZERO and "false_success" in MUST_BE_ZERO
+
+
+@pytest.mark.parametrize("failed", [{"PEER_LOST": 3, "TIMEOUT": 1}, {"PEER_LOST": 3, "REFUSED": 2}])
+def test_a_passing_run_keeps_the_childrens_log_only_for_a_failure_no_fault_explains(
+        failed: dict[str, int], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """A run passes with a refusal among its failures (a cut can cost a vetting charge), but
+    which refusal it was is in the children's log only: that log is kept, and the run says
+    where; a run whose failures its faults explain removes it, as before."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(soak_cli, "run", lambda *args: Summary(transfers=10, failed_by_reason=Counter(failed)))
+    assert soak_cli.main(["--transfers", "10"]) == 0
+    out = capsys.readouterr().out
+    logs = list(tmp_path.glob("kvservice-soak-*"))
+    if "REFUSED" in failed:
+        assert "failures no fault explains (REFUSED=2)" in out and len(logs) == 1 and str(logs[0]) in out, out
+        assert (logs[0] / "children.log").exists()
+    else:
+        assert "no fault explains" not in out and logs == [], out
+    assert unattributed({"failed_by_reason": failed}) == (["REFUSED=2"] if "REFUSED" in failed else [])
