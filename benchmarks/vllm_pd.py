@@ -67,7 +67,7 @@ MAX_TOKENS = 16
 CONFIGS = ("kvservice", "nixl", "nixl-quiet")
 #: the NixlConnector arms kvservice is compared with
 ARMS = ("nixl", "nixl-quiet")
-METRICS = ("handoff_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s")
+METRICS = ("handoff_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s", "prefill_cpu_ms", "decode_cpu_ms")
 
 
 @dataclass(frozen=True)
@@ -340,6 +340,7 @@ class Harness:
             p.generate(f"p{tag}x{nxt}", prompts[nxt], 1, {"do_remote_decode": True})
             nxt += 1
 
+        cpu_before = {e.name: engine_cpu_s(e.proc.pid) for e in (p, d)}
         start = time.monotonic()
         deadline = start + self.plan.phase_timeout_s
         while nxt < min(phase.in_flight, len(prompts)):
@@ -368,13 +369,20 @@ class Harness:
                 if nxt < len(prompts):
                     launch()
         elapsed = time.monotonic() - start
+        cpu_ms = {e.name: (engine_cpu_s(e.proc.pid) - cpu_before[e.name]) * 1e3 / len(prompts) for e in (p, d)}
         handoff = handoffs(marks, f"d{tag}x")
         if len(handoff) != len(prompts):
             raise Broken(f"{len(handoff)} hand-offs marked for {len(prompts)} requests")
         return {"handoff_ms": [handoff[i] * 1e3 for i in sorted(handoff)],
                 "prefill_ms": [answered[i] * 1e3 for i in sorted(answered)],
                 "ttft_ms": [ttft[i] * 1e3 for i in sorted(ttft)], "e2e_ms": [e2e[i] * 1e3 for i in sorted(e2e)],
-                "req_per_s": [len(prompts) / elapsed]}
+                "req_per_s": [len(prompts) / elapsed],
+                "prefill_cpu_ms": [cpu_ms[p.name]], "decode_cpu_ms": [cpu_ms[d.name]]}
+
+
+def engine_cpu_s(pid: int) -> float:
+    """CPU seconds every thread of engine ``pid`` has spent (its compute, vLLM's, the connector's)."""
+    return sum(cpu for cpu, _ in threads_by_name(pid).values())
 
 
 def handoffs(marks: Path, prefix: str) -> dict[int, float]:
