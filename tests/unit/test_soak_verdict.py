@@ -75,6 +75,9 @@ def test_a_passing_run_keeps_the_childrens_log_only_for_a_failure_no_fault_expla
     which refusal it was is in the children's log only: that log is kept, and the run says
     where; a run whose failures its faults explain removes it, as before."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # the CLI configures the process's logging (level error): later tests in this process
+    # capture logs, so it is left as it is
+    monkeypatch.setattr(soak_cli, "configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setattr(soak_cli, "run", lambda *args: Summary(transfers=10, failed_by_reason=Counter(failed)))
     assert soak_cli.main(["--transfers", "10"]) == 0
     out = capsys.readouterr().out
