@@ -195,10 +195,8 @@ class ControlStream(FramedStream[Message]):
         happens in write order: the MAC's sequence number is the frame's place on the wire."""
         mac = self.mac
         async with self._write_lock:
-            if len(bodies) == 1:
-                await self._stream.send(frame(mac.seal(bodies[0]) if mac is not None else bodies[0]))
-            else:
-                await self._stream.send(b"".join(frame(mac.seal(b) if mac is not None else b) for b in bodies))
+            frames = [frame(mac.seal(b) if mac is not None else b) for b in bodies]
+            await self._stream.send(frames[0] if len(frames) == 1 else b"".join(frames))
 
 
 #: bytes of queued frames the link's writer puts in one write (``PeerLink._writer``)
