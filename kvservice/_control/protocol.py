@@ -255,9 +255,10 @@ class Posted(msgspec.Struct, tag="posted", frozen=True):
     """Sender -> receiver (version 7): the first WRITEs of these requests have been posted
     (one frame for those one watchdog tick posted).  With NIXL's progress thread off a WRITE
     completes only while the receiver calls into NIXL, so a receiver polls for a request from
-    this frame on (or from any earlier sign of its WRITEs: a notification, its end), not from
-    its Expect.  A request completed within its post right after another to the same receiver
-    may go unnamed: that receiver polls on after the other (``_transfer.watchdog``,
+    this frame on (or from any earlier sign of its WRITEs: a notification, its end), and
+    from its Expect only briefly, for a sender already waiting (``EXPECT_GRACE_S``).  A
+    request completed within its post right after another to the same receiver may go
+    unnamed: that receiver polls on after the other (``_transfer.watchdog``,
     ``Watchdog._tell_posted``).  A peer of version 6 or older closes the link on this tag:
     send it only where ``ControlPlane.speaks(agent, 7)``."""
 

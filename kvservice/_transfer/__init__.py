@@ -46,7 +46,8 @@ Glossary:
 - **bound**: a send is bound once a receiver's Expect gave it its destination pages;
   before that it is *bootstrapping* and its chunks queue.
 - **cold**: a receiver's Expect whose sender (protocol 7) has not said ``Posted`` yet:
-  nothing can be written into it, so it is held at the idle cadence, not polled.
+  held at the idle cadence, not polled, once ``EXPECT_GRACE_S`` after it went out has
+  passed (a sender already waiting for it posts within that).
 - **early expect**: an Expect that arrived before the ``send()`` of its id; held
   (bounded per peer, per source and in total, with a TTL) for the first send to bind.
 - **source**: what a peer's use of shared bounds is charged to: the member its link

@@ -5,8 +5,9 @@ While transfers are in flight or expected the watchdog polls NIXL every ``poll_i
 once it holds an Expect of this service, and only after it said so: a sender of protocol 7
 sends ``Posted`` once it has posted a request's first WRITE, and that frame wakes the watchdog
 at once (``RequestPlane.warm``); for a sender of an older version ``expect()`` does.  An Expect
-whose ``Posted`` has not come is *cold*: held at this idle cadence, not polled.  ``send()`` and
-every other piece of new work wake it too.  What may still come unannounced is a
+whose ``Posted`` has not come is *cold*: polled for ``EXPECT_GRACE_S`` after it goes out (a
+sender whose ``send()`` came first posts as it reads it), then held at this idle cadence.
+``send()`` and every other piece of new work wake it too.  What may still come unannounced is a
 notification just after work ends (a settle fence, a late WRITE of a request that failed),
 a notification of a cold Expect's request (it turns it warm), and the deadlines of what is
 held without being in flight (an Expect before its ``send()``).  After a polled request ends,
@@ -27,6 +28,15 @@ IDLE_FIRST_S = 0.05
 #: Expects: a sender's next request usually follows within it (hand-offs one after another),
 #: and polling on costs less than a wake-up from the idle wait for each of them
 WARM_GRACE_S = IDLE_FIRST_S
+#: how long a receiver polls after it sent a cold Expect.  A sender whose ``send()`` came
+#: first (a prefill-first router's flow: the prefill finished before the decode reserved its
+#: pages) posts as the Expect reaches it, and with NIXL's progress thread off that WRITE
+#: completes within its post only if the receiver called into NIXL meanwhile: polled, the
+#: post returns ``DONE`` and the notification is taken as it comes; left cold, the post
+#: returned ``PROC`` (64 of 66 posts of 64 MiB), and the sender's ``Posted``, a check and the
+#: receiver's wake-up followed (2 MiB: 3.7 -> 2.5 ms, ``benchmarks.handoff``).  A sender not
+#: ready yet costs the receiver this long of polling per Expect, then its idle cadence.
+EXPECT_GRACE_S = 0.01
 #: how long a receiver keeps polling after one of its requests failed with pages held for a
 #: linked sender: the WRITEs that sender let go when the request failed on its side (checked
 #: on until they end, ``_transfer.drain``) and the settle fence behind them complete only

@@ -31,7 +31,7 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from . import landing
-from .cadence import SETTLE_POLL_S, WARM_GRACE_S
+from .cadence import EXPECT_GRACE_S, SETTLE_POLL_S, WARM_GRACE_S
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
@@ -66,7 +66,8 @@ class RequestPlane:
         self.recvs: dict[str, RecvRequest] = {}
         #: how many of ``recvs`` are cold: held without polling NIXL (``_hold_cold``, ``warm``)
         self.cold = 0
-        #: until when cold ones are polled all the same: ``WARM_GRACE_S`` after a polled one ended
+        #: until when cold ones are polled all the same: ``WARM_GRACE_S`` after a polled one ended,
+        #: ``EXPECT_GRACE_S`` after a cold one's Expect went out
         self._grace_until = 0.0
         #: until when held pages keep NIXL polled: ``SETTLE_POLL_S`` after a request failed holding them
         self._settle_poll_until = 0.0
@@ -221,10 +222,13 @@ class RequestPlane:
             return
         req.peer = link.agent
         req.started_at = time.monotonic()
-        if self.control.speaks(link.agent, POSTED_VERSION):
+        cold = self.control.speaks(link.agent, POSTED_VERSION)
+        if cold:
             self._hold_cold(req)  # before its Expect: no WRITE of it can start earlier
         cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
         link.send(Expect(request_id, pages.tolist(), cell, verify))
+        if cold:
+            self._poll_for(EXPECT_GRACE_S)  # its sender may be waiting for it
 
     def _hold_cold(self, req: RecvRequest) -> None:
         """``req``'s sender says ``Posted`` when it posts its first WRITE: until then (or
@@ -233,6 +237,12 @@ class RequestPlane:
         if not req.cold:
             req.cold = True
             self.cold += 1
+
+    def _poll_for(self, seconds: float) -> None:
+        """Poll NIXL for cold Expects too, for ``seconds`` from now (``busy``)."""
+        self._grace_until = max(self._grace_until, time.monotonic() + seconds)
+        if not self.watchdog.lingering:
+            self.watchdog.wake()
 
     def warm(self, req: RecvRequest) -> None:
         """A sign that ``req``'s WRITEs are under way (its sender's ``Posted``, one of its
@@ -396,7 +406,7 @@ class RequestPlane:
                 req.cold = False
                 self.cold -= 1
             else:
-                self._grace_until = result.finished_at + WARM_GRACE_S
+                self._grace_until = max(self._grace_until, result.finished_at + WARM_GRACE_S)
             self.recvs_done.put(req.request_id, result)
             if not result.settled:
                 assert req.peer is not None and req.pages is not None

@@ -26,7 +26,7 @@ import torch
 
 from kvservice import FailureReason, TransferService, TransferStatus
 from kvservice._control.protocol import MAX_POSTED, POSTED_VERSION, Posted
-from kvservice._transfer.cadence import WARM_GRACE_S
+from kvservice._transfer.cadence import EXPECT_GRACE_S, WARM_GRACE_S
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.compat.previous import REPO
@@ -43,8 +43,9 @@ HOLD_S = 1.0
 #: idle ticks that can fit in HOLD_S: waits doubling from ``cadence.IDLE_FIRST_S`` (50, 100,
 #: 200, 400 ms ...), one more for the tick under way, and slack for ticks unrelated wakes started
 IDLE_TICKS = 8
-#: past the polling that follows the last polled request (``WARM_GRACE_S``) and its last tick
-QUIET_S = WARM_GRACE_S + 0.2
+#: past the polling that follows the last polled request (``WARM_GRACE_S``) or an Expect
+#: (``EXPECT_GRACE_S``), and its last tick
+QUIET_S = max(WARM_GRACE_S, EXPECT_GRACE_S) + 0.2
 #: hostile frames in the flood
 FLOOD = 2000
 

@@ -3,12 +3,14 @@ fake fabric: what keeps the receiver's watchdog polling, and what each frame is 
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import torch
 
 from kvservice import FailureReason, TransferService
 from kvservice._control.protocol import Posted
-from kvservice._transfer.cadence import WARM_GRACE_S
+from kvservice._transfer.cadence import EXPECT_GRACE_S, WARM_GRACE_S
 from kvservice.testing import FakeFabric
 from kvservice.testing.inspect import inside
 from tests.helpers import eventually, heard_by
@@ -22,9 +24,10 @@ async def test_an_expect_is_cold_until_its_send_then_counted_off() -> None:
             plane = inside(rx).plane
             fill(tx, "r1", [1, 2])
             await rx.expect("r1", [3, 4], sender=tx.address)
-            assert plane.recvs["r1"].cold and plane.cold == 1 and not plane.busy()
+            assert plane.recvs["r1"].cold and plane.cold == 1
             await rx.expect("r2", [5], sender=tx.address)
-            assert plane.cold == 2 and not plane.busy()
+            assert plane.cold == 2
+            await eventually(lambda: not plane.busy(), GUARD_S, what="the Expects' own polling to end")
             assert (await tx.await_completion(await tx.send("r1", [1, 2], last=True))).ok
             assert (await rx.await_arrival("r1")).ok
             assert plane.cold == 1  # r2 is still cold: polled only for a while after r1 (WARM_GRACE_S)
@@ -32,6 +35,30 @@ async def test_an_expect_is_cold_until_its_send_then_counted_off() -> None:
             await rx.abort("r2")  # a cold request that ends is counted off too
             assert plane.cold == 0 and not plane.recvs
             assert "posted_unknown" not in rx.status()["refused"]
+
+
+async def test_an_expect_is_polled_for_a_while_in_case_its_sender_is_ready() -> None:
+    """A cold Expect keeps the watchdog polling for ``EXPECT_GRACE_S`` after it goes out (a
+    sender whose ``send()`` came first posts as it reads it), then only its idle cadence;
+    each new Expect starts that polling again."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            plane, watchdog = inside(rx).plane, inside(rx).plane.watchdog
+
+            async def expect_cold(rid: str, page: int) -> None:
+                await eventually(lambda: not plane.busy(), GUARD_S, what="no polling")
+                lingered = watchdog.lingered
+                started = time.monotonic()
+                await rx.expect(rid, [page], sender=tx.address)
+                assert plane.recvs[rid].cold and plane.busy()
+                await eventually(lambda: watchdog.lingered > lingered, GUARD_S, what="a tick polling NIXL")
+                await eventually(lambda: not plane.busy(), GUARD_S, what="the polling to end")
+                assert time.monotonic() - started >= EXPECT_GRACE_S
+                assert plane.recvs[rid].cold
+
+            await expect_cold("r0", 3)
+            await expect_cold("r1", 4)  # each Expect starts it again
 
 
 async def test_a_posted_warms_only_its_own_senders_request() -> None:
@@ -50,7 +77,8 @@ async def test_a_posted_warms_only_its_own_senders_request() -> None:
             inside(other).control.send_to(rx.agent_name, Posted(["nobody"]))
             await eventually(lambda: rx.status()["refused"].get("posted_unknown") == 1, GUARD_S)
             assert rx.status()["refused"].get("foreign_request") == 1
-            assert plane.recvs["r1"].cold and not plane.busy()
+            await eventually(lambda: not plane.busy(), GUARD_S, what="r1's own polling to end")
+            assert plane.recvs["r1"].cold
             inside(tx).control.send_to(rx.agent_name, Posted(["r1"]))
             await eventually(lambda: not plane.recvs["r1"].cold, GUARD_S, what="r1 warm")
             assert plane.busy() and plane.cold == 0
