@@ -21,7 +21,9 @@ prompt's forward comes between two hand-offs).  What each method times, per requ
 
 Methods take turns within each round (the order rotating), fresh processes each
 time, so drift falls on all alike.  Prints p50 and p90 per method and page count,
-and each method's p50 over the pull's.
+each method's p50 over the pull's, and for kvservice how many of the sender's NIXL
+posts returned ``DONE`` (the WRITE complete within the post) rather than ``PROC``
+(complete only after the receiver's progress and more checks).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from kvservice.bench._lines import child_environ
 
 ROOT = Path(__file__).resolve().parent.parent
 #: ``benchmarks.vllm_pd``'s model, in pages of vLLM's ``block_size=32``
-LAYOUT = {"layers": 8, "page_tokens": 32, "kv_heads": 4, "head_dim": 128, "dtype": "float32"}
+LAYOUT: dict[str, Any] = {"layers": 8, "page_tokens": 32, "kv_heads": 4, "head_dim": 128, "dtype": "float32"}
 #: untimed requests first (links, NIXL connections)
 WARMUP = 3
 CHILD_TIMEOUT_S = 300.0
@@ -67,10 +69,28 @@ def _kv_config(num_pages: int) -> Any:
     return ServiceConfig(layout=KVLayout(num_pages=num_pages, **LAYOUT), ucx_env={"UCX_NET_DEVICES": "lo"})
 
 
+def _count_post_states(states: list[str]) -> None:
+    """Record the state each NIXL post returns in (``DONE``: the WRITE completed within the
+    post; ``PROC``: it needs checks after, and the receiver's progress) into ``states``."""
+    from kvservice._nixl.agent import NixlDoor
+
+    post = NixlDoor.post
+
+    def counted(self: NixlDoor, *args: Any, **kwargs: Any) -> Any:
+        out = post(self, *args, **kwargs)
+        states.append(out[1].name)
+        return out
+
+    NixlDoor.post = counted  # type: ignore[method-assign]
+
+
 def _kv_sender(conn: mpc.Connection, num_pages: int) -> None:
     """The prefill: ``send()`` each request it is told of, before the decode expects it."""
     pin(0)
     from kvservice import TransferService
+
+    states: list[str] = []
+    _count_post_states(states)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -82,12 +102,13 @@ def _kv_sender(conn: mpc.Connection, num_pages: int) -> None:
                 rid, pages = cmd
                 pending.append(asyncio.ensure_future(svc.await_completion(await svc.send(rid, pages, last=True))))
                 conn.send("sent")
-            conn.send(sum(r.ok for r in await asyncio.gather(*pending)))
+            conn.send((sum(r.ok for r in await asyncio.gather(*pending)), states[WARMUP:]))
 
     asyncio.run(main())
 
 
-async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float, num_pages: int) -> list[float]:
+async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
+                       num_pages: int) -> tuple[list[float], list[str]]:
     from kvservice import TransferService
 
     loop = asyncio.get_running_loop()
@@ -108,12 +129,14 @@ async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float, num
             if i >= WARMUP:
                 times.append(t1 - t0)
         conn.send(None)
-        if (ok := await loop.run_in_executor(None, conn.recv)) != WARMUP + n:
-            raise RuntimeError(f"the sender completed {ok} of {WARMUP + n}")
-        return times
+        ok, states = await loop.run_in_executor(None, conn.recv)
+    if ok != WARMUP + n:
+        raise RuntimeError(f"the sender completed {ok} of {WARMUP + n}")
+    return times, states
 
 
-def kvservice_times(n: int, pages: int, gap: float) -> list[float]:
+def kvservice_times(n: int, pages: int, gap: float) -> tuple[list[float], list[str]]:
+    """Each request's time, and the state each of the sender's posts returned in."""
     num_pages = 2 * pages
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
@@ -192,13 +215,16 @@ def pull_times(n: int, pages: int, gap: float) -> list[float]:
 def child_main(method: str, n: int, pages: int, gap: float) -> None:
     import kvservice
 
-    times = pull_times(n, pages, gap) if method == "pull" else kvservice_times(n, pages, gap)
-    print(json.dumps({"times": times, "package": str(Path(kvservice.__file__).resolve().parent)}), flush=True)
+    times, states = (pull_times(n, pages, gap), []) if method == "pull" else kvservice_times(n, pages, gap)
+    print(json.dumps({"times": times, "posts": states, "package": str(Path(kvservice.__file__).resolve().parent)}),
+          flush=True)
 
 
-def run_child(method: str, package: Path, n: int, pages: int, gap: float, cwd: Path) -> list[float]:
+def run_child(method: str, package: Path, n: int, pages: int, gap: float,
+              cwd: Path) -> tuple[list[float], list[str]]:
     """One run in a fresh process whose ``kvservice`` is ``package`` (a directory holding
-    it first on the path; run from ``cwd``, which holds none: ``-m`` puts it first)."""
+    it first on the path; run from ``cwd``, which holds none: ``-m`` puts it first): each
+    request's time, and the states the sender's posts returned in (kvservice's)."""
     env = child_environ()  # the bench's children's: loopback, quiet logs, this host's UCX modules
     env["PYTHONPATH"] = os.pathsep.join((str(package.parent), str(ROOT)))
     cmd = [sys.executable, "-m", "benchmarks.handoff", "--child", method, "--requests", str(n),
@@ -209,7 +235,7 @@ def run_child(method: str, package: Path, n: int, pages: int, gap: float, cwd: P
     result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
     if Path(result["package"]) != package.resolve():
         raise RuntimeError(f"{method} ran {result['package']}, not {package}")
-    return [float(t) for t in result["times"]]
+    return [float(t) for t in result["times"]], list(result["posts"])
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -237,23 +263,27 @@ def main(argv: Sequence[str]) -> int:
         for i, pkg in enumerate(args.against):
             methods.append((f"kvservice@{pkg}", "kvservice", shadow(pkg, Path(tmp) / str(i)) / "kvservice"))
         times: dict[tuple[str, int], list[float]] = {}
+        posts: dict[tuple[str, int], list[str]] = {}
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for pages in sizes:
                 for name, method, package in order:
-                    times.setdefault((name, pages), []).extend(
-                        run_child(method, package, args.requests, pages, args.gap_s, Path(tmp)))
+                    t, states = run_child(method, package, args.requests, pages, args.gap_s, Path(tmp))
+                    times.setdefault((name, pages), []).extend(t)
+                    posts.setdefault((name, pages), []).extend(states)
                     print(f"round {r} {pages} pages {name}: done", file=sys.stderr, flush=True)
     print(f"\n## one hand-off at a time, the sender ready first ({args.rounds} rounds x {args.requests} "
           f"requests, {args.gap_s * 1e3:.0f} ms apart; ms)")
     width = max(len(n) for n, _, _ in methods) + 2
-    print(f"{'pages (MiB)':<12}{'method':<{width}}{'p50':>9}{'p90':>9}{'/ pull (p50)':>14}")
+    print(f"{'pages (MiB)':<12}{'method':<{width}}{'p50':>9}{'p90':>9}{'/ pull (p50)':>14}"
+          f"  posts DONE at once")
     for pages in sizes:
         base = statistics.median(times[("pull", pages)])
         for name, _, _ in methods:
-            t = times[(name, pages)]
+            t, states = times[(name, pages)], posts[(name, pages)]
+            done = f"  {states.count('DONE')} of {len(states)}" if states else ""
             print(f"{pages:<12}{name:<{width}}{quantile(t, 0.5) * 1e3:>9.2f}{quantile(t, 0.9) * 1e3:>9.2f}"
-                  f"{statistics.median(t) / base:>13.2f}x")
+                  f"{statistics.median(t) / base:>13.2f}x{done}")
     return 0
 
 
