@@ -197,9 +197,6 @@ class RequestPlane:
                           sender=sender, pages=pages, verify=verify)
         self.recvs[request_id] = req
         self.deadlines.push(req)
-        # From now on the sender's WRITEs need this side to poll NIXL: wake the
-        # watchdog out of its idle wait rather than leave them stalled until it ends.
-        self.watchdog.wake()
         if unknown is not None:
             self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
             return
@@ -227,8 +224,13 @@ class RequestPlane:
             self._hold_cold(req)  # before its Expect: no WRITE of it can start earlier
         cell = self.stager.take(request_id, self.control.peer_kv(link.agent), pages) if self.stager else NO_CELL
         link.send(Expect(request_id, pages.tolist(), cell, verify))
+        # From now on the sender's WRITEs need this side to poll NIXL (a cold request's for
+        # a while: its sender may be waiting for it): wake the watchdog out of its idle wait,
+        # after the Expect, so that the link's writer runs first.
         if cold:
-            self._poll_for(EXPECT_GRACE_S)  # its sender may be waiting for it
+            self._poll_for(EXPECT_GRACE_S)
+        else:
+            self.watchdog.wake()
 
     def _hold_cold(self, req: RecvRequest) -> None:
         """``req``'s sender says ``Posted`` when it posts its first WRITE: until then (or
