@@ -39,7 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -135,20 +136,27 @@ async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
     return times, states
 
 
-def kvservice_times(n: int, pages: int, gap: float) -> tuple[list[float], list[str]]:
-    """Each request's time, and the state each of the sender's posts returned in."""
-    num_pages = 2 * pages
+@contextmanager
+def prefill(target: Callable[[mpc.Connection, int], None], num_pages: int) -> Iterator[mpc.Connection]:
+    """The prefill: ``target`` in a process of its own (on core 0), this one, the decode,
+    pinned to core 1; yields the pipe to it, and waits for it to end (then kills it)."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    child = ctx.Process(target=_kv_sender, args=(theirs, num_pages), daemon=True)
+    child = ctx.Process(target=target, args=(theirs, num_pages), daemon=True)
     child.start()
     pin(1)
     try:
-        return asyncio.run(_kv_receiver(mine, n, pages, gap, num_pages))
+        yield mine
     finally:
         child.join(10)
         if child.is_alive():
             child.kill()
+
+
+def kvservice_times(n: int, pages: int, gap: float) -> tuple[list[float], list[str]]:
+    """Each request's time, and the state each of the sender's posts returned in."""
+    with prefill(_kv_sender, 2 * pages) as conn:
+        return asyncio.run(_kv_receiver(conn, n, pages, gap, 2 * pages))
 
 
 # -- raw NIXL, pulled -------------------------------------------------------------------------
@@ -174,41 +182,33 @@ def pull_times(n: int, pages: int, gap: float) -> list[float]:
     from kvservice.bench.raw_nixl import Side, descriptor_indices
 
     num_pages = 2 * pages
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    child = ctx.Process(target=_raw_source, args=(theirs, num_pages), daemon=True)
-    child.start()
-    pin(1)
-    try:
-        side = Side("recv", _raw_cfg(num_pages))
-        hello = mine.recv()
-        side.connect({**hello, "prep": True})
-        agent, planes = side.agent, side.planes
-        local_idx = descriptor_indices(list(range(pages, 2 * pages)), planes, num_pages)
-        remote_idx = descriptor_indices(list(range(pages)), planes, num_pages)
-        times = []
-        for i in range(WARMUP + n):
-            time.sleep(gap)
-            t0 = time.monotonic()
-            xfer = agent.make_prepped_xfer("READ", side.local, local_idx, side.remote, remote_idx, b"")
-            state = agent.transfer(xfer)
-            deadline = t0 + READ_TIMEOUT_S
-            while state != "DONE":
-                if state == "ERR" or time.monotonic() > deadline:
-                    raise RuntimeError(f"READ {i}: {state}")
-                state = agent.check_xfer_state(xfer)
-            t1 = time.monotonic()
-            agent.release_xfer_handle(xfer)
-            if i >= WARMUP:
-                times.append(t1 - t0)
-        if not bool((side.pool[:, :, pages:] == 1.0).all()):
-            raise RuntimeError("the pulled pages do not hold the source's bytes")
-        return times
-    finally:
-        mine.send(None)
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+    with prefill(_raw_source, num_pages) as conn:
+        try:
+            side = Side("recv", _raw_cfg(num_pages))
+            side.connect({**conn.recv(), "prep": True})
+            agent, planes = side.agent, side.planes
+            local_idx = descriptor_indices(list(range(pages, 2 * pages)), planes, num_pages)
+            remote_idx = descriptor_indices(list(range(pages)), planes, num_pages)
+            times = []
+            for i in range(WARMUP + n):
+                time.sleep(gap)
+                t0 = time.monotonic()
+                xfer = agent.make_prepped_xfer("READ", side.local, local_idx, side.remote, remote_idx, b"")
+                state = agent.transfer(xfer)
+                deadline = t0 + READ_TIMEOUT_S
+                while state != "DONE":
+                    if state == "ERR" or time.monotonic() > deadline:
+                        raise RuntimeError(f"READ {i}: {state}")
+                    state = agent.check_xfer_state(xfer)
+                t1 = time.monotonic()
+                agent.release_xfer_handle(xfer)
+                if i >= WARMUP:
+                    times.append(t1 - t0)
+            if not bool((side.pool[:, :, pages:] == 1.0).all()):
+                raise RuntimeError("the pulled pages do not hold the source's bytes")
+            return times
+        finally:
+            conn.send(None)  # the source's end
 
 
 # -- the runs ----------------------------------------------------------------------------------
