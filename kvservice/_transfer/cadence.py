@@ -33,9 +33,9 @@ WARM_GRACE_S = IDLE_FIRST_S
 #: pages) posts as the Expect reaches it, and with NIXL's progress thread off that WRITE
 #: completes within its post only if the receiver called into NIXL meanwhile: polled, the
 #: post returns ``DONE`` and the notification is taken as it comes; left cold, the post
-#: returned ``PROC`` (64 of 66 posts of 64 MiB), and the sender's ``Posted``, a check and the
-#: receiver's wake-up followed (2 MiB: 3.7 -> 2.5 ms, ``benchmarks.handoff``).  A sender not
-#: ready yet costs the receiver this long of polling per Expect, then its idle cadence.
+#: returned ``PROC``, and the sender's ``Posted``, a check and the receiver's wake-up followed
+#: (``benchmarks.handoff``; docs/perf/library.md, "One hand-off against a pull").  A sender
+#: not ready yet costs the receiver this long of polling per Expect, then its idle cadence.
 EXPECT_GRACE_S = 0.01
 #: how long a receiver keeps polling after one of its requests failed with pages held for a
 #: linked sender: the WRITEs that sender let go when the request failed on its side (checked

@@ -9,9 +9,9 @@ says of a request bound (or pinned) to another agent is ignored and counted
 
 A sender's ``Posted`` (protocol 7) turns its request *warm* here: the receiver held it
 cold (the watchdog at its idle cadence once ``EXPECT_GRACE_S`` after its Expect had
-passed), and polls NIXL for it from now until it ends.  Any other sign that its WRITEs are under way (one of its
-notifications, taken by an idle tick) does the same; its end (a Failed, an Abort, a
-lost link, a deadline) ends it as for any request.
+passed), and polls NIXL for it from now until it ends.  Any other sign that its WRITEs
+are under way (one of its notifications, taken by an idle tick) does the same; its end
+(a Failed, an Abort, a lost link, a deadline) ends it as for any request.
 """
 
 from __future__ import annotations
