@@ -11,6 +11,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import pytest
+import uvloop
 
 from kvservice._control.links import WRITE_BATCH_BYTES, ControlStream, FramedStream, OutboxOverflow, PeerLink
 from kvservice._control.protocol import Expect, FrameError, Ping, encode_body, frame
@@ -264,3 +265,117 @@ async def test_a_write_the_peer_never_takes_ends_the_link_though_the_peer_still_
     assert 1.0 <= time.monotonic() - began < 5, time.monotonic() - began
     assert len(lost) == 1 and isinstance(lost[0], OutboxOverflow), lost
     assert refused == ["outbox_overflow"], refused
+
+
+async def test_a_lone_frame_is_written_at_once_and_a_turns_others_are_queued_in_order_and_sealed() -> None:
+    """A frame with nothing before it goes to the kernel within ``send`` (no writer task
+    wake-up, no loop turn); the frames sent after it in the same loop turn are queued and
+    the writer puts them in one write; frames sent while the writer holds some are queued
+    behind them.  Every frame arrives in order, each opened under its own MAC."""
+    ours, theirs = socket.socketpair()
+    key, script = b"k" * 32, b"transcript"
+    reader = ControlStream(await anyio.abc.SocketStream.from_socket(theirs), 1 << 20)
+    reader.mac = FrameMac(key, script, ACCEPTOR)
+    try:
+        link = await _link(ours)
+        link._framed.mac = FrameMac(key, script, DIALER)
+        assert link._framed.writes_now  # anyio's asyncio socket stream: else every frame waits for the writer
+        writes: list[int] = []
+        send = link._framed.stream.send
+
+        async def counted(data: bytes) -> None:
+            writes.append(len(data))
+            await send(data)
+
+        link._framed.stream.send = counted  # type: ignore[method-assign]
+        sent: list[Expect] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            await anyio.sleep(0.05)  # the writer waits on an empty outbox
+            lone = Expect("lone", [0])
+            link.send(lone)
+            sent.append(lone)
+            assert (link.written_now, link.written_queued, writes) == (1, 0, [])  # in the kernel already
+            with anyio.fail_after(5):
+                assert await reader.recv() == lone
+            burst = [Expect(f"r{i}", [i]) for i in range(50)]
+            for msg in burst:
+                link.send(msg)
+            sent += burst
+            assert (link.written_now, link.written_queued) == (2, 49)
+            with anyio.fail_after(5):
+                assert [await reader.recv() for _ in burst] == burst
+            assert len(writes) == 1, writes  # the 49 in one write
+            for round_ in range(20):  # turns that find the writer idle, busy, or a turn open
+                for i in range(round_ % 4):
+                    msg = Expect(f"m{round_}-{i}", [i])
+                    link.send(msg)
+                    sent.append(msg)
+                if round_ % 3:
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    await anyio.sleep(0.005)
+            rest = len(sent) - 51
+            with anyio.fail_after(5):
+                got = [await reader.recv() for _ in range(rest)]
+            assert got == sent[51:]
+            assert link.written_now > 2 and link.written_queued > 49, (link.written_now, link.written_queued)
+            link.close()
+    finally:
+        await reader.aclose()
+
+
+async def test_a_frame_written_at_once_into_a_broken_connection_ends_the_link() -> None:
+    """The transport's own write raising (the connection broke under it) closes the link
+    with that error as its cause; ``send`` itself never raises."""
+    ours, theirs = socket.socketpair()
+    lost: list[BaseException | None] = []
+    with theirs:
+        link = await _link(ours, lost)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            await anyio.sleep(0.05)
+            now = link._framed._now
+            assert now is not None
+            now.transport = _Broken()
+            link.send(Expect("r1", [1]))
+            with anyio.fail_after(5):
+                await link.ended.wait()
+    assert len(lost) == 1 and isinstance(lost[0], ConnectionResetError), lost
+
+
+class _Broken:
+    """A transport whose connection broke under its write (idle until written to)."""
+
+    def write(self, data: bytes) -> None:
+        raise ConnectionResetError("reset under the write")
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def test_uvloop_streams_are_written_at_once_too() -> None:
+    """The services run on uvloop, whose transports are no subclass of asyncio's: a lone
+    frame there is written within ``send`` as well, and arrives."""
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+        reader = ControlStream(await anyio.abc.SocketStream.from_socket(theirs), 1 << 20)
+        try:
+            link = await _link(ours)
+            assert link._framed.writes_now
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(link.run)
+                await anyio.sleep(0.05)
+                link.send(Expect("lone", [0]))
+                assert link.written_now == 1
+                with anyio.fail_after(5):
+                    assert await reader.recv() == Expect("lone", [0])
+                link.close()
+        finally:
+            await reader.aclose()
+
+    uvloop.run(main())

@@ -116,3 +116,20 @@ async def test_hand_offs_one_after_another_need_no_frame_each() -> None:
                              GUARD_S, what=f"a Posted for r{n}")
     for i in range(n + 1):
         assert torch.equal(rx.kv.pages([30 + i]), data[i])
+
+
+async def test_a_lone_expect_goes_out_within_the_call() -> None:
+    """On a live link with nothing queued, ``expect()`` writes its Expect itself (the
+    connection's write, not the link's writer task a loop turn later); the sender binds it."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            await rx.expect("r0", [3], sender=tx.address)  # dials: the link's first frames
+            link = await inside(rx).control.link_to(tx.address)
+            await anyio.sleep(0.05)  # the writer waits on an empty outbox
+            now, queued = link.written_now, link.written_queued
+            fill(tx, "r1", [1])
+            await rx.expect("r1", [4], sender=tx.address)
+            assert (link.written_now, link.written_queued) == (now + 1, queued)
+            assert (await tx.await_completion(await tx.send("r1", [1], last=True))).ok
+            assert (await rx.await_arrival("r1")).ok
