@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -34,6 +36,30 @@ async def _link(sock: socket.socket, lost: list[BaseException | None] | None = N
         peer_timeout=peer_timeout, max_outbox_bytes=max_outbox,
         on_refused=refused.append if refused is not None else lambda kind: None,
     )
+
+
+@asynccontextmanager
+async def _sealed_link() -> AsyncIterator[tuple[PeerLink, ControlStream, list[int]]]:
+    """A sealed link over a socket pair, not running yet; the other end's sealed stream;
+    and the sizes of the writes the link's stream's ``send`` makes, as they come."""
+    ours, theirs = socket.socketpair()
+    key, script = b"k" * 32, b"transcript"
+    reader = ControlStream(await anyio.abc.SocketStream.from_socket(theirs), 1 << 20)
+    reader.mac = FrameMac(key, script, ACCEPTOR)
+    try:
+        link = await _link(ours)
+        link._framed.mac = FrameMac(key, script, DIALER)
+        writes: list[int] = []
+        send = link._framed.stream.send
+
+        async def counted(data: bytes) -> None:
+            writes.append(len(data))
+            await send(data)
+
+        link._framed.stream.send = counted  # type: ignore[method-assign]
+        yield link, reader, writes
+    finally:
+        await reader.aclose()
 
 
 async def test_a_link_closed_before_it_ran_closes_its_outbox() -> None:
@@ -150,21 +176,7 @@ async def test_the_writer_puts_a_burst_of_queued_frames_in_few_writes_in_order_a
     wait per burst, not per frame (a decode scheduler's step of Expects).  Each frame is still
     sealed on its own, in queue order, and a write stays within ``WRITE_BATCH_BYTES`` plus
     one frame."""
-    ours, theirs = socket.socketpair()
-    key, script = b"k" * 32, b"transcript"
-    reader = ControlStream(await anyio.abc.SocketStream.from_socket(theirs), 1 << 20)
-    reader.mac = FrameMac(key, script, ACCEPTOR)
-    try:
-        link = await _link(ours)
-        link._framed.mac = FrameMac(key, script, DIALER)
-        writes: list[int] = []
-        send = link._framed.stream.send
-
-        async def counted(data: bytes) -> None:
-            writes.append(len(data))
-            await send(data)
-
-        link._framed.stream.send = counted  # type: ignore[method-assign]
+    async with _sealed_link() as (link, reader, writes):
         small = [Expect(f"r{i}", [i]) for i in range(300)]
         big = [Expect(f"b{i}", list(range(8000))) for i in range(12)]  # ~24-40 KB each
         for msg in small + big:
@@ -178,8 +190,6 @@ async def test_the_writer_puts_a_burst_of_queued_frames_in_few_writes_in_order_a
         assert len(writes) < 10, writes  # 312 frames in a handful of writes
         largest = max(len(encode_body(m)) for m in big) + 64
         assert max(writes) <= WRITE_BATCH_BYTES + largest, writes
-    finally:
-        await reader.aclose()
 
 
 async def test_frames_that_arrive_together_are_read_at_once_and_the_reader_still_yields() -> None:
@@ -272,22 +282,8 @@ async def test_a_lone_frame_is_written_at_once_and_a_turns_others_are_queued_in_
     wake-up, no loop turn); the frames sent after it in the same loop turn are queued and
     the writer puts them in one write; frames sent while the writer holds some are queued
     behind them.  Every frame arrives in order, each opened under its own MAC."""
-    ours, theirs = socket.socketpair()
-    key, script = b"k" * 32, b"transcript"
-    reader = ControlStream(await anyio.abc.SocketStream.from_socket(theirs), 1 << 20)
-    reader.mac = FrameMac(key, script, ACCEPTOR)
-    try:
-        link = await _link(ours)
-        link._framed.mac = FrameMac(key, script, DIALER)
+    async with _sealed_link() as (link, reader, writes):
         assert link._framed.writes_now  # anyio's asyncio socket stream: else every frame waits for the writer
-        writes: list[int] = []
-        send = link._framed.stream.send
-
-        async def counted(data: bytes) -> None:
-            writes.append(len(data))
-            await send(data)
-
-        link._framed.stream.send = counted  # type: ignore[method-assign]
         sent: list[Expect] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(link.run)
@@ -321,8 +317,6 @@ async def test_a_lone_frame_is_written_at_once_and_a_turns_others_are_queued_in_
             assert got == sent[51:]
             assert link.written_now > 2 and link.written_queued > 49, (link.written_now, link.written_queued)
             link.close()
-    finally:
-        await reader.aclose()
 
 
 async def test_a_frame_written_at_once_into_a_broken_connection_ends_the_link() -> None:
