@@ -373,3 +373,39 @@ def test_uvloop_streams_are_written_at_once_too() -> None:
             await reader.aclose()
 
     uvloop.run(main())
+
+
+async def test_frames_written_at_once_to_a_peer_that_stopped_reading_still_end_the_link() -> None:
+    """Frames sent one per loop turn to a running link take the direct way while the
+    connection has nothing unsent; once the kernel's buffer is full the transport keeps the
+    rest, the next frames queue behind it, and the writer's unfinished write ends the link
+    (``OutboxOverflow``) after ``peer_timeout``, as for frames that were queued all along."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        theirs = socket.socket()
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        theirs.connect(server.getsockname())
+        ours, _ = server.accept()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    ours.setblocking(False)
+    lost: list[BaseException | None] = []
+    refused: list[str] = []
+    with theirs:  # nothing reads it
+        link = await _link(ours, lost, refused, heartbeat=0.1, peer_timeout=1.0, max_outbox=64 << 20)
+
+        async def talk() -> None:
+            while True:
+                theirs.send(frame(encode_body(Ping())))  # its heartbeats keep coming
+                link.send(Expect(f"b{link.written_now + link.written_queued}", list(range(2000))))
+                await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(link.run)
+            tg.start_soon(talk)
+            began = time.monotonic()
+            with anyio.fail_after(10):
+                await link.ended.wait()
+            tg.cancel_scope.cancel()
+    assert 1.0 <= time.monotonic() - began < 5, time.monotonic() - began
+    assert link.written_now >= 1 and link.written_queued >= 1, (link.written_now, link.written_queued)
+    assert len(lost) == 1 and isinstance(lost[0], OutboxOverflow), lost
+    assert refused == ["outbox_overflow"], refused
