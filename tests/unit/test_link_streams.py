@@ -243,17 +243,23 @@ async def test_frames_that_arrive_together_are_read_at_once_and_the_reader_still
         await cut.aclose()
 
 
-async def test_a_write_the_peer_never_takes_ends_the_link_though_the_peer_still_talks() -> None:
-    """A peer that sends (its heartbeats come) but never reads: the queue stays under its
-    bound, so it is the write in progress, unfinished for ``peer_timeout``, that ends the link
-    (``OutboxOverflow``, counted), found by the liveness check."""
-    with socket.create_server(("127.0.0.1", 0)) as server:  # TCP with small buffers
+def _small_tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A TCP connection with small buffers: ours (non-blocking, for a link) and theirs."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
         theirs = socket.socket()
         theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         theirs.connect(server.getsockname())
         ours, _ = server.accept()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     ours.setblocking(False)
+    return ours, theirs
+
+
+async def test_a_write_the_peer_never_takes_ends_the_link_though_the_peer_still_talks() -> None:
+    """A peer that sends (its heartbeats come) but never reads: the queue stays under its
+    bound, so it is the write in progress, unfinished for ``peer_timeout``, that ends the link
+    (``OutboxOverflow``, counted), found by the liveness check."""
+    ours, theirs = _small_tcp_pair()
     lost: list[BaseException | None] = []
     refused: list[str] = []
     with theirs:  # a raw socket: nothing reads it (an event loop's transport would, into memory)
@@ -380,13 +386,7 @@ async def test_frames_written_at_once_to_a_peer_that_stopped_reading_still_end_t
     connection has nothing unsent; once the kernel's buffer is full the transport keeps the
     rest, the next frames queue behind it, and the writer's unfinished write ends the link
     (``OutboxOverflow``) after ``peer_timeout``, as for frames that were queued all along."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        theirs = socket.socket()
-        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        theirs.connect(server.getsockname())
-        ours, _ = server.accept()
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    ours.setblocking(False)
+    ours, theirs = _small_tcp_pair()
     lost: list[BaseException | None] = []
     refused: list[str] = []
     with theirs:  # nothing reads it
