@@ -230,10 +230,12 @@ class _Writable:
 
     anyio's ``send`` writes to the same transport, after a checkpoint (a loop turn) and
     then a wait for the transport's room; a write to a transport with nothing buffered and
-    room to spare needs neither, and goes to the kernel within the call.  This reads two
-    attributes of anyio's stream class (``_transport``, ``_protocol`` and its
-    ``write_event``); a release that renames them leaves ``of`` returning None, and every
-    frame takes the writer's way (``tests/unit/test_link_streams.py`` says so)."""
+    room to spare needs neither, and goes to the kernel within the call.  This reads three
+    attributes of anyio's stream class (``_transport``, ``_protocol`` with its
+    ``write_event``, ``_closed``); a release that renames them leaves ``of`` returning None,
+    and every frame takes the writer's way (``tests/unit/test_link_streams.py`` says so).
+    The sidecar's worker socket has a direct write of its own (``sidecar.wire``): a Unix
+    stream there, a raw socket with no transport in between."""
 
     __slots__ = ("_protocol", "_stream", "transport")
 
@@ -342,7 +344,7 @@ class PeerLink:
         A frame with nothing before it (the outbox empty, the writer idle, nothing unsent in
         the connection) is written here and now: a lone frame (a decode's Expect, a sender's
         Posted) reaches the kernel without waking the writer task, which costs a loop turn
-        and anyio's checkpoint before its write (0.2-0.5 ms of a one-request hand-off,
+        and anyio's checkpoint before its write (a 2 MiB hand-off: 2.40 -> 2.25 ms p50,
         docs/perf/library.md).  Once one has gone so, the others sent in the same loop turn
         are queued, and the writer puts them in one write, as a burst always was (a decode
         scheduler's step of Expects: one write, not one each)."""
