@@ -7,7 +7,10 @@ The engine is vLLM's ``LLMEngine`` with its engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process per engine, which two cores can afford),
 stepped the way vLLM's engine core steps in ``vllm serve``: every request that arrived is
 added, then the engine steps while its scheduler ``has_requests()`` (which counts a
-connector's pending push work), without waiting between steps.  Both connectors meet
+connector's pending push work); a step that executed no model (requests waiting for remote
+KV, blocks held for a push) is followed, once its outputs are out, by a 1 ms sleep while the
+scheduler still has requests, as ``EngineCoreProc._process_engine_step`` does ("yield the GIL
+briefly to allow background transfer threads to make progress").  Both connectors meet
 exactly that loop.  ``serve`` pins every thread of its process to ``CONFIG["cpu"]``, before
 the engine is built and again after (NixlConnector's worker, on a CPU platform, moves the
 thread that builds it to the last core of each NUMA node, "reserved for KV transfer": on two
@@ -24,6 +27,7 @@ import json
 import os
 import queue
 import sys
+import time
 from typing import Any
 
 from kvservice.testing.engine_process import read_commands, say
@@ -61,6 +65,27 @@ def pin_threads(cpu: int) -> int:
     return moved
 
 
+#: what vLLM's engine core process sleeps after a step that executed no model while its
+#: scheduler still has requests (``EngineCoreProc._process_engine_step``); the in-process
+#: client (``InprocClient.get_output``) steps without it, so ``serve`` adds it
+IDLE_STEP_SLEEP_S = 0.001
+
+
+def _record_model_executed(core: Any) -> list[bool]:
+    """Wrap ``core.step_fn`` (an attribute of the engine core, which the in-process client
+    calls) so that the returned cell holds whether the last step executed the model."""
+    cell = [True]
+    step_fn = core.step_fn
+
+    def step() -> Any:
+        outputs, model_executed = step_fn()
+        cell[0] = bool(model_executed)
+        return outputs, model_executed
+
+    core.step_fn = step
+    return cell
+
+
 def serve(cfg: dict[str, Any]) -> None:
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.config import KVTransferConfig
@@ -72,7 +97,9 @@ def serve(cfg: dict[str, Any]) -> None:
                       seed=0, max_model_len=cfg["max_model_len"], disable_log_stats=True)
     engine = LLMEngine.from_engine_args(args)
     moved = pin_threads(int(cfg["cpu"]))
-    scheduler = engine.engine_core.engine_core.scheduler  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    scheduler = core.scheduler
+    executed = _record_model_executed(core)
     commands = read_commands()
     started: set[str] = set()
     say({"ready": True, "pid": os.getpid(), "moved": moved})
@@ -103,6 +130,8 @@ def serve(cfg: dict[str, Any]) -> None:
                 started.discard(out.request_id)
                 say({"id": out.request_id, "tokens": tokens, "params": out.kv_transfer_params,
                       "finish": out.outputs[0].finish_reason})
+        if not executed[0] and scheduler.has_requests():
+            time.sleep(IDLE_STEP_SLEEP_S)  # vLLM's engine core process, after such a step's outputs
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group():
