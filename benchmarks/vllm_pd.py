@@ -340,7 +340,7 @@ class Harness:
             p.generate(f"p{tag}x{nxt}", prompts[nxt], 1, {"do_remote_decode": True})
             nxt += 1
 
-        cpu_before = {e.name: engine_cpu_s(e.proc.pid) for e in (p, d)}
+        cpu_before = {e.name: engine_threads_s(e.proc.pid) for e in (p, d)}
         start = time.monotonic()
         deadline = start + self.plan.phase_timeout_s
         while nxt < min(phase.in_flight, len(prompts)):
@@ -369,7 +369,11 @@ class Harness:
                 if nxt < len(prompts):
                     launch()
         elapsed = time.monotonic() - start
-        cpu_ms = {e.name: (engine_cpu_s(e.proc.pid) - cpu_before[e.name]) * 1e3 / len(prompts) for e in (p, d)}
+        threads_ms = {}
+        for e in (p, d):
+            after, before = engine_threads_s(e.proc.pid), cpu_before[e.name]
+            threads_ms[e.name] = {t: (s - before.get(t, 0.0)) * 1e3 / len(prompts) for t, s in after.items()}
+        cpu_ms = {name: sum(by.values()) for name, by in threads_ms.items()}
         handoff = handoffs(marks, f"d{tag}x")
         if len(handoff) != len(prompts):
             raise Broken(f"{len(handoff)} hand-offs marked for {len(prompts)} requests")
@@ -377,12 +381,36 @@ class Harness:
                 "prefill_ms": [answered[i] * 1e3 for i in sorted(answered)],
                 "ttft_ms": [ttft[i] * 1e3 for i in sorted(ttft)], "e2e_ms": [e2e[i] * 1e3 for i in sorted(e2e)],
                 "req_per_s": [len(prompts) / elapsed],
-                "prefill_cpu_ms": [cpu_ms[p.name]], "decode_cpu_ms": [cpu_ms[d.name]]}
+                "prefill_cpu_ms": [cpu_ms[p.name]], "decode_cpu_ms": [cpu_ms[d.name]],
+                "prefill_threads_ms": [threads_ms[p.name]], "decode_threads_ms": [threads_ms[d.name]]}
 
 
-def engine_cpu_s(pid: int) -> float:
-    """CPU seconds every thread of engine ``pid`` has spent (its compute, vLLM's, the connector's)."""
-    return sum(cpu for cpu, _ in threads_by_name(pid).values())
+def engine_threads_s(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of engine ``pid`` has spent, by name (``main``: the engine's
+    own thread, its steps and the connector's calls in them; ``python``: the threads it
+    started unnamed, OpenMP's compute threads among them; ``kvservice-*``: the service's)."""
+    return {name: cpu for name, (cpu, _) in threads_by_name(pid, main="main").items()}
+
+
+def threads_table(results: dict[str, dict[str, dict[str, list[Any]]]], phases: Sequence[Phase]) -> str:
+    """Each engine's CPU per request, by thread (ms, mean over rounds; the busiest four)."""
+    lines = ["\n## Each engine's CPU per request by thread (ms, mean over rounds)",
+             f"{'phase':<24}{'configuration':<14}prefill | decode"]
+    for ph in phases:
+        for c in CONFIGS:
+            got = results.get(c, {}).get(ph.name, {})
+            cells = []
+            for side in ("prefill", "decode"):
+                rounds = got.get(f"{side}_threads_ms", [])
+                mean: dict[str, float] = {}
+                for by in rounds:
+                    for t, ms in by.items():
+                        mean[t] = mean.get(t, 0.0) + ms / len(rounds)
+                busiest = sorted(mean.items(), key=lambda kv: -kv[1])[:4]
+                cells.append(", ".join(f"{t} {ms:.1f}" for t, ms in busiest) or "-")
+            if got.get("prefill_threads_ms"):
+                lines.append(f"{ph.name:<24}{c:<14}{cells[0]} | {cells[1]}")
+    return "\n".join(lines)
 
 
 def handoffs(marks: Path, prefix: str) -> dict[int, float]:
@@ -641,7 +669,7 @@ def main(argv: Sequence[str]) -> int:
     finally:
         harness.stop_all()
     load_after = os.getloadavg()
-    table = (summarize(results, phases) + kvservice_path(out / "marks", phases)
+    table = (summarize(results, phases) + threads_table(results, phases) + kvservice_path(out / "marks", phases)
              + idle_table(idle, harness.baseline_idle, plan.idle_s))
     verified = {c: sum(len(m.get("e2e_ms", [])) for m in results.get(c, {}).values()) for c in configs}
     header = (f"vLLM P/D, kvservice vs NixlConnector: {rounds} round(s), {MAX_TOKENS} tokens decoded per request, "

@@ -174,7 +174,7 @@ class TransferService:
             Inbound, transport=self._transport, vetter=self._vetter)
         self.address = await plane.control.listen()
         await self._tg.start(plane.watchdog.run)
-        await self._tg.start(self.stats.monitor_loop_lag, plane.busy)
+        await self._tg.start(self.stats.monitor_loop_lag, plane.moving)
         if cfg.discovery == "etcd":
             self._discovery = Discovery(cfg.discovery_settings, self.stats, agent=self.agent_name, address=self.address,
                                         memory=memory, load=self._load, drop=plane.drop_agent,

@@ -22,7 +22,8 @@ from ._trust.revocation import expiry_warning
 #: upper bounds (seconds) of the transfer-latency histogram buckets
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LAG_INTERVAL_S = 0.01
-#: the lag monitor's sleep while no request is live: an idle loop's lag delays nobody
+#: the lag monitor's sleep while no transfer is under way (``RequestPlane.moving``): a lag
+#: then holds up no copy
 LAG_IDLE_INTERVAL_S = 1.0
 #: how landing checks end (``Stats.landings``, ``kvservice_landing_checks_total``)
 LANDING_RESULTS = ("checked", "mismatched", "unchecked")
@@ -173,7 +174,7 @@ class Stats:
     async def monitor_loop_lag(self, busy: Callable[[], bool] = lambda: True, *,
                                task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Sleep ``LAG_INTERVAL_S`` again and again (``LAG_IDLE_INTERVAL_S`` while ``busy()``
-        says no request is live); how late each wake-up is, is the lag."""
+        says no transfer is under way); how late each wake-up is, is the lag."""
         task_status.started()
         while True:
             interval = LAG_INTERVAL_S if busy() else LAG_IDLE_INTERVAL_S

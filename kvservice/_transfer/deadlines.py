@@ -97,6 +97,15 @@ class Deadlines(Generic[R]):
         self._fit()
         return due
 
+    def next_due(self) -> float | None:
+        """The earliest deadline filed, None if none: a request's own, or earlier where it
+        moved later since (``pop_due`` then files it again).  Pairs naming nobody on top of the
+        heap are dropped on the way."""
+        heap = self._heap
+        while heap and heap[0][1] not in self._filed:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
     @property
     def bound(self) -> int:
         """The most pairs the heap holds between any two calls: ``SLACK * filed + FLOOR``."""

@@ -157,7 +157,7 @@ class RequestPlane:
             req.timeout = timeout
             if req.peer is not None:  # bound: from now; else the bind starts it
                 req.deadline = time.monotonic() + timeout
-                self.deadlines.push(req)
+                self._file(req)
         if fit_tail:
             self.matching.match_early(req)  # bound now (its chunk fitted, and scheduled) if its Expect came first
             return req
@@ -180,7 +180,7 @@ class RequestPlane:
             bootstrap_deadline=now + cfg.bootstrap_timeout_s, receiver=receiver, member=member,
         )
         self.sends[request_id] = req
-        self.deadlines.push(req)
+        self._file(req)
         if unknown is not None:  # failed at once, bound to nobody; sticky like any failure
             self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
         elif match:
@@ -196,7 +196,7 @@ class RequestPlane:
         req = RecvRequest(request_id=request_id, created=now, deadline=now + (timeout or self.config.arrival_timeout_s),
                           sender=sender, pages=pages, verify=verify)
         self.recvs[request_id] = req
-        self.deadlines.push(req)
+        self._file(req)
         if unknown is not None:
             self.fail(req, FailureReason.PEER_LOST, str(unknown), error=unknown)
             return
@@ -380,7 +380,7 @@ class RequestPlane:
         filed = req.bootstrap_deadline  # its entry in the deadlines (due_at() until now)
         req.deadline = time.monotonic() + (req.timeout or self.config.transfer_timeout_s)
         if req.deadline < filed:  # a later deadline is filed again when the old entry pops
-            self.deadlines.push(req)
+            self._file(req)
         if req.pending:
             self.watchdog.schedule(req)
 
@@ -490,12 +490,32 @@ class RequestPlane:
         # sender's WRITE completes only while this side calls into NIXL.  A cold one
         # does not (its sender has posted nothing yet): the idle ticks still look.  Right
         # after a polled one ended, they are polled on for a while (``WARM_GRACE_S``), and
-        # after one failed holding pages, those are (``SETTLE_POLL_S``).
-        if self.sends or len(self.recvs) > self.cold:
+        # after one failed holding pages, those are (``SETTLE_POLL_S``).  Sends do not: the
+        # watchdog polls for their WRITEs while any is to post or in flight, and one waiting
+        # for its Expect (or for more chunks) needs nothing of NIXL until then; what it waits
+        # for wakes the watchdog (``schedule``), and its deadline ends the idle wait
+        # (``next_due``).
+        if len(self.recvs) > self.cold:
             return True
         now = time.monotonic()
         return (self.cold > 0 and now < self._grace_until) or \
             (self.settlement.unsettled_pages > 0 and now < self._settle_poll_until)
+
+    def _file(self, req: SendRequest | RecvRequest) -> None:
+        """File ``req`` at its deadline; an idle wait of the watchdog ending later ends then."""
+        self.deadlines.push(req)
+        self.watchdog.due(req.due_at())
+
+    def next_due(self) -> float | None:
+        """When the earliest live request's deadline passes (``time.monotonic()``), if any:
+        the watchdog's idle wait ends by then, so that a request waiting without anything in
+        flight (a send for its Expect, a cold Expect) fails on time."""
+        return self.deadlines.next_due()
+
+    def moving(self) -> bool:
+        """Whether a transfer is under way here: WRITEs to post or in flight, or arrivals
+        polled for (``busy``).  The loop-lag monitor samples finely only then."""
+        return self.watchdog.working or self.busy()
 
     def settle_poll(self) -> None:
         """Held pages may be settled soon by what only NIXL progress here completes (a let-go

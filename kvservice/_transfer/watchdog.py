@@ -64,6 +64,9 @@ from .requests import SendRequest
 from .staging import Stager
 
 DEADLINE_SCAN_S = 0.01
+#: an idle wait ended by a deadline ends this long after it: the deadline has passed then
+#: (``Deadlines.pop_due`` takes those before now), and a wait of nothing is no busy loop
+DUE_SLACK_S = 0.001
 #: longest a tick polls on the door thread before handing control back to the loop
 LINGER_S = DEADLINE_SCAN_S
 
@@ -86,6 +89,8 @@ class Owner(Protocol):
         """The first WRITEs of these requests to ``peer`` are planned (``peer`` may be told:
         ``Posted``), before they are handed to the door thread."""
     def check_deadlines(self, now: float) -> None: ...
+    def next_due(self) -> float | None:
+        """When the earliest deadline ``check_deadlines`` acts on passes, if any."""
     def busy(self) -> bool: ...
     @property
     def stats(self) -> Stats: ...
@@ -131,6 +136,7 @@ class Watchdog:
         #: its receiver polls until at least ``WARM_GRACE_S`` after that (``_tell_posted``)
         self._inline: dict[str, float] = {}
         self._submitted_at = 0.0  # when the tick in flight (the one digested next) was planned
+        self._idle_until = 0.0  # when the idle wait under way ends (0: none is)
         self._wake = anyio.Event()
         self._stopping = False
         self._stopped = anyio.Event()
@@ -267,6 +273,12 @@ class Watchdog:
                 self._stager.sent(req)
             self._owner.released(req)
 
+    def due(self, at: float) -> None:
+        """A deadline at ``at`` was filed: an idle wait that would end later ends now (the
+        next one ends by it: ``_idle_wait``)."""
+        if at < self._idle_until:
+            self.wake()
+
     def wake(self) -> None:
         self._wake.set()
         self._thread.interrupt.set()  # end a lingering tick: there is work for the loop
@@ -279,6 +291,12 @@ class Watchdog:
     @property
     def inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def working(self) -> bool:
+        """Whether WRITEs are to post, being posted or in flight (handles this side polls)."""
+        return bool(self._ready or self._late or self._inflight or self._drains
+                    or (self._ahead is not None and not self._lingering))
 
     @property
     def staging_held(self) -> int:
@@ -311,8 +329,11 @@ class Watchdog:
             if self._ahead is None and not (self._ready or self._releases or self._late or self._inflight
                                             or self._drains or self._owner.busy()):
                 self._wake = anyio.Event()
-                with anyio.move_on_after(self._idle.next()) as idle:
+                wait = self._idle_wait()
+                self._idle_until = self._clock() + wait
+                with anyio.move_on_after(wait) as idle:
                     await self._wake.wait()
+                self._idle_until = 0.0
                 if self._stopping:
                     return
                 if not idle.cancelled_caught:  # woken: work came
@@ -346,6 +367,16 @@ class Watchdog:
             # ended usually sends its next one in that turn, and schedule() then queues
             # the post straight away rather than after this task has gone idle.
             await anyio.lowlevel.checkpoint()
+
+    def _idle_wait(self) -> float:
+        """The next idle wait (``cadence``), ended early by the owner's next deadline (a
+        request that waits with nothing in flight, such as a send for its Expect, keeps no
+        tick polling; it still fails on time), ``DUE_SLACK_S`` after it."""
+        wait = self._idle.next()
+        due = self._owner.next_due()
+        if due is not None:
+            wait = min(wait, max(0.0, due - self._clock()) + DUE_SLACK_S)
+        return wait
 
     async def tick(self) -> None:
         """One round trip to the door thread with whatever is due (no lingering)."""

@@ -102,14 +102,16 @@ def threads_cpu_and_runs(pid: int) -> tuple[float, int]:
     return sum(schedstat_ns(t) for t in texts) / 1e9, sum(schedstat_runs(t) for t in texts)
 
 
-def threads_by_name(pid: int) -> dict[str, tuple[float, int]]:
+def threads_by_name(pid: int, *, main: str | None = None) -> dict[str, tuple[float, int]]:
     """``threads_cpu_and_runs`` per thread name (``task/<tid>/comm``; threads of one name
-    summed): which of a process's threads spend what.  ``OSError`` if ``pid`` is gone."""
+    summed): which of a process's threads spend what.  ``main``: the name to give the
+    process's main thread instead (threads it starts inherit its name, OpenMP's among them).
+    ``OSError`` if ``pid`` is gone."""
     out: dict[str, tuple[float, int]] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
+                name = main if main is not None and tid == str(pid) else f.read().strip()
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 text = f.read()
         except OSError:  # a thread that just ended

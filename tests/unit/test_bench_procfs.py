@@ -62,6 +62,24 @@ def test_threads_by_name_finds_a_busy_named_thread_and_sums_to_the_whole() -> No
     assert sum(cpu for cpu, _ in named.values()) <= whole + 0.05  # read just before the whole
 
 
+def test_threads_by_name_can_name_the_main_thread_apart_from_those_it_started() -> None:
+    """Threads a process starts inherit its main thread's name (OpenMP's do): ``main``
+    names the main thread alone; what the others of its name spent stays under that name."""
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/comm") as f:
+        comm = f.read().strip()
+    main_before = procfs.threads_by_name(pid, main="main")["main"][0]
+    end = time.thread_time() + 0.05
+    while time.thread_time() < end:  # this test runs on the main thread: it spends there
+        pass
+    split = procfs.threads_by_name(pid, main="main")
+    plain = procfs.threads_by_name(pid)
+    assert threading.current_thread() is threading.main_thread()
+    assert split["main"][0] >= main_before + 0.05
+    others = split.get(comm, (0.0, 0))[0]  # the main thread's namesakes, if any
+    assert abs(split["main"][0] + others - plain[comm][0]) < 0.05  # read a moment apart
+
+
 def test_a_process_that_is_gone_is_an_error_not_a_zero() -> None:
     with pytest.raises(OSError):
         procfs.usage(2**22 + 1)  # above pid_max's largest value: never a process

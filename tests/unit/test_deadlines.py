@@ -6,12 +6,20 @@ import random
 from dataclasses import dataclass
 
 import anyio
+import pytest
 
 from kvservice import FailureReason, KVPoll, TransferStatus
+from kvservice._transfer import cadence
 from kvservice._transfer.deadlines import Deadlines
 from kvservice.testing import FakeFabric
 
 from .harness import GUARD_S, door_of, two_services, unit_config
+
+#: idle waits of the services under test, far past every bound here
+IDLE_S = 600.0
+#: how late past its deadline a request may fail: generous for a loaded machine, far below
+#: ``IDLE_S`` (the idle wait a deadline must end)
+LATE_S = 10.0
 
 
 @dataclass(eq=False)
@@ -48,6 +56,22 @@ def test_moved_and_ended_deadlines() -> None:
     earlier.finished = True  # the service fails what is due
     assert heap.pop_due(15.0) == []  # so its stale entry at 10.0 is dropped
     assert heap.pop_due(25.0) == [later]
+
+
+def test_next_due_is_the_earliest_live_deadline() -> None:
+    heap: Deadlines[Req] = Deadlines()
+    assert heap.next_due() is None
+    first, second = Req(3.0), Req(7.0)
+    heap.push(second)
+    heap.push(first)
+    assert heap.next_due() == 3.0
+    heap.discard(first)  # ended: its pair names nobody, and is dropped on the way
+    assert heap.next_due() == 7.0 and len(heap) == 1
+    second.at = 9.0  # moved later: the old time until a scan files it again
+    assert heap.next_due() == 7.0
+    assert heap.pop_due(8.0) == [] and heap.next_due() == 9.0
+    heap.discard(second)
+    assert heap.next_due() is None and len(heap) == 0
 
 
 def test_a_request_filed_twice_pops_once() -> None:
@@ -117,6 +141,24 @@ async def test_arrival_deadline_fails_the_receiver() -> None:
         assert "arrival deadline" in result.message
         assert rx.poll_arrival("never") is KVPoll.Failed
         assert await rx.await_arrival("never") is result  # kept as a result after the end
+
+
+async def test_deadlines_end_long_idle_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send waiting for its expect and a cold expect keep no tick polling: the watchdog
+    sleeps its idle wait (here far past the test's bound), which their deadlines end, so
+    they fail on time."""
+    monkeypatch.setattr(cadence, "IDLE_FIRST_S", IDLE_S)
+    fabric = FakeFabric()
+    async with two_services(fabric, sender=unit_config(bootstrap_timeout_s=0.3, idle_poll_interval_s=IDLE_S),
+                            receiver=unit_config(arrival_timeout_s=0.4, idle_poll_interval_s=IDLE_S)) as (tx, rx):
+        with anyio.fail_after(GUARD_S):
+            handle = await tx.send("unmet", [1], last=True)
+            await rx.expect("unsent", [2], sender=tx.address)
+            sent, arrived = await tx.await_completion(handle), await rx.await_arrival("unsent")
+    assert sent.reason is FailureReason.TIMEOUT and sent.message.startswith("no expect"), sent
+    assert arrived.reason is FailureReason.TIMEOUT and "arrival deadline" in arrived.message, arrived
+    for result, limit in ((sent, 0.3), (arrived, 0.4)):
+        assert limit <= result.finished_at - result.created_at < limit + LATE_S, result
 
 
 async def test_binding_replaces_the_bootstrap_deadline() -> None:

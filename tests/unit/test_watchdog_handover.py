@@ -1,9 +1,11 @@
-"""Posts handed over to a lingering watchdog tick (``TickPlan.late``).
+"""Posts handed over to a lingering watchdog tick (``TickPlan.late``), and a send's wait.
 
-A send that waits for its receiver's expect keeps the watchdog lingering on the door
-thread; when the expect arrives, its WRITE must go out from that tick, not after a
-round trip through the loop (the tick ending, its empty outcome digested, a new tick
-planned).  That round trip was two thread wake-ups on a lone hand-off's path.
+A send that waits for its receiver's expect keeps no tick polling: it needs nothing of NIXL
+until its expect comes, which queues its post in a tick of its own at once.  While the
+watchdog lingers for something else (a receive under way on the same service), the post is
+handed to that tick instead: its WRITE must go out from it, not after a round trip through
+the loop (the tick ending, its empty outcome digested, a new tick planned).  That round trip
+was two thread wake-ups on a lone hand-off's path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, PostOp, TickOutcome, TickPlan
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
 from .harness import GUARD_S, door_of, fill, two_services, unit_config
@@ -46,7 +49,39 @@ def ticks(monkeypatch: pytest.MonkeyPatch) -> Seen:
     return seen
 
 
+async def test_a_send_waiting_for_its_expect_keeps_no_tick_polling(ticks: Seen) -> None:
+    """Nothing of NIXL is needed until the expect comes: the sender's watchdog plans no
+    lingering tick meanwhile, and the expect's arrival has the WRITE posted by a tick queued
+    at once (not lingering, the only one posting)."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            fill(tx, "warm", [1])  # the link up first: its set-up calls the door too
+            await rx.expect("warm", [40], sender=tx.address)
+            assert (await tx.await_completion(await tx.send("warm", [1], last=True))).ok
+
+            data = fill(tx, "waits", [2, 3])
+            handle = await tx.send("waits", [2, 3], last=True)  # waits for its expect
+            lingered = inside(tx).plane.watchdog.lingered
+            before = len(ticks)
+            await anyio.sleep(0.3)  # many poll intervals: a lingering tick would show
+            assert inside(tx).plane.watchdog.lingered == lingered
+            assert not [t for t in ticks[before:] if t[0] == tx.agent_name and t[1] > 0], ticks[before:]
+            assert not inside(tx).plane.moving()  # the loop-lag monitor samples coarsely too
+            before = len(ticks)
+            await rx.expect("waits", [50, 51], sender=tx.address)
+            result = await tx.await_completion(handle)
+            arrived = await rx.await_arrival("waits")
+            posting = [(linger, n) for a, linger, n in ticks[before:] if a == tx.agent_name and n]
+    assert result.ok and arrived.ok, (result, arrived)
+    assert torch.equal(rx.kv.pages([50, 51]), data)
+    assert posting == [(0.0, 1)], posting
+    fabric.assert_clean()
+
+
 async def test_a_send_bound_while_the_watchdog_lingers_is_posted_by_that_tick(ticks: Seen) -> None:
+    """The sender lingers for a receive of its own under way (its first chunk landed, the
+    rest to come); a send bound meanwhile is posted by that lingering tick."""
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
@@ -55,15 +90,24 @@ async def test_a_send_bound_while_the_watchdog_lingers_is_posted_by_that_tick(ti
             assert (await tx.await_completion(await tx.send("warm", [1], last=True))).ok
             assert torch.equal(rx.kv.pages([40]), warm)
 
+            back = fill(rx, "back", [4, 5])
+            await tx.expect("back", [60, 61], sender=rx.address)
+            await rx.send("back", [4])  # half of it: tx polls for the rest
+            recvs = inside(tx).plane.recvs
+            await eventually(lambda: recvs["back"].chunks_seen >= 1, GUARD_S, what="the first chunk's arrival")
             data = fill(tx, "bound", [2, 3])
             handle = await tx.send("bound", [2, 3], last=True)  # waits for its expect
             await eventually(lambda: any(a == tx.agent_name and linger > 0 for a, linger, *_ in ticks[-3:]),
-                             GUARD_S, what="a tick lingering while the send waits")
+                             GUARD_S, what="a tick lingering while the receive is under way")
             before = len(ticks)
             await rx.expect("bound", [50, 51], sender=tx.address)
             result = await tx.await_completion(handle)
             arrived = await rx.await_arrival("bound")
             posting = [(linger, n) for a, linger, n in ticks[before:] if a == tx.agent_name and n]
+            back_last = await rx.send("back", [5], last=True)
+            assert (await rx.await_completion(back_last)).ok
+            assert (await tx.await_arrival("back")).ok
+            assert torch.equal(tx.kv.pages([60, 61]), back)
     assert result.ok and arrived.ok, (result, arrived)
     assert torch.equal(rx.kv.pages([50, 51]), data)
     assert posting and all(linger > 0 for linger, _ in posting), posting
