@@ -7,9 +7,11 @@ Starts, side by side in one run, a pair of processes per method: bare NIXL agent
 running), kvservice in process (``kvservice.bench.kv_side``, its loop-lag ticker off),
 the sidecar (a ``kvservice serve`` daemon per side and a ``SidecarClient`` worker on
 each), the engine facade (``KVTransferEngine`` on its loop thread, in this module's
-``engine`` child), and ``expecting``: kvservice in process again, its receiver holding one
+``engine`` child), ``expecting``: kvservice in process again, its receiver holding one
 Expect whose ``send()`` never comes (a decode that reserved pages for a prefill still
-computing: not idle for the service, whose receiver polls NIXL while it expects).
+computing), and ``sending``: its sender holding one ``send()`` whose Expect never comes (a
+prefill finished before its decode reserved pages).  Neither polls NIXL for what it holds:
+nothing can land before the Expect, and nothing is posted before it comes.
 Each pair moves one request (so links, agents and connections are up), then every
 process of every method sits idle for the same ``--seconds``, and ``/proc`` says what
 each spent meanwhile (``kvservice.bench.procfs``: every thread's
@@ -145,8 +147,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.idle", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="each idle span (default 30)")
     ap.add_argument("--repeats", type=int, default=1, help="idle spans, one after another (median printed)")
-    ap.add_argument("--methods", default="raw_nixl,kvservice,sidecar,engine,expecting",
-                    help="comma-separated: raw_nixl (always), kvservice, sidecar, engine, expecting")
+    ap.add_argument("--methods", default="raw_nixl,kvservice,sidecar,engine,expecting,sending",
+                    help="comma-separated: raw_nixl (always), kvservice, sidecar, engine, expecting, sending")
     args = ap.parse_args(argv)
     layout = dict(LLAMA3_8B)
     wanted = set(args.methods.split(",")) | {"raw_nixl"}
@@ -165,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         held = KvService(layout, POOL_PAGES, name="expecting")
         held.cfg["ticker"] = False
         methods.append(held)
+    if "sending" in wanted:
+        # the held send outlives the spans: its bootstrap deadline is past any of them
+        holding = KvService(layout, POOL_PAGES, name="sending", service={"bootstrap_timeout_s": 3600.0})
+        holding.cfg["ticker"] = False
+        methods.append(holding)
     started: list[Method] = []
     try:
         for m in methods:
@@ -176,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 assert isinstance(m, KvService) and m.recv is not None
                 m.recv.call("expect", "expecting", requests=[{"rid": "held", "dst": [POOL_PAGES - 1]}],
                             sender=m.address, wait=False)
+            if m.name == "sending":  # one send held, never expected
+                assert isinstance(m, KvService) and m.send is not None
+                m.send.call("hold", "holding", requests=[{"rid": "held", "src": [POOL_PAGES - 1]}])
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {len(methods)} pairs linked and idle; "
               f"{args.repeats} x {args.seconds:.0f} s", flush=True)
         report([idle_span(methods, args.seconds) for _ in range(args.repeats)])

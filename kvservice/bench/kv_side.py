@@ -253,6 +253,10 @@ async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_servic
                 emit(await memory(cmd["requests"]))
             elif op == "kill_watch":
                 tg.start_soon(kill_watch, cmd["requests"])
+            elif op == "hold":  # sent, never expected: held until the service closes
+                for r in cmd["requests"]:
+                    await svc.send(r["rid"], r["src"], last=True)
+                emit({"event": "holding", "n": len(cmd["requests"])})
             elif op == "exit":
                 break
             else:
