@@ -21,9 +21,11 @@ prompt's forward comes between two hand-offs).  What each method times, per requ
 
 Methods take turns within each round (the order rotating), fresh processes each
 time, so drift falls on all alike.  Prints p50 and p90 per method and page count,
-each method's p50 over the pull's, and for kvservice how many of the sender's NIXL
-posts returned ``DONE`` (the WRITE complete within the post) rather than ``PROC``
-(complete only after the receiver's progress and more checks).
+each method's p50 over the pull's, and for kvservice each side's event-loop thread's CPU per
+request (``time.thread_time()`` over the timed requests, their gaps included: what a hand-off
+costs the loop, the waits around it among it) and how many of the sender's NIXL posts
+returned ``DONE`` (the WRITE complete within the post) rather than ``PROC`` (complete only
+after the receiver's progress and more checks).
 """
 
 from __future__ import annotations
@@ -98,18 +100,23 @@ def _kv_sender(conn: mpc.Connection, num_pages: int) -> None:
         async with TransferService(_kv_config(num_pages)) as svc:
             svc.kv.tensor.fill_(1.0)
             conn.send(svc.address)
-            pending = []
+            pending: list[asyncio.Future[Any]] = []
+            cpu0 = 0.0
             while (cmd := await loop.run_in_executor(None, conn.recv)) is not None:
+                if len(pending) == WARMUP:
+                    cpu0 = time.thread_time()
                 rid, pages = cmd
                 pending.append(asyncio.ensure_future(svc.await_completion(await svc.send(rid, pages, last=True))))
                 conn.send("sent")
-            conn.send((sum(r.ok for r in await asyncio.gather(*pending)), states[WARMUP:]))
+            ok = sum(r.ok for r in await asyncio.gather(*pending))
+            cpu = (time.thread_time() - cpu0) / max(1, len(pending) - WARMUP)
+            conn.send((ok, states[WARMUP:], cpu))
 
     asyncio.run(main())
 
 
 async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
-                       num_pages: int) -> tuple[list[float], list[str]]:
+                       num_pages: int) -> tuple[list[float], list[str], dict[str, float]]:
     from kvservice import TransferService
 
     loop = asyncio.get_running_loop()
@@ -117,7 +124,10 @@ async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
         svc.kv.tensor.zero_()
         sender = await loop.run_in_executor(None, conn.recv)
         times = []
+        cpu0 = 0.0
         for i in range(WARMUP + n):
+            if i == WARMUP:
+                cpu0 = time.thread_time()
             conn.send((f"r{i}", list(range(pages))))
             await loop.run_in_executor(None, conn.recv)
             await asyncio.sleep(gap)
@@ -129,11 +139,13 @@ async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
                 raise RuntimeError(f"r{i}: {result.reason} {result.message}")
             if i >= WARMUP:
                 times.append(t1 - t0)
+        await asyncio.sleep(gap)  # the last request's idle time, as every other's
+        cpu = (time.thread_time() - cpu0) / n
         conn.send(None)
-        ok, states = await loop.run_in_executor(None, conn.recv)
+        ok, states, send_cpu = await loop.run_in_executor(None, conn.recv)
     if ok != WARMUP + n:
         raise RuntimeError(f"the sender completed {ok} of {WARMUP + n}")
-    return times, states
+    return times, states, {"send": send_cpu, "recv": cpu}
 
 
 @contextmanager
@@ -153,8 +165,10 @@ def prefill(target: Callable[[mpc.Connection, int], None], num_pages: int) -> It
             child.kill()
 
 
-def kvservice_times(n: int, pages: int, gap: float) -> tuple[list[float], list[str]]:
-    """Each request's time, and the state each of the sender's posts returned in."""
+def kvservice_times(n: int, pages: int, gap: float) -> tuple[list[float], list[str], dict[str, float]]:
+    """Each request's time, the state each of the sender's posts returned in, and each side's
+    event-loop thread's CPU per request (s; its gap included: what a request costs the loop,
+    the waits around it among it)."""
     with prefill(_kv_sender, 2 * pages) as conn:
         return asyncio.run(_kv_receiver(conn, n, pages, gap, 2 * pages))
 
@@ -215,16 +229,17 @@ def pull_times(n: int, pages: int, gap: float) -> list[float]:
 def child_main(method: str, n: int, pages: int, gap: float) -> None:
     import kvservice
 
-    times, states = (pull_times(n, pages, gap), []) if method == "pull" else kvservice_times(n, pages, gap)
-    print(json.dumps({"times": times, "posts": states, "package": str(Path(kvservice.__file__).resolve().parent)}),
-          flush=True)
+    times, states, cpu = (pull_times(n, pages, gap), [], {}) if method == "pull" else kvservice_times(n, pages, gap)
+    print(json.dumps({"times": times, "posts": states, "cpu": cpu,
+                      "package": str(Path(kvservice.__file__).resolve().parent)}), flush=True)
 
 
 def run_child(method: str, package: Path, n: int, pages: int, gap: float,
-              cwd: Path) -> tuple[list[float], list[str]]:
+              cwd: Path) -> tuple[list[float], list[str], dict[str, float]]:
     """One run in a fresh process whose ``kvservice`` is ``package`` (a directory holding
     it first on the path; run from ``cwd``, which holds none: ``-m`` puts it first): each
-    request's time, and the states the sender's posts returned in (kvservice's)."""
+    request's time, the states the sender's posts returned in and each side's loop CPU per
+    request (kvservice's)."""
     env = child_environ()  # the bench's children's: loopback, quiet logs, this host's UCX modules
     env["PYTHONPATH"] = os.pathsep.join((str(package.parent), str(ROOT)))
     cmd = [sys.executable, "-m", "benchmarks.handoff", "--child", method, "--requests", str(n),
@@ -235,7 +250,7 @@ def run_child(method: str, package: Path, n: int, pages: int, gap: float,
     result = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
     if Path(result["package"]) != package.resolve():
         raise RuntimeError(f"{method} ran {result['package']}, not {package}")
-    return [float(t) for t in result["times"]], list(result["posts"])
+    return [float(t) for t in result["times"]], list(result["posts"]), dict(result["cpu"])
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -264,26 +279,31 @@ def main(argv: Sequence[str]) -> int:
             methods.append((f"kvservice@{pkg}", "kvservice", shadow(pkg, Path(tmp) / str(i)) / "kvservice"))
         times: dict[tuple[str, int], list[float]] = {}
         posts: dict[tuple[str, int], list[str]] = {}
+        cpus: dict[tuple[str, int], list[dict[str, float]]] = {}
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for pages in sizes:
                 for name, method, package in order:
-                    t, states = run_child(method, package, args.requests, pages, args.gap_s, Path(tmp))
+                    t, states, cpu = run_child(method, package, args.requests, pages, args.gap_s, Path(tmp))
                     times.setdefault((name, pages), []).extend(t)
                     posts.setdefault((name, pages), []).extend(states)
+                    cpus.setdefault((name, pages), []).append(cpu)
                     print(f"round {r} {pages} pages {name}: done", file=sys.stderr, flush=True)
     print(f"\n## one hand-off at a time, the sender ready first ({args.rounds} rounds x {args.requests} "
           f"requests, {args.gap_s * 1e3:.0f} ms apart; ms)")
     width = max(len(n) for n, _, _ in methods) + 2
     print(f"{'pages (MiB)':<12}{'method':<{width}}{'p50':>9}{'p90':>9}{'/ pull (p50)':>14}"
-          f"  posts DONE at once")
+          f"{'loop CPU/request, send / recv (us)':>36}  posts DONE at once")
     for pages in sizes:
         base = statistics.median(times[("pull", pages)])
         for name, _, _ in methods:
             t, states = times[(name, pages)], posts[(name, pages)]
             done = f"  {states.count('DONE')} of {len(states)}" if states else ""
+            runs = [c for c in cpus[(name, pages)] if c]
+            loop_cpu = (f"{statistics.median(c['send'] for c in runs) * 1e6:.0f} / "
+                        f"{statistics.median(c['recv'] for c in runs) * 1e6:.0f}") if runs else "-"
             print(f"{pages:<12}{name:<{width}}{quantile(t, 0.5) * 1e3:>9.2f}{quantile(t, 0.9) * 1e3:>9.2f}"
-                  f"{statistics.median(t) / base:>13.2f}x{done}")
+                  f"{statistics.median(t) / base:>13.2f}x{loop_cpu:>36}{done}")
     return 0
 
 
