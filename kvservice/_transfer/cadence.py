@@ -10,7 +10,9 @@ sender whose ``send()`` came first posts as it reads it), then held at this idle
 ``send()`` and every other piece of new work wake it too.  What may still come unannounced is a
 notification just after work ends (a settle fence, a late WRITE of a request that failed),
 a notification of a cold Expect's request (it turns it warm), and the deadlines of what is
-held without being in flight (an Expect before its ``send()``).  After a polled request ends,
+held without being in flight (an Expect before its ``send()``, a ``send()`` before its Expect,
+which polls nothing: nothing is posted before the Expect comes): an idle wait ends by the
+earliest of them (``Watchdog._idle_wait``).  After a polled request ends,
 cold Expects are polled on for ``WARM_GRACE_S`` (the next hand-off usually comes within it);
 after a request failed with its pages held, for ``SETTLE_POLL_S`` (what settles them needs it).
 

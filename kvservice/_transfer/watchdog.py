@@ -18,7 +18,8 @@ whose timers cannot sleep under a millisecond (uvloop).  Notifications do not
 end it: it hands them to the loop as they come (``_deliver``) and lingers on, so
 a receiver's arrival costs the loop one wake-up and no new tick.  Idle, it sleeps
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
-Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick).
+Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick, and an idle wait
+ends by the earliest deadline).
 
 Proofs.  No handle is released while NIXL says ``PROC``: a release does not stop a
 WRITE under way.  A lost receiver's handles are *drained*, and an ended request's
