@@ -68,6 +68,8 @@ CONFIGS = ("kvservice", "nixl", "nixl-quiet")
 #: the NixlConnector arms kvservice is compared with
 ARMS = ("nixl", "nixl-quiet")
 METRICS = ("handoff_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s", "prefill_cpu_ms", "decode_cpu_ms")
+#: per phase and round, each engine's CPU per request by thread name (ms): the cpu metrics' parts
+THREAD_METRICS = ("prefill_threads_ms", "decode_threads_ms")
 
 
 @dataclass(frozen=True)
