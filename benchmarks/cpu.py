@@ -18,6 +18,11 @@ its daemons and workers, when ``--methods`` has the sidecar); the methods then
 take turns run by run (all started at once, the order rotating each repeat), so
 the machine's drift falls on all of them alike.
 
+``--lag-probe`` measures each kvservice and sidecar case twice per repeat, without and
+with the sender's loop-lag probe of ``kvservice bench`` (a 1 ms ticker on the loop it
+measures), taking turns: what that probe costs, which the bench keeps out of its
+throughput and CPU runs.
+
 ``--profile DIR`` also samples the kvservice and sidecar processes with py-spy
 (``pip install py-spy``; 1 kHz, idle threads left out) during one more run of
 each case and folds the samples into the parts of a request's path
@@ -38,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +51,8 @@ from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
 from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes
 from kvservice.bench.procfs import threads_cpu_and_runs
-from kvservice.bench.run import warm_up
+from kvservice.bench.run import measured_cpu, warm_up
+from kvservice.bench.stats import summarize_sample
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
 
 PROFILE_RATE_HZ = 1000
@@ -87,7 +94,7 @@ def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any
     walls: list[float] = []
     for i in range(repeats):
         before = {role: threads_cpu_and_runs(pid) for role, pid in pids.items()}
-        sample = m.measure(case, f"cpu{tag}-{case.key}-{i}")
+        sample = m.measure(replace(case, lag=False), f"cpu{tag}-{case.key}-{i}")
         after = {role: threads_cpu_and_runs(pid) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
@@ -97,6 +104,23 @@ def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any
     return {"cpu_us": {role: statistics.median(v) for role, v in per.items()},
             "wakes": {role: statistics.median(v) for role, v in wakes.items()},
             "wall_us": statistics.median(walls)}
+
+
+def probe_cost(m: Method, name: str, case: Case, repeats: int) -> None:
+    """What ``kvservice bench``'s loop-lag probe costs: runs without it and with it, taking
+    turns, one line each (``kvservice bench`` measures throughput and CPU without it)."""
+    got: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    n = len(case.requests)
+    for i in range(repeats):
+        for lag in (False, True) if i % 2 == 0 else (True, False):
+            sample = measured_cpu(m, replace(case, lag=lag), f"probe{i}{'l' if lag else ''}-{case.key}")
+            got[lag].append(summarize_sample(sample, 1, n))
+    for lag, runs in got.items():
+        def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
+            return float(statistics.median([r[key] for r in runs]))
+        print(f"{name + (' + lag probe' if lag else ''):<40} {case.key:<9} {med('req_s'):6.0f} req/s | loop CPU "
+              f"us/req: send {med('loop_cpu_send_us'):5.0f}  recv {med('loop_cpu_recv_us'):5.0f} | every thread: "
+              f"send {med('cpu_send_us'):5.0f}  recv {med('cpu_recv_us'):5.0f}", flush=True)
 
 
 def _line(name: str, key: str, wall: float, cpu: dict[str, float], wakes: dict[str, float]) -> str:
@@ -110,7 +134,7 @@ def profile(m: Method, case: Case, out: Path) -> dict[str, dict[str, float]]:
     out.mkdir(parents=True, exist_ok=True)
     pids = processes(m)
     with sampled(pids, out) as files:
-        m.measure(case, f"prof-{case.key}")
+        m.measure(replace(case, lag=False), f"prof-{case.key}")
     n = len(case.requests)
     return {role: fold(path.read_text(), PROFILE_RATE_HZ, n) for role, path in files.items() if path.exists()}
 
@@ -146,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default="raw_nixl,kvservice,sidecar")
     p.add_argument("--profile", type=Path, metavar="DIR", help="also sample with py-spy, stacks kept in DIR")
+    p.add_argument("--lag-probe", action="store_true",
+                   help="each case with and without the senders' loop-lag probe, taking turns: what it costs")
     p.add_argument("--against", type=Path, action="append", default=[],
                    help="another kvservice package directory (repeatable): interleaved with --methods")
     args = p.parse_args(argv)
@@ -174,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             warm_up([m], chosen)
             for case in chosen:
+                if args.lag_probe and name != "raw_nixl":
+                    probe_cost(m, name, case, args.repeats)
+                    continue
                 got = measure(m, case, args.repeats)
                 print(_line(name, case.key, got["wall_us"], got["cpu_us"], got["wakes"]), flush=True)
                 if args.profile is not None and name != "raw_nixl":

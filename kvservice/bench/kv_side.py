@@ -6,9 +6,13 @@ The sender runs ``send(...)`` -> ``await_completion(...)`` per request with
 run up front (as a decode engine does once it has allocated the pages) and
 then ``await_arrival``s each.  Both use kvservice's default configuration.
 
-A ticker task on the sender's loop sleeps ``TICK_S`` again and again and
-records how late it wakes: the loop lag reported per run (``CONFIG["ticker"]``
-false leaves it out, for a measurement of what the idle process costs).
+A ticker task on the sender's loop sleeps ``TICK_S`` again and again while a run
+that asks for it (``"lag": true``, the default) is under way, and records how late it
+wakes: the loop lag reported per run.  It is a load of its own (about 40 us of this
+thread's CPU per tick here, 2026-12-06: 20-45 us per request at 1,500 requests a
+second), so ``kvservice bench`` measures throughput and CPU in runs without it and the
+lag in a run of its own.  ``CONFIG["ticker"]`` false leaves the task out altogether,
+for a measurement of what the idle process costs.
 
 The same two processes drive any object with this API: ``kvservice.bench.sidecar_side``
 runs them with a ``SidecarClient`` in place of the ``TransferService``.
@@ -55,6 +59,7 @@ class Ticker:
         self.gc_pauses: list[float] = []  # cyclic-GC pauses during the run, seconds
         self.gc_cpu: list[float] = []  # their CPU time, seconds
         self.since = float("inf")
+        self._on = asyncio.Event()  # set from start(probe=True) to stop(): it ticks only then
         self._gc_started = self._gc_cpu_started = 0.0
         gc.callbacks.append(self._on_gc)
 
@@ -68,20 +73,25 @@ class Ticker:
 
     async def run(self) -> None:
         while True:
+            await self._on.wait()
             t0 = time.monotonic()
             await anyio.sleep(TICK_S)
             t1 = time.monotonic()
             if t0 >= self.since:  # a sleep begun before start() is not the run's
                 self.lags.append(max(0.0, t1 - t0 - TICK_S))
 
-    def start(self) -> None:
+    def start(self, probe: bool = True) -> None:
+        """Record GC pauses from now on, and with ``probe`` tick and record the lag too."""
         self.lags.clear()
         self.gc_pauses.clear()
         self.gc_cpu.clear()
         self.since = time.monotonic()
+        if probe:
+            self._on.set()
 
     def stop(self) -> list[float]:
         self.since = float("inf")
+        self._on.clear()
         return list(self.lags)
 
 
@@ -96,12 +106,14 @@ def open_service(cfg: dict[str, Any]) -> AbstractAsyncContextManager[Any]:
     return TransferService(make_config(cfg))
 
 
-async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concurrency: int, *,
+                lag: bool = True) -> dict[str, Any]:
     """One measured run on the sender (``svc``: a ``TransferService`` or a
     ``SidecarClient``): ``concurrency`` clients, each sending one
     request after another until none is left.  Clients join one per loop turn, as
     a server's connections would, rather than as one burst of thousands of sends
-    in a single turn."""
+    in a single turn.  ``lag``: the ticker probes the loop meanwhile (``"lags"``: its
+    samples; ``None`` without it)."""
     # The run's requests as tuples of plain values, which the cyclic GC stops tracking at
     # its first collection: as parsed (a dict and two lists each, every request of the
     # run, 12,288 objects at 4,096) every full collection in the sender walked them, which
@@ -122,7 +134,7 @@ async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concur
             else:
                 failed.append(f"{rid}: {result.reason} {result.message}")
 
-    ticker.start()
+    ticker.start(probe=lag)
     start = time.monotonic()
     with anyio.fail_after(RUN_TIMEOUT_S):
         # asyncio's own tasks: an anyio task holds ~27 objects the cyclic GC walks (its
@@ -133,11 +145,12 @@ async def drive(svc: Any, ticker: Ticker, requests: list[dict[str, Any]], concur
                 clients.create_task(client(), name="bench-client")
                 await anyio.lowlevel.checkpoint()
     end = time.monotonic()
-    # A run shorter than one tick would have no lag sample: let the ticker's sleep begun
-    # during the run end first (after ``end``, so throughput is not affected).
-    await anyio.sleep(2 * TICK_S)
+    if lag:
+        # A run shorter than one tick would have no lag sample: let the ticker's sleep begun
+        # during the run end first (after ``end``, so throughput is not affected).
+        await anyio.sleep(2 * TICK_S)
     lags = ticker.stop()
-    return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags,
+    return {"event": "done", "start": start, "end": end, "latencies": lat, "lags": lags if lag else None,
             "gc_max_s": max(ticker.gc_pauses, default=0.0), "gc_cpu_max_s": max(ticker.gc_cpu, default=0.0),
             "ok": len(lat), "failed": failed[:5],
             "nfailed": len(failed)}
@@ -246,7 +259,8 @@ async def sender(cfg: dict[str, Any], stdin: Any, open_svc: Opener = open_servic
             cmd = json.loads(line)
             op = cmd["op"]
             if op == "run":
-                emit(await drive(svc, ticker, cmd["requests"], int(cmd["concurrency"])))
+                emit(await drive(svc, ticker, cmd["requests"], int(cmd["concurrency"]),
+                                 lag=bool(cmd.get("lag", True))))
             elif op == "gc_probe":
                 emit(await gc_probe(svc, cmd["requests"]))
             elif op == "memory":

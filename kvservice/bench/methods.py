@@ -3,7 +3,7 @@
 ``measure(case, prefix)`` moves every request of ``case`` once and returns a
 sample: ``start``/``end`` (``time.monotonic()``, which is one clock for every
 process of the machine), per-request ``latencies`` (seconds), and for
-kvservice and the sidecar the sending worker's loop ``lags``.  A two-process
+kvservice and the sidecar the sending worker's loop ``lags`` (when ``case.lag``).  A two-process
 run ends when both the sender has seen its last completion and the receiver
 its last arrival.
 """
@@ -155,12 +155,14 @@ class _ApiChildren(_TwoChildren):
     receiver expects every request of a run up front, then the sender runs them."""
 
     address = ""  # the sending service's control address, the receiver's ``sender``
+    records_lag = True  # its sender probes its loop's lag in a run that asks (``Case.lag``)
 
     def measure(self, case: Case, prefix: str) -> dict[str, Any]:
         assert self.send is not None and self.recv is not None
         reqs = case.with_prefix(prefix)
         self.recv.call("expect", "expecting", RUN_TIMEOUT_S, requests=reqs, sender=self.address)
-        sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency)
+        sample = self.send.call("run", "done", RUN_TIMEOUT_S, requests=reqs, concurrency=case.concurrency,
+                                lag=case.lag)
         return _two_sided(sample, self.recv.wait("arrived", RUN_TIMEOUT_S), len(reqs))
 
 

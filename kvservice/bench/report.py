@@ -67,8 +67,9 @@ def table(results: dict[str, Any]) -> str:
         lines.append("sc: the sidecar (kvservice serve daemons, a SidecarClient worker on each side); "
                      "sc/raw its ratio, the same way")
     lines += [
-        "lag: kvservice sender's event loop (p99 median over repeats / worst max); floor: the same "
-        "ticker in an idle process at the same time; gc: longest cyclic-GC pause in the sender",
+        "lag: kvservice sender's event loop, p99/max, in a run of its own after the repeats (the 1 ms "
+        "probe is no load on the others); floor: the same ticker in an idle process at the same time; "
+        "gc: longest cyclic-GC pause in the sender",
         "",
     ]
     gb = [m for m in ("limit", "raw_nixl", *rated) if m in methods]

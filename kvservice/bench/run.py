@@ -5,7 +5,10 @@ the aggregation of samples into the report's numbers and targets.
 Every method moves the same requests of the same layout; methods take turns
 case by case, in an order that rotates with each repeat, so noise from the
 machine falls on all of them alike.  Reported numbers are medians over
-repeats; ratios are per-repeat ratios, then their median.
+repeats; ratios are per-repeat ratios, then their median.  The sender's loop lag
+(kvservice, the sidecar) is taken in one more run per case and method, after the
+repeats: its probe ticks every millisecond on the loop it measures, a load the
+throughput and CPU runs are spared (``kv_side.Ticker``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +95,20 @@ def run_cases(methods: list[Method], cases: list[Case], plan: Plan,
             order = methods[k:] + methods[:k]
             line = []
             for m in order:
-                sample = measured_cpu(m, case, f"{rep}.{ci}")
+                sample = measured_cpu(m, replace(case, lag=False), f"{rep}.{ci}")
                 s = summarize_sample(sample, case.pages * pbytes, len(case.requests))
-                if probe is not None and "lag_p99_ms" in s:
-                    floor = probe.call("window", "window", start=sample["start"], end=sample["end"])
-                    s["probe_lag_p99_ms"], s["probe_lag_max_ms"] = floor["p99_ms"], floor["max_ms"]
                 runs[case.key][m.name].append(s)
                 line.append(f"{m.name} {s['gbps']:.2f} GB/s")
             log(f"  [{rep + 1}/{plan.repeats}] {case.key:<16} " + ", ".join(line))
+    for ci, case in enumerate(cases):  # the loop lag, in a run of its own per case and method
+        for m in methods:
+            if getattr(m, "records_lag", False):
+                sample = m.measure(replace(case, lag=True), f"lag.{ci}")
+                s = {k: v for k, v in summarize_sample(sample, 1, 1).items() if k.startswith("lag_")}
+                if probe is not None:
+                    floor = probe.call("window", "window", start=sample["start"], end=sample["end"])
+                    s["probe_lag_p99_ms"], s["probe_lag_max_ms"] = floor["p99_ms"], floor["max_ms"]
+                runs[case.key][m.name].append(s)
     return runs
 
 
@@ -250,7 +260,8 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
             add(f"{key} kv/mooncake {UNITS[c['kv_over_mooncake']['metric']]}, both over TCP",
                 c["kv_over_mooncake"]["median"], TARGETS["kv_over_mooncake"], "higher")
     for label, wl in (("256 MiB requests (w1)", "w1"), ("in-flight scaling (w3)", "w3")):
-        kvr = [r for c in cases.values() if c["workload"] == wl for r in c["runs"].get("kvservice", [])]
+        kvr = [r for c in cases.values() if c["workload"] == wl for r in c["runs"].get("kvservice", [])
+               if "lag_p99_ms" in r]
         if kvr:
             floor_p99 = [r["probe_lag_p99_ms"] for r in kvr if "probe_lag_p99_ms" in r]
             floor_max = [r["probe_lag_max_ms"] for r in kvr if "probe_lag_max_ms" in r]

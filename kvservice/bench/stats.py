@@ -36,8 +36,9 @@ def summarize_sample(sample: dict[str, Any], nbytes: int, nreq: int) -> dict[str
     lags = sample.get("lags")
     if lags is not None:
         out.update(lag_p50_ms=quantile(lags, 0.50) * 1e3, lag_p99_ms=quantile(lags, 0.99) * 1e3,
-                   lag_max_ms=max(lags, default=0.0) * 1e3, lag_samples=len(lags),
-                   gc_pause_lag_max_ms=sample.get("gc_max_s", 0.0) * 1e3,
+                   lag_max_ms=max(lags, default=0.0) * 1e3, lag_samples=len(lags))
+    if "gc_max_s" in sample:
+        out.update(gc_pause_lag_max_ms=sample["gc_max_s"] * 1e3,
                    gc_pause_cpu_lag_max_ms=sample.get("gc_cpu_max_s", 0.0) * 1e3)
     return out
 
@@ -46,8 +47,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeats; loop-lag max is the worst of all repeats."""
     if not runs:
         return {}
-    out: dict[str, Any] = {"repeats": len(runs)}
-    for key in runs[0]:
+    out: dict[str, Any] = {"repeats": sum("elapsed_s" in r for r in runs)}
+    for key in dict.fromkeys(k for r in runs for k in r):  # a lag run's keys are not every run's
         values = [r[key] for r in runs if key in r]
         out[key] = max(values) if key.endswith("lag_max_ms") else median(values)
     return out

@@ -52,6 +52,8 @@ class Case:
     variant: str  # e.g. "contiguous", "scattered", "c16"
     concurrency: int
     requests: list[Request] = field(default_factory=list)
+    #: the sender's loop-lag probe runs during it (``kv_side.Ticker``): a load of its own
+    lag: bool = True
 
     @property
     def key(self) -> str:
