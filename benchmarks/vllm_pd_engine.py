@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from kvservice.testing.engine_process import read_commands, say
+from kvservice.testing.engine_process import IDLE_STEP_SLEEP_S, read_commands, record_model_executed, say
 
 #: 8 layers, 4 KV heads of 128 floats: 32 KiB of KV per token (float32), random but far from
 #: uniform (``initializer_range``) so that the tokens depend on every bit of the KV; seeded, so
@@ -65,27 +65,6 @@ def pin_threads(cpu: int) -> int:
     return moved
 
 
-#: what vLLM's engine core process sleeps after a step that executed no model while its
-#: scheduler still has requests (``EngineCoreProc._process_engine_step``); the in-process
-#: client (``InprocClient.get_output``) steps without it, so ``serve`` adds it
-IDLE_STEP_SLEEP_S = 0.001
-
-
-def _record_model_executed(core: Any) -> list[bool]:
-    """Wrap ``core.step_fn`` (an attribute of the engine core, which the in-process client
-    calls) so that the returned cell holds whether the last step executed the model."""
-    cell = [True]
-    step_fn = core.step_fn
-
-    def step() -> Any:
-        outputs, model_executed = step_fn()
-        cell[0] = bool(model_executed)
-        return outputs, model_executed
-
-    core.step_fn = step
-    return cell
-
-
 def serve(cfg: dict[str, Any]) -> None:
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.config import KVTransferConfig
@@ -99,7 +78,7 @@ def serve(cfg: dict[str, Any]) -> None:
     moved = pin_threads(int(cfg["cpu"]))
     core = engine.engine_core.engine_core  # in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     scheduler = core.scheduler
-    executed = _record_model_executed(core)
+    executed = record_model_executed(core)
     commands = read_commands()
     started: set[str] = set()
     say({"ready": True, "pid": os.getpid(), "moved": moved})

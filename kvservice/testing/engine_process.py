@@ -9,7 +9,9 @@ command a line on the child's stdin, the child answers JSON lines on its stdout.
   closes the pipes to it.  How to kill one that does not quit is the caller's
   (one process, or its whole session).
 * The child's side: ``say`` prints an answer; ``read_commands`` feeds a queue
-  from stdin.
+  from stdin; ``record_model_executed`` and ``IDLE_STEP_SLEEP_S`` let an in-process vLLM
+  engine step as vLLM's engine-core process does (it sleeps after a step that ran no
+  model while its scheduler still has requests; the in-process client does not).
 
 Plain standard library, nothing of the engine: the child imports its engine
 itself, after this module.
@@ -26,6 +28,10 @@ from typing import Any
 
 #: how long ``reap`` waits for a process that was asked to quit or was killed
 REAP_TIMEOUT_S = 30.0
+#: what vLLM's engine core process sleeps after a step that executed no model while its
+#: scheduler still has requests (``EngineCoreProc._process_engine_step``); the in-process
+#: client (``InprocClient.get_output``) steps without it
+IDLE_STEP_SLEEP_S = 0.001
 
 
 # -- the parent's side ------------------------------------------------------------------
@@ -81,3 +87,20 @@ def read_commands() -> queue.Queue[dict[str, Any] | None]:
 
     threading.Thread(target=read, daemon=True).start()
     return commands
+
+
+def record_model_executed(core: Any) -> list[bool]:
+    """Wrap ``core.step_fn`` (an attribute of vLLM's engine core, which its in-process
+    client calls) so that the returned cell holds whether the last step executed the model:
+    after a step that did not, while the scheduler has requests, the child sleeps
+    ``IDLE_STEP_SLEEP_S`` as vLLM's engine-core process does."""
+    cell = [True]
+    step_fn = core.step_fn
+
+    def step() -> Any:
+        outputs, model_executed = step_fn()
+        cell[0] = bool(model_executed)
+        return outputs, model_executed
+
+    core.step_fn = step
+    return cell

@@ -15,7 +15,9 @@ How it steps (``"stepping"`` in the config):
 
 * ``"busy"`` (the default): between commands it steps the engine while vLLM's scheduler has
   work (requests, or blocks held for a decode), as vLLM's engine-core process does in
-  ``vllm serve`` and in the offline ``LLM`` with its default multiprocessing;
+  ``vllm serve`` and in the offline ``LLM`` with its default multiprocessing: a step that ran
+  no model (a decode waiting for its KV, a prefill holding blocks for a pull) is followed by
+  ``IDLE_STEP_SLEEP_S`` (1 ms) of sleep, as there;
 * ``"request"``: it steps only while a request it was given is unfinished, as
   ``LLM.generate()`` does with the engine core in-process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): once a prefill's output is out, nothing steps
@@ -31,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from kvservice.testing.engine_process import read_commands, say
+from kvservice.testing.engine_process import IDLE_STEP_SLEEP_S, read_commands, record_model_executed, say
 
 #: the model: small, float32, random but far from uniform (initializer_range) so that the
 #: tokens depend on every bit of the KV; seeded, so every process builds the same one
@@ -141,6 +143,7 @@ def serve(cfg: dict[str, Any]) -> None:
             out["prom"] = prom_samples()
         return out
 
+    executed = record_model_executed(core)
     commands = read_commands()
     say({"ready": True, "pid": os.getpid(), **state()})
 
@@ -170,6 +173,8 @@ def serve(cfg: dict[str, Any]) -> None:
                     say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),
                           "params": out.kv_transfer_params, "cached": out.num_cached_tokens,
                           "finish": out.outputs[0].finish_reason, "t": time.monotonic()})
+            if cfg.get("stepping", "busy") == "busy" and not executed[0] and busy():
+                time.sleep(IDLE_STEP_SLEEP_S)  # vLLM's engine-core process, after such a step's outputs
     if worker is not None:
         worker.shutdown()
 
