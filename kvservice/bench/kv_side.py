@@ -9,8 +9,8 @@ then ``await_arrival``s each.  Both use kvservice's default configuration.
 A ticker task on the sender's loop sleeps ``TICK_S`` again and again while a run
 that asks for it (``"lag": true``, the default) is under way, and records how late it
 wakes: the loop lag reported per run.  It is a load of its own (about 40 us of this
-thread's CPU per tick here, 2026-12-06: 20-45 us per request at 1,500 requests a
-second), so ``kvservice bench`` measures throughput and CPU in runs without it and the
+thread's CPU per tick here, 2026-12-06: 24-62 us per request at 16 or more in flight),
+so ``kvservice bench`` measures throughput and CPU in runs without it and the
 lag in a run of its own.  ``CONFIG["ticker"]`` false leaves the task out altogether,
 for a measurement of what the idle process costs.
 
