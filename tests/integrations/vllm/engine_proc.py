@@ -147,8 +147,10 @@ def serve(cfg: dict[str, Any]) -> None:
     commands = read_commands()
     say({"ready": True, "pid": os.getpid(), **state()})
 
+    in_process = cfg.get("stepping", "busy") == "request"
+
     def busy() -> bool:
-        if cfg.get("stepping", "busy") == "request":
+        if in_process:
             return bool(engine.has_unfinished_requests())
         return bool(scheduler.has_requests())
 
@@ -173,7 +175,7 @@ def serve(cfg: dict[str, Any]) -> None:
                     say({"id": out.request_id, "tokens": list(out.outputs[0].token_ids),
                           "params": out.kv_transfer_params, "cached": out.num_cached_tokens,
                           "finish": out.outputs[0].finish_reason, "t": time.monotonic()})
-            if cfg.get("stepping", "busy") == "busy" and not executed[0] and busy():
+            if not in_process and not executed[0] and busy():
                 time.sleep(IDLE_STEP_SLEEP_S)  # vLLM's engine-core process, after such a step's outputs
     if worker is not None:
         worker.shutdown()
