@@ -12,6 +12,12 @@ thing it cannot mint, its source (the IP address its connection comes from):
   backoff that doubles with each, from ``base_s`` up to ``max_s``.  (Not after
   the first: peers of one host share its source, and on loopback every peer is
   one source, so one incident does not lock the honest ones out);
+* a cost the network may have caused rather than the bytes (``escalate=False``:
+  NIXL refusing the load, whose connect to the peer failed, as for a peer cut off
+  mid-handshake; or a load that hung) escalates only when it follows the source's
+  last charge within ``window_s``: a peer whose handshakes a flaky network breaks
+  now and then stays vetted apart, never refused, and one that costs the child
+  again and again backs off as above;
 * a source with nothing charged for ``2 * max_s`` is forgotten, and at most
   ``remembered`` sources are kept (the oldest charged goes first).
 """
@@ -21,11 +27,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "Strikes"]
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_S", "NETWORK_WINDOW_S", "Strikes"]
 
 #: the first backoff: about what a child's start costs here (benchmarks/vetting_cost.py)
 BACKOFF_S = 2.0
 BACKOFF_MAX_S = 300.0
+#: a cost the network may have caused escalates only this soon (seconds) after the last charge
+NETWORK_WINDOW_S = 60.0
 REMEMBERED_SOURCES = 4096
 
 
@@ -40,15 +48,23 @@ class Strikes:
     """The table; see the module docstring for the policy."""
 
     def __init__(self, base_s: float = BACKOFF_S, max_s: float = BACKOFF_MAX_S,
-                 remembered: int = REMEMBERED_SOURCES) -> None:
+                 remembered: int = REMEMBERED_SOURCES, window_s: float = NETWORK_WINDOW_S) -> None:
         self.base_s = base_s
         self.max_s = max_s
+        self.window_s = window_s
         self._remembered = remembered
         self._d: collections.OrderedDict[str, _Record] = collections.OrderedDict()  # oldest charged first
 
-    def charge(self, source: str, now: float) -> tuple[int, float]:
-        """``source``'s metadata cost a child at ``now``: its strikes and its backoff (s) now."""
+    def charge(self, source: str, now: float, *, escalate: bool = True) -> tuple[int, float]:
+        """``source``'s metadata cost a child at ``now``: its strikes and its backoff (s) now.
+        ``escalate=False``: the network may be to blame, so a source with a strike already
+        gets none more (it stays vetted apart, its backoff as it was) unless its last charge
+        was less than ``window_s`` ago."""
         record = self._get(source, now)
+        if record is not None and not escalate and now - record.last >= self.window_s:
+            record.last = now
+            self._d.move_to_end(source)
+            return record.strikes, max(0.0, record.until - now)
         strikes = 1 if record is None else record.strikes + 1
         backoff = 0.0 if strikes == 1 else min(self.base_s * 2 ** min(strikes - 2, 32), self.max_s)
         self._d[source] = _Record(strikes, now + backoff, now)
@@ -63,6 +79,11 @@ class Strikes:
         if record is None or now >= record.until:
             return None
         return record.strikes, record.until - now
+
+    def count(self, source: str, now: float) -> int:
+        """``source``'s strikes (0: none, or forgotten)."""
+        record = self._get(source, now)
+        return 0 if record is None else record.strikes
 
     def struck(self, source: str, now: float) -> bool:
         """Whether ``source`` is charged with any (then its metadata is vetted apart)."""

@@ -23,7 +23,11 @@ taints a child is charged to the source it came from (its IP address; agent name
 cost nothing), whose metadata is from then on vetted on a second child, started
 for such sources only when one needs it; the first child, which every other
 peer's first link is vetted on, is not lost to that source again.  Each further
-charge refuses the source's Joins for a doubling backoff (``vetting_backoff``).
+charge refuses the source's Joins for a doubling backoff (``vetting_backoff``),
+except where the network may be to blame (NIXL refused the load, whose connect to
+the peer failed; or it hung): those escalate only when they follow the source's last
+charge within a minute, so a peer whose handshakes a cut breaks now and then is
+vetted apart, never refused (``Strikes.charge(escalate=False)``).
 
 The child starts as the service starts.  It imports NIXL and nothing of the
 service (``vetchild``): ~0.3 s of CPU and ~55 MB resident here, which a service
@@ -106,6 +110,7 @@ class _Pending:
     #: child (stopped, starved) or the machine may be to blame, so it is not remembered unsafe
     hung: bool = False
     retry: bool = False  # the child died loading an earlier request: try again
+    asked: float = 0.0  # when it was sent to the child (monotonic seconds; its turn: nothing before it)
 
 
 @dataclass(eq=False)
@@ -140,7 +145,7 @@ class MetadataVetter:
         self.load_timeout_s = load_timeout_s
         self._child: _Child | None = None
         self._apart: _Child | None = None  # the second lane's child, while one runs
-        self.strikes = strikes or Strikes()
+        self.strikes = strikes if strikes is not None else Strikes()  # (an empty table is falsy)
         self._ids = itertools.count(1)
         self._safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._unsafe: collections.OrderedDict[bytes, str] = collections.OrderedDict()
@@ -234,10 +239,12 @@ class MetadataVetter:
             self._tg.start_soon(self._supervise, child)
         return child
 
-    def _charge(self, pending: _Pending, how: str) -> None:
-        """``pending``'s metadata cost its child (``how``): its source backs off (``strikes``)."""
-        strikes, backoff = self.strikes.charge(pending.source, time.monotonic())
-        log.warning("vetting.source_charged", source=pending.source, how=how, strikes=strikes, backoff_s=backoff)
+    def _charge(self, pending: _Pending, how: str, *, escalate: bool = True) -> None:
+        """``pending``'s metadata cost its child (``how``): its source backs off (``strikes``);
+        not ``escalate``: the network may be to blame (``Strikes.charge``)."""
+        strikes, backoff = self.strikes.charge(pending.source, time.monotonic(), escalate=escalate)
+        log.warning("vetting.source_charged", source=pending.source, how=how, strikes=strikes, backoff_s=backoff,
+                    network=not escalate)
 
     async def _ask(self, child: _Child, metadata: bytes, digest: bytes, source: str) -> _Pending:
         async with child.turn:
@@ -246,7 +253,7 @@ class MetadataVetter:
                 pending.done.set()
                 return pending
             rid = next(self._ids)
-            pending = child.pending[rid] = _Pending(digest, source)
+            pending = child.pending[rid] = _Pending(digest, source, asked=time.monotonic())
             assert child.stream is not None
             try:
                 await child.stream.send(REQUEST.pack(rid, len(metadata)) + metadata)
@@ -332,7 +339,10 @@ class MetadataVetter:
                         if status != LOADED:
                             child.tainted = True
                             self._kill(child)
-                            self._charge(pending, f"tainted it: {message}")
+                            # NIXL refuses a peer it cannot connect to as well as bytes it
+                            # will not take (a connect cut off failed after 3.07 s here)
+                            took = time.monotonic() - pending.asked
+                            self._charge(pending, f"tainted it after {took:.2f} s: {message}", escalate=False)
                     pending.done.set()
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
                 OSError):
@@ -357,7 +367,7 @@ class MetadataVetter:
                               f"NIXL metadata that UCX cannot unpack: the vetting process {how}")
                 log.warning("vetting.child_died", pid=child.proc.pid if child.proc else None, how=how,
                             source=pending.source, apart=child.apart, hung=pending.hung)
-                self._charge(pending, how)
+                self._charge(pending, how, escalate=not pending.hung)
             else:
                 pending.retry = True
             pending.done.set()
