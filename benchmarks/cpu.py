@@ -9,8 +9,10 @@ same cases, as ``kvservice bench`` does, and reads every process's CPU time
 microseconds of CPU per request on the sending and the receiving side (the
 sidecar's side is its worker and its daemon together, each also shown alone), and
 how often each process's threads were put on a CPU per request (``wakes``: every
-wake-up, and every preemption, is one; ``kvservice.bench.procfs.threads_cpu_and_runs``).
+wake-up, and every preemption, is one; ``kvservice.bench.procfs.threads_by_name``).
 Wall time per request and the method's own throughput are printed beside them.
+``--threads`` also prints each process's threads by name (``loop``: its main thread,
+the event loop's; ``kvservice-nixl``: the service's NIXL thread).
 
 ``--against PKG`` (repeatable) adds another kvservice package directory as a method
 of its own (``kvservice@PKG``, as ``benchmarks.compare`` runs it, and ``sidecar@PKG``,
@@ -50,7 +52,7 @@ from typing import Any
 from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
 from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes
-from kvservice.bench.procfs import threads_cpu_and_runs
+from kvservice.bench.procfs import threads_by_name
 from kvservice.bench.run import measured_cpu, warm_up
 from kvservice.bench.stats import summarize_sample
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases
@@ -87,23 +89,44 @@ def sampled(pids: dict[str, int], out: Path | None) -> Iterator[dict[str, Path]]
                 spy.wait()
 
 
+#: the name ``--threads`` gives a process's main thread: the event loop's in every process measured
+LOOP = "loop"
+
+
 def measure(m: Method, case: Case, repeats: int, tag: str = "") -> dict[str, Any]:
     pids = processes(m)
     per: dict[str, list[float]] = {role: [] for role in pids}
     wakes: dict[str, list[float]] = {role: [] for role in pids}
+    by_thread: dict[tuple[str, str], list[tuple[float, float]]] = {}
     walls: list[float] = []
     for i in range(repeats):
-        before = {role: threads_cpu_and_runs(pid) for role, pid in pids.items()}
+        before = {role: threads_by_name(pid, main=LOOP) for role, pid in pids.items()}
         sample = m.measure(replace(case, lag=False), f"cpu{tag}-{case.key}-{i}")
-        after = {role: threads_cpu_and_runs(pid) for role, pid in pids.items()}
+        after = {role: threads_by_name(pid, main=LOOP) for role, pid in pids.items()}
         n = len(case.requests)
         for role in pids:
-            per[role].append((after[role][0] - before[role][0]) / n * 1e6)
-            wakes[role].append((after[role][1] - before[role][1]) / n)
+            deltas = {name: (cpu - before[role].get(name, (0.0, 0))[0], runs - before[role].get(name, (0.0, 0))[1])
+                      for name, (cpu, runs) in after[role].items()}
+            per[role].append(sum(cpu for cpu, _ in deltas.values()) / n * 1e6)
+            wakes[role].append(sum(runs for _, runs in deltas.values()) / n)
+            for name, (cpu, runs) in deltas.items():
+                by_thread.setdefault((role, name), []).append((cpu / n * 1e6, runs / n))
         walls.append((sample["end"] - sample["start"]) / n * 1e6)
     return {"cpu_us": {role: statistics.median(v) for role, v in per.items()},
             "wakes": {role: statistics.median(v) for role, v in wakes.items()},
+            "threads": {key: (statistics.median(c for c, _ in v), statistics.median(r for _, r in v))
+                        for key, v in by_thread.items()},
             "wall_us": statistics.median(walls)}
+
+
+def _thread_lines(threads: dict[tuple[str, str], tuple[float, float]]) -> list[str]:
+    """Per process, its threads that spent at least 1 us per request: CPU and wake-ups per
+    request (threads of one name summed: the main thread is ``loop``, the event loop's)."""
+    roles = dict.fromkeys(role for role, _ in threads)
+    return [f"    {role:<15} " + "  ".join(f"{name} {cpu:.0f} us ({runs:.2f} wakes)"
+                                         for (r, name), (cpu, runs) in sorted(threads.items(), key=lambda kv: -kv[1][0])
+                                         if r == role and cpu >= 1.0)
+            for role in roles]
 
 
 def probe_cost(m: Method, name: str, case: Case, repeats: int) -> None:
@@ -172,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--profile", type=Path, metavar="DIR", help="also sample with py-spy, stacks kept in DIR")
     p.add_argument("--lag-probe", action="store_true",
                    help="each case with and without the senders' loop-lag probe, taking turns: what it costs")
+    p.add_argument("--threads", action="store_true",
+                   help="also each process's threads: CPU and wake-ups per request, by thread name")
     p.add_argument("--against", type=Path, action="append", default=[],
                    help="another kvservice package directory (repeatable): interleaved with --methods")
     args = p.parse_args(argv)
@@ -205,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     continue
                 got = measure(m, case, args.repeats)
                 print(_line(name, case.key, got["wall_us"], got["cpu_us"], got["wakes"]), flush=True)
+                if args.threads:
+                    print("\n".join(_thread_lines(got["threads"])), flush=True)
                 if args.profile is not None and name != "raw_nixl":
                     parts = profile(m, case, args.profile / name / case.key.replace("/", "-"))
                     for role, by_part in parts.items():
