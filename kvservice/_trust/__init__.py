@@ -4,6 +4,8 @@
   key: refused when others can read it; ``kvservice keygen`` writes one).
 * ``handshake``: the mutual challenge-response both peers run before any NIXL
   metadata moves, and the per-frame MACs that protect the link afterwards.
+* ``mac``: HMAC-SHA256 for the MACs computed per request (frames, notifications,
+  hand-offs), with each key's block hashes kept: the same tags at a quarter of the cost.
 * ``handoff``: the MAC an engine's hand-off carries (vLLM's ``kv_transfer_params``), under
   a key derived from the cluster's key for that use alone, and with member identities its
   prefill member's signature, checked as the handshake's certificates are.

@@ -29,6 +29,7 @@ import struct
 from collections.abc import Mapping, Sequence
 
 from .identity import IDENTITY, Identity, IdentityRefused, Member, role_claim
+from .mac import hmac_sha256
 from .revocation import Revocations
 
 #: what the hand-off key is derived for (HMAC-SHA256 of the cluster key over this label)
@@ -78,7 +79,7 @@ def _text(value: str) -> bytes:
 
 def mac(key: bytes, fields: Sequence[Field]) -> str:
     """The hex MAC of ``fields`` under the hand-off key ``key``."""
-    return hmac.digest(key, encode(fields), "sha256").hex()
+    return hmac_sha256(key, encode(fields)).hex()
 
 
 def mac_ok(key: bytes, fields: Sequence[Field], claimed: object) -> bool:

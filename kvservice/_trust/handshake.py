@@ -53,6 +53,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from .mac import HmacSha256, hmac_sha256
+
 NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
 #: bytes of MAC appended to each frame after the handshake (truncated HMAC-SHA256)
@@ -193,16 +195,16 @@ class FrameMac:
 
     Not thread-safe; one instance per connection, used from its event loop only."""
 
-    __slots__ = ("_recv_key", "_recv_seq", "_send_key", "_send_seq")
+    __slots__ = ("_recv_mac", "_recv_seq", "_send_mac", "_send_seq")
 
     def __init__(self, key: bytes, script: bytes, role: str) -> None:
-        self._send_key = _derive(key, b"frames ", role, script)
-        self._recv_key = _derive(key, b"frames ", _peer_role(role), script)
+        self._send_mac = HmacSha256(_derive(key, b"frames ", role, script))
+        self._recv_mac = HmacSha256(_derive(key, b"frames ", _peer_role(role), script))
         self._send_seq = 0
         self._recv_seq = 0
 
     def seal(self, body: bytes) -> bytes:
-        tag = hmac.digest(self._send_key, _SEQ.pack(self._send_seq) + body, "sha256")[:MAC_BYTES]
+        tag = self._send_mac.digest(_SEQ.pack(self._send_seq) + body)[:MAC_BYTES]
         self._send_seq += 1
         return body + tag
 
@@ -211,7 +213,7 @@ class FrameMac:
         if len(sealed) < MAC_BYTES:
             return None
         body, tag = sealed[:-MAC_BYTES], sealed[-MAC_BYTES:]
-        want = hmac.digest(self._recv_key, _SEQ.pack(self._recv_seq) + body, "sha256")[:MAC_BYTES]
+        want = self._recv_mac.digest(_SEQ.pack(self._recv_seq) + body)[:MAC_BYTES]
         if not hmac.compare_digest(want, tag):
             return None
         self._recv_seq += 1
@@ -258,4 +260,4 @@ class LinkSecrets:
 
 def notif_mac(key: bytes, body: bytes) -> bytes:
     """The MAC a notification's ``body`` carries under ``key``."""
-    return hmac.digest(key, body, "sha256")[:NOTIF_MAC_BYTES]
+    return hmac_sha256(key, body)[:NOTIF_MAC_BYTES]
