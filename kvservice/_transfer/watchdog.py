@@ -137,6 +137,11 @@ class Watchdog:
         #: its receiver polls until at least ``WARM_GRACE_S`` after that (``_tell_posted``)
         self._inline: dict[str, float] = {}
         self._submitted_at = 0.0  # when the tick in flight (the one digested next) was planned
+        #: the tick being digested: its ``_first``, when it was planned, and its forgotten peers
+        #: (``_end_tick``), kept apart from those of a tick queued before its digest
+        self._ended_first: dict[str, list[SendRequest]] = {}
+        self._ended_at = 0.0
+        self._ended_forgotten: set[str] = set()
         self._idle_until = 0.0  # when the idle wait under way ends (0: none is)
         self._wake = anyio.Event()
         self._stopping = False
@@ -317,8 +322,9 @@ class Watchdog:
             self._stopped.set()
 
     async def stop(self) -> None:
-        """End ``run`` after the tick in flight is digested (so that ``tick`` then runs
-        alone: two ticks in flight could check one handle twice)."""
+        """End ``run`` after the ticks in flight are digested, a tick queued behind the one
+        returning included (so that ``tick`` then runs alone: two ticks in flight could check
+        one handle twice)."""
         self._stopping = True
         self.wake()
         await self._stopped.wait()
@@ -326,7 +332,7 @@ class Watchdog:
 
     async def _run(self) -> None:
         next_scan = 0.0
-        while not self._stopping:
+        while not self._stopping or self._ahead is not None:  # a tick queued is digested first
             if self._ahead is None and not (self._ready or self._releases or self._late or self._inflight
                                             or self._drains or self._owner.busy()):
                 self._wake = anyio.Event()
@@ -349,11 +355,18 @@ class Watchdog:
             finally:
                 if self._ahead is ahead:
                     self._ahead = None
+            self._end_tick()
+            if (self._ready or self._late) and not self._stopping:
+                # Posts wait (more than one tick's budget was ready, or they came while it
+                # ran): queue the next tick before digesting this one, so the door thread
+                # copies while the loop digests and the senders it wakes send again.  It
+                # checks none of the handles this one found ended (their digest lets them go).
+                self._ahead = self._submit(linger=False, ended=outcome.checked)
             self._digest(outcome)
             if outcome.notifs:  # news while idle, maybe more behind it: look again soon
                 self._idle.reset()
             if self._stopping:
-                return
+                continue
             now = self._clock()
             if now >= next_scan:
                 self._owner.check_deadlines(now)
@@ -381,14 +394,26 @@ class Watchdog:
 
     async def tick(self) -> None:
         """One round trip to the door thread with whatever is due (no lingering)."""
-        self._digest(await self._submit(linger=False))
+        outcome = await self._submit(linger=False)
+        self._end_tick()
+        self._digest(outcome)
 
-    def _submit(self, *, linger: bool) -> asyncio.Future[TickOutcome]:
+    def _end_tick(self) -> None:
+        """The tick in flight has returned: what its digest needs moves aside (the requests
+        whose first WRITE it posted, when it was planned, the peers forgotten while it ran),
+        so that a tick queued before that digest (``_run``) collects its own."""
+        self._ended_first, self._first = self._first, {}
+        self._ended_at = self._submitted_at
+        self._ended_forgotten, self._fences_forgotten = self._fences_forgotten, set()
+
+    def _submit(self, *, linger: bool, ended: list[tuple[XferId, XferState | DoorError]] | None = None,
+                ) -> asyncio.Future[TickOutcome]:
         """Plan a tick and queue it on the door thread.  With ``linger`` and nothing to
-        post or release, it waits there (polling) for news for up to ``LINGER_S``."""
+        post or release, it waits there (polling) for news for up to ``LINGER_S``.
+        ``ended``: the handles an undigested tick found ended, which this one leaves alone."""
         self._thread.interrupt.clear()  # set again by any wake() from here on
         self._submitted_at = self._clock()
-        plan = self._plan()
+        plan = self._plan(ended)
         if self._late:  # handed over to the last tick after it stopped looking: planned first
             plan.posts[:0] = take_late(self._late)
         plan.late = self._late  # what is handed over from now on goes after this plan's posts
@@ -443,7 +468,7 @@ class Watchdog:
         for key, got, state in outcome.posted:
             req, nbytes = key
             if nbytes == FENCE:  # tracked only so its handle is checked until done
-                if isinstance(got, int) and state is XferState.PROC and req.peer not in self._fences_forgotten:
+                if isinstance(got, int) and state is XferState.PROC and req.peer not in self._ended_forgotten:
                     self._inflight[got] = (req, FENCE)
                 elif isinstance(got, DoorError):
                     self.proofs.unproven(req.peer, req.request_id, "fence post failed")
@@ -472,7 +497,6 @@ class Watchdog:
                     req.inflight.add(got)
             if req.finished:
                 self._settle_if_released(req)
-        self._fences_forgotten.clear()
         self._drains.check_all()  # drains that waited only for this tick's posts
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
@@ -503,12 +527,12 @@ class Watchdog:
                     "check_xfer_state"))
         if outcome.notifs:
             self._owner.on_notifs(outcome.notifs)
-        if self._first:
+        if self._ended_first:
             self._tell_posted()
 
     def _tell_posted(self) -> None:
-        """Tell the receivers of the requests whose first WRITE was planned since the last
-        digest that they are posted (``Posted``): they poll for them from this word on.
+        """Tell the receivers of the requests whose first WRITE the tick digested posted
+        (``_end_tick``) that they are posted (``Posted``): they poll for them from this word on.
 
         After the post, not before: writing the frame (and its reading on the receiver)
         would hold up the post, both processes sharing the cores (measured, w2/c1: the post
@@ -525,7 +549,7 @@ class Watchdog:
         Hand-offs one after another then cost no frame each.  Should that receiver not poll
         (its loop held past the margin, that request ended there before its notification),
         its idle ticks take the notification, the first ``IDLE_FIRST_S`` after its last work."""
-        first, self._first = self._first, {}
+        first, self._ended_first = self._ended_first, {}
         now = self._clock()
         for peer, reqs in first.items():
             seen = self._inline.get(peer)
@@ -533,14 +557,14 @@ class Watchdog:
             rids = []
             for req in reqs:
                 if req.result is not None and req.result.ok:  # completed within this tick's post
-                    self._inline[peer] = self._submitted_at
+                    self._inline[peer] = self._ended_at
                     if polled:
                         continue
                 rids.append(req.request_id)
             if rids:
                 self._owner.first_posts(peer, rids)
 
-    def _plan(self) -> TickPlan:
+    def _plan(self, ended: list[tuple[XferId, XferState | DoorError]] | None = None) -> TickPlan:
         if self._drains.until:
             self._drains.expire(self._clock())
         plan = TickPlan(releases=self._releases, posts=self._fences)
@@ -548,6 +572,9 @@ class Watchdog:
         self._fences = []
         self._take_posts(plan.posts, self._max_posts, self._max_post_bytes)
         xids = list(self._inflight) + list(self._drains.handles)
+        if ended:
+            gone = {xid for xid, _ in ended}
+            xids = [xid for xid in xids if xid not in gone]
         if len(xids) <= self._max_checks:
             plan.checks = xids
         else:
