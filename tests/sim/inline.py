@@ -2,10 +2,14 @@
 
 Calls run at once, in the order they are made (the real thread runs them in
 queue order), and the caller then yields once, as it would waiting for the
-thread.  A watchdog tick that asks to *linger* does its work at once; if it
-has nothing to report it stays pending for its linger time (virtual) and then
-polls once more, or ends early when ``interrupt`` is set, as the real tick
-does when the loop has new work (posting what the loop handed over first).
+thread.  A tick that posts keeps the thread busy for ``POST_S`` (virtual) per post,
+the copy's time: its outcome, and that of every call queued behind it, comes back
+only then, in queue order, so the watchdog can queue the next tick behind one that
+posts (``Watchdog._queue_next``) as it does on the real thread.  A watchdog tick that
+asks to *linger* does its work at once; if it has nothing to report it stays pending
+for its linger time (virtual) and then polls once more, or ends early when
+``interrupt`` is set, as the real tick does when the loop has new work (posting what
+the loop handed over first).
 
 ``kill()`` is the SIGKILL of the process that owns it: from then on every call
 raises ``CancelledError`` where it stands, so the dead service's code stops
@@ -21,6 +25,9 @@ from typing import Any, TypeVar
 from kvservice._nixl.door import Door, TickOutcome, TickPlan, XferId, _check, post_late, run_tick
 
 T = TypeVar("T")
+
+#: virtual seconds the thread stays busy per post of a tick (the copy's time)
+POST_S = 0.0005
 
 
 class _Interrupt:
@@ -56,6 +63,12 @@ class InlineDoorThread:
         self._linger: _Linger | None = None
         self.killed = False
         self.calls = 0
+        #: when the thread is done with the posts queued so far (virtual time)
+        self._busy_until = 0.0
+        self._deferred: list[asyncio.Future[Any]] = []
+        #: ticks whose outcome came back while another tick was still due (a tick queued
+        #: behind one that posts): how often the sim drove that path
+        self.overlapped = 0
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         self.interrupt.set()
@@ -73,6 +86,19 @@ class InlineDoorThread:
             future.cancel()
             return future
         self.calls += 1
+        now = loop.time()
+        if fn is run_tick and (args[1].posts or now < self._busy_until):
+            # run now (the door's tables change in queue order), answered once the thread
+            # has done the copies queued before it and its own
+            if now < self._busy_until:
+                self.overlapped += 1
+            plan = args[1]
+            plan.linger = 0.0  # a tick with posts does not linger; one behind them is answered after them
+            self._answer_later(future, fn, args, now, POST_S * len(plan.posts))
+            return future
+        if now < self._busy_until:  # behind a tick's copies
+            self._answer_later(future, fn, args, now, 0.0)
+            return future
         if fn is run_tick and args[1].linger > 0:
             door, plan = args
             assert isinstance(plan, TickPlan)
@@ -90,6 +116,27 @@ class InlineDoorThread:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the real thread does
             future.set_exception(exc)
         return future
+
+    def _answer_later(self, future: asyncio.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...],
+                      now: float, cost: float) -> None:
+        # each answer strictly after the one before (timers due at one instant may run in any order)
+        self._busy_until = max(now, self._busy_until) + cost + 1e-9
+        delay = self._busy_until - now
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as the real thread does
+            result, error = None, exc
+        self._deferred.append(future)
+
+        def answer() -> None:
+            self._deferred.remove(future)
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        asyncio.get_running_loop().call_later(delay, answer)
 
     def _end_linger(self) -> None:
         linger, self._linger = self._linger, None
@@ -121,3 +168,5 @@ class InlineDoorThread:
     def kill(self) -> None:
         self.killed = True
         self._end_linger()
+        for future in self._deferred:
+            future.cancel()
