@@ -8,6 +8,7 @@ once, when the host is a name) and the port.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 
@@ -21,6 +22,11 @@ def split_address(address: str) -> tuple[str, int]:
     """``"host:port"`` -> (host, port); raises ``ValueError`` naming the problem."""
     if not isinstance(address, str):
         raise ValueError(f"address must be 'host:port', got {address!r}")
+    return _split(address)
+
+
+@functools.lru_cache(maxsize=1024)  # every expect() checks its sender's: mostly the same few
+def _split(address: str) -> tuple[str, int]:
     host, sep, port_s = address.rpartition(":")
     host = host.strip("[]")
     if (not sep or not host or len(host) > MAX_HOST_CHARS or not port_s.isascii() or not port_s.isdigit()
