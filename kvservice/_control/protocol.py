@@ -337,9 +337,13 @@ def decode_notif(raw: bytes, keys: Sequence[bytes]) -> ChunkNotif | None:
     verify or decode; ``None`` if it is not ours (another NIXL user's)."""
     if not raw.startswith(NOTIF_MAGIC):
         return None
+    if len(raw) < _MAGIC_BYTES + NOTIF_MAC_BYTES:
+        return FORGED
     body, tag = raw[_MAGIC_BYTES:-NOTIF_MAC_BYTES], raw[-NOTIF_MAC_BYTES:]
-    if len(raw) < _MAGIC_BYTES + NOTIF_MAC_BYTES or not any(
-            hmac.compare_digest(notif_mac(key, body), tag) for key in keys):
+    for key in keys:  # a loop, not any() over a generator: this runs per notification
+        if hmac.compare_digest(notif_mac(key, body), tag):
+            break
+    else:
         return FORGED
     try:
         return _notif_decoder.decode(body)
