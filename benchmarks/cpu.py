@@ -12,7 +12,7 @@ how often each process's threads were put on a CPU per request (``wakes``: every
 wake-up, and every preemption, is one; ``kvservice.bench.procfs.threads_by_name``).
 Wall time per request and the method's own throughput are printed beside them.
 ``--threads`` also prints each process's threads by name (``loop``: its main thread,
-the event loop's; ``kvservice-nixl``: the service's NIXL thread).
+the event loop's; ``kvservice-nixl``: the service's NIXL thread), with ``--against`` too.
 
 ``--against PKG`` (repeatable) adds another kvservice package directory as a method
 of its own (``kvservice@PKG``, as ``benchmarks.compare`` runs it, and ``sidecar@PKG``,
@@ -162,8 +162,9 @@ def profile(m: Method, case: Case, out: Path) -> dict[str, dict[str, float]]:
     return {role: fold(path.read_text(), PROFILE_RATE_HZ, n) for role, path in files.items() if path.exists()}
 
 
-def interleaved(methods: list[Method], cases: list[Case], repeats: int) -> None:
-    """Every method started together, one run each in turn, per repeat and case."""
+def interleaved(methods: list[Method], cases: list[Case], repeats: int, threads: bool = False) -> None:
+    """Every method started together, one run each in turn, per repeat and case (``threads``:
+    each process's threads too, the medians of the runs)."""
     got: dict[tuple[str, str], list[dict[str, Any]]] = {(m.name, c.key): [] for m in methods for c in cases}
     for m in methods:
         m.start()
@@ -184,6 +185,12 @@ def interleaved(methods: list[Method], cases: list[Case], repeats: int) -> None:
             cpu = {role: statistics.median([r["cpu_us"][role] for r in runs]) for role in roles}
             wakes = {role: statistics.median([r["wakes"][role] for r in runs]) for role in roles}
             print(_line(m.name, case.key, statistics.median([r["wall_us"] for r in runs]), cpu, wakes), flush=True)
+            if threads:
+                keys = dict.fromkeys(key for r in runs for key in r["threads"])
+                per = {key: [r["threads"].get(key, (0.0, 0.0)) for r in runs] for key in keys}
+                medians = {key: (statistics.median(c for c, _ in v), statistics.median(w for _, w in v))
+                           for key, v in per.items()}
+                print("\n".join(_thread_lines(medians)), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -217,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                              path_first=where))
                 if "sidecar" in args.methods.split(","):
                     methods.append(Sidecar(LLAMA3_8B, FULL.pool_pages, name=f"sidecar@{pkg}", path_first=where))
-            interleaved(methods, chosen, args.repeats)
+            interleaved(methods, chosen, args.repeats, args.threads)
         return
     for name in args.methods.split(","):
         m: Method = makers[name]()
