@@ -410,9 +410,9 @@ class Watchdog:
 
     def _queue_next(self) -> None:
         """Queue a tick behind the one ahead while that one posts, if posts wait: the door
-        thread goes on to it without waiting for the loop to digest the one ahead (nor for
-        the GIL, which the loop holds while it digests: measured at W3/c64, the copy stood
-        1.5-2.4 ms after each tick of 32 posts, 10 % of the run).  It checks none of the
+        thread goes on to it without waiting for the loop to digest the one ahead, nor for
+        the GIL, which the loop holds while it digests (docs/perf/library.md: "The NIXL
+        thread waited for the loop between ticks").  It checks none of the
         handles the one ahead checks (a handle checked twice may be checked after its
         release), and none is planned while the one ahead has returned undigested."""
         self._queue_asked = False
@@ -548,8 +548,8 @@ class Watchdog:
             self._tell_posted(tick)
 
     def _tell_posted(self, tick: _Tick) -> None:
-        """Tell the receivers of the requests whose first WRITE the tick digested posted
-        that they are posted (``Posted``): they poll for them from this word on.
+        """Tell the receivers of the requests whose first WRITE ``tick`` posted that they
+        are posted (``Posted``): they poll for them from this word on.
 
         After the post, not before: writing the frame (and its reading on the receiver)
         would hold up the post, both processes sharing the cores (measured, w2/c1: the post
