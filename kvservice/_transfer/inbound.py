@@ -40,7 +40,7 @@ from .._results import FailureReason, TransferStatus
 from . import landing
 from .heal import Heal
 from .landing import Landing
-from .plane import RequestPlane
+from .plane import RequestPlane, peer_lost_message
 from .proofs import drain_limit
 from .requests import RecvRequest, make_result
 
@@ -314,7 +314,7 @@ class Inbound:
                      gone: bool, proven: frozenset[str]) -> None:
         p = self._plane
         reason = FailureReason.SHUTDOWN if graceful else FailureReason.PEER_LOST
-        what = "peer shut down" if graceful else f"lost peer {address}: {cause!r}"
+        what = "peer shut down" if graceful else peer_lost_message(address, cause)
         if not gone and not p.closing:  # its WRITEs in flight may still end DONE: checked, not let go (proofs)
             now = time.monotonic()
             # (a peer that said Bye never asks: no proof is worth keeping its WRITEs for)

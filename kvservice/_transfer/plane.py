@@ -45,6 +45,11 @@ from .watchdog import Watchdog
 log = get_logger("kvservice")
 
 
+def peer_lost_message(address: str, cause: BaseException | None) -> str:
+    """What a request failed by its peer's loss says (``PEER_LOST``)."""
+    return f"lost peer {address}: {cause!r}"
+
+
 class RequestPlane:
     """The requests of one running service, on both sides; see the module docstring
     and the package's glossary (``kvservice._transfer``)."""
@@ -462,9 +467,14 @@ class RequestPlane:
         peer = req.peer
         self.fail(req, err.reason, str(err), error=err.original)
         if err.reason is FailureReason.REMOTE_DISCONNECT and peer is not None:
-            # NIXL keeps a disconnected agent loaded and fails every later post to
-            # it; drop the peer now so its other requests fail at once (PEER_LOST)
-            # and a reconnect loads it afresh; the peer is told why first (``tell``).
+            # NIXL keeps a disconnected agent loaded and fails every later post to it: the
+            # peer is dropped (a reconnect loads it afresh) and its other requests fail at
+            # once as its loss fails them, but here, each telling the peer why while the
+            # link still takes frames (NIXL may report their own errors a poll later); the
+            # link then sends what is queued before it closes (``tell``).
+            why = peer_lost_message(self.control.address_of(peer) or peer, err.original)
+            for other in [r for r in self.sends.values() if r.peer == peer]:
+                self.fail(other, FailureReason.PEER_LOST, why, error=err.original)
             self.control.drop_peer(peer, err.original, tell=True)
 
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None:

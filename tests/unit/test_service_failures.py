@@ -158,8 +158,9 @@ async def drop_peer_by_remote_disconnect(fabric: FakeFabric, logs: list[EventDic
         assert result.reason is FailureReason.REMOTE_DISCONNECT and result.error is original
         lost = await tx.await_completion(other)
         assert lost.reason is FailureReason.PEER_LOST and lost.error is original
-        for rid in ("rd", "other"):
-            assert (await rx.await_arrival(rid)).status is TransferStatus.FAILED
+        assert (await rx.await_arrival("rd")).reason is FailureReason.REMOTE_DISCONNECT
+        told = await rx.await_arrival("other")  # told why before the link closed
+        assert told.reason is FailureReason.PEER_LOST and "remote disconnect" in told.message, told
         await eventually(lambda: txd.live_xfers() == 0 and rx.agent_name in txd.peers_removed, GUARD_S)
     assert any(e["event"] == "peer.lost" and e["agent"] == rx.agent_name for e in logs)
     return xid
