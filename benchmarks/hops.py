@@ -74,11 +74,11 @@ def instrument() -> None:
             mark("outcome on the loop", _posting[-1])
         settle(future, result, error)
 
-    def timed_digest(self: Any, outcome: Any) -> None:
+    def timed_digest(self: Any, outcome: Any, tick: Any) -> None:
         rid = _posting.pop() if _posting else None
         if rid:
             mark("digest starts", rid)
-        digest(self, outcome)
+        digest(self, outcome, tick)
         if rid:
             mark("digest ends", rid)
 
