@@ -125,10 +125,11 @@ async def run(case_key: str, nreq: int) -> None:
             await anyio.to_thread.run_sync(recv.wait, "arrived", 120.0)
     finally:
         recv.close()
-    report(reqs, nreq, t1 - t0, {k: (cpu1[k][0] - cpu0[k][0], cpu1[k][1] - cpu0[k][1]) for k in tids})
+    report(reqs, len(reqs), t1 - t0, {k: (cpu1[k][0] - cpu0[k][0], cpu1[k][1] - cpu0[k][1]) for k in tids})
 
 
 def report(reqs: Sequence[dict[str, Any]], n: int, wall: float, cpu: dict[str, tuple[float, float]]) -> None:
+    """``n``: the requests sent (the case may have fewer than ``--requests``)."""
     hops = ["send() called", "post starts", "post returns DONE", "outcome on the loop", "digest starts",
             "digest ends", "await_completion returns"]
     rids = [r["rid"] for r in reqs[len(reqs) // 10:]  # skip the first tenth: warm-up

@@ -149,8 +149,11 @@ class TickPlan:
     releases: list[XferId] = field(default_factory=list)
     #: with nothing to report, keep polling on the door thread this long (seconds) ...
     linger: float = 0.0
-    #: ... every ``poll`` seconds, and stop early once ``interrupt`` is set
+    #: ... every ``poll`` seconds, and stop early once ``interrupt`` is set; for the first
+    #: ``fine_for`` seconds every ``fine_poll`` instead (a WRITE just posted: ``run_tick``)
     poll: float = 0.0
+    fine_for: float = 0.0
+    fine_poll: float = 0.0
     interrupt: threading.Event | None = None
     #: posts handed over by the loop after this plan was made (``Watchdog.schedule``): the
     #: tick posts them after its own, and while it lingers as soon as ``interrupt`` wakes
@@ -272,12 +275,15 @@ def _check(door: Door, xfers: list[XferId], out: TickOutcome) -> list[XferId]:
 
 
 def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome) -> None:
-    deadline = time.monotonic() + plan.linger
+    now = time.monotonic()
+    deadline = now + plan.linger
+    fine_until = now + plan.fine_for
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             return
-        wait = min(plan.poll, left)
+        wait = min(plan.fine_poll if now < fine_until else plan.poll, left)
         if plan.interrupt is not None:
             if plan.interrupt.wait(wait):
                 post_late(door, plan, out)  # the loop's new work may be posts: post them now

@@ -16,7 +16,10 @@ off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
 thread hop per event rather than per poll, and the cadence holds on loops
 whose timers cannot sleep under a millisecond (uvloop).  Notifications do not
 end it: it hands them to the loop as they come (``_deliver``) and lingers on, so
-a receiver's arrival costs the loop one wake-up and no new tick.  Idle, it sleeps
+a receiver's arrival costs the loop one wake-up and no new tick.  For ``FINE_WINDOW_S``
+after a post that returned in flight it polls every ``FINE_POLL_S`` instead: such a WRITE
+ends at its receiver's next poll, and a sender that sees it at once sends its next request
+at once (raw NIXL's sender spins on it).  Idle, it sleeps
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
 Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick, and an idle wait
 ends by the earliest deadline).
@@ -71,6 +74,11 @@ DEADLINE_SCAN_S = 0.01
 DUE_SLACK_S = 0.001
 #: longest a tick polls on the door thread before handing control back to the loop
 LINGER_S = DEADLINE_SCAN_S
+#: after a post that returned in flight, lingering ticks poll every ``FINE_POLL_S`` for this
+#: long, then every ``poll_interval``: the WRITE most likely ends within it (its receiver's
+#: next poll), and a sender that sees it at once sends its next request at once
+FINE_WINDOW_S = 0.002
+FINE_POLL_S = 0.00005
 
 
 class Owner(Protocol):
@@ -153,6 +161,7 @@ class Watchdog:
         #: its receiver polls until at least ``WARM_GRACE_S`` after that (``_tell_posted``)
         self._inline: dict[str, float] = {}
         self._idle_until = 0.0  # when the idle wait under way ends (0: none is)
+        self._fine_until = 0.0  # lingering ticks poll every FINE_POLL_S until then
         self._wake = anyio.Event()
         self._stopping = False
         self._stopped = anyio.Event()
@@ -439,6 +448,8 @@ class Watchdog:
         if lingering:
             self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
+            if self._fine_until > submitted_at:
+                plan.fine_for, plan.fine_poll = self._fine_until - submitted_at, min(FINE_POLL_S, self._poll)
             if self._loop is not None:
                 plan.deliver = self._deliver
             self._late_left = (self._max_posts, self._max_post_bytes)
@@ -508,6 +519,7 @@ class Watchdog:
                 self._owner.chunk_done(req, nbytes)
             else:
                 self._inflight[got] = (req, nbytes)
+                self._fine_until = self._clock() + FINE_WINDOW_S
                 if req.inflight is None:
                     req.inflight = {got}
                 else:
