@@ -143,17 +143,28 @@ class PostOp:
 
 
 @dataclass(slots=True)
+class FineWindow:
+    """Until when (``time.monotonic()``) lingering ticks poll every ``poll`` seconds rather
+    than at their plan's cadence: a WRITE was just posted, by this side or into it, and
+    ends at a poll soon.  The loop opens it (``until``); the door thread reads it at every
+    poll, so a tick lingering already takes it up at its next one, and closes it when
+    notifications come (what the receiver polled for).  Shared by every tick."""
+
+    poll: float = 0.0
+    until: float = 0.0
+
+
+@dataclass(slots=True)
 class TickPlan:
     posts: list[PostOp] = field(default_factory=list)
     checks: list[XferId] = field(default_factory=list)
     releases: list[XferId] = field(default_factory=list)
     #: with nothing to report, keep polling on the door thread this long (seconds) ...
     linger: float = 0.0
-    #: ... every ``poll`` seconds, and stop early once ``interrupt`` is set; for the first
-    #: ``fine_for`` seconds every ``fine_poll`` instead (a WRITE just posted: ``run_tick``)
+    #: ... every ``poll`` seconds (every ``fine.poll`` while ``fine`` is open), and stop
+    #: early once ``interrupt`` is set
     poll: float = 0.0
-    fine_for: float = 0.0
-    fine_poll: float = 0.0
+    fine: FineWindow | None = None
     interrupt: threading.Event | None = None
     #: posts handed over by the loop after this plan was made (``Watchdog.schedule``): the
     #: tick posts them after its own, and while it lingers as soon as ``interrupt`` wakes
@@ -275,15 +286,14 @@ def _check(door: Door, xfers: list[XferId], out: TickOutcome) -> list[XferId]:
 
 
 def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome) -> None:
-    now = time.monotonic()
-    deadline = now + plan.linger
-    fine_until = now + plan.fine_for
+    deadline = time.monotonic() + plan.linger
+    fine = plan.fine
     while True:
         now = time.monotonic()
         left = deadline - now
         if left <= 0:
             return
-        wait = min(plan.fine_poll if now < fine_until else plan.poll, left)
+        wait = min(fine.poll if fine is not None and now < fine.until else plan.poll, left)
         if plan.interrupt is not None:
             if plan.interrupt.wait(wait):
                 post_late(door, plan, out)  # the loop's new work may be posts: post them now
@@ -294,6 +304,8 @@ def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome)
         out.notifs = door.notifs()
         if out.checked:
             return
+        if out.notifs and fine is not None:
+            fine.until = 0.0  # the news polled for finely came: the usual cadence again
         _hand_over_notifs(plan, out)
         if out.notifs:
             return

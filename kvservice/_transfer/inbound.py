@@ -92,14 +92,18 @@ class Inbound:
             log.warning("transfer.foreign_request", agent=agent, request_id=rid, message=what, unlogged=unlogged)
 
     def _on_posted(self, agent: str, rid: str) -> None:
-        """``agent`` posts the first WRITE of ``rid``: poll NIXL for it from now on.  Each id
-        costs a lookup or two (a frame names ``MAX_POSTED`` at most) and the watchdog is woken
-        at most once per request (the cold-to-polled step), so a flood of them costs what
-        reading and decoding the frames does."""
+        """``agent`` has posted the first WRITE of ``rid``: poll NIXL for it from now on, and
+        at once and finely for a while (``Watchdog.poll_finely``): a WRITE its post left in
+        flight ends at this side's next poll.  Each id costs a lookup or two (a frame names
+        ``MAX_POSTED`` at most) and the watchdog is woken at most once per request (its first
+        ``Posted``), so a flood of them costs what reading and decoding the frames does."""
         p = self._plane
         req = p.recvs.get(rid)
         if req is not None and req.peer == agent:
-            p.warm(req)
+            if not req.posted:
+                req.posted = True
+                p.warm(req)
+                p.watchdog.poll_finely()
             return
         ended_with = p.done_peers.get(("recv", rid))
         if req is None and ended_with == agent:

@@ -228,6 +228,8 @@ class RecvRequest(_Request):
     landing: Landing | None = None  # their sums, as the chunks' notifications bring them
     #: held without polling NIXL for it: its sender (protocol 7) says when it posts (``Posted``)
     cold: bool = False
+    #: its sender said ``Posted``: a repeated word polls nothing more finely (``Inbound._on_posted``)
+    posted: bool = False
 
     def due_at(self) -> float:
         return self.deadline

@@ -19,7 +19,8 @@ end it: it hands them to the loop as they come (``_deliver``) and lingers on, so
 a receiver's arrival costs the loop one wake-up and no new tick.  For ``FINE_WINDOW_S``
 after a post that returned in flight it polls every ``FINE_POLL_S`` instead: such a WRITE
 ends at its receiver's next poll, and a sender that sees it at once sends its next request
-at once (raw NIXL's sender spins on it).  Idle, it sleeps
+at once (raw NIXL's sender spins on it).  A receiver does the same from a sender's
+``Posted`` until the first notification comes (``poll_finely``).  Idle, it sleeps
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
 Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick, and an idle wait
 ends by the earliest deadline).
@@ -50,6 +51,7 @@ from .._nixl.door import (
     Door,
     DoorError,
     DoorThread,
+    FineWindow,
     PostOp,
     TickOutcome,
     TickPlan,
@@ -161,7 +163,8 @@ class Watchdog:
         #: its receiver polls until at least ``WARM_GRACE_S`` after that (``_tell_posted``)
         self._inline: dict[str, float] = {}
         self._idle_until = 0.0  # when the idle wait under way ends (0: none is)
-        self._fine_until = 0.0  # lingering ticks poll every FINE_POLL_S until then
+        #: open: lingering ticks poll every ``FINE_POLL_S`` (``poll_finely``)
+        self._fine = FineWindow(poll=min(FINE_POLL_S, poll_interval))
         self._wake = anyio.Event()
         self._stopping = False
         self._stopped = anyio.Event()
@@ -315,6 +318,15 @@ class Watchdog:
         self._wake.set()
         self._thread.interrupt.set()  # end a lingering tick: there is work for the loop
 
+    def poll_finely(self) -> None:
+        """A WRITE was just posted, by this side or into it (a peer's ``Posted``): one its post
+        left in flight ends at the receiver's next poll, and its notification comes at a
+        receiver's poll after the sender's next check.  Lingering ticks, the one lingering now
+        included, poll every ``FINE_POLL_S`` for ``FINE_WINDOW_S`` or until notifications
+        come (``FineWindow``); nothing is woken (ending a lingering tick to plan a finer one
+        cost more than it saved: docs/perf/library.md)."""
+        self._fine.until = time.monotonic() + FINE_WINDOW_S  # the door thread's clock
+
     @property
     def lingering(self) -> bool:
         """Whether a tick polls NIXL on the door thread now (planned to linger, not digested)."""
@@ -448,8 +460,7 @@ class Watchdog:
         if lingering:
             self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
-            if self._fine_until > submitted_at:
-                plan.fine_for, plan.fine_poll = self._fine_until - submitted_at, min(FINE_POLL_S, self._poll)
+            plan.fine = self._fine
             if self._loop is not None:
                 plan.deliver = self._deliver
             self._late_left = (self._max_posts, self._max_post_bytes)
@@ -519,7 +530,7 @@ class Watchdog:
                 self._owner.chunk_done(req, nbytes)
             else:
                 self._inflight[got] = (req, nbytes)
-                self._fine_until = self._clock() + FINE_WINDOW_S
+                self.poll_finely()
                 if req.inflight is None:
                     req.inflight = {got}
                 else:
