@@ -92,11 +92,12 @@ class Inbound:
             log.warning("transfer.foreign_request", agent=agent, request_id=rid, message=what, unlogged=unlogged)
 
     def _on_posted(self, agent: str, rid: str) -> None:
-        """``agent`` has posted the first WRITE of ``rid``: poll NIXL for it from now on, and
-        at once and finely for a while (``Watchdog.poll_finely``): a WRITE its post left in
-        flight ends at this side's next poll.  Each id costs a lookup or two (a frame names
-        ``MAX_POSTED`` at most) and the watchdog is woken at most once per request (its first
-        ``Posted``), so a flood of them costs what reading and decoding the frames does."""
+        """``agent`` has posted the first WRITE of ``rid``: poll NIXL for it from now on, finely
+        for a while (``Watchdog.poll_finely``): a WRITE its post left in flight ends at this
+        side's next poll.  Each id costs a lookup or two (a frame names ``MAX_POSTED`` at most);
+        only a request's first ``Posted`` wakes the watchdog (if it held the request cold) or
+        opens the fine window, so a flood of them costs what reading and decoding the frames
+        does."""
         p = self._plane
         req = p.recvs.get(rid)
         if req is not None and req.peer == agent:

@@ -534,9 +534,10 @@ class RequestPlane:
         self.watchdog.wake()
 
     def first_posts(self, peer: str, request_ids: list[str]) -> None:
-        """The watchdog plans these requests' first WRITEs to ``peer``: its receiver (protocol
-        7) polls for them from this ``Posted`` on.  Queued before the WRITEs reach the door
-        thread; one frame for as many as one planning took (``MAX_POSTED`` at most each)."""
+        """The watchdog has posted these requests' first WRITEs to ``peer`` (the tick that
+        posted them is being digested): its receiver (protocol 7) polls for them from this
+        ``Posted`` on, finely at first.  One frame for as many as one tick posted
+        (``MAX_POSTED`` at most each)."""
         if self.control.speaks(peer, POSTED_VERSION):
             for i in range(0, len(request_ids), MAX_POSTED):
                 self.control.send_to(peer, Posted(request_ids[i : i + MAX_POSTED]))

@@ -98,8 +98,8 @@ class Owner(Protocol):
         unproven: ``proofs``)."""
     def on_notifs(self, notifs: Mapping[str, list[bytes]]) -> None: ...
     def first_posts(self, peer: str, request_ids: list[str]) -> None:
-        """The first WRITEs of these requests to ``peer`` are planned (``peer`` may be told:
-        ``Posted``), before they are handed to the door thread."""
+        """The first WRITEs of these requests to ``peer`` are posted (``peer`` may be told:
+        ``Posted``); called as the tick that posted them is digested (``_tell_posted``)."""
     def check_deadlines(self, now: float) -> None: ...
     def next_due(self) -> float | None:
         """When the earliest deadline ``check_deadlines`` acts on passes, if any."""
