@@ -504,6 +504,7 @@ class Watchdog:
         self.live_handles = outcome.live
         if outcome.post_times:
             self._owner.stats.peers.posts(outcome.post_times)
+        left_in_flight = False  # a post of a request's chunk returned with its WRITE in flight
         for key, got, state in outcome.posted:
             req, nbytes = key
             if nbytes == FENCE:  # tracked only so its handle is checked until done
@@ -530,13 +531,15 @@ class Watchdog:
                 self._owner.chunk_done(req, nbytes)
             else:
                 self._inflight[got] = (req, nbytes)
-                self.poll_finely()
+                left_in_flight = True
                 if req.inflight is None:
                     req.inflight = {got}
                 else:
                     req.inflight.add(got)
             if req.finished:
                 self._settle_if_released(req)
+        if left_in_flight:
+            self.poll_finely()
         self._drains.check_all()  # drains that waited only for this tick's posts
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
