@@ -143,12 +143,20 @@ class SidecarServer:
         """One worker's connection, from accept to close (``accept_loop`` closes the stream)."""
         self._numbers += 1
         self.counters.connections_total += 1
+        cred: PeerCred | None = None
         try:
-            cred: PeerCred | None = stream_peer_cred(stream)
+            cred, who = stream_peer_cred(stream), ""
         except PeerCredError as exc:
-            cred, who = None, str(exc)
+            who = str(exc)
         conn = Connection(self._numbers, frame_stream(stream, HELLO_MAX_BYTES, decode_client), cred,
                           Recent(self.svc.config.results_kept))
+        try:
+            await self._admit(conn, cred, who)
+        finally:
+            conn.framed.stop_reading()  # accept_loop closes the socket next
+
+    async def _admit(self, conn: Connection, cred: PeerCred | None, who: str) -> None:
+        """Refuse the connection, or greet and serve it (``who``: why ``cred`` is unknown)."""
         sidecar = self.cfg.sidecar
         if cred is None:
             return await self._refuse(conn, "uid", f"cannot tell which user the worker runs as: {who}")

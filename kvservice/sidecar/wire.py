@@ -20,6 +20,7 @@ overlap; ``Cancel`` withdraws one (the worker's caller was cancelled).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import socket
 from collections.abc import Callable, Iterable
@@ -333,7 +334,15 @@ class SocketFrames(FramedStream[M]):
       writing); whatever the socket does not take, and any error, goes through the
       stream's own ``send``, so errors and back-pressure are the stream's;
     * a frame that was read with an earlier one (``FramedStream.recv_body``) is returned
-      after a yield: a burst of calls read at once is served one loop turn at a time.
+      after a yield: a burst of calls read at once is served one loop turn at a time;
+    * a read goes straight to the socket too, and waits for it to become readable through
+      a reader registered with the loop once and kept while frames keep coming (anyio's
+      ``receive`` yields a loop turn first, then registers a reader and removes it again
+      for every read that waits: two ``epoll_ctl`` calls, a poll handle and two futures).
+      The reader is removed when data comes while nobody waits (the socket stays readable,
+      and the loop would call it every turn), when a wait ends in an exception, and
+      before the socket closes (``stop_reading``, ``aclose``): a reader left on a closed
+      descriptor would be left on whatever socket reuses its number.
     """
 
     burst = 1
@@ -350,6 +359,9 @@ class SocketFrames(FramedStream[M]):
         self._sock: socket.socket | None = (
             raw if isinstance(raw, socket.socket) and raw.family == socket.AF_UNIX
             and not raw.getblocking() else None)
+        self._reading: int | None = None  # the descriptor our reader is registered on
+        self._readable: asyncio.Future[None] | None = None  # the waiting read's
+        self._closing = False
 
     def set_limit(self, max_frame_bytes: int) -> None:
         """Frames received from now on may be this long (a small limit before the
@@ -385,6 +397,63 @@ class SocketFrames(FramedStream[M]):
                     if not data:
                         return
                 await self._stream.send(data)  # rare: a full socket, or another writer's turn
+
+    async def _fill(self, max_bytes: int) -> None:
+        sock = self._sock
+        if sock is None:
+            return await super()._fill(max_bytes)
+        while True:
+            try:
+                data = sock.recv(max_bytes)
+            except BlockingIOError:
+                await self._wait_readable(sock)
+                continue
+            except OSError as exc:  # as anyio's stream says it
+                self.stop_reading()
+                raise (anyio.ClosedResourceError() if self._closing else anyio.BrokenResourceError()) from exc
+            if not data:
+                self.stop_reading()
+                raise anyio.IncompleteRead
+            self._buf += data
+            return
+
+    async def _wait_readable(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        if self._closing:
+            raise anyio.ClosedResourceError
+        if self._reading is None:
+            self._reading = fd = sock.fileno()
+            loop.add_reader(fd, self._on_readable)
+        waiter = self._readable = loop.create_future()
+        try:
+            await waiter
+        except BaseException:  # cancelled: nobody waits, no reader kept for nobody
+            self.stop_reading()
+            raise
+        finally:
+            self._readable = None
+
+    def _on_readable(self) -> None:
+        waiter = self._readable
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:  # readable while nobody waits: the next read takes it without a wait
+            self.stop_reading()
+
+    def stop_reading(self) -> None:
+        """Remove the reader, if registered (before the socket closes: the owner's job
+        where the socket is closed without ``aclose``)."""
+        fd, self._reading = self._reading, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+        waiter = self._readable
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the read finds the socket closed, or reads on
+
+    async def aclose(self) -> None:
+        self._closing = True
+        self.stop_reading()
+        await super().aclose()
 
     def _send_now(self, data: bytes) -> int:
         """What a non-blocking send takes of ``data`` now (0: full, or gone: the stream's

@@ -5,8 +5,11 @@ a connection that ends mid-frame or is closed."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
+import types
+from collections.abc import Callable
 
 import anyio
 import anyio.abc
@@ -157,6 +160,103 @@ async def test_a_connection_that_ends_mid_frame_or_between_frames() -> None:
     with anyio.fail_after(5), pytest.raises(anyio.IncompleteRead):  # as the generic FramedStream
         await daemon.recv()
     await daemon.aclose()
+
+
+class LoopSpy:
+    """The loop as ``SocketFrames`` sees it, counting its readers added and removed."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.added = self.removed = 0
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        self.added += 1
+        self.loop.add_reader(fd, callback)
+
+    def remove_reader(self, fd: int) -> bool:
+        self.removed += 1
+        return self.loop.remove_reader(fd)
+
+    def create_future(self) -> asyncio.Future[None]:
+        return self.loop.create_future()
+
+
+async def test_the_reader_is_registered_once_while_frames_keep_coming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads that wait, one after another, register the loop's reader once (anyio's
+    ``receive`` added and removed one per read); data that comes while nobody reads
+    removes it (the loop would call it every turn), and the next read takes that data
+    without a wait."""
+    spy = LoopSpy()
+    monkeypatch.setattr(wire, "asyncio", types.SimpleNamespace(get_running_loop=lambda: spy))
+    a, b = await pair()
+    worker, daemon = frame_stream(a, 1024, decode_server), frame_stream(b, 1024, decode_client)
+    fd = b.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
+    with anyio.fail_after(10):
+        got: list[object] = []
+        async with anyio.create_task_group() as tg:
+
+            async def read(n: int) -> None:
+                for _ in range(n):
+                    got.append(await daemon.recv())
+
+            tg.start_soon(read, 4)
+            for call in (1, 2, 3, 4):
+                await anyio.sleep(0.01)  # the reader waits again
+                assert daemon._reading == fd and daemon._readable is not None
+                await worker.send(Status(call))
+        assert got == [Status(1), Status(2), Status(3), Status(4)]
+        assert spy.added == 1 and spy.removed <= 1  # (asyncio's loop may call it once more, and remove it)
+        await worker.send(Status(5))  # nobody reads: the reader goes
+        for _ in range(100):
+            await anyio.sleep(0.001)
+            if daemon._reading is None:
+                break
+        assert daemon._reading is None
+        added = spy.added
+        assert await daemon.recv() == Status(5) and spy.added == added  # read without a wait
+    await worker.aclose()
+    await daemon.aclose()
+
+
+async def test_a_cancelled_or_closed_wait_leaves_no_reader() -> None:
+    a, b = await pair()
+    worker, daemon = frame_stream(a, 1024, decode_server), frame_stream(b, 1024, decode_client)
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.05) as scope:
+            await daemon.recv()
+        assert scope.cancelled_caught and daemon._reading is None and daemon._readable is None
+        await worker.send(Status(1))  # the stream reads on after a cancelled read
+        assert await daemon.recv() == Status(1)
+
+        async def closing() -> None:
+            await anyio.sleep(0.05)
+            await daemon.aclose()
+
+        async with anyio.create_task_group() as tg:  # closed while a read waits: it ends at once
+            tg.start_soon(closing)
+            with pytest.raises(anyio.ClosedResourceError):
+                await daemon.recv()
+        assert daemon._reading is None
+        with pytest.raises(anyio.ClosedResourceError):
+            await daemon.recv()
+    await worker.aclose()
+
+
+@pytest.mark.parametrize("rounds", [20])
+async def test_a_socket_that_reuses_a_closed_ones_descriptor_is_read(rounds: int) -> None:
+    """The server's way of ending a connection: ``stop_reading``, then the stream is closed
+    beneath the framing (``accept_loop``).  A reader left on the closed descriptor would sit
+    on the next socket given that number (asyncio's own loop then never reads it)."""
+    for call in range(1, rounds + 1):
+        a, b = await pair()
+        worker, daemon = frame_stream(a, 1024, decode_server), frame_stream(b, 1024, decode_client)
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker.send, Status(call))
+                assert await daemon.recv() == Status(call)  # a read that waited: registered
+        daemon.stop_reading()
+        await b.aclose()
+        await worker.aclose()
 
 
 async def test_sending_on_a_closed_or_broken_stream_raises_the_streams_errors() -> None:
