@@ -339,6 +339,8 @@ class SocketFrames(FramedStream[M]):
       a reader registered with the loop once and kept while frames keep coming (anyio's
       ``receive`` yields a loop turn first, then registers a reader and removes it again
       for every read that waits: two ``epoll_ctl`` calls, a poll handle and two futures).
+      A read that waited was a loop turn already; one that found data there yields one
+      after it, so a peer that keeps the socket full cannot hold the loop.
       The reader is removed when data comes while nobody waits (the socket stays readable,
       and the loop would call it every turn), when a wait ends in an exception, and
       before the socket closes (``stop_reading``, ``aclose``): a reader left on a closed
@@ -402,11 +404,13 @@ class SocketFrames(FramedStream[M]):
         sock = self._sock
         if sock is None:
             return await super()._fill(max_bytes)
+        waited = False
         while True:
             try:
                 data = sock.recv(max_bytes)
             except BlockingIOError:
                 await self._wait_readable(sock)
+                waited = True
                 continue
             except OSError as exc:  # as anyio's stream says it
                 self.stop_reading()
@@ -415,12 +419,16 @@ class SocketFrames(FramedStream[M]):
                 self.stop_reading()
                 raise anyio.IncompleteRead
             self._buf += data
+            if not waited:  # data that was there already: a peer that keeps the socket full
+                await anyio.lowlevel.checkpoint()  # gets a loop turn per read, as anyio's gave
             return
 
     async def _wait_readable(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         if self._closing:
             raise anyio.ClosedResourceError
+        if self._readable is not None:  # one reader at a time, as anyio's stream enforces
+            raise anyio.BusyResourceError("reading from")
         if self._reading is None:
             self._reading = fd = sock.fileno()
             loop.add_reader(fd, self._on_readable)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import pytest
 
 from kvservice._control.protocol import FrameError
@@ -227,6 +228,13 @@ async def test_a_cancelled_or_closed_wait_leaves_no_reader() -> None:
         assert scope.cancelled_caught and daemon._reading is None and daemon._readable is None
         await worker.send(Status(1))  # the stream reads on after a cancelled read
         assert await daemon.recv() == Status(1)
+        async with anyio.create_task_group() as tg:  # one reader at a time
+            tg.start_soon(daemon.recv)
+            await anyio.sleep(0.01)
+            with pytest.raises(anyio.BusyResourceError):
+                await daemon.recv()
+            tg.cancel_scope.cancel()
+        assert daemon._reading is None
 
         async def closing() -> None:
             await anyio.sleep(0.05)
@@ -240,6 +248,37 @@ async def test_a_cancelled_or_closed_wait_leaves_no_reader() -> None:
         with pytest.raises(anyio.ClosedResourceError):
             await daemon.recv()
     await worker.aclose()
+
+
+async def test_frames_already_in_the_socket_are_read_a_loop_turn_apart() -> None:
+    """A peer that keeps the socket full cannot hold the reader's loop: a read that found
+    data there yields a turn.  Frames of 40 KiB, four written before the first read: each
+    takes a read of its own (64 KiB at a time), none waits."""
+    a, b = await pair()
+    daemon = frame_stream(b, 1 << 20, decode_client)
+    frames = [encode(Send(n, f"r{n}", list(range(1000, 15_000)))) for n in range(1, 5)]
+    assert all(40_000 < len(f) < 48_000 for f in frames)
+    a.extra(anyio.abc.SocketAttribute.raw_socket).sendall(b"".join(frames))  # fits in the socket
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.lowlevel.checkpoint()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await anyio.lowlevel.checkpoint()
+            before = turns
+            got = [await daemon.recv() for _ in frames]
+            ticked = turns - before
+            tg.cancel_scope.cancel()
+    assert [m.call for m in got] == [1, 2, 3, 4]  # type: ignore[union-attr]
+    assert ticked >= len(frames)
+    await a.aclose()
+    await daemon.aclose()
 
 
 @pytest.mark.parametrize("rounds", [20])
