@@ -65,6 +65,25 @@ LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo"}
 SMALL = KVLayout(layers=2, page_tokens=16, kv_heads=2, head_dim=64, dtype="bfloat16", num_pages=64)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` now (read from ``/proc``: each one's parent)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [child for child, ppid in parents.items() if ppid == parent]
+        found += kids
+        todo += kids
+    return found
+
+
 def register_pool(door: Any, pool: KVPool) -> None:
     """Register ``pool`` with a door the way a service does (every page of every region)."""
     m = pool.memory

@@ -32,7 +32,7 @@ from typing import Any
 
 from kvservice._config import ConfigError
 from kvservice._control.addresses import is_loopback_host, join_address, split_address
-from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE, sigterm_as_sigint
 from kvservice._results import KVServiceError
 from kvservice._trust.authority import CA_CERT, create_authority, issue
 from kvservice._trust.keys import generate_key, load_key, resolve_key
@@ -190,6 +190,12 @@ def _plan(args: argparse.Namespace, parts: set[str]) -> tuple[Plan, set[str]]:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds as Ctrl-C does: the finally blocks below stop the processes it started
+    with sigterm_as_sigint():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.listen:
             host, port = _address(args.listen, port_zero=True)

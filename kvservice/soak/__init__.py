@@ -28,12 +28,12 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._exits import sigterm_as_sigint
 from .._runtime import configure_logging, run
 from ..testing import netns
 from ._run import Options, host_names, soak
@@ -57,11 +57,6 @@ def duration(text: str) -> float:
     if not 0 < seconds < 30 * 86400:
         raise argparse.ArgumentTypeError(f"{text!r}: the duration must be above 0 and below 30 days")
     return seconds
-
-
-def _as_sigint(signum: int, frame: object) -> None:
-    """SIGTERM's handler during a run: the process sends itself SIGINT (Ctrl-C)."""
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: Sequence[str] = ()) -> int:
@@ -115,7 +110,7 @@ def main(argv: Sequence[str] = ()) -> int:
             # stopped for good, its namespace with it.  SIGTERM is made a SIGINT, so that the
             # event loop's own handler cancels the run; a KeyboardInterrupt raised by the
             # signal inside a task was also logged, with its traceback, as the loop shut down
-            hosts.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _as_sigint))
+            hosts.enter_context(sigterm_as_sigint())
             net = hosts.enter_context(netns.hub(host_names(opts))) if opts.network_cuts else None
             summary = run(soak, opts, log, env, net)
     except KeyboardInterrupt:  # an interrupted run judges nothing: its log goes too

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from kvservice._exits import EXIT_INTERRUPTED
 from kvservice.bench.methods import NAME_PREFIX
-from tests.helpers import scaled
+from tests.helpers import descendants, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -128,3 +132,48 @@ def test_an_arm_is_measured_against_kvservice_in_the_same_run(tmp_path: Path, fl
     for case in results["cases"]:
         assert case["methods"][arm]["req_s"] > 0, case["key"]
         assert case[ratio]["median"] > 0, case["key"]
+
+
+def test_a_terminated_bench_stops_its_processes() -> None:
+    """SIGTERM (a CI job's timeout, ``kill``) ends a bench as Ctrl-C does: status 130, and
+    the processes it started (the methods' sides, the sidecar's daemons and workers) go with
+    it, their socket directory and shared pools too.  SIGTERM's default left a side running
+    its case to the end, orphaned."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "kvservice.cli", "bench", "--quick", "--no-tcp", "--no-chart", "--only", "w3",
+         "--methods", "kvservice,sidecar", "--repeats", "50", "--out", "/dev/null/none"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    ) as bench:
+        assert bench.stderr is not None
+        try:
+            seen = b""
+            deadline = time.monotonic() + scaled(120)
+            with selectors.DefaultSelector() as sel:  # until the first case ran: every side is up
+                sel.register(bench.stderr, selectors.EVENT_READ)
+                while b"[1/50]" not in seen and time.monotonic() < deadline and bench.poll() is None:
+                    if sel.select(timeout=1.0):
+                        seen += os.read(bench.stderr.fileno(), 65536)
+            assert b"[1/50]" in seen, seen[-2000:]
+            children = descendants(bench.pid)
+            assert len(children) >= 6, children  # two sides of kvservice; two daemons, two workers
+            bench.send_signal(signal.SIGTERM)
+            bench.wait(timeout=scaled(60))
+            said = bench.stderr.read()
+        finally:
+            if bench.poll() is None:
+                bench.kill()
+                bench.wait(30)
+    assert bench.returncode == EXIT_INTERRUPTED, (bench.returncode, said[-2000:])
+    assert b"bench: interrupted" in said and b"Traceback" not in said, said[-2000:]
+    left = [pid for pid in children if running(pid)]
+    assert not left, f"processes of the terminated bench still run: {left}"
+    tag = f"{NAME_PREFIX}{bench.pid}-"
+    assert not [p for d in ("/tmp", "/dev/shm") if os.path.isdir(d) for p in os.listdir(d) if p.startswith(tag)]
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited one its parent has not reaped yet does not: a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

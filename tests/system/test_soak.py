@@ -37,7 +37,7 @@ from kvservice.soak._sampling import STATUS_TABLES
 from kvservice.soak._summary import disagreement_cause
 from kvservice.testing import netns as package_netns
 from tests.faults import netns
-from tests.helpers import scaled
+from tests.helpers import descendants, scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -192,25 +192,6 @@ def test_soak_with_network_cuts_heals_and_keeps_every_counter_at_zero(tmp_path: 
     assert float(summary["leaks"]["prefill"]["tcp"]["peak"]) >= 2, summary["leaks"]["prefill"]["tcp"]
     assert run_names(proc.pid) == []
     assert proc.returncode == 0, stdout[-4000:] + stderr[-2000:]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` now (read from ``/proc``: each one's parent)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue  # ended meanwhile
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        kids = [child for child, ppid in parents.items() if ppid == parent]
-        found += kids
-        todo += kids
-    return found
 
 
 @pytest.mark.nixl
