@@ -516,6 +516,22 @@ class TransferService:
         return self._discovery.registry.live(role) if self._discovery is not None else []
 
 
+def expect_waits(svc: TransferService, sender: str) -> bool:
+    """Whether ``svc.expect(..., sender=sender)`` may wait (a dial, a name to resolve, a claim
+    to prove); False where it ends in the caller's turn: registered and its Expect queued on
+    a live link, or refused at once.  For the sidecar daemon, which runs such an expect in
+    its reader rather than in a task; off the public object as ``early_expect`` is."""
+    plane = svc._plane
+    if plane is None:
+        return False  # refused at once: not running
+    if svc._discovery is not None:  # a member's name: where it registered
+        try:
+            sender, _ = svc._discovery.resolve(sender)
+        except PeerUnknown:
+            return False  # fails at once (PEER_LOST)
+    return not plane.control.linked_now(sender)
+
+
 def early_expect(svc: TransferService, request_id: str) -> EarlyExpect:
     """``expected``, ``expected_pages`` and ``expect_dropped`` of ``svc`` at once, as plain
     reads: never blocking, safe from another thread.  For the engine facade (a scheduler's

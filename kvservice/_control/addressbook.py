@@ -45,6 +45,10 @@ class AddressBook:
         self._proofs: dict[tuple[str, str], anyio.Event] = {}  # (agent, canonical) -> proof in progress
         self._canon: dict[str, str] = {}  # address as named by the engine -> canonical
 
+    def known(self, address: str) -> str | None:
+        """``address``'s canonical form if ``canonical`` has it already (no resolving)."""
+        return self._canon.get(address)
+
     async def canonical(self, address: str) -> str:
         """``address``'s canonical form (resolved once per spelling); ``ValueError`` if malformed,
         ``OSError`` if its name does not resolve."""

@@ -302,6 +302,15 @@ class ControlPlane:
         """The keys a notification from ``agent`` may be sealed under (its recent links')."""
         return self._notif_in.get(agent) or []
 
+    def linked_now(self, address: str) -> bool:
+        """Whether ``link_to(address)`` returns without waiting: the address's canonical form is
+        known and the agent proven there is linked (one that does not prove the member named
+        there is refused as quickly)."""
+        canon = self._book.known(address)
+        agent = self._book.agent_at(canon) if canon is not None else None
+        peer = self._peers.get(agent) if agent is not None else None
+        return peer is not None and not peer.link.closed
+
     async def link_to(self, address: str) -> PeerLink:
         """The live link to ``address``, dialling once however many callers wait.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._log import get_logger
 from .._results import KVPoll, KVServiceError, ProtocolError, TransferResult, UnknownRequestError
-from .._service import TransferService, early_expect
+from .._service import TransferService, early_expect, expect_waits
 from .connection import Connection
 from .owners import RECV, SEND, Key, Owners
 from .wire import (
@@ -134,6 +134,10 @@ class WorkerCalls:
         if isinstance(msg, LivePeers):
             return PeersReply(msg.call, await svc.live_peers(msg.role))
         raise ProtocolError(f"unexpected {type(msg).__name__}")  # pragma: no cover - schema forbids
+
+    def expect_waits(self, msg: Expect) -> bool:
+        """Whether ``msg`` may wait (a dial to its sender): else the reader runs it, no task."""
+        return expect_waits(self.svc, msg.sender)
 
     def _check_open(self, role: str) -> None:
         self._check_role(role)

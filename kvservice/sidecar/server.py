@@ -10,8 +10,10 @@ it may frames reach ``sidecar.max_frame_bytes``.  Every refusal gets an
 and closes that connection only; ``accept_loop`` guards the rest (a failed
 ``accept()``, a handler that raises).
 
-Each connection is one worker.  Its calls run as tasks of the connection's own
-task group, so a slow ``await_arrival`` never holds up a ``send``, and when the
+Each connection is one worker.  Calls that never wait (``send``, ``poll``, ``status``, an
+``expect`` whose sender is linked now, ...) run in the connection's reader, in order; the
+others as tasks of the connection's own task group, so a slow ``await_arrival`` or an
+``expect`` that dials never holds up a ``send``, and when the
 worker goes away (EOF, a broken frame, a stuck socket) the group is cancelled
 and every request the worker started and that has not ended is aborted
 (``ABORTED``, the peer told), without touching other workers.  A worker acts
@@ -54,6 +56,7 @@ from .wire import (
     Call,
     Cancel,
     Error,
+    Expect,
     Expected,
     Hello,
     LivePeers,
@@ -268,8 +271,10 @@ class SidecarServer:
                 elif len(conn.calls) >= MAX_CALLS_PER_CONNECTION:
                     self.counters.refused["too_many_calls"] += 1
                     await self._push(conn, Error(msg.call, "KVServiceError", "too many calls in flight"))
-                elif isinstance(msg, _INLINE):  # never waits: answer it now, in order, no task
-                    await self._run_call(conn, msg, None)  # nor a scope: no Cancel is read meanwhile
+                elif isinstance(msg, _INLINE) or (isinstance(msg, Expect) and not self.calls.expect_waits(msg)):
+                    # never waits: answer it now, in order, no task, nor a scope (no Cancel is
+                    # read meanwhile); an expect whose sender is linked now does not wait either
+                    await self._run_call(conn, msg, None)
                 else:
                     scope = conn.calls[msg.call] = anyio.CancelScope()
                     conn.tg.start_soon(self._run_call, conn, msg, scope)

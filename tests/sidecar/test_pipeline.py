@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -430,6 +432,40 @@ async def test_a_worker_s_requests_are_watched_without_a_task_each(pair: tuple[S
                 assert torch.equal(hw.kv.pages([n + i]), pattern(hw.layout, f"watch-in-{i}", 1))
         await eventually(lambda: conn.watching == 0, 10, what="every Finished frame written")
         assert not conn.watched and not conn.outbox and not conn.sending
+
+
+async def test_an_expect_runs_in_the_reader_only_when_its_sender_is_linked(pair: tuple[Sidecar, Sidecar]) -> None:
+    """An expect whose sender is linked ends in the reader's turn: no task, no scope, the
+    bytes still exact.  One whose sender must be dialled runs in a task of its own: a dial
+    that hangs (a listener that never answers) holds up none of the worker's other calls,
+    and the expect is aborted without waiting for it."""
+    prefill, _ = pair
+    async with daemon_here() as (server, sock), SidecarClient(sock, name="inline") as hw, \
+            SidecarClient(prefill.socket) as pw:
+        ran: list[tuple[str, bool]] = []
+        run_call = server._run_call
+
+        async def spy(conn: Connection, msg: object, scope: anyio.CancelScope | None) -> None:
+            ran.append((type(msg).__name__, scope is None))
+            await run_call(conn, msg, scope)  # type: ignore[arg-type]
+
+        server._run_call = spy  # type: ignore[method-assign]
+        await _roundtrip(pw, hw, "inline-warm", 0, 0)  # the first expect dials: a task
+        assert ("Expect", False) in ran, ran
+        ran.clear()
+        await _roundtrip(pw, hw, "inline-linked", 1, 1)
+        assert ("Expect", True) in ran and ("Expect", False) not in ran, ran
+        with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts (the backlog), never speaks
+            ran.clear()
+            async with anyio.create_task_group() as tg:
+                muted = f"127.0.0.1:{mute.getsockname()[1]}"
+                tg.start_soon(functools.partial(hw.expect, "inline-mute", [2], sender=muted))
+                await eventually(lambda: ("Expect", False) in ran, 10, what="the expect's task")
+                with anyio.fail_after(5):  # the reader is free: another call is answered meanwhile
+                    await hw.fetch_status()
+                    assert (await hw.abort("inline-mute")) is not None
+            assert hw.poll_arrival("inline-mute") is KVPoll.Failed
+        await _roundtrip(pw, hw, "inline-after", 3, 3)
 
 
 async def test_a_burst_of_ends_reaches_the_worker_in_few_writes(pair: tuple[Sidecar, Sidecar]) -> None:
