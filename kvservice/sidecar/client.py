@@ -41,6 +41,7 @@ announces is checked before it is used (the segment's name and owner, the layout
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Collection
@@ -266,8 +267,17 @@ class SidecarClient:
         idx = self.layout.check_pages(pages).tolist()
         split_address(sender)  # the service's own check, here rather than a round trip later
         check = None if verify is None else bool(verify)
-        req, reply = await self._request_call(
-            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check, member))
+        try:
+            req, reply = await self._request_call(
+                "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check, member))
+        except anyio.get_cancelled_exc_class():
+            # The daemon may have registered it before our Cancel came (an expect to a linked
+            # sender never waits there): end it as a cancelled expect ends in process, ABORTED,
+            # so that the sender writes nothing into pages the caller takes to be free.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0), \
+                    contextlib.suppress(KVServiceError):
+                await self._link.call(lambda n: Abort(n, request_id))
+            raise
         assert isinstance(reply, Done)
         if reply.poll is not None and req.result is None:
             req.poll = KVPoll(reply.poll)

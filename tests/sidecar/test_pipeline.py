@@ -246,6 +246,29 @@ async def test_a_cancelled_wait_is_withdrawn_in_the_daemon(pair: tuple[Sidecar, 
         assert (await dw.await_arrival("patient", timeout=30)).ok
 
 
+async def test_a_cancelled_expect_ends_aborted_even_when_the_daemon_had_done_it(
+        pair: tuple[Sidecar, Sidecar]) -> None:
+    """An expect to a linked sender is done in the daemon's reader before the worker's
+    Cancel is read; a caller cancelled while it waits for the reply still gets what a
+    cancelled expect gets in process: the request ends ABORTED, the sender's send of it
+    too, and nothing of it lands."""
+    prefill, decode = pair
+    async with SidecarClient(prefill.socket) as pw, SidecarClient(decode.socket) as dw:
+        await _roundtrip(pw, dw, "cancel-warm", 40, 40)  # linked: the next expect runs inline
+        dw.kv.write([41], torch.zeros_like(dw.kv.pages([41])))
+        with anyio.fail_after(30):
+            with anyio.move_on_after(0) as scope:  # cancelled at its first wait: the reply's
+                await dw.expect("cancel-me", [41], sender=pw.address)
+            assert scope.cancelled_caught
+            arrival = await dw.await_arrival("cancel-me")
+            assert arrival.reason is FailureReason.ABORTED, arrival
+            pw.kv.write([41], pattern(pw.layout, "cancel-me", 1))
+            sent = await pw.await_completion(await pw.send("cancel-me", [41], last=True))
+            assert sent.reason is FailureReason.ABORTED, sent
+        assert not dw.kv.pages([41]).any()  # nothing landed
+        await _roundtrip(pw, dw, "cancel-after", 42, 42)
+
+
 async def test_malformed_and_oversized_frames_never_hurt_the_daemon(pair: tuple[Sidecar, Sidecar]) -> None:
     prefill, _ = pair
     before = await metrics(prefill.http)
