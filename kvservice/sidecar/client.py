@@ -201,17 +201,27 @@ class SidecarClient:
     async def _request_call(
         self, side: str, request_id: str, make: Callable[[int], Call],
     ) -> tuple[RequestState, ServerMessage]:
-        """Call the daemon for ``request_id``, tracking the request from before the call
-        (its Finished frame may overtake the reply); a request this call created is
-        forgotten again if the call fails."""
+        """Call the daemon for ``request_id`` (a send or an expect), tracking the request from
+        before the call (its Finished frame may overtake the reply); a request this call
+        created is forgotten again if the call fails.
+
+        A caller cancelled while it waits for the reply gets what a cancelled call leaves in
+        process: nothing going on.  The daemon may have done the call already (one that never
+        waits there is done before our ``Cancel`` is read), so the request is aborted too
+        (``ABORTED``, its peer told; the ``Abort`` waits up to 1 s for the daemon).  Its pages
+        are then the caller's once settled, as for any failed request."""
         key = (side, request_id)
         created = key not in self._link.live
         req = self._link.live.setdefault(key, RequestState(request_id, side))
         try:
             reply = await self._link.call(make)
-        except BaseException:
+        except BaseException as exc:
             if created and req.result is None and self._link.live.get(key) is req:
                 del self._link.live[key]
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0), \
+                        contextlib.suppress(KVServiceError):
+                    await self._link.call(lambda n: Abort(n, request_id))
             raise
         return req, reply
 
@@ -267,17 +277,8 @@ class SidecarClient:
         idx = self.layout.check_pages(pages).tolist()
         split_address(sender)  # the service's own check, here rather than a round trip later
         check = None if verify is None else bool(verify)
-        try:
-            req, reply = await self._request_call(
-                "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check, member))
-        except anyio.get_cancelled_exc_class():
-            # The daemon may have registered it before our Cancel came (an expect to a linked
-            # sender never waits there): end it as a cancelled expect ends in process, ABORTED,
-            # so that the sender writes nothing into pages the caller takes to be free.
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0), \
-                    contextlib.suppress(KVServiceError):
-                await self._link.call(lambda n: Abort(n, request_id))
-            raise
+        req, reply = await self._request_call(
+            "recv", request_id, lambda n: Expect(n, request_id, idx, sender, timeout, check, member))
         assert isinstance(reply, Done)
         if reply.poll is not None and req.result is None:
             req.poll = KVPoll(reply.poll)

@@ -16,6 +16,7 @@ import functools
 import gc
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -24,7 +25,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
 import anyio.lowlevel
@@ -246,26 +247,48 @@ async def test_a_cancelled_wait_is_withdrawn_in_the_daemon(pair: tuple[Sidecar, 
         assert (await dw.await_arrival("patient", timeout=30)).ok
 
 
-async def test_a_cancelled_expect_ends_aborted_even_when_the_daemon_had_done_it(
+async def test_a_cancelled_send_or_expect_ends_aborted_even_when_the_daemon_had_done_it(
         pair: tuple[Sidecar, Sidecar]) -> None:
-    """An expect to a linked sender is done in the daemon's reader before the worker's
-    Cancel is read; a caller cancelled while it waits for the reply still gets what a
-    cancelled expect gets in process: the request ends ABORTED, the sender's send of it
-    too, and nothing of it lands."""
+    """A send, or an expect to a linked sender, is done in the daemon's reader before the
+    worker's Cancel is read; a caller cancelled while it waits for the reply still gets what
+    a cancelled call leaves in process, nothing going on: the request ends ABORTED, its peer's
+    too, and nothing of it lands.  The daemon is stopped (SIGSTOP) while the caller waits, so
+    it reads the call, the Cancel and the client's Abort in that order once it goes on."""
     prefill, decode = pair
     async with SidecarClient(prefill.socket) as pw, SidecarClient(decode.socket) as dw:
-        await _roundtrip(pw, dw, "cancel-warm", 40, 40)  # linked: the next expect runs inline
-        dw.kv.write([41], torch.zeros_like(dw.kv.pages([41])))
+        await _roundtrip(pw, dw, "cancel-warm", 40, 40)  # linked: the expect runs inline
+        dw.kv.write([41, 43], torch.zeros_like(dw.kv.pages([41, 43])))
+        pw.kv.write([41], pattern(pw.layout, "cancel-expect", 1))
+        pw.kv.write([43], pattern(pw.layout, "cancel-send", 1))
+
+        async def cancelled(daemon: Sidecar, call: Callable[[], Awaitable[object]]) -> None:
+            daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                with anyio.move_on_after(0.2) as scope:
+                    await call()
+                assert scope.cancelled_caught  # the call's reply never came: the daemon is stopped
+            finally:
+                daemon.proc.send_signal(signal.SIGCONT)
+
         with anyio.fail_after(30):
-            with anyio.move_on_after(0) as scope:  # cancelled at its first wait: the reply's
-                await dw.expect("cancel-me", [41], sender=pw.address)
-            assert scope.cancelled_caught
-            arrival = await dw.await_arrival("cancel-me")
+            await cancelled(decode, functools.partial(dw.expect, "cancel-expect", [41], sender=pw.address))
+            arrival = await dw.await_arrival("cancel-expect")
             assert arrival.reason is FailureReason.ABORTED, arrival
-            pw.kv.write([41], pattern(pw.layout, "cancel-me", 1))
-            sent = await pw.await_completion(await pw.send("cancel-me", [41], last=True))
+
+            async def dropped() -> bool:  # the prefill has heard both the Expect and the Abort
+                return await pw.expect_dropped("cancel-expect") is not None
+
+            await eventually(dropped, 10, 0.01, what="the expect dropped on the prefill")
+            sent = await pw.await_completion(await pw.send("cancel-expect", [41], last=True))
             assert sent.reason is FailureReason.ABORTED, sent
-        assert not dw.kv.pages([41]).any()  # nothing landed
+
+            await cancelled(prefill, functools.partial(pw.send, "cancel-send", [43], last=True))
+            aborted = await pw.abort("cancel-send")  # answered after the send and its Abort
+            assert aborted is not None and aborted.reason is FailureReason.ABORTED, aborted
+            await dw.expect("cancel-send", [43], sender=pw.address)
+            arrival = await dw.await_arrival("cancel-send")
+            assert arrival.reason is FailureReason.ABORTED, arrival
+        assert not dw.kv.pages([41, 43]).any()  # nothing landed
         await _roundtrip(pw, dw, "cancel-after", 42, 42)
 
 
