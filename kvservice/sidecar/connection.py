@@ -15,8 +15,9 @@ from .._log import Throttle
 from .._results import TransferResult
 from .._transfer.requests import Recent, TransferHandle
 from .._trust.peercred import PeerCred
+from .frames import SocketFrames
 from .owners import Key
-from .wire import SIDECAR_PROTOCOL_VERSION, ClientMessage, Finished, SocketFrames
+from .wire import SIDECAR_PROTOCOL_VERSION, ClientMessage, Finished
 
 #: refusal kinds that end a connection before its Welcome, and kinds that are a bad frame:
 #: ``kvservice_sidecar_connections_refused_total`` and ``..._frames_rejected_total``

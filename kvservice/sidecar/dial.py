@@ -27,6 +27,7 @@ from .._control.protocol import FrameError
 from .._results import KVServiceError
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
 from ..memory._layout import KVLayout
+from .frames import SocketFrames, frame_stream
 from .shm import Segment, SegmentError, check_shm_name
 from .wire import (
     SIDECAR_OLDEST_VERSION,
@@ -34,10 +35,8 @@ from .wire import (
     Error,
     Hello,
     ServerMessage,
-    SocketFrames,
     Welcome,
     decode_server,
-    frame_stream,
 )
 
 #: the largest frame a worker takes from its daemon

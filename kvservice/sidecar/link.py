@@ -20,6 +20,7 @@ from .._control.links import CONNECTION_ERRORS
 from .._control.protocol import FrameError
 from .._results import FailureReason, KVServiceError, ProtocolError, TransferResult, TransferStatus, UnknownRequestError
 from .._transfer.requests import Recent
+from .frames import SocketFrames
 from .handle import CallSlot, RequestState
 from .owners import NotOwnerError
 from .wire import (
@@ -29,7 +30,6 @@ from .wire import (
     Error,
     Finished,
     ServerMessage,
-    SocketFrames,
     Welcome,
     call_refusal,
     result_from_wire,

@@ -46,6 +46,7 @@ from .._transfer.requests import Recent
 from .._trust.peercred import PeerCred, PeerCredError, stream_peer_cred, uid_allowed
 from .calls import WorkerCalls
 from .connection import Connection, ServerCounters
+from .frames import frame_stream
 from .owners import NotOwnerError, Owners
 from .settings import SidecarConfig
 from .wire import (
@@ -69,7 +70,6 @@ from .wire import (
     decode_client,
     encode,
     encode_frames,
-    frame_stream,
     sidecar_version,
 )
 

@@ -20,6 +20,7 @@ import torch
 
 from kvservice import FailureReason, KVServiceError, SidecarClient
 from kvservice._control.protocol import MAX_TEXT
+from kvservice.sidecar.frames import frame_stream
 from kvservice.sidecar.wire import (
     SIDECAR_OLDEST_VERSION,
     SINCE,
@@ -33,7 +34,6 @@ from kvservice.sidecar.wire import (
     Welcome,
     decode_server,
     encode,
-    frame_stream,
 )
 from kvservice.testing import pattern
 from tests.helpers import eventually, free_port, scaled

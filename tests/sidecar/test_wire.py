@@ -17,19 +17,18 @@ import anyio.lowlevel
 import pytest
 
 from kvservice._control.protocol import FrameError
-from kvservice.sidecar import wire
+from kvservice.sidecar import frames
+from kvservice.sidecar.frames import SocketFrames, frame_stream
 from kvservice.sidecar.wire import (
     SIDECAR_OLDEST_VERSION,
     SIDECAR_PROTOCOL_VERSION,
     Finished,
     Send,
-    SocketFrames,
     Status,
     WireResult,
     decode_client,
     decode_server,
     encode,
-    frame_stream,
     sidecar_version,
 )
 
@@ -96,8 +95,8 @@ async def test_a_write_the_socket_takes_at_once_arms_no_timer(monkeypatch: pytes
         raise AssertionError("a scope on the fast path")
 
     with monkeypatch.context() as m:
-        m.setattr(wire.anyio, "fail_after", no_scope)
-        m.setattr(wire.anyio, "CancelScope", no_scope)
+        m.setattr(frames.anyio, "fail_after", no_scope)
+        m.setattr(frames.anyio, "CancelScope", no_scope)
         await worker.send(Status(1), 5.0, shield=True)
     assert await daemon.recv() == Status(1)
     await worker.aclose()
@@ -188,7 +187,7 @@ async def test_the_reader_is_registered_once_while_frames_keep_coming(monkeypatc
     removes it (the loop would call it every turn), and the next read takes that data
     without a wait."""
     spy = LoopSpy()
-    monkeypatch.setattr(wire, "asyncio", types.SimpleNamespace(get_running_loop=lambda: spy))
+    monkeypatch.setattr(frames, "asyncio", types.SimpleNamespace(get_running_loop=lambda: spy))
     a, b = await pair()
     worker, daemon = frame_stream(a, 1024, decode_server), frame_stream(b, 1024, decode_client)
     fd = b.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
