@@ -38,6 +38,8 @@ LAYERS, HEADS, HEAD_DIM, PAGE, NUM_PAGES = 2, 2, 8, 4, 64
 LATENT = 24  # an MLA pool's kv_lora_rank + rope dim
 AUX_ROWS = 16
 TICK_S = 0.01
+#: how long a failed request's pages may take to become safe to reuse (``release_safe``)
+RELEASE_WAIT_S = 30.0
 RETRY_S, TRIES = 0.5, 10  # the decode's lookups of a prefill: bounded, spaced retries
 
 
@@ -177,6 +179,20 @@ def failure(t: Any) -> dict[str, Any]:
                 "cause_type": type(cause).__name__ if cause is not None else None,
                 "original": cause is not None and cause is kept}
     return {"error_type": None, "error": "failure_exception() returned"}
+
+
+def release_safe(receiver: Any) -> tuple[bool, float]:
+    """Whether a failed receiver's pages became safe to reuse, and after how long: SGLang's
+    decode holds them and asks ``is_abort_release_safe()`` again every step until they are
+    (``DecodeTransferQueue.resolve_deferred_releases``).  A sender SIGKILLed mid-transfer is
+    known gone at once when NIXL has seen its endpoint drop, else once a probe of its
+    address finds nobody (``Inbound.on_peer_lost``)."""
+    start = time.monotonic()
+    while not receiver.is_abort_release_safe():
+        if time.monotonic() - start > RELEASE_WAIT_S:
+            return False, time.monotonic() - start
+        time.sleep(TICK_S)
+    return True, time.monotonic() - start
 
 
 def track(states: dict[int, list[int]], room: int, poll: int) -> None:
@@ -350,8 +366,9 @@ def run_decode(rank: Rank, args: argparse.Namespace) -> None:
                 req.receiver.clear()
                 emit(event="end", room=req.room, poll="Success", verified=verified, aux=aux_ok, states=states[req.room])
             elif poll == KVPoll.Failed:
+                safe, waited = release_safe(req.receiver)
                 emit(event="end", room=req.room, poll="Failed", phase="transfer", states=states[req.room],
-                     release_safe=req.receiver.is_abort_release_safe(), **failure(req.receiver))
+                     release_safe=safe, release_waited_s=waited, **failure(req.receiver))
             else:
                 raise RuntimeError(f"Unexpected poll state {poll} for room {req.room} in the transfer queue")
         transfer = undone

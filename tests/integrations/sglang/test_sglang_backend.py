@@ -302,6 +302,8 @@ def test_prefill_restart_fails_its_requests_and_the_decode_finds_the_new_one(tmp
     ended = decode.end(302, timeout=60)
     assert ended["poll"] == "Failed" and ended["reason"] == "PEER_LOST", ended
     says_why(ended, f"(peer {prefill.ready['address']})")
+    # safe once nothing can land: NIXL saw the endpoint drop, or a probe found nobody (the
+    # decode asks again every step until then, as SGLang's does)
     assert ended["original"] is True and ended["release_safe"] is True, ended
     (prefill2,) = roles(("prefill", port, tmp_path, {"serve": True, "delay": 2.0}))
     assert prefill2.ready["address"] != prefill.ready["address"]
