@@ -37,7 +37,7 @@ from typing import Any
 from kvservice._exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from kvservice.bench import _lines
 from kvservice.bench._lines import ChildError
-from kvservice.bench.methods import KvService, Method, RawNixl
+from kvservice.bench.methods import KvService, Method, RawNixl, running
 from kvservice.bench.stats import median, ratios, summarize_sample
 from kvservice.bench.workloads import FULL, LLAMA3_8B, Case, all_cases, page_bytes
 
@@ -101,17 +101,13 @@ def main(argv: Sequence[str]) -> int:
             print(exc, file=sys.stderr)
             return EXIT_USAGE
         try:
-            for m in methods:
-                m.start()
-            for m in methods:
-                m.measure(chosen[0], "warm")
-            runs = _interleave(methods, chosen, args.repeats)
+            with running(methods):
+                for m in methods:
+                    m.measure(chosen[0], "warm")
+                runs = _interleave(methods, chosen, args.repeats)
         except ChildError as exc:
             print(f"compare: {exc}", file=sys.stderr)
             return EXIT_FAILED
-        finally:
-            for m in methods:
-                m.close()
     print(f"load average {os.getloadavg()[0]:.2f}; medians of {args.repeats} repeats; x = median per-repeat "
           "ratio to raw NIXL (GB/s for w1, requests/s otherwise)")
     for case in chosen:

@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks.compare import shadow
 from benchmarks.cpu_parts import fold
-from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes
+from kvservice.bench.methods import KvService, Method, RawNixl, Sidecar, processes, running
 from kvservice.bench.procfs import threads_by_name
 from kvservice.bench.run import measured_cpu, warm_up
 from kvservice.bench.stats import summarize_sample
@@ -166,18 +166,13 @@ def interleaved(methods: list[Method], cases: list[Case], repeats: int, threads:
     """Every method started together, one run each in turn, per repeat and case (``threads``:
     each process's threads too, the medians of the runs)."""
     got: dict[tuple[str, str], list[dict[str, Any]]] = {(m.name, c.key): [] for m in methods for c in cases}
-    for m in methods:
-        m.start()
-    try:
+    with running(methods):
         warm_up(methods, cases)
         for rep in range(repeats):
             for ci, case in enumerate(cases):
                 k = (rep + ci) % len(methods)
                 for m in methods[k:] + methods[:k]:
                     got[(m.name, case.key)].append(measure(m, case, 1, tag=str(rep)))
-    finally:
-        for m in methods:
-            m.close()
     for case in cases:
         for m in methods:
             runs = got[(m.name, case.key)]
@@ -228,8 +223,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     for name in args.methods.split(","):
         m: Method = makers[name]()
-        m.start()
-        try:
+        with running([m]):
             warm_up([m], chosen)
             for case in chosen:
                 if args.lag_probe and name != "raw_nixl":
@@ -244,8 +238,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                     for role, by_part in parts.items():
                         shown = "  ".join(f"{k} {v:.0f}" for k, v in by_part.items() if v >= 0.5)
                         print(f"    {role:<15} {shown}", flush=True)
-        finally:
-            m.close()
 
 
 if __name__ == "__main__":

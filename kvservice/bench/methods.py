@@ -14,6 +14,8 @@ import os
 import shutil
 import signal
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,11 +49,28 @@ class Endpoint(Protocol):
 
 
 class Method(Protocol):
+    """``close`` is safe on a method never started, or whose ``start`` failed part way
+    (a sidecar's daemons are up before its workers start): it stops what is up."""
+
     name: str
 
     def start(self) -> None: ...
     def measure(self, case: Case, prefix: str) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+
+@contextmanager
+def running(methods: Sequence[Method]) -> Iterator[None]:
+    """Start ``methods`` in order; on the way out close every one of them, those already
+    started when a later start failed, and the one whose start failed (its processes up by
+    then are stopped, never left behind the driver)."""
+    try:
+        for m in methods:
+            m.start()
+        yield
+    finally:
+        for m in methods:
+            m.close()
 
 
 class Limit:
