@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import structlog
 
@@ -309,3 +310,92 @@ def test_a_trickling_registry_cannot_hold_a_lookup_past_its_timeout() -> None:
         assert trickler.client_left.wait(30), "the lookup gave up, but never closed its connection"
     finally:
         trickler.close()
+
+
+def _read_to_the_end(s: socket.socket, bound_s: float) -> tuple[bytes, bool]:
+    """What the server wrote to ``s``, and whether the connection ended in a reset (else EOF)."""
+    s.settimeout(bound_s)
+    got = b""
+    while True:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            return got, True
+        if not data:
+            return got, False
+        got += data
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.3])
+def test_a_refused_client_reads_the_503_whenever_its_request_comes(late_s: float) -> None:
+    """The refusal is written as the connection is accepted, before the request is read.
+    The client must read that 503 whether its request reached the registry before the
+    refusal (``late_s`` 0: sent as it connected) or after it (0.3 s later, as a loaded
+    client's may): a request that reaches a closed socket, or one closed on unread bytes,
+    is answered with a reset, which throws the 503 away on the client's side ("connection
+    reset by peer", seen in ``test_a_refusal_at_a_cap_is_an_http_503_saying_why``).  So the
+    registry half-closes after the answer, reads and drops what the client sends until it
+    closes (within ``REFUSE_WRITE_S``), then closes."""
+    registry = bootstrap.Registry("127.0.0.1", 0, key=KEY, max_connections=4, max_per_peer=1, read_deadline_s=120)
+    held: list[socket.socket] = []
+    try:
+        held.append(idle("127.0.0.2", registry.port))
+        eventually_sync(lambda: sum(len(q) for q in registry._open.values()) == 1, 30, what="one held")
+        for attempt in range(5):
+            s = idle("127.0.0.2", registry.port)
+            time.sleep(late_s)
+            s.sendall(f"GET /route HTTP/1.1\r\nHost: x\r\nX-Attempt: {attempt}\r\n\r\n".encode())
+            time.sleep(0.2)  # the registry has answered by now, whatever it does next
+            raw, reset = _read_to_the_end(s, 10)
+            s.close()
+            assert raw.startswith(b"HTTP/1.1 503") and b'"kind": "peer_connections"' in raw, (attempt, raw[:300])
+            # an orderly end: a reset here is one that, sent before the answer left, loses it
+            assert not reset, f"attempt {attempt}: the registry reset the connection after its answer"
+        assert registry.refused["peer_connections"] == 5, registry.refused
+        legit_pair_still_works(registry, 3)
+    finally:
+        for s in held:
+            s.close()
+        registry.close()
+
+
+class _Stream:
+    """A connection's stream as the registry's refusal sees it: what it was told, in order."""
+
+    def __init__(self, sent_by_client: list[bytes]) -> None:
+        self.events: list[str] = []
+        self._incoming = list(sent_by_client)
+
+    async def send(self, data: bytes) -> None:
+        self.events.append("answer" if data.startswith(b"HTTP/1.1 503") else f"other {data[:20]!r}")
+
+    async def send_eof(self) -> None:
+        self.events.append("eof")
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        self.events.append("read")
+        if not self._incoming:
+            raise anyio.EndOfStream
+        return self._incoming.pop(0)[:max_bytes]
+
+
+def test_a_refusal_half_closes_and_reads_the_request_before_the_socket_closes() -> None:
+    """The order that keeps a refusal's answer from being reset away (the race that
+    ``test_a_refused_client_reads_the_503_whenever_its_request_comes`` can only sometimes
+    meet): the answer, the registry's end closed, the client's request read to its EOF;
+    and while ``max_connections`` refused connections linger so, the next is only answered."""
+    registry = bootstrap.Registry("127.0.0.1", 0, key=KEY, max_connections=1, max_per_peer=1)
+    try:
+        refusal = bootstrap.Refusal("peer_connections", 503, "1 connections from 127.0.0.2 are open already")
+        stream = _Stream([b"GET /route HTTP/1.1\r\n", b"Host: x\r\n\r\n"])
+        anyio.run(registry._tell_refused, stream, refusal)
+        assert stream.events == ["answer", "eof", "read", "read", "read"], stream.events
+        assert registry._lingering == 0
+        flood = _Stream([b"GET"])
+        registry._lingering = 1  # one refused connection lingers already: at the cap
+        anyio.run(registry._tell_refused, flood, refusal)
+        assert flood.events == ["answer"], flood.events
+        assert registry._lingering == 1
+    finally:
+        registry._lingering = 0
+        registry.close()

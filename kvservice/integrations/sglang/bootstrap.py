@@ -104,7 +104,8 @@ MAX_CONNECTIONS = 128
 MAX_PER_PEER = 32
 READ_DEADLINE_S = 5.0
 WRITE_DEADLINE_S = 5.0
-#: how long a connection refused at a cap may take to be told why (then it is just closed)
+#: how long a connection refused at a cap may take to be told why and to close its end (then
+#: it is just closed)
 REFUSE_WRITE_S = 1.0
 #: nonces remembered for ``WINDOW_S``; a full book refuses new registrations (only
 #: authenticated ones are remembered, so only a member could fill it)
@@ -214,6 +215,7 @@ class Registry:
         self._nonces: dict[str, float] = {}  # nonce -> when it may be forgotten
         #: peer host -> its open connections' cancel scopes, oldest first
         self._open: dict[str, collections.deque[anyio.CancelScope]] = {}
+        self._lingering = 0  # refused connections waiting for their client to close (``_tell_refused``)
         #: refusals by kind; ``errors``: failed accepts and crashed handlers
         self.refused: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -381,11 +383,7 @@ class Registry:
         refusal = self._admit(peer)
         if refusal is not None:
             self.refuse(refusal.kind, str(refusal), peer)
-            with anyio.move_on_after(REFUSE_WRITE_S):  # told why, if it reads; never waited on long
-                try:
-                    await stream.send(_refusal_answer(refusal))
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    pass
+            await self._tell_refused(stream, refusal)
             return
         scope = anyio.CancelScope()
         self._open.setdefault(peer, collections.deque()).append(scope)
@@ -401,6 +399,30 @@ class Registry:
                     held.remove(scope)
                 if not held:
                     del self._open[peer]
+
+    async def _tell_refused(self, stream: anyio.abc.SocketStream, refusal: Refusal) -> None:
+        """Answer a connection refused at a cap, before its request is read, and end it so
+        that the answer reaches it: half-close after the answer, then read and drop what the
+        client sends until it closes its end (``MAX_HEAD`` bytes at most), all within
+        ``REFUSE_WRITE_S``.  Closed at once instead, a socket with the client's request unread
+        in it resets the connection, and a reset throws away whatever of the answer was not
+        sent yet, or not read (the client then saw "connection reset by peer", not why).
+        While as many refused connections as ``max_connections`` linger so, the next is
+        answered and closed at once (a flood of them holds no more sockets than that)."""
+        linger = self._lingering < self._max_connections
+        self._lingering += linger
+        try:
+            with anyio.move_on_after(REFUSE_WRITE_S):  # told why, if it reads; never waited on long
+                await stream.send(_refusal_answer(refusal))
+                if linger:
+                    await stream.send_eof()
+                    dropped = 0
+                    while dropped <= MAX_HEAD:
+                        dropped += len(await stream.receive(MAX_HEAD))
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the client closed its end (or went away): nothing unread is left to reset it
+        finally:
+            self._lingering -= linger
 
     async def _answer_one(self, stream: anyio.abc.SocketStream, peer: str) -> None:
         try:
