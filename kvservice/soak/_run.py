@@ -498,6 +498,12 @@ class Soak:
             node.cut = False
             node.cuts_seen += 1
 
+    def close(self) -> None:
+        """Leave nothing of this run behind: its daemons (``kill_daemons``) and its directory
+        of sockets and the cluster key, made when the run was."""
+        self.kill_daemons()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
     def kill_daemons(self) -> None:
         """SIGKILL every sidecar daemon still running: a run that ends early (an error,
         Ctrl-C) leaves none serving, not even one a restart was starting.  The workers exit
@@ -616,8 +622,7 @@ async def soak(opts: Options, log: IO[Any], env: Sequence[tuple[str, str]] = (),
         try:
             summary = await run.run()
         finally:
-            run.kill_daemons()
-            shutil.rmtree(run.workdir, ignore_errors=True)
+            run.close()
         tg.cancel_scope.cancel()
     return summary
 

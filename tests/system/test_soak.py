@@ -285,23 +285,28 @@ def test_a_decode_killed_as_its_settle_is_asked_is_not_a_hang(tmp_path: Path) ->
     failed a long run (``await_settled did not answer`` within 3 s of the request's start, the
     only way that call answers None while the process is not known dead)."""
 
-    async def main(log: IO[str]) -> tuple[int, int]:
+    async def main(log: IO[str]) -> tuple[int, int, str]:
         async with anyio.create_task_group() as tg:
             soak = Soak(Options(), tg, log, dict(os.environ))
-            node = await soak._start("decode0")
-            node.kill()  # no await until the command: its exit is not seen yet
+            try:
+                node = await soak._start("decode0")
+                node.kill()  # no await until the command: its exit is not seen yet
 
-            async def broken(**cmd: Any) -> None:  # as its stdin answers once the pipe broke
-                raise anyio.BrokenResourceError
+                async def broken(**cmd: Any) -> None:  # as its stdin answers once the pipe broke
+                    raise anyio.BrokenResourceError
 
-            node.proc.command = broken  # type: ignore[method-assign]
-            assert not node.dead.is_set()
-            await soak._settle("r1", node, [0, 1], {"reason": "ABORTED"}, None)
-            with anyio.fail_after(scaled(10)):
-                await node.dead.wait()
-            await node.proc.stop()  # closes its pipes
-        return soak.s.hung, soak.s.failed_by_reason["ABORTED"]
+                node.proc.command = broken  # type: ignore[method-assign]
+                assert not node.dead.is_set()
+                await soak._settle("r1", node, [0, 1], {"reason": "ABORTED"}, None)
+                with anyio.fail_after(scaled(10)):
+                    await node.dead.wait()
+                await node.proc.stop()  # closes its pipes
+            finally:
+                soak.close()
+        return soak.s.hung, soak.s.failed_by_reason["ABORTED"], soak.workdir
 
     with open(os.devnull, "w") as log:
-        assert anyio.run(main, log) == (0, 1)
+        hung, aborted, workdir = anyio.run(main, log)
+    assert (hung, aborted) == (0, 1)
+    assert not os.path.exists(workdir)  # the run's directory went with it
 
