@@ -23,17 +23,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
-from kvservice import TransferService
+from benchmarks.loop_cpu import beside_a_receiver
 from kvservice._control import protocol
 from kvservice._nixl import agent as _agent
 from kvservice._nixl import door as _door
 from kvservice._transfer import watchdog as _watchdog
 from kvservice._trust.handshake import NOTIF_MAC_BYTES
-from kvservice.bench._lines import Child
-from kvservice.bench.kv_side import make_config, quiet_logs
-from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases
+from kvservice.bench.workloads import FULL, all_cases
 
 #: hop name -> request id -> time.monotonic()
 marks: dict[str, dict[str, float]] = {}
@@ -99,32 +96,21 @@ def thread_cpu(tids: dict[str, int]) -> dict[str, tuple[float, float]]:
 
 
 async def run(case_key: str, nreq: int) -> None:
-    quiet_logs()
-    cfg: dict[str, Any] = {"layout": LLAMA3_8B, "num_pages": FULL.pool_pages, "loop": "uvloop",
-                           "gc": "freeze", "service": {}}
     case = {c.key: c for c in all_cases(FULL, 1)}[case_key]
     reqs = case.with_prefix("hops")[:nreq]
-    recv = Child("kvservice.bench.kv_side", "recv", cfg)
-    try:
-        async with TransferService(make_config(cfg)) as svc:
-            svc.kv.tensor.fill_(1.0)
-            await anyio.to_thread.run_sync(recv.wait, "ready", 120.0)
-            await anyio.to_thread.run_sync(
-                lambda: recv.call("expect", "expecting", 120.0, requests=reqs, sender=svc.address))
-            await anyio.sleep(0.5)  # the Expects reach the sender
-            door = svc._thread
-            assert door is not None
-            tids = {"event loop": int(os.getpid()), "NIXL thread": int(door._thread.native_id or 0)}
-            cpu0, t0 = thread_cpu(tids), time.monotonic()
-            for r in reqs:
-                mark("send() called", r["rid"])
-                handle = await svc.send(r["rid"], r["src"], last=True)
-                await svc.await_completion(handle)
-                mark("await_completion returns", r["rid"])
-            cpu1, t1 = thread_cpu(tids), time.monotonic()
-            await anyio.to_thread.run_sync(recv.wait, "arrived", 120.0)
-    finally:
-        recv.close()
+    async with beside_a_receiver() as (svc, expect):
+        await expect(reqs)
+        await anyio.sleep(0.5)  # the Expects reach the sender
+        door = svc._thread
+        assert door is not None
+        tids = {"event loop": int(os.getpid()), "NIXL thread": int(door._thread.native_id or 0)}
+        cpu0, t0 = thread_cpu(tids), time.monotonic()
+        for r in reqs:
+            mark("send() called", r["rid"])
+            handle = await svc.send(r["rid"], r["src"], last=True)
+            await svc.await_completion(handle)
+            mark("await_completion returns", r["rid"])
+        cpu1, t1 = thread_cpu(tids), time.monotonic()
     report(reqs, len(reqs), t1 - t0, {k: (cpu1[k][0] - cpu0[k][0], cpu1[k][1] - cpu0[k][1]) for k in tids})
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -33,41 +34,58 @@ from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases
 SETTLE_S = 1.0
 
 
-async def run(case_key: str, rounds: int, concurrency: int) -> tuple[int, float, float]:
-    """(requests, loop CPU seconds, wall seconds) of one measured run."""
+#: the sender's and the receiver's configuration: the full plan's pool, as ``kvservice bench``
+CFG: dict[str, Any] = {"layout": LLAMA3_8B, "num_pages": FULL.pool_pages, "loop": "uvloop", "gc": "freeze",
+                       "service": {}}
+
+Expect = Callable[[list[dict[str, Any]]], Awaitable[None]]
+
+
+@asynccontextmanager
+async def beside_a_receiver() -> AsyncIterator[tuple[TransferService, Expect]]:
+    """A ``TransferService`` in this process and a ``kvservice.bench.kv_side`` receiver child,
+    both ready: yields the service and ``expect(requests)``, which has the receiver expect
+    them from it.  On the way out (without an error) waits until every one has arrived."""
     quiet_logs()
-    cfg: dict[str, Any] = {"layout": LLAMA3_8B, "num_pages": FULL.pool_pages, "loop": "uvloop",
-                           "gc": "freeze", "service": {}}
-    case = {c.key: c for c in all_cases(FULL, 1)}[case_key]
-    recv = Child("kvservice.bench.kv_side", "recv", cfg)
+    recv = Child("kvservice.bench.kv_side", "recv", CFG)
     try:
-        async with TransferService(make_config(cfg)) as svc:
+        async with TransferService(make_config(CFG)) as svc:
             svc.kv.tensor.fill_(1.0)
             await anyio.to_thread.run_sync(recv.wait, "ready", 120.0)
-            todo: list[dict[str, Any]] = []
 
-            def expect(reqs: list[dict[str, Any]]) -> None:
+            def call(reqs: list[dict[str, Any]]) -> None:
                 recv.call("expect", "expecting", 120.0, requests=reqs, sender=svc.address)
 
-            for i in range(rounds):
-                reqs = case.with_prefix(f"loop{i}")
-                await anyio.to_thread.run_sync(expect, reqs)
-                todo += reqs
-            await anyio.sleep(SETTLE_S)
-            pending = iter(todo)
+            async def expect(reqs: list[dict[str, Any]]) -> None:
+                await anyio.to_thread.run_sync(call, reqs)
 
-            async def client() -> None:
-                for r in pending:
-                    await svc.await_completion(await svc.send(r["rid"], r["src"], last=True))
-
-            cpu0, wall0 = time.thread_time(), time.monotonic()
-            async with anyio.create_task_group() as tg:
-                for _ in range(concurrency):
-                    tg.start_soon(client)
-            cpu, wall = time.thread_time() - cpu0, time.monotonic() - wall0
+            yield svc, expect
             await anyio.to_thread.run_sync(recv.wait, "arrived", 120.0)
     finally:
         recv.close()
+
+
+async def run(case_key: str, rounds: int, concurrency: int) -> tuple[int, float, float]:
+    """(requests, loop CPU seconds, wall seconds) of one measured run."""
+    case = {c.key: c for c in all_cases(FULL, 1)}[case_key]
+    async with beside_a_receiver() as (svc, expect):
+        todo: list[dict[str, Any]] = []
+        for i in range(rounds):
+            reqs = case.with_prefix(f"loop{i}")
+            await expect(reqs)
+            todo += reqs
+        await anyio.sleep(SETTLE_S)
+        pending = iter(todo)
+
+        async def client() -> None:
+            for r in pending:
+                await svc.await_completion(await svc.send(r["rid"], r["src"], last=True))
+
+        cpu0, wall0 = time.thread_time(), time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(concurrency):
+                tg.start_soon(client)
+        cpu, wall = time.thread_time() - cpu0, time.monotonic() - wall0
     return len(todo), cpu, wall
 
 

@@ -410,7 +410,8 @@ class Registry:
         While as many refused connections as ``max_connections`` linger so, the next is
         answered and closed at once (a flood of them holds no more sockets than that)."""
         linger = self._lingering < self._max_connections
-        self._lingering += linger
+        if linger:
+            self._lingering += 1
         try:
             with anyio.move_on_after(REFUSE_WRITE_S):  # told why, if it reads; never waited on long
                 await stream.send(_refusal_answer(refusal))
@@ -422,7 +423,8 @@ class Registry:
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the client closed its end (or went away): nothing unread is left to reset it
         finally:
-            self._lingering -= linger
+            if linger:
+                self._lingering -= 1
 
     async def _answer_one(self, stream: anyio.abc.SocketStream, peer: str) -> None:
         try:
