@@ -21,13 +21,16 @@ import uvloop
 
 from kvservice._config import host_ucx_defaults
 from kvservice.testing.peer_process import use_fork_server
-from tests.helpers import SLOWDOWN_ENV, measure_slowdown, scaled, slowdown
+from tests.helpers import SLOWDOWN_ENV, measure_slowdown, scaled, shm_names, slowdown, sweep_shm
 
 for _name, _value in host_ucx_defaults().items():
     os.environ.setdefault(_name, _value)
 
 #: a test's hang guard before scaling (its ``timeout`` mark, else the run's default)
 GUARD_KEY = pytest.StashKey[float]()
+#: the names under /dev/shm as the run began, and those its end swept (``pytest_sessionfinish``)
+SHM_KEY = pytest.StashKey[set[str]]()
+SWEPT_KEY = pytest.StashKey[list[str]]()
 
 BOTH_LOOPS = {"tests/system/test_two_process.py", "tests/faults/test_bad_input.py"}
 
@@ -84,6 +87,28 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         factor = max(slowdown(), measure_slowdown(workers=0))  # the run's workers are in the load by now
         item.add_marker(pytest.mark.timeout(guard * factor), append=False)
     return (yield)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        session.config.stash[SHM_KEY] = shm_names()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Once every test and fixture has ended (in a parallel run, every worker): unlink what
+    the engines this run started and stopped left under /dev/shm (``tests.helpers.sweep_shm``:
+    what no live process holds), so that runs after runs do not fill it."""
+    before = session.config.stash.get(SHM_KEY, None)
+    if before is not None:
+        session.config.stash[SWEPT_KEY] = sweep_shm(before)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    swept = config.stash.get(SWEPT_KEY, [])
+    if swept:
+        terminalreporter.write_line(f"/dev/shm: unlinked {len(swept)} file(s) the engines this run stopped "
+                                    f"left behind ({', '.join(swept[:4])}{', ...' if len(swept) > 4 else ''})")
 
 
 def pytest_report_header(config: pytest.Config) -> str:

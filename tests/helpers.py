@@ -84,6 +84,63 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+#: what engines' processes leave under /dev/shm when a test kills them (a process group's SIGKILL
+#: takes multiprocessing's resource tracker and SGLang's own unlinking with it, and SGLang's load
+#: snapshot file is not unlinked even on a clean stop): multiprocessing's named semaphores,
+#: SGLang's load snapshots (``sglang/srt/managers/load_snapshot.py``), a new name per server
+ENGINE_SHM_PREFIXES = ("sem.mp-", "sglang_loads_")
+
+
+def shm_names(directory: str = "/dev/shm") -> set[str]:
+    """The names in ``directory`` now (none when it does not exist)."""
+    try:
+        return set(os.listdir(directory))
+    except FileNotFoundError:
+        return set()
+
+
+def held_files(directory: str) -> set[str]:
+    """Names in ``directory`` that a live process maps or holds open (read from ``/proc``,
+    every process that can be read: as root, all of them)."""
+    prefix = os.path.join(os.path.realpath(directory), "")
+    held: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as maps:
+                for line in maps:
+                    path = line.rstrip("\n").split(maxsplit=5)[5:]
+                    if path and path[0].startswith(prefix):
+                        held.add(path[0][len(prefix):].removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith(prefix):
+                    held.add(target[len(prefix):])
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return held
+
+
+def sweep_shm(before: set[str], directory: str = "/dev/shm",
+              prefixes: tuple[str, ...] = ENGINE_SHM_PREFIXES) -> list[str]:
+    """Unlink what a test run left in ``directory``: the names with one of ``prefixes`` that
+    were not there ``before`` and that no live process maps or holds open (a server still
+    running, this run's or another's, keeps its files).  Returns the names unlinked."""
+    left = sorted(n for n in shm_names(directory) - before if n.startswith(prefixes))
+    if not left:
+        return []
+    held = held_files(directory)
+    swept = []
+    for name in left:
+        if name in held:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+            swept.append(name)
+    return swept
+
+
 def register_pool(door: Any, pool: KVPool) -> None:
     """Register ``pool`` with a door the way a service does (every page of every region)."""
     m = pool.memory
