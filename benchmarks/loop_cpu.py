@@ -9,7 +9,9 @@ and its receiver child (``kvservice.bench.kv_side``) runs in the same directory.
 W3 case of the full plan ``--rounds`` times over (each round's requests expected by the
 receiver first), ``--concurrency`` clients sending one request after another, and the
 event loop's thread CPU (``time.thread_time``) and wall time per request are printed, with
-where kvservice was imported from.  Expects are sent before the clock starts, so unlike
+where kvservice was imported from, and per request the watchdog's ticks (its round trips to
+the NIXL thread) and the loop thread's wake-ups (its voluntary context switches, from
+``/proc/thread-self/status``).  Expects are sent before the clock starts, so unlike
 ``kvservice bench`` the figure leaves reading them out.
 """
 
@@ -19,7 +21,7 @@ import argparse
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -29,6 +31,7 @@ from kvservice import TransferService
 from kvservice.bench._lines import Child
 from kvservice.bench.kv_side import make_config, quiet_logs
 from kvservice.bench.workloads import FULL, LLAMA3_8B, all_cases
+from kvservice.testing.inspect import inside
 
 #: how long the receiver's Expects get to reach the sender before the clock starts
 SETTLE_S = 1.0
@@ -65,8 +68,27 @@ async def beside_a_receiver() -> AsyncIterator[tuple[TransferService, Expect]]:
         recv.close()
 
 
-async def run(case_key: str, rounds: int, concurrency: int) -> tuple[int, float, float]:
-    """(requests, loop CPU seconds, wall seconds) of one measured run."""
+def wakeups() -> int:
+    """The calling thread's voluntary context switches so far: each is a sleep it was woken from."""
+    with open("/proc/thread-self/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split(":")[1])
+    raise RuntimeError("no voluntary_ctxt_switches in /proc/thread-self/status")
+
+
+class Run(NamedTuple):
+    """One measured run: requests sent, the loop thread's CPU and the wall time (seconds),
+    the watchdog's ticks and the loop thread's wake-ups."""
+    requests: int
+    cpu: float
+    wall: float
+    ticks: int
+    wakeups: int
+
+
+async def run(case_key: str, rounds: int, concurrency: int) -> Run:
+    """One measured run of ``case_key``."""
     case = {c.key: c for c in all_cases(FULL, 1)}[case_key]
     async with beside_a_receiver() as (svc, expect):
         todo: list[dict[str, Any]] = []
@@ -81,12 +103,15 @@ async def run(case_key: str, rounds: int, concurrency: int) -> tuple[int, float,
             for r in pending:
                 await svc.await_completion(await svc.send(r["rid"], r["src"], last=True))
 
+        watchdog = inside(svc).plane.watchdog
+        ticks0, wakes0 = watchdog.ticks, wakeups()
         cpu0, wall0 = time.thread_time(), time.monotonic()
         async with anyio.create_task_group() as tg:
             for _ in range(concurrency):
                 tg.start_soon(client)
         cpu, wall = time.thread_time() - cpu0, time.monotonic() - wall0
-    return len(todo), cpu, wall
+        ticks, wakes = watchdog.ticks - ticks0, wakeups() - wakes0
+    return Run(len(todo), cpu, wall, ticks, wakes)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -99,10 +124,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    n, cpu, wall = anyio.run(run, args.case, args.rounds, args.concurrency, backend="asyncio",
-                             backend_options={"use_uvloop": True})
+    r = anyio.run(run, args.case, args.rounds, args.concurrency, backend="asyncio",
+                  backend_options={"use_uvloop": True})
+    n = r.requests
     print(f"{kvservice.__file__}: {args.case} x{args.rounds}, {args.concurrency} in flight, {n} requests: "
-          f"loop CPU {cpu / n * 1e6:.0f} us per request, wall {wall / n * 1e6:.0f} us per request")
+          f"loop CPU {r.cpu / n * 1e6:.0f} us per request, wall {r.wall / n * 1e6:.0f} us per request, "
+          f"{r.ticks / n:.2f} ticks and {r.wakeups / n:.2f} loop wake-ups per request")
 
 
 if __name__ == "__main__":
