@@ -31,7 +31,7 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from . import landing
-from .cadence import EXPECT_GRACE_S, SETTLE_POLL_S, WARM_GRACE_S
+from .cadence import EXPECT_GRACE_S, LIGHT_RECVS, SETTLE_POLL_S, WARM_GRACE_S
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
@@ -510,6 +510,11 @@ class RequestPlane:
         now = time.monotonic()
         return (self.cold > 0 and now < self._grace_until) or \
             (self.settlement.unsettled_pages > 0 and now < self._settle_poll_until)
+
+    def light(self) -> bool:
+        """Whether this side holds a receiving request, and at most ``LIGHT_RECVS``: the
+        watchdog's lingering ticks then poll at ``LIGHT_POLL_S`` (``transfer.cadence``)."""
+        return 0 < len(self.recvs) <= LIGHT_RECVS
 
     def _file(self, req: SendRequest | RecvRequest) -> None:
         """File ``req`` at its deadline; an idle wait of the watchdog ending later ends then."""

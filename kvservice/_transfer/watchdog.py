@@ -64,7 +64,7 @@ from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
 from . import landing
-from .cadence import WARM_GRACE_S, IdleBackoff
+from .cadence import LIGHT_POLL_S, WARM_GRACE_S, IdleBackoff
 from .drain import Drains
 from .proofs import Proofs
 from .requests import SendRequest
@@ -104,6 +104,8 @@ class Owner(Protocol):
     def next_due(self) -> float | None:
         """When the earliest deadline ``check_deadlines`` acts on passes, if any."""
     def busy(self) -> bool: ...
+    def light(self) -> bool:
+        """Whether the receiving side holds at most ``cadence.LIGHT_RECVS`` requests now."""
     @property
     def stats(self) -> Stats: ...
 
@@ -459,12 +461,20 @@ class Watchdog:
                      and bool(self._inflight or self._drains or self._owner.busy()))
         if lingering:
             self.lingered += 1
-            plan.linger, plan.poll, plan.interrupt = LINGER_S, self._poll, self._thread.interrupt
+            plan.linger, plan.poll, plan.interrupt = LINGER_S, self._linger_poll(), self._thread.interrupt
             plan.fine = self._fine
             if self._loop is not None:
                 plan.deliver = self._deliver
             self._late_left = (self._max_posts, self._max_post_bytes)
         return _Tick(self._thread.submit(run_tick, self._door, plan), lingering, submitted_at, plan.checks, first)
+
+    def _linger_poll(self) -> float:
+        """A lingering tick's cadence: ``cadence.LIGHT_POLL_S`` where it polls for no more than
+        a receiving side's one request (no WRITE of this side in flight or drained), else
+        ``poll_interval``."""
+        if self._inflight or self._drains or not self._owner.light():
+            return self._poll
+        return min(self._poll, LIGHT_POLL_S)
 
     def _deliver(self, notifs: Mapping[str, list[bytes]]) -> None:
         """On the door thread: a lingering tick's notifications, handed to the loop while the
