@@ -40,16 +40,19 @@ WARM_GRACE_S = IDLE_FIRST_S
 #: not ready yet costs the receiver this long of polling per Expect, then its idle cadence.
 EXPECT_GRACE_S = 0.01
 #: while a receiver holds one to ``LIGHT_RECVS`` receiving requests (one hand-off at a time:
-#: ``RequestPlane.light``) and no WRITE of its own is in flight, its lingering ticks poll every
-#: ``LIGHT_POLL_S`` (or ``poll_interval_s``, if finer), not every ``poll_interval_s``.  On this
-#: transport a WRITE into it ends at its next poll: polled that often while the copy runs, the
-#: sender's post itself ends it and the notification is taken within ``LIGHT_POLL_S`` of it.
-#: The polls last only while that request is polled for (``busy``: from its Expect's
-#: ``EXPECT_GRACE_S``, or its sender's ``Posted``, to its arrival).  With more requests held the
-#: configured cadence stays: a receiver expecting many polls for many, and where their WRITEs
-#: come back to back the finer cadence's CPU slowed the copies sharing the cores
-#: (docs/perf/library.md, "A receiver polling for one hand-off")
+#: ``RequestPlane.light``), none larger than ``LIGHT_MAX_BYTES``, and no WRITE of its own is in
+#: flight, its lingering ticks poll every ``LIGHT_POLL_S`` (or ``poll_interval_s``, if finer),
+#: not every ``poll_interval_s``.  On this transport a WRITE into it ends at its next poll:
+#: polled that often while the copy runs, the sender's post itself ends it and the notification
+#: is taken within ``LIGHT_POLL_S`` of it.  The polls last only while that request is polled for
+#: (``busy``: from its Expect's ``EXPECT_GRACE_S``, or its sender's ``Posted``, to its arrival).
+#: With more requests held the configured cadence stays: a receiver expecting many polls for
+#: many, and where their WRITEs come back to back the finer cadence's CPU slowed the copies
+#: sharing the cores; so it did for one 256 MiB request, whose copy a poll's 0.2 ms sooner
+#: does not shorten by anything measurable (docs/perf/library.md, "A receiver polling for one
+#: hand-off")
 LIGHT_RECVS = 1
+LIGHT_MAX_BYTES = 64 * 2**20
 LIGHT_POLL_S = 0.0001
 #: how long a receiver keeps polling after one of its requests failed with pages held for a
 #: linked sender: the WRITEs that sender let go when the request failed on its side (checked

@@ -31,7 +31,7 @@ from .._stats import Stats
 from .._trust.vetting import MetadataVetter
 from ..memory._layout import PageIndex
 from . import landing
-from .cadence import EXPECT_GRACE_S, LIGHT_RECVS, SETTLE_POLL_S, WARM_GRACE_S
+from .cadence import EXPECT_GRACE_S, LIGHT_MAX_BYTES, LIGHT_RECVS, SETTLE_POLL_S, WARM_GRACE_S
 from .deadlines import Deadlines
 from .early import EarlyExpects
 from .ends import SendEnds
@@ -512,9 +512,14 @@ class RequestPlane:
             (self.settlement.unsettled_pages > 0 and now < self._settle_poll_until)
 
     def light(self) -> bool:
-        """Whether this side holds a receiving request, and at most ``LIGHT_RECVS``: the
-        watchdog's lingering ticks then poll at ``LIGHT_POLL_S`` (``transfer.cadence``)."""
-        return 0 < len(self.recvs) <= LIGHT_RECVS
+        """Whether this side holds a receiving request, at most ``LIGHT_RECVS``, each of at
+        most ``LIGHT_MAX_BYTES``: the watchdog's lingering ticks then poll at ``LIGHT_POLL_S``
+        (``transfer.cadence``)."""
+        recvs = self.recvs
+        if not 0 < len(recvs) <= LIGHT_RECVS:
+            return False
+        most = LIGHT_MAX_BYTES // self.memory.page_bytes
+        return all(req.pages is None or req.pages.size <= most for req in recvs.values())
 
     def _file(self, req: SendRequest | RecvRequest) -> None:
         """File ``req`` at its deadline; an idle wait of the watchdog ending later ends then."""

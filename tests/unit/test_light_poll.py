@@ -1,5 +1,6 @@
 """A receiver polling for one hand-off polls at ``cadence.LIGHT_POLL_S``; one holding more, or a
-side with a WRITE of its own in flight, at its ``poll_interval_s`` (``Watchdog._linger_poll``).
+larger one than ``LIGHT_MAX_BYTES``, or a side with a WRITE of its own in flight, at its
+``poll_interval_s`` (``Watchdog._linger_poll``).
 
 On this transport a WRITE into a receiver ends at the receiver's next poll, so one hand-off at
 a time ends as soon as the receiver polls (docs/perf/library.md, "A receiver polling for one
@@ -18,6 +19,7 @@ from kvservice import KVPoll
 from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, TickOutcome, TickPlan
 from kvservice._transfer import cadence
+from kvservice._transfer import plane as plane_mod
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
 from kvservice.testing.inspect import inside
@@ -108,4 +110,27 @@ async def test_a_receiver_configured_finer_keeps_its_cadence(polls: Polls) -> No
             fill(tx, "one", [1])
             assert (await tx.await_completion(await tx.send("one", [1], last=True))).ok
             assert (await rx.await_arrival("one")).ok
+    fabric.assert_clean()
+
+
+async def test_a_receiver_of_one_large_request_polls_at_its_cadence(polls: Polls,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LIGHT_MAX_BYTES`` (set here to two pages): a request of three polls at the cadence."""
+    fabric = FakeFabric()
+    cfg = unit_config(poll_interval_s=POLL_S)
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric, cfg, cfg) as (tx, rx):
+            monkeypatch.setattr(plane_mod, "LIGHT_MAX_BYTES", 2 * rx.kv.layout.page_bytes)
+            plane = inside(rx).plane
+            await rx.expect("large", [40, 41, 42], sender=tx.address)
+            assert not plane.light()
+            assert set(await lingering(polls, rx.agent_name, 0)) == {POLL_S}
+            await rx.abort("large")
+            await rx.expect("small", [43, 44], sender=tx.address)
+            assert plane.light()
+            since = len(polls)
+            assert set(await lingering(polls, rx.agent_name, since)) == {cadence.LIGHT_POLL_S}
+            fill(tx, "small", [1, 2])
+            assert (await tx.await_completion(await tx.send("small", [1, 2], last=True))).ok
+            assert (await rx.await_arrival("small")).ok
     fabric.assert_clean()
