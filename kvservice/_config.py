@@ -98,8 +98,8 @@ class ServiceConfig(DiscoverySettings):
         "a peer silent this long (no frame, no heartbeat), or not taking a write this long, is lost; "
         "must exceed heartbeat_interval_s", above=0))
     poll_interval_s: float = field(default=0.0005, metadata=declare(
-        "watchdog cadence while anything is in flight (a receiver holding one request polls every "
-        "0.1 ms, or this if finer)", above=0))
+        "watchdog cadence while anything is in flight (a receiver holding one request, of at most "
+        "64 MiB, polls every 0.1 ms, or this if finer)", above=0))
     #: idle, nothing needs NIXL driven (a peer writes only after this service's Expect, which wakes
     #: the watchdog); its waits double from 50 ms after the last work up to this (``_transfer.cadence``)
     idle_poll_interval_s: float = field(default=1.0, metadata=declare(
