@@ -105,7 +105,8 @@ class Owner(Protocol):
         """When the earliest deadline ``check_deadlines`` acts on passes, if any."""
     def busy(self) -> bool: ...
     def light(self) -> bool:
-        """Whether the receiving side holds at most ``cadence.LIGHT_RECVS`` requests now."""
+        """Whether the receiving side holds one hand-off or a few, small (``cadence.LIGHT_RECVS``,
+        ``LIGHT_MAX_BYTES``): its lingering ticks then poll at ``LIGHT_POLL_S``."""
     @property
     def stats(self) -> Stats: ...
 
