@@ -175,6 +175,13 @@ class TickPlan:
     #: lingers on, instead of ending to bring them back: a receiver's batch of arrivals then
     #: costs the loop one wake-up, not a wake-up and a new tick.  None: they end the tick.
     deliver: Callable[[Mapping[str, list[bytes]]], None] | None = None
+    #: after its posts, check the WRITEs they left in flight every ``follow_poll`` seconds
+    #: for up to this long (seconds), until each ends or ``queued`` says another call waits
+    #: for the door thread: into a receiver known to be polling such a WRITE ends at that
+    #: receiver's next poll, and seen ending here it costs the loop no second tick
+    follow: float = 0.0
+    follow_poll: float = 0.0
+    queued: Callable[[], bool] | None = None
 
 
 @dataclass(slots=True)
@@ -212,6 +219,8 @@ def run_tick(door: Door, plan: TickPlan) -> TickOutcome:
     _post(door, plan.posts, out)
     if plan.late:  # handed over since this plan was made: planned after its posts
         _post(door, take_late(plan.late), out)
+    if plan.follow > 0:
+        _follow(door, plan, out)
     running = _check(door, plan.checks, out)
     out.notifs = door.notifs()
     if plan.linger > 0 and not (out.posted or out.checked):
@@ -285,6 +294,17 @@ def _check(door: Door, xfers: list[XferId], out: TickOutcome) -> list[XferId]:
     return running
 
 
+def _follow(door: Door, plan: TickPlan, out: TickOutcome) -> None:
+    """Check the WRITEs this tick's posts left in flight (``PROC``) every ``plan.follow_poll``
+    until each has ended, ``plan.follow`` has passed or ``plan.queued()``; the ends go to
+    ``out.checked`` (the loop digests a post, then its check, as two ticks would bring them)."""
+    running = [got for _, got, state in out.posted if state is XferState.PROC and isinstance(got, int)]
+    deadline = time.monotonic() + plan.follow
+    while running and time.monotonic() < deadline and not (plan.queued is not None and plan.queued()):
+        time.sleep(plan.follow_poll)
+        running = _check(door, running, out)
+
+
 def _linger(door: Door, plan: TickPlan, running: list[XferId], out: TickOutcome) -> None:
     deadline = time.monotonic() + plan.linger
     fine = plan.fine
@@ -331,6 +351,10 @@ class DoorThread:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.interrupt = threading.Event()
         self._thread = start_thread(self._run, name=name)
+
+    def queued(self) -> bool:
+        """Whether a call waits for the door thread (any thread may ask)."""
+        return not self._queue.empty()
 
     @property
     def thread_ident(self) -> int | None:

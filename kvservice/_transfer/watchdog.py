@@ -20,7 +20,11 @@ a receiver's arrival costs the loop one wake-up and no new tick.  For ``FINE_WIN
 after a post that returned in flight it polls every ``FINE_POLL_S`` instead: such a WRITE
 ends at its receiver's next poll, and a sender that sees it at once sends its next request
 at once (raw NIXL's sender spins on it).  A receiver does the same from a sender's
-``Posted`` until the first notification comes (``poll_finely``).  Idle, it sleeps
+``Posted`` until the first notification comes (``poll_finely``).  A tick that posted only to
+receivers known to be polling (``_warm``), with no other WRITE in flight, follows the WRITEs
+it left in flight on the door thread, every ``FINE_POLL_S`` for up to ``FOLLOW_S`` while no
+other call waits for that thread (``TickPlan.follow``): their ends come back with the posts,
+and a hand-off costs the loop one tick instead of two.  Idle, it sleeps
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
 Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick, and an idle wait
 ends by the earliest deadline).
@@ -81,6 +85,13 @@ LINGER_S = DEADLINE_SCAN_S
 #: next poll), and a sender that sees it at once sends its next request at once
 FINE_WINDOW_S = 0.002
 FINE_POLL_S = 0.00005
+#: how long a tick that posted to receivers known to be polling (``_warm``), with nothing else
+#: in flight, follows the WRITEs its posts left in flight, on the door thread, every
+#: ``FINE_POLL_S`` (``TickPlan.follow``): such a WRITE ends at its receiver's next poll
+#: (``poll_interval_s`` apart, 0.5 ms by default), and seen ending there the request costs the
+#: loop one tick, not two.  Not with other WRITEs in flight: their ends would wait for the
+#: follow's, and there one tick already posts a request and checks another's
+FOLLOW_S = 0.001
 
 
 class Owner(Protocol):
@@ -444,12 +455,14 @@ class Watchdog:
         if (ahead is None or ahead.lingering or ahead.future.done() or self._queued is not None
                 or self._stopping or not self._ready):
             return
-        self._queued = self._submit(linger=False, skip=ahead.checks)
+        self._queued = self._submit(linger=False, skip=ahead.checks, follow=False)
 
-    def _submit(self, *, linger: bool, skip: list[XferId] | None = None) -> _Tick:
+    def _submit(self, *, linger: bool, skip: list[XferId] | None = None, follow: bool = True) -> _Tick:
         """Plan a tick and queue it on the door thread.  With ``linger`` and nothing to
         post or release, it waits there (polling) for news for up to ``LINGER_S``.
-        ``skip``: handles it does not check (a tick ahead of it does)."""
+        ``skip``: handles it does not check (a tick ahead of it does).  ``follow``: its posts
+        may be followed (``FOLLOW_S``); not for one queued behind a tick that posts, whose
+        WRITEs, in flight but not digested yet, would wait for the follow's."""
         self._thread.interrupt.clear()  # set again by any wake() from here on
         submitted_at = self._clock()
         first: dict[str, list[SendRequest]] = {}
@@ -460,6 +473,8 @@ class Watchdog:
         plan.late = self._late  # what is handed over from now on goes after this plan's posts
         lingering = (linger and not plan.posts and not plan.releases
                      and bool(self._inflight or self._drains or self._owner.busy()))
+        if follow and plan.posts and not (self._inflight or self._drains) and self._all_warm(plan.posts):
+            plan.follow, plan.follow_poll, plan.queued = FOLLOW_S, self._fine.poll, self._thread.queued
         if lingering:
             self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._linger_poll(), self._thread.interrupt
@@ -468,6 +483,17 @@ class Watchdog:
                 plan.deliver = self._deliver
             self._late_left = (self._max_posts, self._max_post_bytes)
         return _Tick(self._thread.submit(run_tick, self._door, plan), lingering, submitted_at, plan.checks, first)
+
+    def _warm(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` polls now, as far as this sender knows: a request to it completed
+        within a post of a tick that began less than ``WARM_GRACE_S / 2`` ago, and it polls
+        on for ``WARM_GRACE_S`` after taking that request's notification."""
+        seen = self._inline.get(peer)
+        return seen is not None and now - seen < WARM_GRACE_S / 2
+
+    def _all_warm(self, posts: list[PostOp]) -> bool:
+        now = self._clock()
+        return all(self._warm(op.peer, now) for op in posts)
 
     def _linger_poll(self) -> float:
         """A lingering tick's cadence: ``cadence.LIGHT_POLL_S`` where it polls for no more than
@@ -515,7 +541,7 @@ class Watchdog:
         self.live_handles = outcome.live
         if outcome.post_times:
             self._owner.stats.peers.posts(outcome.post_times)
-        left_in_flight = False  # a post of a request's chunk returned with its WRITE in flight
+        left: list[XferId] = []  # posts of requests' chunks that returned with their WRITE in flight
         for key, got, state in outcome.posted:
             req, nbytes = key
             if nbytes == FENCE:  # tracked only so its handle is checked until done
@@ -542,15 +568,13 @@ class Watchdog:
                 self._owner.chunk_done(req, nbytes)
             else:
                 self._inflight[got] = (req, nbytes)
-                left_in_flight = True
+                left.append(got)
                 if req.inflight is None:
                     req.inflight = {got}
                 else:
                     req.inflight.add(got)
             if req.finished:
                 self._settle_if_released(req)
-        if left_in_flight:
-            self.poll_finely()
         self._drains.check_all()  # drains that waited only for this tick's posts
         for xid, state_or_err in outcome.checked:
             if state_or_err is XferState.PROC:
@@ -579,6 +603,8 @@ class Watchdog:
                 self._owner.chunk_failed(req, DoorError(
                     FailureReason.BACKEND, RuntimeError(f"transfer handle {xid} released outside the watchdog"),
                     "check_xfer_state"))
+        if any(xid in self._inflight for xid in left):  # not seen ending within the tick (``_follow``)
+            self.poll_finely()
         if outcome.notifs:
             self._owner.on_notifs(outcome.notifs)
         if tick.first:
@@ -595,8 +621,9 @@ class Watchdog:
         post returns (one frame per peer per digest, last: the tasks this digest woke, a
         client's next ``send()``, run before its writing).
 
-        Not said at all for a request that completed within this tick's post when a request
-        to the same peer did so in a tick that began less than ``WARM_GRACE_S / 2`` ago: its
+        Not said at all for a request that completed within this tick (its post, or the
+        following of it: ``TickPlan.follow``) when a request to the same peer did so in a
+        tick that began less than ``WARM_GRACE_S / 2`` ago (``_warm``): its
         receiver saw that one's notification no earlier than that tick began, and polls on
         for ``WARM_GRACE_S`` after it (``RequestPlane.busy``), so it takes this request's
         notification (which turns it warm, and starts that polling again) without the word.
@@ -605,11 +632,10 @@ class Watchdog:
         its idle ticks take the notification, the first ``IDLE_FIRST_S`` after its last work."""
         now = self._clock()
         for peer, reqs in tick.first.items():
-            seen = self._inline.get(peer)
-            polled = seen is not None and now - seen < WARM_GRACE_S / 2
+            polled = self._warm(peer, now)
             rids = []
             for req in reqs:
-                if req.result is not None and req.result.ok:  # completed within this tick's post
+                if req.result is not None and req.result.ok:  # completed within this tick
                     self._inline[peer] = tick.submitted_at
                     if polled:
                         continue
