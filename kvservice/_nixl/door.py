@@ -176,12 +176,13 @@ class TickPlan:
     #: costs the loop one wake-up, not a wake-up and a new tick.  None: they end the tick.
     deliver: Callable[[Mapping[str, list[bytes]]], None] | None = None
     #: after its posts, check the WRITEs they left in flight every ``follow_poll`` seconds
-    #: for up to this long (seconds), until each ends or ``queued`` says another call waits
-    #: for the door thread: into a receiver known to be polling such a WRITE ends at that
-    #: receiver's next poll, and seen ending here it costs the loop no second tick
+    #: for up to this long (seconds), until each ends or another call is queued for the door
+    #: thread (``queued(seconds)`` waits up to that long for one, True once there is one:
+    #: ``DoorThread.wait_queued``): into a receiver known to be polling such a WRITE ends at
+    #: that receiver's next poll, and seen ending here it costs the loop no second tick
     follow: float = 0.0
     follow_poll: float = 0.0
-    queued: Callable[[], bool] | None = None
+    queued: Callable[[float], bool] | None = None
 
 
 @dataclass(slots=True)
@@ -296,12 +297,13 @@ def _check(door: Door, xfers: list[XferId], out: TickOutcome) -> list[XferId]:
 
 def _follow(door: Door, plan: TickPlan, out: TickOutcome) -> None:
     """Check the WRITEs this tick's posts left in flight (``PROC``) every ``plan.follow_poll``
-    until each has ended, ``plan.follow`` has passed or ``plan.queued()``; the ends go to
-    ``out.checked`` (the loop digests a post, then its check, as two ticks would bring them)."""
+    until each has ended, ``plan.follow`` has passed or another call is queued (``plan.queued``);
+    the ends go to ``out.checked`` (the loop digests a post, then its check, as two ticks would
+    bring them)."""
+    assert plan.queued is not None
     running = [got for _, got, state in out.posted if state is XferState.PROC and isinstance(got, int)]
     deadline = time.monotonic() + plan.follow
-    while running and time.monotonic() < deadline and not (plan.queued is not None and plan.queued()):
-        time.sleep(plan.follow_poll)
+    while running and time.monotonic() < deadline and not plan.queued(plan.follow_poll):
         running = _check(door, running, out)
 
 
@@ -350,11 +352,20 @@ class DoorThread:
     def __init__(self, name: str = "kvservice-nixl") -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.interrupt = threading.Event()
+        #: set by ``submit`` while the door thread waits in ``wait_queued`` (``_watching``)
+        self._watched = threading.Event()
+        self._watching = False
         self._thread = start_thread(self._run, name=name)
 
-    def queued(self) -> bool:
-        """Whether a call waits for the door thread (any thread may ask)."""
-        return not self._queue.empty()
+    def wait_queued(self, timeout: float) -> bool:
+        """On the door thread: wait up to ``timeout`` seconds for a call to be queued for it;
+        True once one is (at once if one is already), False after the wait."""
+        self._watched.clear()
+        self._watching = True  # from here on ``submit`` sets ``_watched``
+        try:
+            return not self._queue.empty() or self._watched.wait(timeout)
+        finally:
+            self._watching = False
 
     @property
     def thread_ident(self) -> int | None:
@@ -380,20 +391,25 @@ class DoorThread:
         later.  Cancelling the future does not stop the call."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.put(_Job(fn, args, loop, future))
+        self._put(_Job(fn, args, loop, future))
         return future
+
+    def _put(self, job: _Job | None) -> None:
+        self._queue.put(job)
+        if self._watching:  # after the put: ``wait_queued`` looks at the queue after raising it
+            self._watched.set()
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """For use off the event loop (shutdown paths, tests)."""
         self.interrupt.set()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._queue.put(_Job(fn, args, None, future))
+        self._put(_Job(fn, args, None, future))
         return future.result()
 
     def shutdown(self) -> None:
         self.interrupt.set()
         if self._thread.is_alive():
-            self._queue.put(None)
+            self._put(None)
             self._thread.join()
 
 

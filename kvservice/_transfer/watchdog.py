@@ -474,7 +474,7 @@ class Watchdog:
         lingering = (linger and not plan.posts and not plan.releases
                      and bool(self._inflight or self._drains or self._owner.busy()))
         if follow and plan.posts and not (self._inflight or self._drains) and self._all_warm(plan.posts):
-            plan.follow, plan.follow_poll, plan.queued = FOLLOW_S, self._fine.poll, self._thread.queued
+            plan.follow, plan.follow_poll, plan.queued = FOLLOW_S, self._fine.poll, self._thread.wait_queued
         if lingering:
             self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._linger_poll(), self._thread.interrupt

@@ -11,14 +11,16 @@ has woken it, which a follow would hold back.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from kvservice import FailureReason
 from kvservice._nixl import door as door_mod
-from kvservice._nixl.door import Door, DoorError, PostOp, TickOutcome, TickPlan, XferState
+from kvservice._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferState
 from kvservice._transfer import plane as plane_mod
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
@@ -32,11 +34,7 @@ from .test_fine_poll import VirtualTime
 FOLLOW_S, POLL_S = 0.001, 0.00005
 
 
-class Sleeping(VirtualTime):
-    """``VirtualTime`` with ``sleep``, the follow's wait: recorded, and the clock moved on."""
-
-    def sleep(self, seconds: float) -> None:
-        self.wait(seconds)
+Sleeping = VirtualTime  # its ``wait`` stands in for ``DoorThread.wait_queued`` (nothing is queued)
 
 
 @pytest.fixture
@@ -46,16 +44,18 @@ def virtual(monkeypatch: pytest.MonkeyPatch) -> Sleeping:
     return clock
 
 
-def _post_tick(door: FakeDoor, *, follow: float = FOLLOW_S, queued: bool = False) -> TickOutcome:
+def _post_tick(door: FakeDoor, clock: Sleeping, *, follow: float = FOLLOW_S, queued: bool = False) -> TickOutcome:
+    """A tick posting one WRITE, its follow's waits on ``clock`` (another call queued: at once)."""
     op = PostOp(key="k", peer="b", local_idx=indices([1]), remote_idx=indices([2]), notif=b"n")
-    plan = TickPlan(posts=[op], follow=follow, follow_poll=POLL_S, queued=lambda: queued)
+    plan = TickPlan(posts=[op], follow=follow, follow_poll=POLL_S,
+                    queued=(lambda _s: True) if queued else clock.wait)
     return door_mod.run_tick(door, plan)
 
 
 def test_a_post_left_in_flight_is_followed_to_its_end(virtual: Sleeping) -> None:
     fabric, a, b, *_pools = pair()
     a.complete_after(3)
-    out = _post_tick(a)
+    out = _post_tick(a, virtual)
     (key, xid, state), = out.posted
     assert key == "k" and state is XferState.PROC  # as the post returned it ...
     assert out.checked == [(xid, XferState.DONE)]  # ... and its end, in the same outcome
@@ -67,7 +67,7 @@ def test_a_post_left_in_flight_is_followed_to_its_end(virtual: Sleeping) -> None
 def test_a_write_still_in_flight_after_the_follow_is_left_to_the_next_ticks(virtual: Sleeping) -> None:
     fabric, a, _b, *_pools = pair()
     a.hang()
-    out = _post_tick(a)
+    out = _post_tick(a, virtual)
     (_, xid, state), = out.posted
     assert state is XferState.PROC and out.checked == []
     assert FOLLOW_S <= sum(virtual.waits) < FOLLOW_S + POLL_S + 1e-9  # for FOLLOW_S, and no longer
@@ -81,7 +81,7 @@ def test_a_write_still_in_flight_after_the_follow_is_left_to_the_next_ticks(virt
 def test_no_follow_without_the_plan_asking_or_with_a_call_waiting(virtual: Sleeping, how: str) -> None:
     fabric, a, _b, *_pools = pair()
     a.complete_after(1)
-    out = _post_tick(a, follow=0.0) if how == "not asked" else _post_tick(a, queued=True)
+    out = _post_tick(a, virtual, follow=0.0) if how == "not asked" else _post_tick(a, virtual, queued=True)
     (_, xid, state), = out.posted
     assert state is XferState.PROC and out.checked == [] and virtual.waits == []
     assert a.check_counts[xid] == 0
@@ -93,7 +93,7 @@ def test_an_error_while_following_is_its_handles_end(virtual: Sleeping) -> None:
     fabric, a, _b, *_pools = pair()
     a.complete_after(3)
     err = a.fail_next_check(FailureReason.REMOTE_DISCONNECT, ConnectionResetError("gone"))
-    out = _post_tick(a)
+    out = _post_tick(a, virtual)
     (_, xid, _), = out.posted
     assert out.checked == [(xid, err)] and a.live_ids() == []
     fabric.assert_clean()
@@ -192,7 +192,7 @@ def test_follow_checks_only_what_its_posts_left_in_flight() -> None:
     fabric, a, b, *_pools = pair()
     ok = PostOp(key="done", peer="b", local_idx=indices([1]), remote_idx=indices([2]), notif=b"1")
     bad = PostOp(key="bad", peer="nobody", local_idx=indices([1]), remote_idx=indices([3]), notif=b"2")
-    plan = TickPlan(posts=[ok, bad], follow=FOLLOW_S, follow_poll=POLL_S, queued=lambda: False)
+    plan = TickPlan(posts=[ok, bad], follow=FOLLOW_S, follow_poll=POLL_S, queued=lambda _s: False)
     out = door_mod.run_tick(a, plan)
     assert [s for _, _, s in out.posted] == [XferState.DONE, None]
     assert isinstance(out.posted[1][1], DoorError) and out.checked == []
@@ -223,3 +223,23 @@ async def test_no_follow_for_a_tick_queued_behind_one_that_posts(ticks: Ticks) -
             for rid in rids:
                 assert (await rx.await_arrival(rid)).ok
     fabric.assert_clean()
+
+
+async def test_the_door_threads_wait_for_a_queued_call_ends_when_one_is_queued() -> None:
+    thread = DoorThread(name="kvservice-test-door")
+    try:
+        with anyio.fail_after(GUARD_S):
+            assert await thread.submit(thread.wait_queued, 0.01) is False  # nothing queued: the whole wait
+            waiting = threading.Event()
+
+            def wait() -> bool:
+                waiting.set()
+                return thread.wait_queued(GUARD_S * 10)  # far past fail_after, were it not woken
+
+            answer = thread.submit(wait)
+            await anyio.to_thread.run_sync(waiting.wait)
+            queued = thread.submit(lambda: "queued")
+            assert await answer is True
+            assert await queued == "queued"
+    finally:
+        thread.shutdown()
