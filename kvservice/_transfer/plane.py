@@ -521,6 +521,11 @@ class RequestPlane:
         most = LIGHT_MAX_BYTES // self.memory.page_bytes
         return all(req.pages is None or req.pages.size <= most for req in recvs.values())
 
+    def lone(self) -> bool:
+        """Whether this side sends one request at most: the watchdog may follow its WRITEs
+        (``watchdog.FOLLOW_S``)."""
+        return len(self.sends) <= 1
+
     def _file(self, req: SendRequest | RecvRequest) -> None:
         """File ``req`` at its deadline; an idle wait of the watchdog ending later ends then."""
         self.deadlines.push(req)

@@ -20,11 +20,11 @@ a receiver's arrival costs the loop one wake-up and no new tick.  For ``FINE_WIN
 after a post that returned in flight it polls every ``FINE_POLL_S`` instead: such a WRITE
 ends at its receiver's next poll, and a sender that sees it at once sends its next request
 at once (raw NIXL's sender spins on it).  A receiver does the same from a sender's
-``Posted`` until the first notification comes (``poll_finely``).  A tick that posted only to
-receivers known to be polling (``_warm``), with no other WRITE in flight, follows the WRITEs
-it left in flight on the door thread, every ``FINE_POLL_S`` for up to ``FOLLOW_S`` while no
-other call waits for that thread (``TickPlan.follow``): their ends come back with the posts,
-and a hand-off costs the loop one tick instead of two.  Idle, it sleeps
+``Posted`` until the first notification comes (``poll_finely``).  A tick that posted a lone
+request to a receiver known to be polling (``_warm``), with no other WRITE in flight, follows
+the WRITEs it left in flight on the door thread, every ``FINE_POLL_S`` for up to ``FOLLOW_S``
+while no other call waits for that thread (``TickPlan.follow``): their ends come back with the
+posts, and a hand-off costs the loop one tick instead of two.  Idle, it sleeps
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
 Deadlines are scanned every ``DEADLINE_SCAN_S`` (idle: at each idle tick, and an idle wait
 ends by the earliest deadline).
@@ -85,12 +85,14 @@ LINGER_S = DEADLINE_SCAN_S
 #: next poll), and a sender that sees it at once sends its next request at once
 FINE_WINDOW_S = 0.002
 FINE_POLL_S = 0.00005
-#: how long a tick that posted to receivers known to be polling (``_warm``), with nothing else
-#: in flight, follows the WRITEs its posts left in flight, on the door thread, every
-#: ``FINE_POLL_S`` (``TickPlan.follow``): such a WRITE ends at its receiver's next poll
-#: (``poll_interval_s`` apart, 0.5 ms by default), and seen ending there the request costs the
-#: loop one tick, not two.  Not with other WRITEs in flight: their ends would wait for the
-#: follow's, and there one tick already posts a request and checks another's
+#: how long a tick that posted a lone request (``Owner.lone``: one hand-off at a time) to a
+#: receiver known to be polling (``_warm``), with nothing else in flight, follows the WRITEs its
+#: posts left in flight, on the door thread, every ``FINE_POLL_S`` (``TickPlan.follow``): such a
+#: WRITE ends at its receiver's next poll (``poll_interval_s`` apart, 0.5 ms by default), and
+#: seen ending there the request costs the loop one tick, not two.  Not with other WRITEs in
+#: flight (their ends would wait for the follow's) nor other sends under way: there one tick
+#: already posts a request and checks another's, and the sidecar's daemon at W3/c4 measured
+#: 4 % slower with the follow (docs/perf/library.md)
 FOLLOW_S = 0.001
 
 
@@ -118,6 +120,9 @@ class Owner(Protocol):
     def light(self) -> bool:
         """Whether the receiving side holds one hand-off or a few, small (``cadence.LIGHT_RECVS``,
         ``LIGHT_MAX_BYTES``): its lingering ticks then poll at ``LIGHT_POLL_S``."""
+    def lone(self) -> bool:
+        """Whether the sending side sends one request at most: its posts may be followed
+        (``FOLLOW_S``)."""
     @property
     def stats(self) -> Stats: ...
 
@@ -473,7 +478,8 @@ class Watchdog:
         plan.late = self._late  # what is handed over from now on goes after this plan's posts
         lingering = (linger and not plan.posts and not plan.releases
                      and bool(self._inflight or self._drains or self._owner.busy()))
-        if follow and plan.posts and not (self._inflight or self._drains) and self._all_warm(plan.posts):
+        if (follow and plan.posts and not (self._inflight or self._drains) and self._owner.lone()
+                and self._all_warm(plan.posts)):
             plan.follow, plan.follow_poll, plan.queued = FOLLOW_S, self._fine.poll, self._thread.wait_queued
         if lingering:
             self.lingered += 1

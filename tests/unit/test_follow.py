@@ -203,24 +203,47 @@ def test_follow_checks_only_what_its_posts_left_in_flight() -> None:
 
 @pytest.mark.usefixtures("patient")
 async def test_no_follow_for_a_tick_queued_behind_one_that_posts(ticks: Ticks) -> None:
-    """The WRITEs of the tick ahead, in flight but not digested yet, would wait for its follow."""
+    """The WRITEs of the tick ahead, in flight but not digested yet, would wait for its follow:
+    here the first chunk of a request, the second queued behind it."""
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
             txd = door_of(fabric, tx)
-            rids = ("warming", "first", "second")
-            for i, rid in enumerate(rids):
-                await rx.expect(rid, [40 + i], sender=tx.address)
-                fill(tx, rid, [1 + i])
+            await rx.expect("warming", [40], sender=tx.address)
+            await rx.expect("two", [41, 42], sender=tx.address)
+            fill(tx, "warming", [1])
+            fill(tx, "two", [2, 3])
             assert (await tx.await_completion(await tx.send("warming", [1], last=True))).ok
             txd.complete_after(2)
             txd.post_delay = 0.05  # the first tick still posts when the loop queues the second
-            first = await tx.send("first", [2], last=True)  # both in one turn of the loop
-            second = await tx.send("second", [3], last=True)
-            for handle in (first, second):
-                assert (await tx.await_completion(handle)).ok
+            handle = await tx.send("two", [2], last=False)  # both in one turn of the loop
+            await tx.send("two", [3], last=True)
+            assert (await tx.await_completion(handle)).ok
             assert [plan.follow for plan, _ in ticks[1:]] == [watchdog_mod.FOLLOW_S, 0.0]
-            for rid in rids:
+            assert (await rx.await_arrival("warming")).ok and (await rx.await_arrival("two")).ok
+    fabric.assert_clean()
+
+
+@pytest.mark.usefixtures("patient")
+async def test_no_follow_while_another_send_is_under_way(ticks: Ticks) -> None:
+    """Where requests overlap one tick posts one and checks another's already."""
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S):
+        async with two_services(fabric) as (tx, rx):
+            txd = door_of(fabric, tx)
+            await rx.expect("warming", [40], sender=tx.address)
+            await rx.expect("sent", [42], sender=tx.address)
+            for i, rid in enumerate(("warming", "waiting", "sent")):
+                fill(tx, rid, [1 + i])
+            assert (await tx.await_completion(await tx.send("warming", [1], last=True))).ok
+            waiting = await tx.send("waiting", [2], last=True)  # its receiver has not asked yet
+            txd.complete_after(2)
+            assert (await tx.await_completion(await tx.send("sent", [3], last=True))).ok
+            assert [plan.follow for plan, _ in ticks[1:]] == [0.0]
+            await rx.expect("waiting", [41], sender=tx.address)
+            assert (await tx.await_completion(waiting)).ok
+            assert [plan.follow for plan, _ in ticks[1:]] == [0.0, watchdog_mod.FOLLOW_S]  # alone now
+            for rid in ("warming", "waiting", "sent"):
                 assert (await rx.await_arrival(rid)).ok
     fabric.assert_clean()
 
