@@ -202,6 +202,9 @@ class Watchdog:
         self.lingered = 0
         #: batches of notifications a lingering tick handed over without ending (``_deliver``)
         self.deliveries = 0
+        #: ticks planned to follow their posts (``FOLLOW_S``), and WRITEs seen ending in them
+        self.followed = 0
+        self.caught = 0
         self.live_handles = 0  # as the door last reported
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop ``run`` runs on
         #: notifications handed over by lingering ticks, not yet given to the owner: the door
@@ -481,6 +484,7 @@ class Watchdog:
         if (follow and plan.posts and not (self._inflight or self._drains) and self._owner.lone()
                 and self._all_warm(plan.posts)):
             plan.follow, plan.follow_poll, plan.queued = FOLLOW_S, self._fine.poll, self._thread.wait_queued
+            self.followed += 1
         if lingering:
             self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._linger_poll(), self._thread.interrupt
@@ -609,8 +613,11 @@ class Watchdog:
                 self._owner.chunk_failed(req, DoorError(
                     FailureReason.BACKEND, RuntimeError(f"transfer handle {xid} released outside the watchdog"),
                     "check_xfer_state"))
-        if any(xid in self._inflight for xid in left):  # not seen ending within the tick (``_follow``)
-            self.poll_finely()
+        if left:
+            still = sum(xid in self._inflight for xid in left)
+            self.caught += len(left) - still  # seen ending within the tick (``_follow``)
+            if still:
+                self.poll_finely()
         if outcome.notifs:
             self._owner.on_notifs(outcome.notifs)
         if tick.first:

@@ -162,7 +162,8 @@ async def test_a_sender_follows_posts_to_a_receiver_it_knows_polls(ticks: Ticks,
             (_, xid, state), = warm_out.posted
             assert state is XferState.PROC and warm_out.checked == [(xid, XferState.DONE)]
             assert posted == ["cold", "warming"]  # the followed one's receiver needed no word
-            assert inside(tx).plane.watchdog.inflight == 0
+            watchdog = inside(tx).plane.watchdog
+            assert (watchdog.inflight, watchdog.followed, watchdog.caught) == (0, 1, 1)
     fabric.assert_clean()
 
 

@@ -1,0 +1,132 @@
+"""A lone request's post followed to its WRITE's end (``watchdog.FOLLOW_S``), with real NIXL.
+
+The sender is a service in the test's process, where its watchdog's follows can be counted;
+the decode is a child service, stopped (SIGSTOP) or killed (SIGKILL) while a follow is under
+way.  The decode holds a second Expect throughout, so it polls at ``poll_interval_s`` (not
+the light cadence of one hand-off) and about half the posts leave their WRITE in flight, as
+the bench's W3 at one in flight does: those are the posts a follow takes to their end.
+Whatever the decode does, a follow lasts at most ``FOLLOW_S``: the request then waits as any
+other does (lingering ticks), and the loop keeps ticking throughout.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import anyio
+import pytest
+
+from kvservice import FailureReason, KVLayout, KVPoll, TransferService, TransferStatus
+from kvservice._transfer.watchdog import FOLLOW_S
+from kvservice.testing import PeerProcess, pattern
+from kvservice.testing.inspect import inside
+from tests.helpers import Ticker, config, eventually, peer_config, peers, scaled
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+#: 64 KiB pages: a request of ``PAGES`` is 2 MiB, the bench's W3 request
+MID = KVLayout(layers=2, page_tokens=16, kv_heads=8, head_dim=128, dtype="bfloat16", num_pages=256)
+PAGES = 32
+GUARD_S = scaled(30.0)
+#: lone requests sent, one after another, until one WRITE was seen ending within a follow
+MOST = 200
+LOST = {FailureReason.PEER_LOST, FailureReason.REMOTE_DISCONNECT}
+
+
+def src_pages(i: int) -> list[int]:
+    return list(range((i % 2) * PAGES, (i % 2 + 1) * PAGES))
+
+
+DST = list(range(128, 128 + PAGES))
+
+
+async def expect(decode: PeerProcess, svc: TransferService, rid: str, pages: list[int] = DST) -> None:
+    await decode.command(op="expect", rid=rid, pages=pages, sender=svc.address)
+    await decode.event("expecting", rid, timeout=GUARD_S)
+
+
+async def lone(svc: TransferService, decode: PeerProcess, rid: str, i: int) -> None:
+    """One request, expected first, sent alone: it lands byte-exact."""
+    await expect(decode, svc, rid)
+    src = src_pages(i)
+    svc.kv.write(src, pattern(MID, rid, PAGES))
+    result = await svc.await_completion(await svc.send(rid, src, last=True), timeout=GUARD_S)
+    assert result.status is TransferStatus.SUCCESS, result
+    arrived = await decode.event("arrived", rid, timeout=GUARD_S)
+    assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
+
+
+async def warm_and_follow(svc: TransferService, decode: PeerProcess) -> None:
+    """Lone requests until a follow has seen a WRITE end (the decode is warm from then on)."""
+    watchdog = inside(svc).plane.watchdog
+    await expect(decode, svc, "held", pages=[200])  # two held: the decode polls at its cadence
+    for i in range(MOST):
+        await lone(svc, decode, f"lone-{i}", i)
+        if watchdog.caught:
+            break
+    assert watchdog.followed >= 1 and watchdog.caught >= 1, (watchdog.followed, watchdog.caught, i)
+
+
+async def test_lone_requests_are_followed_to_their_end_and_land_byte_exact() -> None:
+    async with peers(peer_config(MID)) as (decode,), TransferService(config(MID)) as svc:
+        with anyio.fail_after(GUARD_S * 4):
+            await warm_and_follow(svc, decode)
+            watchdog = inside(svc).plane.watchdog
+            followed = watchdog.followed
+            for i in range(20):  # warm: posts left in flight are followed, and every one lands
+                await lone(svc, decode, f"more-{i}", i)
+            assert watchdog.followed > followed
+            await decode.command(op="abort", rid="held")
+        assert svc.status()["live_nixl_handles"] == 0
+
+
+async def test_a_stopped_receiver_bounds_the_follow_and_the_request_lands_once_it_resumes() -> None:
+    async with peers(peer_config(MID)) as (decode,), TransferService(config(MID)) as svc:
+        with anyio.fail_after(GUARD_S * 4):
+            await warm_and_follow(svc, decode)
+            watchdog = inside(svc).plane.watchdog
+            await expect(decode, svc, "stopped")
+            svc.kv.write(src_pages(0), pattern(MID, "stopped", PAGES))
+            followed = watchdog.followed
+            ticker = Ticker()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker.run)
+                decode.signal(signal.SIGSTOP)
+                try:
+                    handle = await svc.send("stopped", src_pages(0), last=True)
+                    await eventually(lambda: watchdog.followed > followed, GUARD_S, what="its tick followed")
+                    await anyio.sleep(FOLLOW_S * 50)  # far past the follow's bound
+                    assert handle.poll() is KVPoll.Transferring  # its WRITE waits for the decode
+                    assert watchdog.inflight == 1  # the follow ended: the WRITE is the lingering ticks' now
+                    ticks = ticker.ticks
+                    await eventually(lambda: ticker.ticks > ticks + 5, GUARD_S, what="the loop ticking")
+                finally:
+                    decode.signal(signal.SIGCONT)
+                result = await svc.await_completion(handle, timeout=GUARD_S)
+                tg.cancel_scope.cancel()
+            assert result.status is TransferStatus.SUCCESS, result
+            arrived = await decode.event("arrived", "stopped", timeout=GUARD_S)
+            assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
+            await lone(svc, decode, "after", 1)
+            await decode.command(op="abort", rid="held")
+        await eventually(lambda: svc.status()["live_nixl_handles"] == 0, GUARD_S, what="no live handle")
+
+
+async def test_a_receiver_killed_while_followed_fails_the_request_and_the_service_goes_on() -> None:
+    async with peers(peer_config(MID), peer_config(MID)) as (decode, other), \
+            TransferService(config(MID)) as svc:
+        with anyio.fail_after(GUARD_S * 4):
+            await warm_and_follow(svc, decode)
+            watchdog = inside(svc).plane.watchdog
+            await expect(decode, svc, "killed")
+            svc.kv.write(src_pages(0), pattern(MID, "killed", PAGES))
+            followed = watchdog.followed
+            decode.signal(signal.SIGSTOP)  # the WRITE stays in flight until the kill
+            handle = await svc.send("killed", src_pages(0), last=True)
+            await eventually(lambda: watchdog.followed > followed, GUARD_S, what="its tick followed")
+            decode.signal(signal.SIGKILL)
+            result = await svc.await_completion(handle, timeout=GUARD_S)
+            assert result.status is TransferStatus.FAILED and result.reason in LOST, result
+            assert result.message
+            await eventually(lambda: svc.status()["live_nixl_handles"] == 0, GUARD_S, what="no live handle")
+            await lone(svc, other, "elsewhere", 1)  # another decode is served as before
