@@ -17,12 +17,22 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, KVLayout, KVPoll, TransferService, TransferStatus
+from kvservice._transfer import watchdog as watchdog_mod
 from kvservice._transfer.watchdog import FOLLOW_S
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.helpers import Ticker, config, eventually, peer_config, peers, scaled
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender counts its decode as polling (``Watchdog._warm``) for longer than a step of
+    these tests takes on a loaded machine (an Expect's round trip through the child can pass
+    ``WARM_GRACE_S / 2``): each lone post is followed, whether or not the WRITE then ends
+    within the follow."""
+    monkeypatch.setattr(watchdog_mod, "WARM_GRACE_S", 60.0)
 
 #: 64 KiB pages: a request of ``PAGES`` is 2 MiB, the bench's W3 request
 MID = KVLayout(layers=2, page_tokens=16, kv_heads=8, head_dim=128, dtype="bfloat16", num_pages=256)
@@ -67,13 +77,21 @@ async def warm_and_follow(svc: TransferService, decode: PeerProcess) -> None:
     assert watchdog.followed >= 1 and watchdog.caught >= 1, (watchdog.followed, watchdog.caught, i)
 
 
+async def warm_then_expect(svc: TransferService, decode: PeerProcess, rid: str) -> int:
+    """``warm_and_follow``, then ``rid`` expected and filled: the follows counted so far."""
+    await warm_and_follow(svc, decode)
+    await expect(decode, svc, rid)
+    svc.kv.write(src_pages(0), pattern(MID, rid, PAGES))
+    return inside(svc).plane.watchdog.followed
+
+
 async def test_lone_requests_are_followed_to_their_end_and_land_byte_exact() -> None:
     async with peers(peer_config(MID)) as (decode,), TransferService(config(MID)) as svc:
         with anyio.fail_after(GUARD_S * 4):
             await warm_and_follow(svc, decode)
             watchdog = inside(svc).plane.watchdog
             followed = watchdog.followed
-            for i in range(20):  # warm: posts left in flight are followed, and every one lands
+            for i in range(20):  # every post left in flight is followed, and every request lands
                 await lone(svc, decode, f"more-{i}", i)
             assert watchdog.followed > followed
             await decode.command(op="abort", rid="held")
@@ -83,11 +101,8 @@ async def test_lone_requests_are_followed_to_their_end_and_land_byte_exact() -> 
 async def test_a_stopped_receiver_bounds_the_follow_and_the_request_lands_once_it_resumes() -> None:
     async with peers(peer_config(MID)) as (decode,), TransferService(config(MID)) as svc:
         with anyio.fail_after(GUARD_S * 4):
-            await warm_and_follow(svc, decode)
             watchdog = inside(svc).plane.watchdog
-            await expect(decode, svc, "stopped")
-            svc.kv.write(src_pages(0), pattern(MID, "stopped", PAGES))
-            followed = watchdog.followed
+            followed = await warm_then_expect(svc, decode, "stopped")
             ticker = Ticker()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker.run)
@@ -116,11 +131,8 @@ async def test_a_receiver_killed_while_followed_fails_the_request_and_the_servic
     async with peers(peer_config(MID), peer_config(MID)) as (decode, other), \
             TransferService(config(MID)) as svc:
         with anyio.fail_after(GUARD_S * 4):
-            await warm_and_follow(svc, decode)
             watchdog = inside(svc).plane.watchdog
-            await expect(decode, svc, "killed")
-            svc.kv.write(src_pages(0), pattern(MID, "killed", PAGES))
-            followed = watchdog.followed
+            followed = await warm_then_expect(svc, decode, "killed")
             decode.signal(signal.SIGSTOP)  # the WRITE stays in flight until the kill
             handle = await svc.send("killed", src_pages(0), last=True)
             await eventually(lambda: watchdog.followed > followed, GUARD_S, what="its tick followed")
