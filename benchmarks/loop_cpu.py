@@ -12,7 +12,9 @@ event loop's thread CPU (``time.thread_time``) and wall time per request are pri
 where kvservice was imported from, and per request the watchdog's ticks (its round trips to
 the NIXL thread) and the loop thread's wake-ups (its voluntary context switches, from
 ``/proc/thread-self/status``).  Expects are sent before the clock starts, so unlike
-``kvservice bench`` the figure leaves reading them out.
+``kvservice bench`` the figure leaves reading them out; the sender holds them all, so
+``--rounds`` times the case's requests may not pass its ``max_unknown_expects`` (10,000: 39
+rounds of W3), which would refuse the rest and leave their sends waiting.
 """
 
 from __future__ import annotations
@@ -121,6 +123,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--rounds", type=int, default=20, help="times over the case's requests")
     args = p.parse_args(argv)
+    cases = {c.key: c for c in all_cases(FULL, 1)}
+    if args.case not in cases:
+        p.error(f"--case: one of {', '.join(k for k in cases if k.startswith(('w2/', 'w3/')))}")
+    if args.rounds < 1 or args.concurrency < 1:
+        p.error("--rounds and --concurrency must be at least 1")
+    held = args.rounds * len(cases[args.case].requests)
+    bound = make_config(CFG).max_unknown_expects
+    if held > bound:  # the receiver's Expects all reach the sender before the clock starts
+        p.error(f"--rounds {args.rounds} has the sender hold {held} Expects up front, past its "
+                f"max_unknown_expects ({bound}), which refuses the rest: at most "
+                f"{bound // (held // args.rounds)} rounds of {args.case}")
     import torch
 
     torch.set_num_threads(1)
