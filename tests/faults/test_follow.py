@@ -2,11 +2,11 @@
 
 The sender is a service in the test's process, where its watchdog's follows can be counted;
 the decode is a child service, stopped (SIGSTOP) or killed (SIGKILL) while a follow is under
-way.  The decode holds a second Expect throughout, so it polls at ``poll_interval_s`` (not
-the light cadence of one hand-off) and about half the posts leave their WRITE in flight, as
-the bench's W3 at one in flight does: those are the posts a follow takes to their end.
-Whatever the decode does, a follow lasts at most ``FOLLOW_S``: the request then waits as any
-other does (lingering ticks), and the loop keeps ticking throughout.
+way.  Holding a second Expect, the decode polls at ``poll_interval_s`` (not the light cadence
+of one hand-off) and posts leave their WRITE in flight, as the bench's W3 at one in flight
+does: those are the posts a follow takes to their end.  Whatever the decode does, a follow
+lasts at most ``FOLLOW_S``: the request then waits as any other does (lingering ticks), and
+the loop keeps ticking throughout.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def patient(monkeypatch: pytest.MonkeyPatch) -> None:
 MID = KVLayout(layers=2, page_tokens=16, kv_heads=8, head_dim=128, dtype="bfloat16", num_pages=256)
 PAGES = 32
 GUARD_S = scaled(30.0)
-#: lone requests sent, one after another, until one WRITE was seen ending within a follow
+#: lone requests sent, one after another, until the sender counts the decode as polling
 MOST = 200
 LOST = {FailureReason.PEER_LOST, FailureReason.REMOTE_DISCONNECT}
 
@@ -66,34 +66,38 @@ async def lone(svc: TransferService, decode: PeerProcess, rid: str, i: int) -> N
     assert arrived["status"] == "SUCCESS" and arrived["verified"] is True, arrived
 
 
-async def warm_and_follow(svc: TransferService, decode: PeerProcess) -> None:
-    """Lone requests until a follow has seen a WRITE end (the decode is warm from then on)."""
+async def warm(svc: TransferService, decode: PeerProcess) -> None:
+    """Lone requests until the sender counts ``decode`` as polling and follows its posts: one
+    completed within its post (the decode, holding that one Expect, polls every 100 us then)."""
     watchdog = inside(svc).plane.watchdog
-    await expect(decode, svc, "held", pages=[200])  # two held: the decode polls at its cadence
     for i in range(MOST):
-        await lone(svc, decode, f"lone-{i}", i)
-        if watchdog.caught:
-            break
-    assert watchdog.followed >= 1 and watchdog.caught >= 1, (watchdog.followed, watchdog.caught, i)
+        await lone(svc, decode, f"warm-{i}", i)
+        if watchdog.followed:
+            return
+    raise AssertionError(f"no post of {MOST} lone requests was followed")
 
 
 async def warm_then_expect(svc: TransferService, decode: PeerProcess, rid: str) -> int:
-    """``warm_and_follow``, then ``rid`` expected and filled: the follows counted so far."""
-    await warm_and_follow(svc, decode)
+    """``warm``, then ``rid`` expected and filled: the follows counted so far."""
+    await warm(svc, decode)
     await expect(decode, svc, rid)
     svc.kv.write(src_pages(0), pattern(MID, rid, PAGES))
     return inside(svc).plane.watchdog.followed
 
 
-async def test_lone_requests_are_followed_to_their_end_and_land_byte_exact() -> None:
+async def test_lone_requests_are_followed_and_land_byte_exact() -> None:
+    """Posts that leave their WRITE in flight (the decode holding two Expects polls at its
+    cadence) are followed; whether a follow sees its WRITE end depends on the decode's polls
+    (``benchmarks.loop_cpu`` counts ticks per request), every request lands either way."""
     async with peers(peer_config(MID)) as (decode,), TransferService(config(MID)) as svc:
         with anyio.fail_after(GUARD_S * 4):
-            await warm_and_follow(svc, decode)
+            await warm(svc, decode)
             watchdog = inside(svc).plane.watchdog
+            await expect(decode, svc, "held", pages=[200])
             followed = watchdog.followed
-            for i in range(20):  # every post left in flight is followed, and every request lands
-                await lone(svc, decode, f"more-{i}", i)
-            assert watchdog.followed > followed
+            for i in range(20):
+                await lone(svc, decode, f"lone-{i}", i)
+            assert watchdog.followed - followed == 20, (watchdog.followed - followed, watchdog.caught)
             await decode.command(op="abort", rid="held")
         assert svc.status()["live_nixl_handles"] == 0
 
