@@ -496,8 +496,8 @@ class Watchdog:
 
     def _warm(self, peer: str, now: float) -> bool:
         """Whether ``peer`` polls now, as far as this sender knows: a request to it completed
-        within a post of a tick that began less than ``WARM_GRACE_S / 2`` ago, and it polls
-        on for ``WARM_GRACE_S`` after taking that request's notification."""
+        within a tick (its post, or the follow of it) that began less than ``WARM_GRACE_S / 2``
+        ago, and it polls on for ``WARM_GRACE_S`` after taking that request's notification."""
         seen = self._inline.get(peer)
         return seen is not None and now - seen < WARM_GRACE_S / 2
 
