@@ -15,7 +15,7 @@ lets peers' WRITEs into this process complete while NIXL's progress thread is
 off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
 thread hop per event rather than per poll, and the cadence holds on loops
 whose timers cannot sleep under a millisecond (uvloop).  Notifications do not
-end it: it hands them to the loop as they come (``_deliver``) and lingers on, so
+end it: it hands them to the loop as they come (``delivery``) and lingers on, so
 a receiver's arrival costs the loop one wake-up and no new tick.  For ``FINE_WINDOW_S``
 after a post that returned in flight it polls every ``FINE_POLL_S`` instead: such a WRITE
 ends at its receiver's next poll, and a sender that sees it at once sends its next request
@@ -50,7 +50,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from .._control.protocol import FENCE, ChunkNotif, encode_notif
+from .._control.protocol import FENCE
 from .._nixl.door import (
     Door,
     DoorError,
@@ -67,9 +67,10 @@ from .._nixl.door import (
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
-from . import landing
 from .cadence import LIGHT_POLL_S, WARM_GRACE_S, IdleBackoff
+from .delivery import Delivery
 from .drain import Drains
+from .posts import chunk_post, fence_post
 from .proofs import Proofs
 from .requests import SendRequest
 from .staging import Stager
@@ -200,17 +201,13 @@ class Watchdog:
         #: ticks planned to linger (to poll NIXL on the door thread): none while only cold
         #: Expects are held (``RequestPlane.busy``)
         self.lingered = 0
-        #: batches of notifications a lingering tick handed over without ending (``_deliver``)
-        self.deliveries = 0
         #: ticks planned to follow their posts (``FOLLOW_S``), and WRITEs seen ending in them
         self.followed = 0
         self.caught = 0
         self.live_handles = 0  # as the door last reported
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop ``run`` runs on
-        #: notifications handed over by lingering ticks, not yet given to the owner: the door
-        #: thread only appends, the loop only takes (the pump, and every digest first)
-        self._delivered: deque[Mapping[str, list[bytes]]] = deque()
-        self._pump_waiter: asyncio.Future[None] | None = None
+        #: notifications lingering ticks hand over without ending (``delivery``)
+        self._delivery = Delivery(owner.on_notifs)
 
     # -- called by the service (event loop) -----------------------------------
     def schedule(self, req: SendRequest) -> None:
@@ -256,21 +253,12 @@ class Watchdog:
         self._settle_if_released(req)
 
     def fence(self, req: SendRequest) -> bool:
-        """Post the settle fence of a failed ``req`` whose handles are all released: one
-        page WRITE into its first destination page, carrying a ``FENCE`` notification.
-        NIXL delivers a WRITE's notification after flushing the endpoint, so its arrival
-        tells the receiver that every earlier WRITE to it has landed.  False when ``req``
-        never posted anything (nothing to fence)."""
-        fence = req.fence_src
-        if (not req.posted or fence is None or req.dest is None or req.peer is None
-                or req.kv is None or req.kv.indexer is None):
+        """Post the settle fence of a failed ``req`` whose handles are all released
+        (``posts.fence_post``).  False when ``req`` never posted anything (nothing to fence)."""
+        op = fence_post(req)
+        if op is None:
             return False
-        src, pos, lo, _ = fence
-        local_idx, remote_idx = req.kv.indexer.indices(src[:1], req.dest[pos : pos + 1], lo, lo + 1)
-        self._fences.append(PostOp(
-            key=(req, FENCE), peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
-            notif=encode_notif(ChunkNotif(req.request_id, FENCE, FENCE), req.notif_key),
-        ))
+        self._fences.append(op)
         self.wake()
         return True
 
@@ -355,6 +343,11 @@ class Watchdog:
         return self._ahead is not None and self._ahead.lingering
 
     @property
+    def deliveries(self) -> int:
+        """Batches of notifications lingering ticks handed over without ending (``delivery``)."""
+        return self._delivery.count
+
+    @property
     def inflight(self) -> int:
         return len(self._inflight)
 
@@ -375,7 +368,7 @@ class Watchdog:
         task_status.started()
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._pump)
+                await tg.start(self._delivery.run)
                 await self._run()
                 tg.cancel_scope.cancel()
         finally:
@@ -489,8 +482,8 @@ class Watchdog:
             self.lingered += 1
             plan.linger, plan.poll, plan.interrupt = LINGER_S, self._linger_poll(), self._thread.interrupt
             plan.fine = self._fine
-            if self._loop is not None:
-                plan.deliver = self._deliver
+            if self._delivery.running:
+                plan.deliver = self._delivery.put
             self._late_left = (self._max_posts, self._max_post_bytes)
         return _Tick(self._thread.submit(run_tick, self._door, plan), lingering, submitted_at, plan.checks, first)
 
@@ -513,41 +506,9 @@ class Watchdog:
             return self._poll
         return min(self._poll, LIGHT_POLL_S)
 
-    def _deliver(self, notifs: Mapping[str, list[bytes]]) -> None:
-        """On the door thread: a lingering tick's notifications, handed to the loop while the
-        tick lingers on.  The pump gives them to the owner; whatever it has not taken yet
-        when that tick's outcome is digested goes first, so nothing is reordered."""
-        assert self._loop is not None
-        self._delivered.append(notifs)
-        try:
-            self._loop.call_soon_threadsafe(self._wake_pump)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def _wake_pump(self) -> None:
-        waiter = self._pump_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _pump(self) -> None:
-        """Give delivered notifications to the owner as they come, in a task (the owner
-        starts tasks of its own, which a bare loop callback cannot)."""
-        assert self._loop is not None
-        while True:
-            self._take_delivered()
-            self._pump_waiter = self._loop.create_future()
-            if not self._delivered:  # appended since the take: go round again (its wake finds no waiter or a fresh one)
-                await self._pump_waiter
-            self._pump_waiter = None
-
-    def _take_delivered(self) -> None:
-        while self._delivered:
-            self.deliveries += 1
-            self._owner.on_notifs(self._delivered.popleft())
-
     def _digest(self, outcome: TickOutcome, tick: _Tick) -> None:
         self.ticks += 1
-        self._take_delivered()  # handed over by this tick (or one before) while it lingered
+        self._delivery.take()  # handed over by this tick (or one before) while it lingered
         self.live_handles = outcome.live
         if outcome.post_times:
             self._owner.stats.peers.posts(outcome.post_times)
@@ -692,39 +653,9 @@ class Watchdog:
         return budget, byte_budget
 
     def _post_op(self, req: SendRequest) -> PostOp:
-        kv = req.kv
-        assert req.dest is not None and req.peer is not None and kv is not None and kv.indexer is not None
-        assert kv.out is not None
-        assert req.pending is not None
-        chunk = req.pending[0]
-        req.pending = req.pending[1:] or None
-        src, pos, lo, hi = chunk
-        if req.fence_src is None:
-            req.fence_src = chunk
-        dst = req.dest[pos : pos + src.size]
-        prepare = None
-        staged = (self._stager.indices(req, req.peer, req.request_id, kv, src, dst, pos, lo, hi,
-                                       int(req.dest.size))
-                  if self._stager is not None and (kv.gather is not None or kv.scatter is not None) else None)
-        if staged is not None:  # _transfer.staging
-            local_idx, remote_idx, prepare = staged
-        else:
-            local_idx, remote_idx = kv.indexer.indices(src, dst, lo, hi)
-        number = req.chunks_posted
-        if number == 0:
+        assert req.peer is not None
+        if req.chunks_posted == 0:
             self._first.setdefault(req.peer, []).append(req)
-        req.chunks_posted += 1
-        req.posting += 1
         if req.started_at is None:
             req.started_at = self._clock()
-        last = req.last and not req.pending
-        total = req.chunks_posted if last else 0
-        notif = ChunkNotif(req.request_id, number, total, req.payload if last else None)
-        op = PostOp(
-            key=(req, int(src.size) * kv.out.layer_bytes(hi - lo)),
-            peer=req.peer, local_idx=local_idx, remote_idx=remote_idx,
-            notif=encode_notif(notif, req.notif_key), prepare=prepare,
-        )
-        if req.verify:  # its sum is computed on the door thread, just before the WRITE
-            landing.seal(op, kv.out, notif, req.notif_key, src, pos, lo, hi)
-        return op
+        return chunk_post(req, self._stager)
