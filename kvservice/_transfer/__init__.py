@@ -25,9 +25,12 @@ Reading path:
 - ``inbound``: ``Inbound``: what peers say (Expect, Abort, Failed, Outcome, Settled, the
   chunks' notifications, a link lost or made) turned into the plane's transitions.
 - ``watchdog``: the one task that posts chunks, checks handles, releases them and
-  polls notifications, one bounded door call per tick; ``cadence``: its idle waits, a
-  back-off from the last work rather than a clock; ``drain``: ``Drains``, a lost
-  receiver's handles, and a failed request's let go in flight, it checks until each ends.
+  polls notifications, one bounded door call per tick; ``cadence``: how often it polls
+  (idle: a back-off from the last work rather than a clock; busy: the fine window after a
+  post, the follow of a lone request's, which receivers it knows to poll); ``posts``: a
+  chunk's or a settle fence's ``PostOp``; ``delivery``: a lingering tick's notifications
+  handed to the loop as they come; ``drain``: ``Drains``, a lost receiver's handles, and a
+  failed request's let go in flight, it checks until each ends.
 - ``settle``: ``Settlement``: which failed receiver requests are unsettled, and why
   each piece of evidence may settle them.
 - ``proofs``: ``Proofs``: which requests a sender could not prove over to their receiver

@@ -1,4 +1,4 @@
-"""The watchdog's cadence while nothing is in flight: a back-off, not a clock.
+"""The watchdog's cadence: how often it polls NIXL, idle (a back-off, not a clock) and busy.
 
 While transfers are in flight or expected the watchdog polls NIXL every ``poll_interval_s``
 (its lingering ticks).  Idle, nothing needs NIXL driven: a peer writes into this process only
@@ -61,6 +61,20 @@ LIGHT_POLL_S = 0.0001
 #: proves them on a later Ask, or at its exit)
 SETTLE_POLL_S = 10.0
 
+#: after a post that returned in flight, lingering ticks poll every ``FINE_POLL_S`` for this
+#: long, then every ``poll_interval``: the WRITE most likely ends within it (its receiver's
+#: next poll), and a sender that sees it at once sends its next request at once
+FINE_WINDOW_S = 0.002
+FINE_POLL_S = 0.00005
+#: how long a tick that posted a lone request (``watchdog.Owner.lone``: one hand-off at a time) to a
+#: receiver known to be polling (``Warmth``), with nothing else in flight, follows the WRITEs its
+#: posts left in flight, on the door thread, every ``FINE_POLL_S`` (``TickPlan.follow``): such a
+#: WRITE ends at its receiver's next poll (``poll_interval_s`` apart, 0.5 ms by default), and
+#: seen ending there the request costs the loop one tick, not two.  Not with other WRITEs in
+#: flight (their ends would wait for the follow's) nor other sends under way: there one tick
+#: already posts a request and checks another's, and the sidecar's daemon at W3/c4 measured
+#: 4 % slower with the follow (docs/perf/library.md)
+FOLLOW_S = 0.001
 
 class IdleBackoff:
     """The idle waits of one watchdog: ``next()`` doubles from ``IDLE_FIRST_S`` (or
@@ -81,3 +95,33 @@ class IdleBackoff:
 
     def reset(self) -> None:
         self._wait = self._first
+
+
+class Warmth:
+    """Which receivers a sender knows to poll now.  A receiver polls on for ``WARM_GRACE_S``
+    after taking a request's notification (``RequestPlane.busy``); this sender saw it take
+    one no earlier than the tick began whose post (or follow of it) completed that request.
+    So a peer counts as polling for ``WARM_GRACE_S / 2`` after that tick began, half the
+    grace left as margin for the receiver's loop.  Its posts may then be followed
+    (``FOLLOW_S``), and need no ``Posted`` word."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        #: per peer, when the last tick began whose post completed a request to it
+        self._seen: dict[str, float] = {}
+
+    def saw(self, peer: str, tick_began: float) -> None:
+        """A request to ``peer`` completed within the tick that began at ``tick_began``."""
+        self._seen[peer] = tick_began
+
+    def polls(self, peer: str, now: float) -> bool:
+        seen = self._seen.get(peer)
+        return seen is not None and now - seen < WARM_GRACE_S / 2
+
+    def all_poll(self, peers: list[str], now: float) -> bool:
+        return all(self.polls(peer, now) for peer in peers)
+
+    def forget(self, peer: str) -> None:
+        """``peer`` is unloaded: nothing is known of it any more."""
+        self._seen.pop(peer, None)

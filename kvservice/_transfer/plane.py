@@ -523,7 +523,7 @@ class RequestPlane:
 
     def lone(self) -> bool:
         """Whether this side sends one request at most: the watchdog may follow its WRITEs
-        (``watchdog.FOLLOW_S``)."""
+        (``cadence.FOLLOW_S``)."""
         return len(self.sends) <= 1
 
     def _file(self, req: SendRequest | RecvRequest) -> None:

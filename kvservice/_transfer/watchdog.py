@@ -21,8 +21,8 @@ after a post that returned in flight it polls every ``FINE_POLL_S`` instead: suc
 ends at its receiver's next poll, and a sender that sees it at once sends its next request
 at once (raw NIXL's sender spins on it).  A receiver does the same from a sender's
 ``Posted`` until the first notification comes (``poll_finely``).  A tick that posted a lone
-request to a receiver known to be polling (``_warm``), with no other WRITE in flight, follows
-the WRITEs it left in flight on the door thread, every ``FINE_POLL_S`` for up to ``FOLLOW_S``
+request to a receiver known to be polling (``cadence.Warmth``), with no other WRITE in flight,
+follows the WRITEs it left in flight on the door thread, every ``FINE_POLL_S`` for up to ``FOLLOW_S``
 while no other call waits for that thread (``TickPlan.follow``): their ends come back with the
 posts, and a hand-off costs the loop one tick instead of two.  Idle, it sleeps
 until woken or for a wait that backs off to ``idle_interval`` (``cadence``).
@@ -67,7 +67,8 @@ from .._nixl.door import (
 from .._results import FailureReason
 from .._stats import Stats
 from ..memory._regions import KVMemory
-from .cadence import LIGHT_POLL_S, WARM_GRACE_S, IdleBackoff
+from . import cadence
+from .cadence import LIGHT_POLL_S, IdleBackoff, Warmth
 from .delivery import Delivery
 from .drain import Drains
 from .posts import chunk_post, fence_post
@@ -81,20 +82,6 @@ DEADLINE_SCAN_S = 0.01
 DUE_SLACK_S = 0.001
 #: longest a tick polls on the door thread before handing control back to the loop
 LINGER_S = DEADLINE_SCAN_S
-#: after a post that returned in flight, lingering ticks poll every ``FINE_POLL_S`` for this
-#: long, then every ``poll_interval``: the WRITE most likely ends within it (its receiver's
-#: next poll), and a sender that sees it at once sends its next request at once
-FINE_WINDOW_S = 0.002
-FINE_POLL_S = 0.00005
-#: how long a tick that posted a lone request (``Owner.lone``: one hand-off at a time) to a
-#: receiver known to be polling (``_warm``), with nothing else in flight, follows the WRITEs its
-#: posts left in flight, on the door thread, every ``FINE_POLL_S`` (``TickPlan.follow``): such a
-#: WRITE ends at its receiver's next poll (``poll_interval_s`` apart, 0.5 ms by default), and
-#: seen ending there the request costs the loop one tick, not two.  Not with other WRITEs in
-#: flight (their ends would wait for the follow's) nor other sends under way: there one tick
-#: already posts a request and checks another's, and the sidecar's daemon at W3/c4 measured
-#: 4 % slower with the follow (docs/perf/library.md)
-FOLLOW_S = 0.001
 
 
 class Owner(Protocol):
@@ -179,12 +166,11 @@ class Watchdog:
         self._cursor = 0
         #: where the tick planned last (or lingering now) collects its first posts (``_Tick.first``)
         self._first: dict[str, list[SendRequest]] = {}
-        #: per peer, when the last tick began whose post completed a request to it at once:
-        #: its receiver polls until at least ``WARM_GRACE_S`` after that (``_tell_posted``)
-        self._inline: dict[str, float] = {}
+        #: which receivers poll now, as far as this sender knows (``_tell_posted``)
+        self._warmth = Warmth()
         self._idle_until = 0.0  # when the idle wait under way ends (0: none is)
         #: open: lingering ticks poll every ``FINE_POLL_S`` (``poll_finely``)
-        self._fine = FineWindow(poll=min(FINE_POLL_S, poll_interval))
+        self._fine = FineWindow(poll=min(cadence.FINE_POLL_S, poll_interval))
         self._wake = anyio.Event()
         self._stopping = False
         self._stopped = anyio.Event()
@@ -270,7 +256,7 @@ class Watchdog:
         self._fences = [op for op in self._fences if op.peer != peer]
         if self._drains.event(peer) is None:  # unloaded without a drain: what was let go goes now
             self._drains.give_up(peer)
-        self._inline.pop(peer, None)
+        self._warmth.forget(peer)
         self._drains.lost_handled(peer)
         for tick in (self._ahead, self._queued):
             if tick is not None:
@@ -335,7 +321,7 @@ class Watchdog:
         included, poll every ``FINE_POLL_S`` for ``FINE_WINDOW_S`` or until notifications
         come (``FineWindow``); nothing is woken (ending a lingering tick to plan a finer one
         cost more than it saved: docs/perf/library.md)."""
-        self._fine.until = time.monotonic() + FINE_WINDOW_S  # the door thread's clock
+        self._fine.until = time.monotonic() + cadence.FINE_WINDOW_S  # the door thread's clock
 
     @property
     def lingering(self) -> bool:
@@ -475,8 +461,8 @@ class Watchdog:
         lingering = (linger and not plan.posts and not plan.releases
                      and bool(self._inflight or self._drains or self._owner.busy()))
         if (follow and plan.posts and not (self._inflight or self._drains) and self._owner.lone()
-                and self._all_warm(plan.posts)):
-            plan.follow, plan.follow_poll, plan.queued = FOLLOW_S, self._fine.poll, self._thread.wait_queued
+                and self._warmth.all_poll([op.peer for op in plan.posts], self._clock())):
+            plan.follow, plan.follow_poll, plan.queued = cadence.FOLLOW_S, self._fine.poll, self._thread.wait_queued
             self.followed += 1
         if lingering:
             self.lingered += 1
@@ -486,17 +472,6 @@ class Watchdog:
                 plan.deliver = self._delivery.put
             self._late_left = (self._max_posts, self._max_post_bytes)
         return _Tick(self._thread.submit(run_tick, self._door, plan), lingering, submitted_at, plan.checks, first)
-
-    def _warm(self, peer: str, now: float) -> bool:
-        """Whether ``peer`` polls now, as far as this sender knows: a request to it completed
-        within a tick (its post, or the follow of it) that began less than ``WARM_GRACE_S / 2``
-        ago, and it polls on for ``WARM_GRACE_S`` after taking that request's notification."""
-        seen = self._inline.get(peer)
-        return seen is not None and now - seen < WARM_GRACE_S / 2
-
-    def _all_warm(self, posts: list[PostOp]) -> bool:
-        now = self._clock()
-        return all(self._warm(op.peer, now) for op in posts)
 
     def _linger_poll(self) -> float:
         """A lingering tick's cadence: ``cadence.LIGHT_POLL_S`` where it polls for no more than
@@ -597,7 +572,7 @@ class Watchdog:
 
         Not said at all for a request that completed within this tick (its post, or the
         following of it: ``TickPlan.follow``) when a request to the same peer did so in a
-        tick that began less than ``WARM_GRACE_S / 2`` ago (``_warm``): its
+        tick that began less than ``WARM_GRACE_S / 2`` ago (``cadence.Warmth``): its
         receiver saw that one's notification no earlier than that tick began, and polls on
         for ``WARM_GRACE_S`` after it (``RequestPlane.busy``), so it takes this request's
         notification (which turns it warm, and starts that polling again) without the word.
@@ -606,11 +581,11 @@ class Watchdog:
         its idle ticks take the notification, the first ``IDLE_FIRST_S`` after its last work."""
         now = self._clock()
         for peer, reqs in tick.first.items():
-            polled = self._warm(peer, now)
+            polled = self._warmth.polls(peer, now)
             rids = []
             for req in reqs:
                 if req.result is not None and req.result.ok:  # completed within this tick
-                    self._inline[peer] = tick.submitted_at
+                    self._warmth.saw(peer, tick.submitted_at)
                     if polled:
                         continue
                 rids.append(req.request_id)

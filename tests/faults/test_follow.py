@@ -1,4 +1,4 @@
-"""A lone request's post followed to its WRITE's end (``watchdog.FOLLOW_S``), with real NIXL.
+"""A lone request's post followed to its WRITE's end (``cadence.FOLLOW_S``), with real NIXL.
 
 The sender is a service in the test's process, where its watchdog's follows can be counted;
 the decode is a child service, stopped (SIGSTOP) or killed (SIGKILL) while a follow is under
@@ -17,8 +17,7 @@ import anyio
 import pytest
 
 from kvservice import FailureReason, KVLayout, KVPoll, TransferService, TransferStatus
-from kvservice._transfer import watchdog as watchdog_mod
-from kvservice._transfer.watchdog import FOLLOW_S
+from kvservice._transfer import cadence
 from kvservice.testing import PeerProcess, pattern
 from kvservice.testing.inspect import inside
 from tests.helpers import Ticker, config, eventually, peer_config, peers, scaled
@@ -28,11 +27,11 @@ pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
 @pytest.fixture(autouse=True)
 def patient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender counts its decode as polling (``Watchdog._warm``) for longer than a step of
+    """The sender counts its decode as polling (``cadence.Warmth``) for longer than a step of
     these tests takes on a loaded machine (an Expect's round trip through the child can pass
     ``WARM_GRACE_S / 2``): each lone post is followed, whether or not the WRITE then ends
     within the follow."""
-    monkeypatch.setattr(watchdog_mod, "WARM_GRACE_S", 60.0)
+    monkeypatch.setattr(cadence, "WARM_GRACE_S", 60.0)
 
 #: 64 KiB pages: a request of ``PAGES`` is 2 MiB, the bench's W3 request
 MID = KVLayout(layers=2, page_tokens=16, kv_heads=8, head_dim=128, dtype="bfloat16", num_pages=256)
@@ -114,7 +113,7 @@ async def test_a_stopped_receiver_bounds_the_follow_and_the_request_lands_once_i
                 try:
                     handle = await svc.send("stopped", src_pages(0), last=True)
                     await eventually(lambda: watchdog.followed > followed, GUARD_S, what="its tick followed")
-                    await anyio.sleep(FOLLOW_S * 50)  # far past the follow's bound
+                    await anyio.sleep(cadence.FOLLOW_S * 50)  # far past the follow's bound
                     assert handle.poll() is KVPoll.Transferring  # its WRITE waits for the decode
                     assert watchdog.inflight == 1  # the follow ended: the WRITE is the lingering ticks' now
                     ticks = ticker.ticks

@@ -1,4 +1,4 @@
-"""A WRITE just posted is polled finely (``TickPlan.fine_for``, ``watchdog.FINE_WINDOW_S``).
+"""A WRITE just posted is polled finely (``TickPlan.fine_for``, ``cadence.FINE_WINDOW_S``).
 
 A post that returns in flight ends, on this transport, at its receiver's next poll; a sender
 that looks again only every ``poll_interval`` (0.5 ms) sees it up to that much later, and at
@@ -21,6 +21,7 @@ from kvservice import KVPoll
 from kvservice._control.protocol import Posted
 from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, FineWindow, TickOutcome, TickPlan
+from kvservice._transfer import cadence
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
 from kvservice.testing.inspect import inside
@@ -155,7 +156,7 @@ async def test_the_sender_polls_finely_only_just_after_a_post_left_in_flight(
     # The window opens once, when the hung post is digested; a loop held longer than the
     # window (2 ms: a loaded 2-core machine does that) would miss it.  Widened, the test
     # reads the rule, not the scheduler.
-    monkeypatch.setattr(watchdog_mod, "FINE_WINDOW_S", 0.5)
+    monkeypatch.setattr(cadence, "FINE_WINDOW_S", 0.5)
     fabric = FakeFabric()
     with anyio.fail_after(GUARD_S):
         async with two_services(fabric) as (tx, rx):
@@ -171,10 +172,10 @@ async def test_the_sender_polls_finely_only_just_after_a_post_left_in_flight(
             await eventually(lambda: any(a == tx.agent_name and f > 0 for a, f, _ in plans), GUARD_S,
                              what="a finely polling tick after the post")
             fine = [(f, poll) for a, f, poll in plans if a == tx.agent_name and f > 0]
-            assert all(0 < f <= watchdog_mod.FINE_WINDOW_S and poll == watchdog_mod.FINE_POLL_S
+            assert all(0 < f <= cadence.FINE_WINDOW_S and poll == cadence.FINE_POLL_S
                        for f, poll in fine), fine
             # The WRITE hangs past the window: the ticks after it poll at the usual cadence.
-            await anyio.sleep(watchdog_mod.FINE_WINDOW_S * 2)
+            await anyio.sleep(cadence.FINE_WINDOW_S * 2)
             before = len(plans)
             await eventually(lambda: sum(a == tx.agent_name for a, _, _ in plans[before:]) >= 2, GUARD_S,
                              what="lingering ticks after the window")

@@ -1,11 +1,11 @@
 """A tick that posted to receivers known to be polling follows its WRITEs left in flight
-(``TickPlan.follow``, ``watchdog.FOLLOW_S``).
+(``TickPlan.follow``, ``cadence.FOLLOW_S``).
 
 On this transport a WRITE a post leaves in flight ends at its receiver's next poll.  A sender
 that returned such a post to the loop needed a second tick to see it end; following it on the
 door thread for up to ``FOLLOW_S`` (while nothing else waits for that thread) brings the end
 back with the post, so a hand-off costs the sending loop one tick.  Only where the receiver is
-known to poll (``Watchdog._warm``): a cold one ends the WRITE only once the sender's ``Posted``
+known to poll (``cadence.Warmth``): a cold one ends the WRITE only once the sender's ``Posted``
 has woken it, which a follow would hold back.
 """
 
@@ -21,6 +21,7 @@ import pytest
 from kvservice import FailureReason
 from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, DoorError, DoorThread, PostOp, TickOutcome, TickPlan, XferState
+from kvservice._transfer import cadence
 from kvservice._transfer import plane as plane_mod
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
@@ -134,7 +135,7 @@ def posted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 @pytest.fixture
 def patient(monkeypatch: pytest.MonkeyPatch) -> None:
     """A receiver counts as polling for longer than the steps of a test under load take."""
-    monkeypatch.setattr(watchdog_mod, "WARM_GRACE_S", 60.0)
+    monkeypatch.setattr(cadence, "WARM_GRACE_S", 60.0)
 
 
 @pytest.mark.usefixtures("patient")
@@ -158,7 +159,7 @@ async def test_a_sender_follows_posts_to_a_receiver_it_knows_polls(ticks: Ticks,
             assert cold_plan.follow == 0.0 and cold_out.checked == []
             # the cold request's end was seen by a later tick, not within one: still not followed
             assert warming_plan.follow == 0.0
-            assert warm_plan.follow == watchdog_mod.FOLLOW_S  # one completed within its post just now
+            assert warm_plan.follow == cadence.FOLLOW_S  # one completed within its post just now
             (_, xid, state), = warm_out.posted
             assert state is XferState.PROC and warm_out.checked == [(xid, XferState.DONE)]
             assert posted == ["cold", "warming"]  # the followed one's receiver needed no word
@@ -180,7 +181,7 @@ async def test_a_followed_write_that_fails_fails_its_request_with_the_error(tick
             txd.complete_after(2)
             err = txd.fail_next_check(FailureReason.REMOTE_DISCONNECT, ConnectionResetError("reset"))
             result = await tx.await_completion(await tx.send("second", [2], last=True))
-            assert ticks[-1][0].follow == watchdog_mod.FOLLOW_S
+            assert ticks[-1][0].follow == cadence.FOLLOW_S
             assert not result.ok and result.reason is FailureReason.REMOTE_DISCONNECT
             assert result.error is err.original
             assert inside(tx).plane.watchdog.inflight == 0 and txd.live_ids() == []
@@ -220,7 +221,7 @@ async def test_no_follow_for_a_tick_queued_behind_one_that_posts(ticks: Ticks) -
             handle = await tx.send("two", [2], last=False)  # both in one turn of the loop
             await tx.send("two", [3], last=True)
             assert (await tx.await_completion(handle)).ok
-            assert [plan.follow for plan, _ in ticks[1:]] == [watchdog_mod.FOLLOW_S, 0.0]
+            assert [plan.follow for plan, _ in ticks[1:]] == [cadence.FOLLOW_S, 0.0]
             assert (await rx.await_arrival("warming")).ok and (await rx.await_arrival("two")).ok
     fabric.assert_clean()
 
@@ -243,7 +244,7 @@ async def test_no_follow_while_another_send_is_under_way(ticks: Ticks) -> None:
             assert [plan.follow for plan, _ in ticks[1:]] == [0.0]
             await rx.expect("waiting", [41], sender=tx.address)
             assert (await tx.await_completion(waiting)).ok
-            assert [plan.follow for plan, _ in ticks[1:]] == [0.0, watchdog_mod.FOLLOW_S]  # alone now
+            assert [plan.follow for plan, _ in ticks[1:]] == [0.0, cadence.FOLLOW_S]  # alone now
             for rid in ("warming", "waiting", "sent"):
                 assert (await rx.await_arrival(rid)).ok
     fabric.assert_clean()

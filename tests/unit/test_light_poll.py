@@ -90,7 +90,7 @@ async def test_a_side_with_its_own_write_in_flight_polls_at_its_cadence(polls: P
             await rx.expect("out", [42], sender=tx.address)
             handle = await tx.send("out", [3], last=True)
             await eventually(lambda: handle.poll() is KVPoll.Transferring and bool(txd.live_ids()), GUARD_S)
-            await anyio.sleep(watchdog_mod.FINE_WINDOW_S * 5)  # past the fine window of its post
+            await anyio.sleep(cadence.FINE_WINDOW_S * 5)  # past the fine window of its post
             since = len(polls)
             assert set(await lingering(polls, tx.agent_name, since)) == {POLL_S}
             txd.finish_hung()
