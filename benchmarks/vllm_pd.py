@@ -51,6 +51,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from kvservice.bench.procfs import threads_by_name
@@ -70,6 +71,9 @@ ARMS = ("nixl", "nixl-quiet")
 METRICS = ("handoff_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s", "prefill_cpu_ms", "decode_cpu_ms")
 #: per phase and round, each engine's CPU per request by thread name (ms): the cpu metrics' parts
 THREAD_METRICS = ("prefill_threads_ms", "decode_threads_ms")
+#: per phase and round, each engine's steps per request: that executed the model (a batch's
+#: forward), that did not (each followed by the engine core's 1 ms sleep): what the CPU went to
+STEP_METRICS = ("prefill_steps", "decode_steps", "prefill_waits", "decode_waits")
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ class Engine:
         self.ready = threading.Event()
         #: threads the engine's build had moved off its core (pinned back: vllm_pd_engine)
         self.moved = 0
+        #: its steps so far, as its last answer said: (executed the model, did not)
+        self.steps = (0, 0)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -146,6 +152,8 @@ class Engine:
                 self.moved = int(msg.get("moved", 0))
                 self.ready.set()
             else:
+                if isinstance(msg.get("steps"), list):  # before the event: a reader of it sees them
+                    self.steps = (int(msg["steps"][0]), int(msg["steps"][1]))
                 self._events.put((now, self.name, msg))
         self._events.put((time.monotonic(), self.name, None))
 
@@ -343,6 +351,7 @@ class Harness:
             nxt += 1
 
         cpu_before = {e.name: engine_threads_s(e.proc.pid) for e in (p, d)}
+        steps_before = {e.name: e.steps for e in (p, d)}
         start = time.monotonic()
         deadline = start + self.plan.phase_timeout_s
         while nxt < min(phase.in_flight, len(prompts)):
@@ -376,6 +385,10 @@ class Harness:
             after, before = engine_threads_s(e.proc.pid), cpu_before[e.name]
             threads_ms[e.name] = {t: (s - before.get(t, 0.0)) * 1e3 / len(prompts) for t, s in after.items()}
         cpu_ms = {name: sum(by.values()) for name, by in threads_ms.items()}
+        steps = {}  # the last answer of each came after its last step of the phase
+        for side, e in (("prefill", p), ("decode", d)):
+            (m1, w1), (m0, w0) = e.steps, steps_before[e.name]
+            steps[f"{side}_steps"], steps[f"{side}_waits"] = [(m1 - m0) / len(prompts)], [(w1 - w0) / len(prompts)]
         handoff = handoffs(marks, f"d{tag}x")
         if len(handoff) != len(prompts):
             raise Broken(f"{len(handoff)} hand-offs marked for {len(prompts)} requests")
@@ -384,7 +397,7 @@ class Harness:
                 "ttft_ms": [ttft[i] * 1e3 for i in sorted(ttft)], "e2e_ms": [e2e[i] * 1e3 for i in sorted(e2e)],
                 "req_per_s": [len(prompts) / elapsed],
                 "prefill_cpu_ms": [cpu_ms[p.name]], "decode_cpu_ms": [cpu_ms[d.name]],
-                "prefill_threads_ms": [threads_ms[p.name]], "decode_threads_ms": [threads_ms[d.name]]}
+                "prefill_threads_ms": [threads_ms[p.name]], "decode_threads_ms": [threads_ms[d.name]], **steps}
 
 
 def engine_threads_s(pid: int) -> dict[str, float]:
@@ -412,6 +425,21 @@ def threads_table(results: dict[str, dict[str, dict[str, list[Any]]]], phases: S
                 cells.append(", ".join(f"{t} {ms:.1f}" for t, ms in busiest) or "-")
             if got.get("prefill_threads_ms"):
                 lines.append(f"{ph.name:<24}{c:<14}{cells[0]} | {cells[1]}")
+    return "\n".join(lines)
+
+
+def steps_table(results: dict[str, dict[str, dict[str, list[Any]]]], phases: Sequence[Phase]) -> str:
+    """Each engine's steps per request (mean over rounds): the model's, and the waits."""
+    lines = ["\n## Each engine's steps per request (mean over rounds): executing the model / not (1 ms sleep after)",
+             f"{'phase':<24}{'configuration':<14}{'prefill':>14}{'decode':>14}"]
+    for ph in phases:
+        for c in CONFIGS:
+            got = results.get(c, {}).get(ph.name, {})
+            if not got.get("decode_steps"):
+                continue
+            cells = [f"{fmean(got[f'{side}_steps']):.1f} / {fmean(got[f'{side}_waits']):.1f}"
+                     for side in ("prefill", "decode")]
+            lines.append(f"{ph.name:<24}{c:<14}{cells[0]:>14}{cells[1]:>14}")
     return "\n".join(lines)
 
 
@@ -671,7 +699,8 @@ def main(argv: Sequence[str]) -> int:
     finally:
         harness.stop_all()
     load_after = os.getloadavg()
-    table = (summarize(results, phases) + threads_table(results, phases) + kvservice_path(out / "marks", phases)
+    table = (summarize(results, phases) + threads_table(results, phases) + steps_table(results, phases)
+             + kvservice_path(out / "marks", phases)
              + idle_table(idle, harness.baseline_idle, plan.idle_s))
     verified = {c: sum(len(m.get("e2e_ms", [])) for m in results.get(c, {}).values()) for c in configs}
     header = (f"vLLM P/D, kvservice vs NixlConnector: {rounds} round(s), {MAX_TOKENS} tokens decoded per request, "

@@ -16,9 +16,10 @@ the engine is built and again after (NixlConnector's worker, on a CPU platform, 
 thread that builds it to the last core of each NUMA node, "reserved for KV transfer": on two
 cores, the other engine's core), prints ``{"ready": ..., "moved": N}`` (N: the threads found
 off their core after the build), then reads JSON lines on stdin: ``{"op": "generate", "id",
-"prompt", "max_tokens", "params"}`` is answered with ``{"id", "first": true}`` in the step
-that produced the request's first token and ``{"id", "tokens", "params", "finish"}`` in the
-step that finished it; ``{"op": "quit"}`` shuts the engine down.
+"prompt", "max_tokens", "params"}`` is answered with ``{"id", "first": true, "steps"}`` in the
+step that produced the request's first token and ``{"id", "tokens", "params", "finish",
+"steps"}`` in the step that finished it (``steps``: the engine's steps so far, ``[that executed
+the model, that did not]``); ``{"op": "quit"}`` shuts the engine down.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def serve(cfg: dict[str, Any]) -> None:
     executed = record_model_executed(core)
     commands = read_commands()
     started: set[str] = set()
+    steps = [0, 0]  # steps that executed the model, steps that did not (each followed by the sleep)
     say({"ready": True, "pid": os.getpid(), "moved": moved})
     while True:
         # vLLM's engine core: take what arrived (without waiting while there is work), then
@@ -100,15 +102,17 @@ def serve(cfg: dict[str, Any]) -> None:
             continue  # take every request already there before stepping, as the engine core does
         if not scheduler.has_requests():
             continue
-        for out in engine.step():
+        outputs = engine.step()
+        steps[0 if executed[0] else 1] += 1
+        for out in outputs:
             tokens = list(out.outputs[0].token_ids)
             if tokens and out.request_id not in started:
                 started.add(out.request_id)
-                say({"id": out.request_id, "first": True})
+                say({"id": out.request_id, "first": True, "steps": steps})
             if out.finished:
                 started.discard(out.request_id)
                 say({"id": out.request_id, "tokens": tokens, "params": out.kv_transfer_params,
-                      "finish": out.outputs[0].finish_reason})
+                      "finish": out.outputs[0].finish_reason, "steps": steps})
         if not executed[0] and scheduler.has_requests():
             time.sleep(IDLE_STEP_SLEEP_S)  # vLLM's engine core process, after such a step's outputs
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/engine-env.sh vllm builds its environment")
 
-from benchmarks.vllm_pd import METRICS, QUICK, THREAD_METRICS
+from benchmarks.vllm_pd import METRICS, QUICK, STEP_METRICS, THREAD_METRICS
 
 from .engines import ROOT, engine_env
 
@@ -37,16 +37,19 @@ def test_the_quick_benchmark_verifies_tokens_and_times_both_configurations(tmp_p
     for config in CONFIGS:
         for phase in QUICK:
             metrics = results["results"][config][phase.name]
-            assert sorted(metrics) == sorted((*METRICS, *THREAD_METRICS)), (config, phase.name)
+            assert sorted(metrics) == sorted((*METRICS, *THREAD_METRICS, *STEP_METRICS)), (config, phase.name)
             assert len(metrics["handoff_ms"]) == len(metrics["e2e_ms"]) == phase.requests, (config, metrics)
             assert all(v > 0 for m in METRICS for v in metrics[m]), (config, metrics)
+            # every request took a prefill forward and decode forwards; waits may be none
+            assert all(v >= 1 for m in ("prefill_steps", "decode_steps") for v in metrics[m]), (config, metrics)
+            assert all(v >= 0 for m in ("prefill_waits", "decode_waits") for v in metrics[m]), (config, metrics)
             # each engine's CPU per request, by thread: the engine's own thread apart, the parts
             # summing to the whole, kvservice's loop among kvservice's engines' threads
             for side in ("prefill", "decode"):
                 for whole, by in zip(metrics[f"{side}_cpu_ms"], metrics[f"{side}_threads_ms"], strict=True):
                     assert by["main"] > 0 and abs(sum(by.values()) - whole) < 1e-6, (config, side, by, whole)
                     assert ("kvservice-loop" in by) == (config == "kvservice"), (config, side, by)
-    assert "CPU per request by thread" in run.stdout
+    assert "CPU per request by thread" in run.stdout and "steps per request" in run.stdout
     assert "kvs/nixl-quiet" in run.stdout and "broken phases: 0" in run.stdout
     # each pair, and the engine without a connector, measured idle: threads named, CPU spent
     assert results["idle_s"] > 0 and "## Idle:" in run.stdout
