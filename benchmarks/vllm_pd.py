@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,40 +407,52 @@ def engine_threads_s(pid: int) -> dict[str, float]:
     return {name: cpu for name, (cpu, _) in threads_by_name(pid, main="main").items()}
 
 
-def threads_table(results: dict[str, dict[str, dict[str, list[Any]]]], phases: Sequence[Phase]) -> str:
+Results = dict[str, dict[str, dict[str, list[Any]]]]
+
+
+def arms_table(results: Results, phases: Sequence[Phase], title: str, columns: str,
+               cells: Callable[[dict[str, list[Any]]], str | None]) -> str:
+    """A line per phase and configuration that has one: ``cells`` of its metrics."""
+    lines = [f"\n## {title}", f"{'phase':<24}{'configuration':<14}{columns}"]
+    for ph in phases:
+        for c in CONFIGS:
+            line = cells(results.get(c, {}).get(ph.name, {}))
+            if line is not None:
+                lines.append(f"{ph.name:<24}{c:<14}{line}")
+    return "\n".join(lines)
+
+
+def threads_table(results: Results, phases: Sequence[Phase]) -> str:
     """Each engine's CPU per request, by thread (ms, mean over rounds; the busiest four)."""
-    lines = ["\n## Each engine's CPU per request by thread (ms, mean over rounds)",
-             f"{'phase':<24}{'configuration':<14}prefill | decode"]
-    for ph in phases:
-        for c in CONFIGS:
-            got = results.get(c, {}).get(ph.name, {})
-            cells = []
-            for side in ("prefill", "decode"):
-                rounds = got.get(f"{side}_threads_ms", [])
-                mean: dict[str, float] = {}
-                for by in rounds:
-                    for t, ms in by.items():
-                        mean[t] = mean.get(t, 0.0) + ms / len(rounds)
-                busiest = sorted(mean.items(), key=lambda kv: -kv[1])[:4]
-                cells.append(", ".join(f"{t} {ms:.1f}" for t, ms in busiest) or "-")
-            if got.get("prefill_threads_ms"):
-                lines.append(f"{ph.name:<24}{c:<14}{cells[0]} | {cells[1]}")
-    return "\n".join(lines)
+    def busiest(got: dict[str, list[Any]]) -> str | None:
+        if not got.get("prefill_threads_ms"):
+            return None
+        sides = []
+        for side in ("prefill", "decode"):
+            rounds = got.get(f"{side}_threads_ms", [])
+            mean: dict[str, float] = {}
+            for by in rounds:
+                for t, ms in by.items():
+                    mean[t] = mean.get(t, 0.0) + ms / len(rounds)
+            top = sorted(mean.items(), key=lambda kv: -kv[1])[:4]
+            sides.append(", ".join(f"{t} {ms:.1f}" for t, ms in top) or "-")
+        return " | ".join(sides)
+
+    return arms_table(results, phases, "Each engine's CPU per request by thread (ms, mean over rounds)",
+                      "prefill | decode", busiest)
 
 
-def steps_table(results: dict[str, dict[str, dict[str, list[Any]]]], phases: Sequence[Phase]) -> str:
+def steps_table(results: Results, phases: Sequence[Phase]) -> str:
     """Each engine's steps per request (mean over rounds): the model's, and the waits."""
-    lines = ["\n## Each engine's steps per request (mean over rounds): executing the model / not (1 ms sleep after)",
-             f"{'phase':<24}{'configuration':<14}{'prefill':>14}{'decode':>14}"]
-    for ph in phases:
-        for c in CONFIGS:
-            got = results.get(c, {}).get(ph.name, {})
-            if not got.get("decode_steps"):
-                continue
-            cells = [f"{fmean(got[f'{side}_steps']):.1f} / {fmean(got[f'{side}_waits']):.1f}"
-                     for side in ("prefill", "decode")]
-            lines.append(f"{ph.name:<24}{c:<14}{cells[0]:>14}{cells[1]:>14}")
-    return "\n".join(lines)
+    def steps(got: dict[str, list[Any]]) -> str | None:
+        if not got.get("decode_steps"):
+            return None
+        cells = [f"{fmean(got[side + '_steps']):.1f} / {fmean(got[side + '_waits']):.1f}"
+                 for side in ("prefill", "decode")]
+        return "".join(f"{cell:>14}" for cell in cells)
+
+    return arms_table(results, phases, "Each engine's steps per request (mean over rounds): executing the "
+                      "model / not (1 ms sleep after)", f"{'prefill':>14}{'decode':>14}", steps)
 
 
 def handoffs(marks: Path, prefix: str) -> dict[int, float]:

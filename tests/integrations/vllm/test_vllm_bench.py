@@ -40,8 +40,8 @@ def test_the_quick_benchmark_verifies_tokens_and_times_both_configurations(tmp_p
             assert sorted(metrics) == sorted((*METRICS, *THREAD_METRICS, *STEP_METRICS)), (config, phase.name)
             assert len(metrics["handoff_ms"]) == len(metrics["e2e_ms"]) == phase.requests, (config, metrics)
             assert all(v > 0 for m in METRICS for v in metrics[m]), (config, metrics)
-            # every request took a prefill forward and decode forwards; waits may be none
-            assert all(v >= 1 for m in ("prefill_steps", "decode_steps") for v in metrics[m]), (config, metrics)
+            # every request took part in forwards on both engines (batched: less than one each); waits may be none
+            assert all(v > 0 for m in ("prefill_steps", "decode_steps") for v in metrics[m]), (config, metrics)
             assert all(v >= 0 for m in ("prefill_waits", "decode_waits") for v in metrics[m]), (config, metrics)
             # each engine's CPU per request, by thread: the engine's own thread apart, the parts
             # summing to the whole, kvservice's loop among kvservice's engines' threads
