@@ -1,4 +1,5 @@
-"""The idle back-off of the watchdog (``_transfer.cadence``) and the lag monitor's idle sleep."""
+"""The idle back-off of the watchdog (``_transfer.cadence``), which receivers it knows to poll
+(``Warmth``), and the lag monitor's idle sleep."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import anyio
 import pytest
 
 from kvservice._stats import LAG_IDLE_INTERVAL_S, Stats
-from kvservice._transfer.cadence import IDLE_FIRST_S, IdleBackoff
+from kvservice._transfer.cadence import IDLE_FIRST_S, WARM_GRACE_S, IdleBackoff, Warmth
 from tests.helpers import eventually
 
 
@@ -31,6 +32,28 @@ def test_reset_starts_the_back_off_again() -> None:
 def test_a_ceiling_below_the_first_wait_is_a_steady_cadence() -> None:
     backoff = IdleBackoff(0.01)
     assert [backoff.next() for _ in range(4)] == [0.01] * 4
+
+
+def test_a_receiver_counts_as_polling_for_half_its_grace_after_the_tick_that_completed_its_request() -> None:
+    warmth = Warmth()
+    assert not warmth.polls("rx", 100.0)  # never seen: cold
+    warmth.saw("rx", 100.0)
+    assert warmth.polls("rx", 100.0) and warmth.polls("rx", 100.0 + WARM_GRACE_S / 2 - 1e-6)
+    assert not warmth.polls("rx", 100.0 + WARM_GRACE_S / 2)  # the other half is the receiver loop's margin
+    assert not warmth.polls("other", 100.0)
+    warmth.saw("rx", 200.0)  # a later tick: counted from it
+    assert warmth.polls("rx", 200.0 + WARM_GRACE_S / 4)
+
+
+def test_every_peer_of_a_ticks_posts_must_poll_and_a_forgotten_one_is_cold() -> None:
+    warmth = Warmth()
+    warmth.saw("a", 10.0)
+    warmth.saw("b", 10.0)
+    assert warmth.all_poll(["a", "b", "a"], 10.001)
+    assert not warmth.all_poll(["a", "c"], 10.001)
+    warmth.forget("b")
+    warmth.forget("never-seen")  # nothing to forget: no error
+    assert not warmth.all_poll(["a", "b"], 10.001) and warmth.polls("a", 10.001)
 
 
 @pytest.mark.parametrize("ceiling", [0.0, -1.0])
