@@ -38,9 +38,13 @@ def test_sync_scheduler_survives_a_decode_sigkill_and_restart() -> None:
     # The prefill admits nothing until the first decode is up (a router's order). A send waits
     # --bootstrap-timeout for the decode's expect: the requests admitted while the decode is
     # dead wait for the restarted one to start, which on a loaded machine took over 16 s
-    # (a service's start and its vetting child), and that is slow, not lost.
+    # (a service's start and its vetting child), and that is slow, not lost.  A request the
+    # dead decode announced but whose Expect it did not get out holds a prefill slot for the
+    # whole --bootstrap-timeout (nobody expects it any more); the restarted decode's first
+    # requests wait behind it, so its --arrival-timeout outlasts that (CI: the default 15 s
+    # did not, and every request of the restarted decode timed out).
     common = ["--requests", str(N), "--step", "0.02", "--bootstrap-timeout", f"{scaled(25):g}",
-              "--max-seconds", f"{scaled(90):g}"]
+              "--arrival-timeout", f"{scaled(40):g}", "--max-seconds", f"{scaled(90):g}"]
     prefill = Child(["prefill", *common, "--hold"])
     decode = again = None
     try:
