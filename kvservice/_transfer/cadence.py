@@ -24,6 +24,8 @@ Any work, or a notification taken while idle, starts the back-off again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 #: the first idle wait after work (the back-off doubles it up to the configured ceiling)
 IDLE_FIRST_S = 0.05
 #: how long a receiver keeps polling after its last polled request ended while it holds cold
@@ -76,6 +78,7 @@ FINE_POLL_S = 0.00005
 #: 4 % slower with the follow (docs/perf/library.md)
 FOLLOW_S = 0.001
 
+
 class IdleBackoff:
     """The idle waits of one watchdog: ``next()`` doubles from ``IDLE_FIRST_S`` (or
     ``ceiling``, if lower) up to ``ceiling``; ``reset()`` starts again."""
@@ -119,7 +122,7 @@ class Warmth:
         seen = self._seen.get(peer)
         return seen is not None and now - seen < WARM_GRACE_S / 2
 
-    def all_poll(self, peers: list[str], now: float) -> bool:
+    def all_poll(self, peers: Iterable[str], now: float) -> bool:
         return all(self.polls(peer, now) for peer in peers)
 
     def forget(self, peer: str) -> None:

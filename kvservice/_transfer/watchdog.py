@@ -461,7 +461,7 @@ class Watchdog:
         lingering = (linger and not plan.posts and not plan.releases
                      and bool(self._inflight or self._drains or self._owner.busy()))
         if (follow and plan.posts and not (self._inflight or self._drains) and self._owner.lone()
-                and self._warmth.all_poll([op.peer for op in plan.posts], self._clock())):
+                and self._warmth.all_poll((op.peer for op in plan.posts), self._clock())):
             plan.follow, plan.follow_poll, plan.queued = cadence.FOLLOW_S, self._fine.poll, self._thread.wait_queued
             self.followed += 1
         if lingering:
