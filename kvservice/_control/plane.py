@@ -289,6 +289,10 @@ class ControlPlane:
         """The canonical addresses ``agent`` is proven at (empty when not linked)."""
         return self._book.proven(agent)
 
+    def proven_at(self, canon: str) -> str | None:
+        """The linked agent proven to answer at canonical ``canon``, if any."""
+        return self._book.agent_at(canon)
+
     async def prove_address(self, agent: str, canon: str) -> bool:
         """Whether ``agent`` answers at ``canon``: known, or found out by one probe (shared)."""
         return await self._book.prove(agent, canon)

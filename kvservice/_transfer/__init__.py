@@ -58,7 +58,9 @@ Glossary:
   for nothing, not member identities or addresses: shared bounds are charged to the
   source as well.
 - **pinned**: a send made with ``receiver=``: only the agent proven to answer at that
-  address may bind it; any other peer's Expect is refused (``REFUSED``) and counted.
+  address may bind it; any other peer's Expect is refused (``REFUSED``) and counted.  One
+  still unbound fails ``PEER_LOST`` when the agent proven there is lost and none other is
+  proven there (``Inbound._orphaned``).
 - **proven**: an agent is proven at an address when this service dialled that address
   and the agent answering there proved its identity in the handshake; a claim (an
   address a peer advertises) is never acted on.

@@ -42,7 +42,7 @@ from .heal import Heal
 from .landing import Landing
 from .plane import RequestPlane, peer_lost_message
 from .proofs import drain_limit
-from .requests import RecvRequest, make_result
+from .requests import RecvRequest, SendRequest, make_result
 
 log = get_logger("kvservice")
 
@@ -326,7 +326,7 @@ class Inbound:
             keep = p.config.peer_timeout_s if graceful else drain_limit(p.config.peer_timeout_s)
             p.watchdog.drain(agent, now + p.config.peer_timeout_s, now + keep)
         self._heal.lost(agent, proven)
-        for sreq in [r for r in p.sends.values() if r.peer == agent]:
+        for sreq in [r for r in p.sends.values() if r.peer == agent or self._orphaned(r, proven)]:
             p.fail(sreq, reason, what, error=cause, from_peer=True)
         for rreq in [r for r in p.recvs.values() if r.peer == agent]:
             p.fail(rreq, reason, what, error=cause, from_peer=True)
@@ -340,6 +340,15 @@ class Inbound:
                          why="NIXL reports its endpoint disconnected")
         elif p.settlement.held_by(agent) and proven and not p.closing:
             p.tg.start_soon(self._settle_by_probing, agent, proven)
+
+    def _orphaned(self, req: SendRequest, proven: frozenset[str]) -> bool:
+        """Whether ``req`` is a send waiting for its Expect, pinned to an address where the
+        lost agent was proven (``proven``), and where no other agent is proven now: the
+        receiver it was pinned to is gone before it asked, and fails now, not at its
+        ``bootstrap_timeout_s``.  A decode restarted there is a new agent that never
+        expected it; one already proven there may have been sent it, and is left to ask."""
+        return (req.peer is None and req.receiver is not None and req.receiver in proven
+                and self._plane.control.proven_at(req.receiver) is None)
 
     def on_peer_linked(self, agent: str) -> None:
         """A new link with ``agent`` settles nothing by itself: NIXL's release of a

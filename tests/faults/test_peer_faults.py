@@ -98,6 +98,55 @@ async def test_receiver_killed_before_post_fails_fast_not_by_timeout() -> None:
         assert svc.status()["live_nixl_handles"] == 0
 
 
+async def test_a_send_pinned_to_a_decode_killed_before_it_asked_fails_at_once() -> None:
+    """A send pinned (``receiver=``) to a decode that is SIGKILLed before its Expect comes
+    fails ``PEER_LOST`` with the link's error as soon as the link is lost, not at
+    ``bootstrap_timeout_s``: that decode can never ask for it.  A send waiting for its Expect
+    unpinned, and one pinned to a live decode, wait on; both still land byte-exact, the
+    loop ticked throughout and no handle is left.  A decode restarted at the dead one's
+    address takes a request pinned there afterwards."""
+    ticker = Ticker()
+    port = free_port()
+    async with peers(peer_config(port=port), peer_config()) as (victim, bystander), \
+            TransferService(config(bootstrap_timeout_s=120)) as svc, anyio.create_task_group() as tg:
+        tg.start_soon(ticker.run)
+        # a pinned request each first: its Expect proves each decode at its address
+        for decode, rid in ((victim, "warm-v"), (bystander, "warm-b")):
+            first = await svc.send(rid, [1], last=True, receiver=decode.address)
+            await decode.command(op="expect", rid=rid, pages=[2], sender=svc.address)
+            assert (await svc.await_completion(first, timeout=30)).ok, first.result
+        svc.kv.write([5, 6], pattern(SMALL, "kept", 2))
+        svc.kv.write([7], pattern(SMALL, "loose", 1))
+        orphan = await svc.send("orphan", [3, 4], last=True, receiver=victim.address)
+        kept = await svc.send("kept", [5, 6], last=True, receiver=bystander.address)
+        loose = await svc.send("loose", [7], last=True)
+        ticks_before = ticker.ticks
+        victim.signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        with anyio.fail_after(20):  # hang guard; its bootstrap timeout is 120 s
+            result = await svc.await_completion(orphan)
+        assert result.reason is FailureReason.PEER_LOST, result
+        assert result.error is not None  # the link's own error, kept
+        assert "lost peer" in result.message, result.message
+        assert result.finished_at - killed_at < 20
+        assert orphan.poll() is KVPoll.Failed
+        assert kept.result is None and loose.result is None  # no Expect yet: they wait on
+        await bystander.command(op="expect", rid="kept", pages=[8, 9], sender=svc.address)
+        await bystander.command(op="expect", rid="loose", pages=[10], sender=svc.address)
+        for handle, rid in ((kept, "kept"), (loose, "loose")):
+            assert (await svc.await_completion(handle, timeout=30)).ok, handle.result
+            assert (await bystander.event("arrived", rid))["verified"] is True
+        async with peers(peer_config(port=port)) as (restarted,):
+            svc.kv.write([11], pattern(SMALL, "again", 1))
+            again = await svc.send("again", [11], last=True, receiver=restarted.address)
+            await restarted.command(op="expect", rid="again", pages=[12], sender=svc.address)
+            assert (await svc.await_completion(again, timeout=30)).ok, again.result
+            assert (await restarted.event("arrived", "again"))["verified"] is True
+        await eventually(lambda: svc.status()["live_nixl_handles"] == 0)
+        assert ticker.ticks > ticks_before  # the loop kept ticking through the loss
+        tg.cancel_scope.cancel()
+
+
 async def test_receiver_killed_after_completion_changes_nothing() -> None:
     async with peers(peer_config()) as (victim,), TransferService(config()) as svc:
         await victim.command(op="expect", rid="done", pages=[7], sender=svc.address)
