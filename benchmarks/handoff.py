@@ -23,7 +23,8 @@ Methods take turns within each round (the order rotating), fresh processes each
 time, so drift falls on all alike.  Prints p50 and p90 per method and page count,
 each method's p50 over the pull's, and for kvservice each side's event-loop thread's CPU per
 request (``time.thread_time()`` over the timed requests, their gaps included: what a hand-off
-costs the loop, the waits around it among it) and how many of the sender's NIXL posts
+costs the loop, the waits around it among it), its whole process's (``time.process_time()``:
+the NIXL thread's polling too) and how many of the sender's NIXL posts
 returned ``DONE`` (the WRITE complete within the post) rather than ``PROC`` (complete only
 after the receiver's progress and more checks).
 """
@@ -101,16 +102,17 @@ def _kv_sender(conn: mpc.Connection, num_pages: int) -> None:
             svc.kv.tensor.fill_(1.0)
             conn.send(svc.address)
             pending: list[asyncio.Future[Any]] = []
-            cpu0 = 0.0
+            cpu0 = proc0 = 0.0
             while (cmd := await loop.run_in_executor(None, conn.recv)) is not None:
                 if len(pending) == WARMUP:
-                    cpu0 = time.thread_time()
+                    cpu0, proc0 = time.thread_time(), time.process_time()
                 rid, pages = cmd
                 pending.append(asyncio.ensure_future(svc.await_completion(await svc.send(rid, pages, last=True))))
                 conn.send("sent")
             ok = sum(r.ok for r in await asyncio.gather(*pending))
-            cpu = (time.thread_time() - cpu0) / max(1, len(pending) - WARMUP)
-            conn.send((ok, states[WARMUP:], cpu))
+            timed = max(1, len(pending) - WARMUP)
+            cpu, proc = (time.thread_time() - cpu0) / timed, (time.process_time() - proc0) / timed
+            conn.send((ok, states[WARMUP:], cpu, proc))
 
     asyncio.run(main())
 
@@ -124,10 +126,10 @@ async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
         svc.kv.tensor.zero_()
         sender = await loop.run_in_executor(None, conn.recv)
         times = []
-        cpu0 = 0.0
+        cpu0 = proc0 = 0.0
         for i in range(WARMUP + n):
             if i == WARMUP:
-                cpu0 = time.thread_time()
+                cpu0, proc0 = time.thread_time(), time.process_time()
             conn.send((f"r{i}", list(range(pages))))
             await loop.run_in_executor(None, conn.recv)
             await asyncio.sleep(gap)
@@ -140,12 +142,12 @@ async def _kv_receiver(conn: mpc.Connection, n: int, pages: int, gap: float,
             if i >= WARMUP:
                 times.append(t1 - t0)
         await asyncio.sleep(gap)  # the last request's idle time, as every other's
-        cpu = (time.thread_time() - cpu0) / n
+        cpu, proc = (time.thread_time() - cpu0) / n, (time.process_time() - proc0) / n
         conn.send(None)
-        ok, states, send_cpu = await loop.run_in_executor(None, conn.recv)
+        ok, states, send_cpu, send_proc = await loop.run_in_executor(None, conn.recv)
     if ok != WARMUP + n:
         raise RuntimeError(f"the sender completed {ok} of {WARMUP + n}")
-    return times, states, {"send": send_cpu, "recv": cpu}
+    return times, states, {"send": send_cpu, "recv": cpu, "send_proc": send_proc, "recv_proc": proc}
 
 
 @contextmanager
@@ -168,7 +170,8 @@ def prefill(target: Callable[[mpc.Connection, int], None], num_pages: int) -> It
 def kvservice_times(n: int, pages: int, gap: float) -> tuple[list[float], list[str], dict[str, float]]:
     """Each request's time, the state each of the sender's posts returned in, and each side's
     event-loop thread's CPU per request (s; its gap included: what a request costs the loop,
-    the waits around it among it)."""
+    the waits around it among it), and its whole process's (``*_proc``: the NIXL thread's
+    polls too, and the harness's pipe reads, alike for every build)."""
     with prefill(_kv_sender, 2 * pages) as conn:
         return asyncio.run(_kv_receiver(conn, n, pages, gap, 2 * pages))
 
@@ -293,17 +296,18 @@ def main(argv: Sequence[str]) -> int:
           f"requests, {args.gap_s * 1e3:.0f} ms apart; ms)")
     width = max(len(n) for n, _, _ in methods) + 2
     print(f"{'pages (MiB)':<12}{'method':<{width}}{'p50':>9}{'p90':>9}{'/ pull (p50)':>14}"
-          f"{'loop CPU/request, send / recv (us)':>36}  posts DONE at once")
+          f"{'loop CPU/request, send / recv (us)':>36}{'process CPU/request (us)':>26}  posts DONE at once")
     for pages in sizes:
         base = statistics.median(times[("pull", pages)])
         for name, _, _ in methods:
             t, states = times[(name, pages)], posts[(name, pages)]
             done = f"  {states.count('DONE')} of {len(states)}" if states else ""
             runs = [c for c in cpus[(name, pages)] if c]
-            loop_cpu = (f"{statistics.median(c['send'] for c in runs) * 1e6:.0f} / "
-                        f"{statistics.median(c['recv'] for c in runs) * 1e6:.0f}") if runs else "-"
+            loop_cpu, proc_cpu = (f"{statistics.median(c[f'send{k}'] for c in runs) * 1e6:.0f} / "
+                                  f"{statistics.median(c[f'recv{k}'] for c in runs) * 1e6:.0f}" if runs else "-"
+                                  for k in ("", "_proc"))
             print(f"{pages:<12}{name:<{width}}{quantile(t, 0.5) * 1e3:>9.2f}{quantile(t, 0.9) * 1e3:>9.2f}"
-                  f"{statistics.median(t) / base:>13.2f}x{loop_cpu:>36}{done}")
+                  f"{statistics.median(t) / base:>13.2f}x{loop_cpu:>36}{proc_cpu:>26}{done}")
     return 0
 
 

@@ -16,7 +16,8 @@ off) and returning at the first news, or after ``LINGER_S``; so the loop pays a
 thread hop per event rather than per poll, and the cadence holds on loops
 whose timers cannot sleep under a millisecond (uvloop).  Notifications do not
 end it: it hands them to the loop as they come (``delivery``) and lingers on, so
-a receiver's arrival costs the loop one wake-up and no new tick.  For ``FINE_WINDOW_S``
+a receiver's arrival costs the loop one wake-up and no new tick; one that leaves nothing
+to poll for ends it then (``_delivered``).  For ``FINE_WINDOW_S``
 after a post that returned in flight it polls every ``FINE_POLL_S`` instead: such a WRITE
 ends at its receiver's next poll, and a sender that sees it at once sends its next request
 at once (raw NIXL's sender spins on it).  A receiver does the same from a sender's
@@ -193,7 +194,7 @@ class Watchdog:
         self.live_handles = 0  # as the door last reported
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop ``run`` runs on
         #: notifications lingering ticks hand over without ending (``delivery``)
-        self._delivery = Delivery(owner.on_notifs)
+        self._delivery = Delivery(self._delivered)
 
     # -- called by the service (event loop) -----------------------------------
     def schedule(self, req: SendRequest) -> None:
@@ -372,8 +373,7 @@ class Watchdog:
     async def _run(self) -> None:
         next_scan = 0.0
         while not self._stopping or self._ahead is not None:  # a tick queued is digested first
-            if self._ahead is None and not (self._ready or self._releases or self._late or self._inflight
-                                            or self._drains or self._owner.busy()):
+            if self._ahead is None and not self._polls_for():
                 self._wake = anyio.Event()
                 wait = self._idle_wait()
                 self._idle_until = self._clock() + wait
@@ -472,6 +472,21 @@ class Watchdog:
                 plan.deliver = self._delivery.put
             self._late_left = (self._max_posts, self._max_post_bytes)
         return _Tick(self._thread.submit(run_tick, self._door, plan), lingering, submitted_at, plan.checks, first)
+
+    def _delivered(self, notifs: Mapping[str, list[bytes]]) -> None:
+        """A lingering tick handed these over: the owner takes them, and where they ended the
+        last thing polled for (a receiver's one arrival), the tick is ended now rather than at
+        its ``LINGER_S``: it would only poll on for nothing, on a core the engine then wants
+        (a decode's first forward follows its arrival)."""
+        self._owner.on_notifs(notifs)
+        if self.lingering and not self._polls_for():
+            self._thread.interrupt.set()
+
+    def _polls_for(self) -> bool:
+        """Whether anything keeps this side polling NIXL: WRITEs to post, in flight or
+        drained, releases or fences due, or the owner's receivers (``Owner.busy``)."""
+        return bool(self._ready or self._late or self._inflight or self._drains or self._releases
+                    or self._fences or self._owner.busy())
 
     def _linger_poll(self) -> float:
         """A lingering tick's cadence: ``cadence.LIGHT_POLL_S`` where it polls for no more than

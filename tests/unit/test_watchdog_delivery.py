@@ -20,6 +20,7 @@ from kvservice._nixl import door as door_mod
 from kvservice._nixl.door import Door, TickOutcome, TickPlan
 from kvservice._transfer import watchdog as watchdog_mod
 from kvservice.testing import FakeFabric
+from kvservice.testing.inspect import inside
 from tests.helpers import eventually
 
 from .harness import GUARD_S, door_of, fill, two_services
@@ -95,5 +96,30 @@ async def test_arrivals_reach_the_receiver_without_a_tick_each(monkeypatch: pyte
     for i in range(n):
         assert torch.equal(rx.kv.pages([30 + i]), data[i])
     assert rx_ticks < n // 2, f"{rx_ticks} receiver ticks for {n} arrivals"
+    assert door_of(fabric, rx).live_xfers() == 0
+    fabric.assert_clean()
+
+
+async def test_a_lingering_tick_ends_once_the_last_arrival_it_polled_for_is_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver's tick lingers while its one expected request is under way, and hands
+    its notification over; with nothing left to poll for, it ends then (its linger here lasts
+    600 s: only the arrival can end it), not polling on for nothing while the engine computes
+    beside it.  The next request still lands byte-exact."""
+    monkeypatch.setattr(watchdog_mod, "LINGER_S", 600.0)
+    fabric = FakeFabric()
+    with anyio.fail_after(GUARD_S * 2):
+        async with two_services(fabric) as (tx, rx):
+            watchdog = inside(rx).plane.watchdog
+            delivered = watchdog.deliveries
+            for i, rid in enumerate(("one", "two")):
+                data = fill(tx, rid, [1 + i])
+                await rx.expect(rid, [30 + i], sender=tx.address)
+                assert (await tx.await_completion(await tx.send(rid, [1 + i], last=True))).ok
+                assert (await rx.await_arrival(rid)).ok
+                assert torch.equal(rx.kv.pages([30 + i]), data)
+                await eventually(lambda: not watchdog.lingering, GUARD_S,
+                                 what="the receiver's tick ending once nothing is left to poll for")
+            assert watchdog.deliveries >= delivered + 2  # each arrival handed over by a lingering tick
     assert door_of(fabric, rx).live_xfers() == 0
     fabric.assert_clean()
