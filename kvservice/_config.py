@@ -101,9 +101,11 @@ class ServiceConfig(DiscoverySettings):
         "watchdog cadence while anything is in flight (a receiver holding one request, of at most "
         "64 MiB, polls every 0.1 ms, or this if finer)", above=0))
     #: idle, nothing needs NIXL driven (a peer writes only after this service's Expect, which wakes
-    #: the watchdog); its waits double from 50 ms after the last work up to this (``_transfer.cadence``)
+    #: the watchdog); its waits double from 50 ms after the last work up to this while anything is
+    #: held, and are this at once while nothing is (``_transfer.cadence``)
     idle_poll_interval_s: float = field(default=1.0, metadata=declare(
-        "longest the watchdog sleeps while idle (its waits back off to this from 50 ms after work)", above=0))
+        "longest the watchdog sleeps while idle (its waits back off to this from 50 ms after work "
+        "while requests or unsettled pages are held; with none, this at once)", above=0))
     max_posts_per_tick: int = field(default=64, metadata=declare("transfers the watchdog posts per tick", above=0))
     #: a post may copy before it returns, so this bounds how long completions wait behind later
     #: posts; a larger budget lets more asynchronous WRITEs overlap

@@ -19,7 +19,10 @@ after a request failed with its pages held, for ``SETTLE_POLL_S`` (what settles 
 So each idle wait is twice the one before it, from ``IDLE_FIRST_S`` after the last work up to
 ``idle_poll_interval_s``: a notification soon after the last request is taken as promptly as
 by a steady 50 ms poll, and a service idle for long wakes once per ``idle_poll_interval_s``.
-Any work, or a notification taken while idle, starts the back-off again.
+Any work, or a notification taken while idle, starts the back-off again.  A side that holds
+nothing a notification could be for (no request, no pages unsettled: ``RequestPlane.quiet``)
+waits ``idle_poll_interval_s`` at once: with hand-offs one at a time (an engine's one request
+in flight) that is a tick, and three thread wake-ups, less per request on each side.
 """
 
 from __future__ import annotations

@@ -511,6 +511,14 @@ class RequestPlane:
         return (self.cold > 0 and now < self._grace_until) or \
             (self.settlement.unsettled_pages > 0 and now < self._settle_poll_until)
 
+    def quiet(self) -> bool:
+        """Whether no notification can matter to this side: no request under way, expected
+        or waiting for its Expect, and no pages held unsettled (a settle fence, a failed
+        request's late WRITE).  A notification that still comes is stale (counted at the
+        next idle tick): the watchdog's idle waits start at ``idle_poll_interval_s`` then,
+        not ``IDLE_FIRST_S`` (a tick, and the thread hops of it, per hand-off one at a time)."""
+        return not self.sends and not self.recvs and self.settlement.unsettled_pages == 0
+
     def light(self) -> bool:
         """Whether this side holds a receiving request, at most ``LIGHT_RECVS``, each of at
         most ``LIGHT_MAX_BYTES``: the watchdog's lingering ticks then poll at ``LIGHT_POLL_S``

@@ -106,6 +106,9 @@ class Owner(Protocol):
     def next_due(self) -> float | None:
         """When the earliest deadline ``check_deadlines`` acts on passes, if any."""
     def busy(self) -> bool: ...
+    def quiet(self) -> bool:
+        """Whether no notification can matter here: no request under way or expected, no
+        pages held unsettled.  The idle waits then start at their ceiling."""
     def light(self) -> bool:
         """Whether the receiving side holds one hand-off or a few, small (``cadence.LIGHT_RECVS``,
         ``LIGHT_MAX_BYTES``): its lingering ticks then poll at ``LIGHT_POLL_S``."""
@@ -416,10 +419,11 @@ class Watchdog:
             await anyio.lowlevel.checkpoint()
 
     def _idle_wait(self) -> float:
-        """The next idle wait (``cadence``), ended early by the owner's next deadline (a
-        request that waits with nothing in flight, such as a send for its Expect, keeps no
-        tick polling; it still fails on time), ``DUE_SLACK_S`` after it."""
-        wait = self._idle.next()
+        """The next idle wait (``cadence``; its ceiling at once where the owner is quiet),
+        ended early by the owner's next deadline (a request that waits with nothing in
+        flight, such as a send for its Expect, keeps no tick polling; it still fails on
+        time), ``DUE_SLACK_S`` after it."""
+        wait = self._idle.ceiling if self._owner.quiet() else self._idle.next()
         due = self._owner.next_due()
         if due is not None:
             wait = min(wait, max(0.0, due - self._clock()) + DUE_SLACK_S)
