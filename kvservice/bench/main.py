@@ -22,6 +22,7 @@ key, like a service.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -299,6 +300,7 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
     results: dict[str, Any] = {"meta": meta, "plan": plan.__dict__, "layout": LLAMA3_8B,
                                "options": {"loop": args.loop, "kv_gc": args.kv_gc, "seed": args.seed}}
     code = EXIT_FAILED
+    keep_log = False  # only a failed run's, and only with something in it
     try:
         if peer is None:
             kv = KvService(LLAMA3_8B, plan.pool_pages, loop=args.loop, gc=args.kv_gc, env=env)
@@ -375,7 +377,9 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
             results["engines"] = engines.run(only, args.quick, args.repeats, args.loop, env)
         code = EXIT_OK
     except (ChildError, ControlError) as exc:
-        log(f"kvservice bench: {exc} (children's stderr: {log_file.name})")
+        log_file.flush()
+        keep_log = os.path.getsize(log_file.name) > 0
+        log(f"kvservice bench: {exc}" + (f" (children's stderr: {log_file.name})" if keep_log else ""))
         if link is not None:
             link.chan.try_error(f"driver: {exc}")
     finally:
@@ -384,13 +388,15 @@ def _drive(args: argparse.Namespace, plan: Plan, only: set[str], *, peer: tuple[
         if probe is not None:
             probe.close()
         log_file.close()
+        if not keep_log:  # an interrupted run's too: it names no log
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(log_file.name)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     if code != EXIT_OK:
         if link is not None:
             link.close()
         return code
-    os.unlink(log_file.name)
     results["targets"] = evaluate(results) + engines.evaluate(results.get("engines", {}))
     meta["load_avg_end"] = os.getloadavg()[0]
     meta["wall_s"] = round(time.monotonic() - t0, 1)

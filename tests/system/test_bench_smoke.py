@@ -30,10 +30,12 @@ MEASURED = ("limit", "raw_nixl", "kvservice", "sidecar")
 
 
 def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"  # the bench's temporary directory: empty again after it
+    scratch.mkdir()
     with subprocess.Popen(
         # --no-tcp: the same-transport methods (Mooncake, NIXL over TCP) have test_bench_mooncake.py
         [sys.executable, "-m", "kvservice.cli", "bench", "--quick", "--no-tcp", "--out", str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)},
     ) as bench:
         try:
             stdout, stderr = bench.communicate(timeout=scaled(280))
@@ -46,6 +48,7 @@ def test_quick_bench_reports_every_method_and_workload(tmp_path: Path) -> None:
     tag = f"{NAME_PREFIX}{bench.pid}-"
     left = [p for d in ("/tmp", "/dev/shm") if os.path.isdir(d) for p in os.listdir(d) if p.startswith(tag)]
     assert not left, left
+    assert not list(scratch.iterdir())
 
     results = json.loads((tmp_path / "bench.json").read_text())
     assert set(MEASURED) <= set(results["methods"])
@@ -134,15 +137,17 @@ def test_an_arm_is_measured_against_kvservice_in_the_same_run(tmp_path: Path, fl
         assert case[ratio]["median"] > 0, case["key"]
 
 
-def test_a_terminated_bench_stops_its_processes() -> None:
+def test_a_terminated_bench_stops_its_processes(tmp_path: Path) -> None:
     """SIGTERM (a CI job's timeout, ``kill``) ends a bench as Ctrl-C does: status 130, and
     the processes it started (the methods' sides, the sidecar's daemons and workers) go with
-    it, their socket directory and shared pools too.  SIGTERM's default left a side running
-    its case to the end, orphaned."""
+    it, their socket directory and shared pools too, and its children's log (it names none).
+    SIGTERM's default left a side running its case to the end, orphaned."""
+    scratch = tmp_path / "tmp"  # the bench's temporary directory: its log goes there
+    scratch.mkdir()
     with subprocess.Popen(
         [sys.executable, "-m", "kvservice.cli", "bench", "--quick", "--no-tcp", "--no-chart", "--only", "w3",
          "--methods", "kvservice,sidecar", "--repeats", "50", "--out", "/dev/null/none"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)},
     ) as bench:
         assert bench.stderr is not None
         try:
@@ -169,6 +174,7 @@ def test_a_terminated_bench_stops_its_processes() -> None:
     assert not left, f"processes of the terminated bench still run: {left}"
     tag = f"{NAME_PREFIX}{bench.pid}-"
     assert not [p for d in ("/tmp", "/dev/shm") if os.path.isdir(d) for p in os.listdir(d) if p.startswith(tag)]
+    assert not list(scratch.iterdir())
 
 
 def running(pid: int) -> bool:
