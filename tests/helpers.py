@@ -214,7 +214,7 @@ SCALED_DEFAULTS = ("peer_timeout_s", "connect_timeout_s")
 def _test_defaults(kw: dict[str, Any]) -> dict[str, Any]:
     kw.setdefault("ucx_env", LOOPBACK_UCX)
     kw.setdefault("drain_grace_s", 1.0)
-    defaults = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServiceConfig) if isinstance(f.default, int | float)}
     for name in SCALED_DEFAULTS:
         kw.setdefault(name, scaled(defaults[name]))
     return kw
