@@ -3,6 +3,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# What the run and the servers it starts leave in the temporary directory (pytest's folders,
+# vLLM's and SGLang's IPC sockets and init files, engines' scratch files) goes to one folder of
+# the run's own, removed at the end: a machine that runs the tests day after day keeps nothing.
+run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvs-test.XXXXXX") || exit 1
+export TMPDIR="$run_tmp"
+trap 'rm -rf "$run_tmp"' EXIT
 fail=0
 lint_paths=()
 for d in kvservice tests benchmarks examples; do [ -d "$d" ] && lint_paths+=("$d"); done
@@ -68,4 +74,6 @@ if [ "${KVSERVICE_SKIP_SGLANG:-0}" != 1 ]; then
         fail=1
     fi
 fi
+left=$(find "$run_tmp" -mindepth 1 -maxdepth 1 | wc -l)
+echo "== the run left $left entries in its temporary folder (removed now)"
 exit "$fail"
