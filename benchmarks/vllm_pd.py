@@ -3,20 +3,30 @@
     PYTHONPATH=$PWD "$(bash scripts/engine-env.sh vllm)/bin/python" -m benchmarks.vllm_pd \\
         [--quick] [--rounds N] [--out DIR] [--phases TEXT] [--configs NAMES] [--idle-s S]
 
-Three configurations of the same two vLLM engines (prefill pinned to CPU 0, decode to CPU
+Configurations of the same two vLLM engines (prefill pinned to CPU 0, decode to CPU
 1; ``benchmarks.vllm_pd_engine``: vLLM's ``LLMEngine`` stepped as vLLM's engine core
 steps): ``kvservice`` (``KVServiceConnector``), ``nixl`` (``NixlConnector`` as shipped)
-and ``nixl-quiet`` (``NixlConnector`` with NIXL's progress thread off).  Each round
-starts each configuration's pair in turn (the order rotates round by round), warms it
-up, runs every phase, and stops it: drift hits all three alike.
+and ``nixl-quiet`` (``NixlConnector`` with NIXL's progress thread off); and, only where
+``--configs`` names it, ``kvservice-lw``: ``KVServiceConnector`` in its decode-first
+layer-wise flow (what kvservice's proxy does with ``--layerwise``).  Each round starts
+each configuration's pair in turn (the order rotates round by round), warms it up, runs
+every phase, and stops it: drift hits them all alike.
 
 A phase is a prompt length and a number of requests kept in flight.  This process is the
 router: it sends each request to the prefill (one token, ``do_remote_decode``), hands the
-answer's ``kv_transfer_params`` to the decode, and timestamps what comes back:
+answer's ``kv_transfer_params`` to the decode, and timestamps what comes back.  For
+``kvservice-lw`` it signs a ticket (the proxy's, under the pair's key) and sends the
+request with it to the decode, then to the prefill, which writes each layer as its
+forward computes it; the prefill's answer carries no hand-off.
 
 * ``handoff``: on the decode, vLLM reserving blocks for the remote KV
   (``update_state_after_alloc``) to the load reported finished (``finished_recving``
-  reaching the scheduler), marked by ``benchmarks.vllm_pd_timing``'s subclasses;
+  reaching the scheduler), marked by ``benchmarks.vllm_pd_timing``'s subclasses (for
+  ``kvservice-lw`` the blocks are reserved before the prefill computes: its hand-off
+  holds the prefill's forward);
+* ``tail``: the prefill's answer received to the decode's load reported: the part of the
+  hand-off after the prefill's forward, comparable across flows (negative: the load was
+  reported first);
 * ``prefill``: the prefill request sent to its answer received (the router's part of TTFT
   spent on the prefill: queueing, the prompt's forward, the answer);
 * ``ttft``: the prefill request sent to the decode's first token received;
@@ -54,8 +64,11 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from kvservice._trust.handoff import handoff_key
+from kvservice._trust.keys import generate_key, load_key
 from kvservice.bench.procfs import threads_by_name
 from kvservice.bench.stats import quantile
+from kvservice.integrations.vllm.params import Handoff
 from kvservice.integrations.vllm.settings import settings_from
 from kvservice.testing.engine_process import ask_to_quit, reap, send_line
 
@@ -65,10 +78,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMING = "benchmarks.vllm_pd_timing"
 #: tokens every decode generates
 MAX_TOKENS = 16
-CONFIGS = ("kvservice", "nixl", "nixl-quiet")
+CONFIGS = ("kvservice", "kvservice-lw", "nixl", "nixl-quiet")
+#: run where ``--configs`` names none: the decode-first flow only on request
+DEFAULT_CONFIGS = ("kvservice", "nixl", "nixl-quiet")
+#: kvservice's flows, each compared with every arm, by the short name of its ratio columns
+FLOWS = {"kvservice": "kvs", "kvservice-lw": "lw"}
 #: the NixlConnector arms kvservice is compared with
 ARMS = ("nixl", "nixl-quiet")
-METRICS = ("handoff_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s", "prefill_cpu_ms", "decode_cpu_ms")
+#: the vLLM engines' block size (``benchmarks.vllm_pd_engine``): the tickets name it
+BLOCK_SIZE = 32
+#: seconds a ``kvservice-lw`` ticket is valid from its signing
+TICKET_LIFETIME_S = 60.0
+METRICS = ("handoff_ms", "tail_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s", "prefill_cpu_ms", "decode_cpu_ms")
 #: per phase and round, each engine's CPU per request by thread name (ms): the cpu metrics' parts
 THREAD_METRICS = ("prefill_threads_ms", "decode_threads_ms")
 #: per phase and round, each engine's steps per request: that executed the model (a batch's
@@ -210,6 +231,9 @@ class Harness:
         self.pids: list[int] = []
         #: ``idle()`` of the baseline engine (the engine without a connector)
         self.baseline_idle: dict[str, dict[str, Any]] = {}
+        #: while a ``kvservice-lw`` pair runs: its prefill's kvservice address and the key
+        #: its tickets are signed under
+        self.ticket: tuple[str, bytes] | None = None
 
     def start(self, name: str, cpu: int, transfer: dict[str, Any] | None, env: dict[str, str]) -> Engine:
         cfg = {"model": str(self.plan.model), "cpu": cpu, "transfer": transfer,
@@ -307,11 +331,20 @@ class Harness:
         marks = self.plan.out / "marks" / f"{config}-r{rnd}.txt"
         marks.parent.mkdir(parents=True, exist_ok=True)
         common = {"kv_connector_module_path": TIMING, "kv_load_failure_policy": "fail"}
-        if config == "kvservice":
+        self.ticket = None
+        if config in FLOWS:
+            service = dict(self.plan.kvservice)
+            port = free_port()
+            if config == "kvservice-lw":  # tickets are signed under the cluster's key
+                key_file = self.plan.out / "key"
+                if not key_file.exists():
+                    generate_key(key_file)
+                service["auth_key_file"] = str(key_file)
+                self.ticket = (f"127.0.0.1:{port}", handoff_key(load_key(key_file)) or b"")
             producer = {**common, "kv_connector": "TimedKVService", "kv_role": "kv_producer",
-                        "kv_connector_extra_config": {"kvservice": {**self.plan.kvservice, "port": free_port()}}}
+                        "kv_connector_extra_config": {"kvservice": {**service, "port": port}}}
             consumer = {**common, "kv_connector": "TimedKVService", "kv_role": "kv_consumer",
-                        "kv_connector_extra_config": {"kvservice": dict(self.plan.kvservice)}}
+                        "kv_connector_extra_config": {"kvservice": service}}
             p_env: dict[str, str] = {}
             d_env: dict[str, str] = {}
         else:
@@ -339,15 +372,22 @@ class Harness:
         prompts, expected = self.plan.prompts[phase.name], self.plan.expected[phase.name]
         self.drain()
         sent: dict[int, float] = {}
-        answered: dict[int, float] = {}
+        answered: dict[int, float] = {}  # when the prefill's answer came (monotonic s)
         ttft: dict[int, float] = {}
         e2e: dict[int, float] = {}
         nxt = 0
+        ticket = self.ticket
 
         def launch() -> None:
             nonlocal nxt
             sent[nxt] = time.monotonic()
-            p.generate(f"p{tag}x{nxt}", prompts[nxt], 1, {"do_remote_decode": True})
+            if ticket is None:
+                p.generate(f"p{tag}x{nxt}", prompts[nxt], 1, {"do_remote_decode": True})
+            else:  # decode-first: the decode reserves and expects, then the prefill computes
+                signed = Handoff.issue(f"{tag}x{nxt}-kv", (ticket[0],), prompts[nxt], len(prompts[nxt]), BLOCK_SIZE,
+                                       key=ticket[1], lifetime_s=TICKET_LIFETIME_S, now=time.time(), ticket=True)
+                d.generate(f"d{tag}x{nxt}", prompts[nxt], MAX_TOKENS, signed.to_params())
+                p.generate(f"p{tag}x{nxt}", prompts[nxt], 1, signed.to_prefill_params())
             nxt += 1
 
         cpu_before = {e.name: engine_threads_s(e.proc.pid) for e in (p, d)}
@@ -366,9 +406,13 @@ class Harness:
                 raise Broken(f"{who}: request {rid} failed: {msg.get('error') or msg.get('finish')}")
             if who == p.name and "tokens" in msg:
                 params = msg.get("params")
+                answered[i] = t
+                if ticket is not None:
+                    if params:  # it refused the ticket: nothing comes under it
+                        raise Broken(f"{who}: request {rid} refused its ticket (answered with {params})")
+                    continue
                 if not params:
                     raise Broken(f"{who}: request {rid} answered without kv_transfer_params")
-                answered[i] = t - sent[i]
                 d.generate(f"d{tag}x{i}", prompts[i], MAX_TOKENS, params)
             elif who == d.name and msg.get("first"):
                 ttft[i] = t - sent[i]
@@ -389,11 +433,13 @@ class Harness:
         for side, e in (("prefill", p), ("decode", d)):
             (m1, w1), (m0, w0) = e.steps, steps_before[e.name]
             steps[f"{side}_steps"], steps[f"{side}_waits"] = [(m1 - m0) / len(prompts)], [(w1 - w0) / len(prompts)]
-        handoff = handoffs(marks, f"d{tag}x")
+        alloc, loaded = load_marks(marks, f"d{tag}x")
+        handoff = {i: loaded[i] - alloc[i] for i in loaded if i in alloc}
         if len(handoff) != len(prompts):
             raise Broken(f"{len(handoff)} hand-offs marked for {len(prompts)} requests")
         return {"handoff_ms": [handoff[i] * 1e3 for i in sorted(handoff)],
-                "prefill_ms": [answered[i] * 1e3 for i in sorted(answered)],
+                "tail_ms": [(loaded[i] - answered[i]) * 1e3 for i in sorted(handoff)],
+                "prefill_ms": [(answered[i] - sent[i]) * 1e3 for i in sorted(answered)],
                 "ttft_ms": [ttft[i] * 1e3 for i in sorted(ttft)], "e2e_ms": [e2e[i] * 1e3 for i in sorted(e2e)],
                 "req_per_s": [len(prompts) / elapsed],
                 "prefill_cpu_ms": [cpu_ms[p.name]], "decode_cpu_ms": [cpu_ms[d.name]],
@@ -455,12 +501,14 @@ def steps_table(results: Results, phases: Sequence[Phase]) -> str:
                       "model / not (1 ms sleep after)", f"{'prefill':>14}{'decode':>14}", steps)
 
 
-def handoffs(marks: Path, prefix: str) -> dict[int, float]:
-    """Request index -> ``loaded - alloc`` (s) for the decode requests named ``prefix<i>``."""
+def load_marks(marks: Path, prefix: str) -> tuple[dict[int, float], dict[int, float]]:
+    """For the decode requests named ``prefix<i>``: request index -> when vLLM reserved
+    blocks for its remote KV (the first time), and -> when its load was reported finished
+    after that (monotonic s)."""
     alloc: dict[int, float] = {}
-    out: dict[int, float] = {}
+    loaded: dict[int, float] = {}
     if not marks.exists():
-        return out
+        return alloc, loaded
     for line in marks.read_text().splitlines():
         if not line.startswith(("alloc ", "loaded ")):
             continue
@@ -472,8 +520,14 @@ def handoffs(marks: Path, prefix: str) -> dict[int, float]:
         if event == "alloc":
             alloc.setdefault(i, float(t))
         elif event == "loaded" and i in alloc:
-            out[i] = float(t) - alloc[i]
-    return out
+            loaded[i] = float(t)
+    return alloc, loaded
+
+
+def handoffs(marks: Path, prefix: str) -> dict[int, float]:
+    """Request index -> ``loaded - alloc`` (s) for the decode requests named ``prefix<i>``."""
+    alloc, loaded = load_marks(marks, prefix)
+    return {i: t - alloc[i] for i, t in loaded.items()}
 
 
 #: the segments of a kvservice hand-off, from the marks of ``TimedKVService`` (decode, prefill)
@@ -544,24 +598,28 @@ def make_prompts(phases: Sequence[Phase], seed: int = 7) -> dict[str, list[list[
 
 
 def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Sequence[Phase]) -> str:
-    """The table: p50 / p90 per metric, phase and configuration; then kvservice / each arm (p50)."""
+    """The table: p50 / p90 per metric, phase and configuration run; then each of kvservice's
+    flows / each arm (p50; none for ``tail_ms``, which may be negative)."""
+    shown = [c for c in CONFIGS if c in results]
+    pairs = [(f, a) for f in FLOWS if f in shown for a in ARMS if a in shown]
     lines = []
     for ph in phases:
         lines.append(f"\n## {ph.name} ({ph.tokens * KV_BYTES_PER_TOKEN / 2**20:.1f} MiB of KV per request)")
-        lines.append(f"{'metric':<11}" + "".join(f"{c + ' p50/p90':>24}" for c in CONFIGS)
-                     + "".join(f"{'kvs/' + a:>16}" for a in ARMS))
+        lines.append(f"{'metric':<15}" + "".join(f"{c + ' p50/p90':>24}" for c in shown)
+                     + "".join(f"{FLOWS[f] + '/' + a:>16}" for f, a in pairs))
         for metric in METRICS:
-            row = f"{metric:<11}"
+            row = f"{metric:<15}"
             p50 = {}
-            for c in CONFIGS:
+            for c in shown:
                 values = results.get(c, {}).get(ph.name, {}).get(metric, [])
                 if values:
                     p50[c] = quantile(values, 0.5)
                     row += f"{p50[c]:>13.1f} /{quantile(values, 0.9):>8.1f}"
                 else:
                     row += f"{'none timed':>24}"
-            for a in ARMS:
-                row += f"{p50['kvservice'] / p50[a]:>15.2f}x" if "kvservice" in p50 and p50.get(a) else f"{'-':>16}"
+            for f, a in pairs:
+                ratio = f in p50 and p50.get(a) and metric != "tail_ms"
+                row += f"{p50[f] / p50[a]:>15.2f}x" if ratio else f"{'-':>16}"
             lines.append(row)
     return "\n".join(lines)
 
@@ -623,7 +681,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--budget-s", type=float, default=3600.0,
                     help="start no round past this many seconds (default 3600)")
     ap.add_argument("--phases", help="only the phases whose name contains this (e.g. '1 in flight')")
-    ap.add_argument("--configs", help=f"only these configurations, comma-separated (of {', '.join(CONFIGS)})")
+    ap.add_argument("--configs", help=f"these configurations, comma-separated (of {', '.join(CONFIGS)}; "
+                                       f"default {','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--idle-s", type=float,
                     help=f"seconds of idle measured after each pair's phases (default {IDLE_S:.0f}; "
                          f"{QUICK_IDLE_S:.0f} with --quick; 0: none)")
@@ -645,7 +704,10 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         ap.error(f"--engine-env: {exc}")
     phases = tuple(ph for ph in (QUICK if args.quick else FULL) if args.phases is None or args.phases in ph.name)
-    configs = tuple(c for c in CONFIGS if args.configs is None or c in args.configs.split(","))
+    named = DEFAULT_CONFIGS if args.configs is None else tuple(args.configs.split(","))
+    if unknown := [c for c in named if c not in CONFIGS]:
+        ap.error(f"--configs: no configuration {', '.join(unknown)} (of {', '.join(CONFIGS)})")
+    configs = tuple(c for c in CONFIGS if c in named)
     if not phases or not configs:
         ap.error("--phases / --configs select nothing")
     rounds = args.rounds or (1 if args.quick else 3)
@@ -719,8 +781,8 @@ def main(argv: Sequence[str]) -> int:
               f"model {KV_BYTES_PER_TOKEN // 1024} KiB KV/token; load avg before {load_before[0]:.2f}, "
               f"after {load_after[0]:.2f}; {time.monotonic() - began:.0f} s\n"
               f"tokens verified against one engine: {verified}; broken phases: {len(broken)}\n"
-              "ratios are kvservice p50 / NixlConnector p50 (times: below 1 is kvservice faster; "
-              "req_per_s: above 1 is kvservice faster)")
+              "ratios are kvservice p50 / NixlConnector p50 (kvs: the whole-request push, lw: decode-first "
+              "layer-wise; times: below 1 is kvservice faster; req_per_s: above 1 is kvservice faster)")
     print(header + table, flush=True)
     for b in broken:
         print(f"broken: round {b['round']} {b['config']} {b['phase'] or 'start/warm-up'}: {b['why']}")
