@@ -7,6 +7,7 @@ bash scripts/setup.sh || exit 1
 # vLLM's and SGLang's IPC sockets and init files, engines' scratch files) goes to one folder of
 # the run's own, removed at the end: a machine that runs the tests day after day keeps nothing.
 run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvs-test.XXXXXX") || exit 1
+chmod 1777 "$run_tmp"  # as /tmp is: the tests that run a peer as another user reach their folders
 export TMPDIR="$run_tmp"
 trap 'rm -rf "$run_tmp"' EXIT
 fail=0
