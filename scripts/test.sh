@@ -10,6 +10,7 @@ run_tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvs-test.XXXXXX") || exit 1
 chmod 1777 "$run_tmp"  # as /tmp is: the tests that run a peer as another user reach their folders
 export TMPDIR="$run_tmp"
 trap 'rm -rf "$run_tmp"' EXIT
+trap 'exit 130' INT TERM  # a stopped run removes it too
 fail=0
 lint_paths=()
 for d in kvservice tests benchmarks examples; do [ -d "$d" ] && lint_paths+=("$d"); done
