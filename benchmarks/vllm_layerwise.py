@@ -55,10 +55,10 @@ from .vllm_pd import (
     Plan,
     engine_env,
     free_port,
-    handoffs,
+    load_marks,
     make_prompts,
 )
-from .vllm_pd_engine import KV_BYTES_PER_TOKEN
+from .vllm_pd_engine import BLOCK_SIZE, KV_BYTES_PER_TOKEN
 
 FLOWS = ("whole", "layerwise")
 METRICS = ("ttft_ms", "e2e_ms", "wait_ms", "tail_ms")
@@ -77,7 +77,7 @@ class Bench:
         self.harness.drain()
         start = time.monotonic()
         if flow == "layerwise":
-            ticket = Handoff.issue(f"{rid}-kv", (self.sender,), prompt, len(prompt), 32, key=self.key,
+            ticket = Handoff.issue(f"{rid}-kv", (self.sender,), prompt, len(prompt), BLOCK_SIZE, key=self.key,
                                    lifetime_s=30, now=time.time(), ticket=True)
             self.d.generate(f"d{rid}", prompt, MAX_TOKENS, ticket.to_params())
             self.p.generate(f"p{rid}", prompt, 1, ticket.to_prefill_params())
@@ -102,22 +102,12 @@ class Bench:
             elif who == self.d.name and "tokens" in msg:
                 if msg["tokens"] != expected:
                     raise Broken(f"{rid}: tokens {msg['tokens']} differ from one engine's {expected}")
-                wait = handoffs(self.marks, f"d{rid[0]}x").get(self.n)
-                loaded = loaded_at(self.marks, f"d{rid}")
+                alloc, done = load_marks(self.marks, f"d{rid[0]}x")
+                loaded = done.get(self.n)
+                wait = None if loaded is None else loaded - alloc[self.n]
                 return {"ttft_ms": (first - start) * 1e3, "e2e_ms": (t - start) * 1e3,
                         "wait_ms": float("nan") if wait is None else wait * 1e3,
                         "tail_ms": float("nan") if loaded is None or not answered else (loaded - answered) * 1e3}
-
-
-def loaded_at(marks: Path, rid: str) -> float | None:
-    """When the decode's scheduler heard that request ``rid``'s load finished (monotonic s)."""
-    if not marks.exists():
-        return None
-    for line in marks.read_text().splitlines():
-        f = line.split()
-        if len(f) == 3 and f[0] == "loaded" and f[1].rsplit("-", 1)[0] == rid:
-            return float(f[2])
-    return None
 
 
 def summarize(results: dict[str, dict[str, dict[str, list[float]]]], phases: Sequence[Phase]) -> str:

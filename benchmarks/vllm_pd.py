@@ -72,7 +72,7 @@ from kvservice.integrations.vllm.params import Handoff
 from kvservice.integrations.vllm.settings import settings_from
 from kvservice.testing.engine_process import ask_to_quit, reap, send_line
 
-from .vllm_pd_engine import KV_BYTES_PER_TOKEN
+from .vllm_pd_engine import BLOCK_SIZE, KV_BYTES_PER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = "benchmarks.vllm_pd_timing"
@@ -85,8 +85,6 @@ DEFAULT_CONFIGS = ("kvservice", "nixl", "nixl-quiet")
 FLOWS = {"kvservice": "kvs", "kvservice-lw": "lw"}
 #: the NixlConnector arms kvservice is compared with
 ARMS = ("nixl", "nixl-quiet")
-#: the vLLM engines' block size (``benchmarks.vllm_pd_engine``): the tickets name it
-BLOCK_SIZE = 32
 #: seconds a ``kvservice-lw`` ticket is valid from its signing
 TICKET_LIFETIME_S = 60.0
 METRICS = ("handoff_ms", "tail_ms", "prefill_ms", "ttft_ms", "e2e_ms", "req_per_s", "prefill_cpu_ms", "decode_cpu_ms")
@@ -522,12 +520,6 @@ def load_marks(marks: Path, prefix: str) -> tuple[dict[int, float], dict[int, fl
         elif event == "loaded" and i in alloc:
             loaded[i] = float(t)
     return alloc, loaded
-
-
-def handoffs(marks: Path, prefix: str) -> dict[int, float]:
-    """Request index -> ``loaded - alloc`` (s) for the decode requests named ``prefix<i>``."""
-    alloc, loaded = load_marks(marks, prefix)
-    return {i: t - alloc[i] for i, t in loaded.items()}
 
 
 #: the segments of a kvservice hand-off, from the marks of ``TimedKVService`` (decode, prefill)

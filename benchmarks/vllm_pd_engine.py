@@ -42,6 +42,8 @@ MODEL = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": LAY
          "initializer_range": 0.2, "torch_dtype": "float32"}
 #: KV bytes per token of ``MODEL`` (K and V, every layer, float32)
 KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+#: tokens per KV block of every engine (a ticket names it)
+BLOCK_SIZE = 32
 
 
 def make_model(path: str) -> None:
@@ -71,7 +73,7 @@ def serve(cfg: dict[str, Any]) -> None:
     from vllm.config import KVTransferConfig
 
     kvt = KVTransferConfig(**cfg["transfer"]) if cfg.get("transfer") else None
-    args = EngineArgs(model=cfg["model"], dtype="float32", block_size=32, enable_prefix_caching=False,
+    args = EngineArgs(model=cfg["model"], dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=False,
                       kv_cache_memory_bytes=cfg["kv_cache_bytes"], enforce_eager=True,
                       distributed_executor_backend="uni", skip_tokenizer_init=True, kv_transfer_config=kvt,
                       seed=0, max_model_len=cfg["max_model_len"], disable_log_stats=True)
