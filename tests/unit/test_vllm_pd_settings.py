@@ -43,3 +43,14 @@ def test_a_setting_the_engines_would_refuse_is_refused_before_any_starts(
         main(["--kvservice", setting, "--phases", "no such phase"])
     assert exit_.value.code == 2
     assert f"--kvservice: {message}" in capsys.readouterr().err
+
+
+def test_a_configuration_misspelt_is_refused_naming_the_ones_there_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--configs`` once ran what it recognised and dropped the rest without a word."""
+    from benchmarks.vllm_pd import main
+
+    with pytest.raises(SystemExit) as exit_:  # refused before the model is made or an engine starts
+        main(["--configs", "kvservice,nixl-quite"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--configs: no configuration nixl-quite (of kvservice, kvservice-lw, nixl, nixl-quiet)" in err
